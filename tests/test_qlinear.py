@@ -1,0 +1,271 @@
+"""HiF8Linear and model conversion: exactness when off, hand-computed reference when on, conversion rules,
+state/export round trips, telemetry plumbing."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hif8qat.formats import hif8_qdq_scaled
+from hif8qat.qlinear import (
+    HiF8Linear,
+    convert_model,
+    dump_telemetry,
+    freeze_scales,
+    load_quant_export,
+    load_quant_state_dict,
+    parse_high_precision_blocks,
+    quant_state_dict,
+    save_quant_export,
+    set_quantization,
+    set_step,
+    step_telemetry,
+)
+from hif8qat.scaling import ScalingConfig
+
+
+def tiny_llama(num_layers=4, seed=0):
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def sc(amax, target=15.0):
+    return float(torch.tensor(target / (amax + 1e-12), dtype=torch.float64).to(torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------ the layer
+@pytest.mark.parametrize("bias", [True, False])
+def test_off_is_identical_to_nn_linear(bias):
+    torch.manual_seed(0)
+    ref = nn.Linear(16, 8, bias=bias)
+    q = HiF8Linear.from_linear(nn.Linear(16, 8, bias=bias), ScalingConfig(), "l")
+    q.load_state_dict(ref.state_dict())
+    q.quant_enabled = False
+    x1 = torch.randn(2, 5, 16, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    g = torch.randn(2, 5, 8)
+    y1, y2 = ref(x1), q(x2)
+    assert torch.equal(y1, y2)
+    y1.backward(g)
+    y2.backward(g)
+    assert torch.equal(x1.grad, x2.grad) and torch.equal(ref.weight.grad, q.weight.grad)
+    if bias:
+        assert torch.equal(ref.bias.grad, q.bias.grad)
+    assert q.scaler_a.telemetry_calls() == (0, 0)  # no quantizer ran
+
+
+def test_on_matches_hand_computed_forward_and_backward():
+    torch.manual_seed(1)
+    q = HiF8Linear(16, 8, bias=True, config=ScalingConfig(algo="max", history_len=4), name="l")
+    w = q.weight.detach().clone()
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 3, 16, generator=gen) * m for m in (1.0, 4.0)]
+    gs = [torch.randn(2, 3, 8, generator=gen) * m for m in (0.01, 0.5)]
+    amax_w = w.abs().max().item()
+    for i, (x, g) in enumerate(zip(xs, gs)):
+        x = x.requires_grad_(True)
+        q.weight.grad = q.bias.grad = None
+        y = q(x)
+        y.backward(g)
+        # delayed scales: call 0 uses its own amax (cold start), call 1 the history [call-0 amax]
+        s_a = sc(xs[0].abs().max().item())
+        s_w = sc(amax_w)
+        s_g = sc(gs[0].abs().max().item())
+        qa, qw = hif8_qdq_scaled(x.detach(), s_a), hif8_qdq_scaled(w, s_w)
+        qg = hif8_qdq_scaled(g, s_g)
+        torch.testing.assert_close(y, F.linear(qa, qw, q.bias.detach()), rtol=0, atol=0)
+        torch.testing.assert_close(x.grad, qg @ qw, rtol=0, atol=0)
+        torch.testing.assert_close(q.weight.grad, qg.reshape(-1, 8).t() @ qa.reshape(-1, 16), rtol=0, atol=0)
+        torch.testing.assert_close(q.bias.grad, qg.reshape(-1, 8).sum(0), rtol=0, atol=0)
+        assert not torch.equal(qa, x.detach())  # it really quantized
+        assert q.scaler_a.last["scale"].item() == s_a and q.scaler_g.last["scale"].item() == s_g
+        assert i == 0 or q.scaler_a.last["ratio"].item() > 3  # call 1 outgrew the delayed estimate
+
+
+def test_on_under_bf16_autocast_quantizes_then_matmuls_in_bf16():
+    torch.manual_seed(3)
+    q = HiF8Linear(16, 8, bias=True, config=ScalingConfig(), name="l")
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = q(x)
+    assert y.dtype == torch.bfloat16
+    s_a, s_w = sc(x.abs().max().item()), sc(q.weight.abs().max().item())
+    qa = hif8_qdq_scaled(x.detach(), s_a).bfloat16()
+    qw = hif8_qdq_scaled(q.weight.detach(), s_w).bfloat16()
+    torch.testing.assert_close(y, F.linear(qa, qw, q.bias.detach().bfloat16()), rtol=0, atol=0)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and q.weight.grad.dtype == torch.float32
+    assert torch.isfinite(x.grad).all() and q.weight.grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------------ conversion
+def test_convert_26_blocks_hp5_mlp_gives_63_and_keeps_state_dict_keys():
+    m = tiny_llama(26)
+    keys = list(m.state_dict().keys())
+    names = convert_model(m, "mlp", [0, 1, 2, 24, 25], ScalingConfig())
+    assert len(names) == 63
+    assert names[0] == "model.layers.3.mlp.gate_proj" and names[-1] == "model.layers.23.mlp.down_proj"
+    assert list(m.state_dict().keys()) == keys
+    assert type(m.lm_head) is nn.Linear and type(m.model.layers[0].mlp.up_proj) is nn.Linear
+    assert type(m.model.layers[5].self_attn.q_proj) is nn.Linear
+    assert isinstance(m.model.layers[5].mlp.down_proj, HiF8Linear)
+    assert type(m.model.embed_tokens) is nn.Embedding
+
+
+def test_convert_attn_mlp_and_first_last_spec():
+    m = tiny_llama(26)
+    names = convert_model(m, "attn_mlp", "first3_last2", ScalingConfig())
+    assert len(names) == 21 * 7
+    assert "model.layers.3.self_attn.o_proj" in names and "model.layers.2.self_attn.q_proj" not in names
+
+
+def test_convert_shares_parameters_and_matches_outputs_when_off():
+    m = tiny_llama(3)
+    ids = torch.randint(0, 96, (2, 12))
+    ref = m(ids).logits
+    w = m.model.layers[1].mlp.up_proj.weight
+    convert_model(m, "mlp", None, ScalingConfig(), enabled=False)
+    assert m.model.layers[1].mlp.up_proj.weight is w
+    assert torch.equal(m(ids).logits, ref)
+    set_quantization(m, True)
+    assert not torch.equal(m(ids).logits, ref)
+
+
+def test_convert_errors():
+    m = tiny_llama(4)
+    with pytest.raises(ValueError, match="scope='mlp_only'.*allowed"):
+        convert_model(m, "mlp_only", None)
+    with pytest.raises(ValueError, match="block index 4 out of range 0..3"):
+        convert_model(m, "mlp", [0, 4])
+    with pytest.raises(ValueError, match="no ModuleList of decoder layers"):
+        convert_model(nn.Sequential(nn.Linear(4, 4)), "mlp", None)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(4, 4))  # no gate/up/down names
+
+    with pytest.raises(ValueError, match="no nn.Linear matched"):
+        convert_model(nn.ModuleList([Block(), Block()]), "mlp", None)
+
+
+def test_parse_high_precision_blocks():
+    assert parse_high_precision_blocks("first3_last2", 26) == [0, 1, 2, 24, 25]
+    assert parse_high_precision_blocks("first2", 10) == [0, 1]
+    assert parse_high_precision_blocks("last1", 10) == [9]
+    assert parse_high_precision_blocks("none", 10) == [] == parse_high_precision_blocks(None, 10)
+    assert parse_high_precision_blocks([5, 1, 1], 10) == [1, 5]
+    assert parse_high_precision_blocks("0, 3", 10) == [0, 3]
+    for bad in ("first8_last3", [-1], [10], "middle2", [True]):
+        with pytest.raises(ValueError, match="high_precision_blocks"):
+            parse_high_precision_blocks(bad, 10)
+
+
+# ------------------------------------------------------------------------------------------------ model-level helpers
+def _train_steps(m, steps, start=0, seed=0):
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    losses = []
+    for step in range(start, start + steps):
+        set_step(m, step)
+        gen = torch.Generator().manual_seed(seed + step)
+        for _ in range(2):  # two micro-batches per step
+            ids = torch.randint(0, 96, (2, 12), generator=gen)
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_quant_state_round_trip_resumes_exactly():
+    cfg = ScalingConfig(algo={0: "most_recent", 2: "max"}, history_len=5, interval={0: 1, 2: 3})
+    a = tiny_llama(3)
+    convert_model(a, "attn_mlp", [0], cfg)
+    _train_steps(a, 3)
+    weights = {k: v.clone() for k, v in a.state_dict().items()}
+    qsd = quant_state_dict(a)
+    ref = _train_steps(a, 3, start=3)
+    b = tiny_llama(3, seed=9)
+    convert_model(b, "attn_mlp", [0], cfg)
+    b.load_state_dict(weights)
+    load_quant_state_dict(b, qsd)
+    assert _train_steps(b, 3, start=3) == ref
+    with pytest.raises(KeyError, match="missing scalers"):
+        load_quant_state_dict(b, {k: v for k, v in qsd.items() if ".G." not in k})
+
+
+def test_set_quantization_resets_only_on_switch_on():
+    m = tiny_llama(2)
+    convert_model(m, "mlp", None, ScalingConfig(), enabled=False)
+    layer = m.model.layers[0].mlp.gate_proj
+    _train_steps(m, 1)
+    assert not layer.scaler_a.initialized  # off: quantizers never ran
+    set_quantization(m, True)
+    _train_steps(m, 1)
+    total = layer.scaler_a.total.item()
+    assert total == 2
+    set_quantization(m, True)  # already on: no reset
+    assert layer.scaler_a.total.item() == total
+    set_quantization(m, False)
+    set_quantization(m, True)  # off -> on: cold start
+    assert layer.scaler_a.total.item() == 0 and not layer.scaler_a.initialized
+
+
+def test_freeze_scales_keeps_history():
+    m = tiny_llama(2)
+    convert_model(m, "mlp", None, ScalingConfig())
+    _train_steps(m, 1)
+    before = quant_state_dict(m)
+    freeze_scales(m, True)
+    with torch.no_grad():
+        m(torch.randint(0, 96, (2, 12)))
+    after = quant_state_dict(m)
+    for k in before:
+        if k.endswith((".history", ".total")):
+            assert torch.equal(before[k], after[k]), k
+
+
+def test_step_telemetry_and_dump(tmp_path):
+    m = tiny_llama(2)
+    names = convert_model(m, "mlp", None, ScalingConfig(telemetry_dump_every=2))
+    _train_steps(m, 1, start=0)
+    n = dump_telemetry(m, tmp_path / "telemetry" / "layers.jsonl")
+    tel = step_telemetry(m)
+    assert n == 3 * len(names)
+    lines = [json.loads(s) for s in (tmp_path / "telemetry" / "layers.jsonl").read_text().splitlines()]
+    assert len(lines) == n and {r["role"] for r in lines} == {"A", "W", "G"}
+    assert all(r["calls"] == 2 and r["stats_calls"] == 2 for r in lines)  # step 0 is a dump step
+    for role in "AWG":
+        assert tel[f"tel/{role}/calls"] == 2 * len(names)
+        assert tel[f"tel/{role}/amax_ratio_max"] >= 1.0  # cold start = exactly 1 on the first call
+        assert tel[f"tel/{role}/overflow_count"] == 0
+    assert step_telemetry(m)["tel/A/calls"] == 0  # reset by the previous call
+
+
+def test_export_round_trip_restores_scales(tmp_path):
+    cfg = ScalingConfig(algo="max", history_len=8)
+    m = tiny_llama(4)
+    names = convert_model(m, "mlp", "first1_last1", cfg)
+    _train_steps(m, 2)
+    m.save_pretrained(tmp_path)
+    save_quant_export(m, tmp_path, {"experiment": "exp8"})
+    plain = LlamaForCausalLM.from_pretrained(tmp_path)  # plain transformers loads it: same keys
+    assert not any(isinstance(mod, HiF8Linear) for mod in plain.modules())
+    meta = load_quant_export(plain, tmp_path)
+    assert meta == {"experiment": "exp8"}
+    assert plain._hif8qat_conversion["converted"] == names
+    qa, qb = quant_state_dict(m), quant_state_dict(plain)
+    assert qa.keys() == qb.keys()
+    for k in qa:
+        assert torch.equal(qa[k], qb[k]), k
+    freeze_scales(m, True)
+    freeze_scales(plain, True)
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, plain.eval()(ids).logits)

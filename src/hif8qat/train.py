@@ -1,0 +1,403 @@
+"""The shared trainer: BF16 warmup then HiF8 QAT, AdamW + linear warmup / cosine, gradient accumulation,
+atomic checkpoints with exact resume, DDP under torchrun.
+
+Quantization enters only through module swapping (`qlinear.convert_model`) and the two switches the trainer
+flips (`set_quantization` at the end of the BF16 warmup, `set_step` before each optimizer step); nothing
+below branches on whether a layer is quantized.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import get_cosine_schedule_with_warmup
+
+from . import checkpoint as ckpt
+from .config import RunConfig
+from .runs import METRICS_FILE, mark_done, update_summary
+
+EXPORT_DIR = "export"
+# Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
+_KILL_AT_STEP_ENV = "HIF8QAT_TEST_KILL_AT_STEP"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became non-finite; the last good checkpoint is kept."""
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def setup_distributed(device_pref: str = "auto") -> DistContext:
+    """Read torchrun's environment; initialise the process group (NCCL on GPU, gloo on CPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and device_pref != "cpu"
+    if device_pref == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is available")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank = dist.get_rank() if world_size > 1 else 0
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only: biases and norm gains are not decayed (the usual AdamW practice)."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lm_loss(model: torch.nn.Module, tokens: torch.Tensor, *, double_label_shift: bool = False) -> torch.Tensor:
+    """Next-token cross entropy on packed windows of seq_len + 1 tokens.
+
+    double_label_shift reproduces the authors' bug: labels shifted once by them and again by the HF loss, so
+    position t is trained on token t + 2.
+    """
+    inputs = tokens[:, :-1]
+    logits = model(input_ids=inputs).logits
+    if double_label_shift:
+        logits, targets = logits[:, :-1], tokens[:, 2:]
+    else:
+        targets = tokens[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def _autocast(cfg: RunConfig, device: torch.device):
+    if cfg.train.autocast == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+@torch.no_grad()
+def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.device, batch: int = 4) -> float:
+    """Mean loss on held-out windows, with the quantizers' scales frozen so evaluation leaves no trace."""
+    from .qlinear import freeze_scales
+
+    was_training = model.training
+    model.eval()
+    freeze_scales(model, True)
+    try:
+        losses = []
+        for start in range(0, len(windows), batch):
+            chunk = windows[start:start + batch].to(device)
+            with _autocast(cfg, device):
+                losses.append(lm_loss(model, chunk, double_label_shift=cfg.quirks.double_label_shift).item())
+    finally:
+        freeze_scales(model, False)
+        model.train(was_training)
+    return float(sum(losses) / max(len(losses), 1))
+
+
+def _truncate_metrics(path: Path, from_step: int) -> None:
+    """On resume, drop log lines of steps that will be redone, so the series has no duplicates."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", -1) < from_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _reduce_mean(value: float, ctx: DistContext) -> float:
+    if ctx.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t)
+    return float(t.item() / ctx.world_size)
+
+
+class _MetricsSink:
+    """metrics.jsonl on the main rank, mirrored to wandb when configured."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, ctx: DistContext):
+        self.enabled = ctx.is_main
+        self.path = run_dir / METRICS_FILE
+        self.wandb = None
+        if self.enabled and cfg.logger.wandb:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.logger.wandb_project, mode=cfg.logger.wandb_mode,
+                                    dir=str(run_dir), name=run_dir.relative_to(cfg.results_root).as_posix(),
+                                    config=cfg.to_dict(), resume="allow", id=_wandb_id(run_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_id(run_dir: Path) -> str:
+    return "".join(c if c.isalnum() else "-" for c in run_dir.as_posix())[-64:]
+
+
+def _build_model(cfg: RunConfig, ctx: DistContext):
+    from .models import load_causal_lm
+
+    model, tokenizer = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
+                                      revision=cfg.model.revision)
+    if cfg.quirks.bf16_params:
+        model.to(torch.bfloat16)
+    converted: list[str] = []
+    if cfg.quant.enabled:
+        from .qlinear import convert_model, set_quantization
+        from .scaling import ScalingConfig
+
+        scaling = ScalingConfig.from_dict(cfg.quant.scaling_dict())
+        converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), scaling)
+        set_quantization(model, False)
+    model.to(ctx.device)
+    model.train()
+    return model, tokenizer, converted
+
+
+def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) -> torch.nn.Module:
+    if ctx.world_size == 1:
+        return model
+    if cfg.train.distributed == "fsdp":
+        from .distributed import apply_fsdp
+
+        return apply_fsdp(model)
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def _no_sync(wrapped: torch.nn.Module, last_micro: bool):
+    if last_micro or not hasattr(wrapped, "no_sync"):
+        return nullcontext()
+    return wrapped.no_sync()
+
+
+def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict[str, Any]:
+    """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows)."""
+    from .data import build_eval_windows, build_train_stream
+
+    ctx = ctx or setup_distributed(cfg.train.device)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.seed)
+    model, tokenizer, converted = _build_model(cfg, ctx)
+    wrapped = _wrap_distributed(model, cfg, ctx)
+    quant_on_step = cfg.quant.bf16_warmup_steps if cfg.quant.enabled else None
+
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
+                                  betas=tuple(cfg.train.betas), eps=cfg.train.eps)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
+    stream = build_train_stream(cfg.data.source, tokenizer, seq_len=cfg.train.seq_len,
+                                micro_batch_size=cfg.train.micro_batch_size, rank=ctx.rank,
+                                world_size=ctx.world_size, seed=cfg.seed, cache_dir=cfg.data.cache_dir)
+    accum = cfg.grad_accum_steps(ctx.world_size)
+
+    ckpt_root = run_dir / "checkpoints"
+    start_step = 0
+    resume_from = None
+    if cfg.train.resume == "auto":
+        resume_from = ckpt.latest_checkpoint(ckpt_root)
+    elif cfg.train.resume != "never":
+        resume_from = Path(cfg.train.resume)
+    if resume_from is not None:
+        from .qlinear import load_quant_state_dict, set_quantization
+
+        start_step, rank_state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer,
+                                                      scheduler=scheduler, rank=ctx.rank,
+                                                      world_size=ctx.world_size)
+        stream.load_state_dict(rank_state["data"])
+        if cfg.quant.enabled:
+            set_quantization(model, start_step >= quant_on_step)
+            load_quant_state_dict(model, rank_state["quant"])
+        ckpt.set_rng_state(rank_state["rng"])
+        if ctx.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
+    elif cfg.quant.enabled and quant_on_step == 0:
+        from .qlinear import set_quantization
+
+        set_quantization(model, True)
+
+    metrics_path = run_dir / METRICS_FILE
+    if ctx.is_main:
+        _truncate_metrics(metrics_path, start_step)
+    sink = _MetricsSink(cfg, run_dir, ctx)
+    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    telemetry_dir = run_dir / "telemetry"
+    progress = _progress(cfg, ctx, start_step)
+    step_times: dict[bool, list[float]] = {False: [], True: []}
+    wall_start = time.perf_counter()
+
+    def save(step: int) -> None:
+        from .qlinear import quant_state_dict
+
+        rank_state = {"rng": ckpt.rng_state(), "data": stream.state_dict(),
+                      "quant": quant_state_dict(model) if cfg.quant.enabled else {}}
+        ckpt.save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                             rank_state=rank_state, rank=ctx.rank, world_size=ctx.world_size,
+                             barrier=ctx.barrier if ctx.world_size > 1 else None, keep=cfg.train.keep_checkpoints)
+
+    quant_active = cfg.quant.enabled and start_step >= (quant_on_step or 0)
+    kill_at = int(os.environ.get(_KILL_AT_STEP_ENV, "-1"))
+    for step in range(start_step, cfg.train.steps):
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.quant.enabled:
+            from .qlinear import set_quantization, set_step
+
+            if step == quant_on_step and not quant_active:
+                set_quantization(model, True)  # resets every scaler: cold start on the first QAT call
+                quant_active = True
+            set_step(model, step)
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for micro in range(accum):
+            tokens = next(stream).to(ctx.device, non_blocking=True)
+            with _no_sync(wrapped, micro == accum - 1), _autocast(cfg, ctx.device):
+                loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
+            (loss / accum).backward()
+            loss_sum += loss.detach().float()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
+        loss_value = _reduce_mean(float(loss_sum / accum), ctx)
+        if not math.isfinite(loss_value):
+            sink.close()
+            (run_dir / "FAILED").write_text(f"non-finite loss {loss_value} at step {step}\n")
+            raise TrainingDiverged(f"loss became {loss_value} at step {step}; the last good checkpoint in "
+                                   f"{ckpt_root} is kept (resume with train.resume=auto after changing settings)")
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        step_time = time.perf_counter() - t0
+        step_times[quant_active].append(step_time)
+
+        record: dict[str, Any] = {
+            "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+            "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
+            "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
+        }
+        if quant_active:
+            from .qlinear import dump_telemetry, step_telemetry
+
+            record.update(step_telemetry(model))
+            every = cfg.quant.telemetry_dump_every
+            if quant_active and every and (step + 1) % every == 0:
+                telemetry_dir.mkdir(exist_ok=True)
+                dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{ctx.rank}.jsonl")
+        if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
+            record["val_loss"] = _held_out(model, cfg, tokenizer, ctx, build_eval_windows)
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+            sink.log(record)
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
+                             q=int(quant_active))
+        if (step + 1) % cfg.train.checkpoint_every == 0 and step + 1 < cfg.train.steps:
+            save(step + 1)
+    progress.close()
+
+    save(cfg.train.steps)
+    val_loss = _held_out(model, cfg, tokenizer, ctx, build_eval_windows)
+    sink.log({"step": cfg.train.steps, "val_loss": val_loss})
+    sink.close()
+    summary: dict[str, Any] = {}
+    if ctx.is_main:
+        export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted)
+        summary = update_summary(run_dir, **_train_summary(metrics_path, step_times, val_loss, converted,
+                                                           time.perf_counter() - wall_start))
+        mark_done(run_dir)
+    ctx.barrier()
+    return summary
+
+
+def _held_out(model, cfg: RunConfig, tokenizer, ctx: DistContext, build_eval_windows) -> float:
+    windows = build_eval_windows(cfg.data.source, tokenizer, seq_len=cfg.train.seq_len,
+                                 num_windows=cfg.data.eval_windows)
+    return held_out_loss(model, windows, cfg, ctx.device)
+
+
+def _progress(cfg: RunConfig, ctx: DistContext, start_step: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=start_step, desc=f"{cfg.experiment.name} train",
+                disable=not (ctx.is_main and cfg.logger.progress_bar), dynamic_ncols=True)
+
+
+def _train_summary(metrics_path: Path, step_times: dict[bool, list[float]], val_loss: float,
+                   converted: list[str], wall_s: float) -> dict[str, Any]:
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    tail = losses[-max(1, len(losses) // 10):]
+    bf16_t, qat_t = step_times[False], step_times[True]
+    # The first step of each phase pays one-off costs (allocation, compilation): leave it out of medians.
+    med = lambda xs: statistics.median(xs[1:] if len(xs) > 2 else xs) if xs else None  # noqa: E731
+    ratio = med(qat_t) / med(bf16_t) if bf16_t and qat_t else None
+    return {
+        "steps": len(losses), "final_loss": losses[-1] if losses else None,
+        "final_loss_last10pct": sum(tail) / len(tail) if tail else None, "val_loss": val_loss,
+        "train_wall_s_this_session": wall_s, "median_step_s_bf16": med(bf16_t), "median_step_s_qat": med(qat_t),
+        "qat_to_bf16_step_time_ratio": ratio, "converted_linears": len(converted),
+    }
+
+
+def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: list[str]) -> None:
+    """A save_pretrained folder that plain transformers and lm-eval load, plus the scalers' final state."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if cfg.quant.enabled:
+        from .qlinear import save_quant_export
+
+        save_quant_export(model, tmp, {"scope": cfg.quant.scope,
+                                       "high_precision_blocks": list(cfg.quant.high_precision_blocks),
+                                       "scaling": cfg.quant.scaling_dict(), "converted": converted})
+    if directory.exists():
+        import shutil
+
+        shutil.rmtree(directory)
+    tmp.rename(directory)

@@ -1,0 +1,90 @@
+"""End-to-end trainer behaviour on the tiny model: exact resume after SIGKILL, DDP on CPU, run folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ["experiment=exp8", "profile=smoke", "stage=train", "logger.progress_bar=false",
+         "train.checkpoint_every=3", "train.num_threads=1"]
+
+
+def run(args: list[str], env_extra: dict | None = None, launcher: list[str] | None = None, check=True):
+    env = {**os.environ, "PYTHONHASHSEED": "0", **(env_extra or {})}
+    cmd = (launcher or [sys.executable]) + [str(ROOT / "run.py")] + args
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+    return out
+
+
+def run_folder(root: Path, experiment="exp8", seed=0) -> Path:
+    return root / "smoke" / experiment / f"seed{seed}"
+
+
+def losses(folder: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_continues_the_loss_series_bit_for_bit(tmp_path):
+    whole, crashed = tmp_path / "whole", tmp_path / "crashed"
+    run(SMOKE + [f"results_root={whole}"])
+    # Killed at the start of step 5: the last checkpoint is step 3, after the BF16 warmup switched QAT on.
+    out = run(SMOKE + [f"results_root={crashed}"], env_extra={"HIF8QAT_TEST_KILL_AT_STEP": "5"}, check=False)
+    assert out.returncode != 0
+    folder = run_folder(crashed)
+    assert not (folder / "DONE").exists()
+    assert [p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_0000003"]
+    run(SMOKE + [f"results_root={crashed}", "train.resume=auto"])
+    expected, got = losses(run_folder(whole)), losses(folder)
+    assert [s for s, _ in got] == list(range(8))
+    assert got == expected  # exact float equality, quantizer histories included
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["converted_linears"] > 0
+
+
+@pytest.mark.slow
+def test_finished_run_is_skipped_and_force_keeps_the_old_folder(tmp_path):
+    args = SMOKE + [f"results_root={tmp_path}", "train.checkpoint_every=100"]
+    run(args)
+    folder = run_folder(tmp_path)
+    first = (folder / "metrics.jsonl").read_text()
+    out = run(args)
+    assert "skipping training" in out.stdout
+    assert (folder / "metrics.jsonl").read_text() == first
+    run(args + ["force=true"])
+    archived = [p for p in folder.parent.iterdir() if p.name.startswith("seed0.old-")]
+    assert len(archived) == 1 and (archived[0] / "metrics.jsonl").read_text() == first
+    export = folder / "export"
+    assert (export / "config.json").exists() and (export / "hif8qat_quant.json").exists()
+    # The export loads in plain transformers with the same weights.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduce", ["none", "max"])
+def test_ddp_two_cpu_ranks_see_different_data_and_max_reduce_agrees(tmp_path, reduce):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run(SMOKE + [f"results_root={tmp_path}", f"quant.amax_reduce={reduce}", "train.global_batch_size=4"],
+        launcher=torchrun)
+    folder = next((tmp_path / "smoke" / "exp8").iterdir())
+    assert (folder / "DONE").exists() and len(losses(folder)) == 8
+    final = sorted((folder / "checkpoints").glob("step_*"))[-1]
+    ranks = [torch.load(final / f"rank{r:03d}.pt", weights_only=True) for r in (0, 1)]
+    activation_scales = [{k: v for k, v in r["quant"].items() if ".A." in k or k.endswith(".A")} for r in ranks]
+    assert activation_scales[0].keys() == activation_scales[1].keys() and activation_scales[0]
+    same = all(torch.equal(activation_scales[0][k], activation_scales[1][k]) for k in activation_scales[0])
+    # Different data on each rank gives different activation amax histories unless they are all-reduced.
+    assert same == (reduce == "max")

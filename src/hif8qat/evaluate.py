@@ -1,0 +1,584 @@
+"""Evaluation with lm-eval, in process, in two modes.
+
+Modes
+-----
+``bf16``  the saved weights without quantization, as the authors evaluated (their vLLM run used BF16).
+          ``dtype="auto"`` evaluates in bfloat16 on CUDA and in float32 on CPU: bf16 matmuls are slow on
+          most CPUs and an fp32 evaluation of bf16-representable weights differs from a bf16 one only by
+          the activations' rounding. The dtype used is recorded in ``results.json``.
+``hif8``  HiF8 W8A8 simulated inference: the plain model is re-converted from ``hif8qat_quant.json`` by
+          :func:`hif8qat.qlinear.load_quant_export`, which restores the scalers' final state, and the scales
+          are frozen (:func:`hif8qat.qlinear.freeze_scales`): every quantized linear uses the last scales
+          of training, with no history update during evaluation.
+
+Tasks
+-----
+Mini tasks (offline, generated from the fact tables in ``minitasks/``; registered with lm-eval's
+``TaskManager(include_path=minitasks/)``): ``mini_mmlu`` (5-shot, acc), ``mini_hellaswag`` (2-shot,
+acc_norm), ``mini_arc`` (3-shot, acc_norm). Paper tasks (lm-eval's own configs): ``mmlu`` 5-shot acc,
+``hellaswag`` 10-shot acc_norm, ``arc_challenge`` 25-shot acc_norm, optional ``arc_easy`` 25-shot acc_norm
+and ``gsm8k`` 5-shot exact_match (flexible-extract).
+
+Datasets for the paper tasks without internet
+---------------------------------------------
+Put a copy of each hub dataset repository on disk (on a machine with access:
+``huggingface-cli download cais/mmlu --repo-type dataset --local-dir /data/lm_eval/cais/mmlu``, likewise
+``Rowan/hellaswag``, ``allenai/ai2_arc``, ``openai/gsm8k``) and either
+
+* set ``HIF8QAT_LM_EVAL_DATA=/data/lm_eval`` (a folder laid out as ``<root>/<hub id>``), or
+* pass ``local_datasets={"cais/mmlu": "/data/mmlu", ...}`` (keys: hub id or task name; CLI:
+  ``--local-dataset cais/mmlu=/data/mmlu``; Hydra: ``eval.local_datasets``).
+
+For every leaf task that reads one of those datasets, a task YAML is generated in a temporary folder
+that ``include``s lm-eval's original YAML and sets ``dataset_path`` to the local folder, under the same
+task name; it is registered after lm-eval's own tasks, so it replaces them (groups such as ``mmlu``
+pick up the overridden subtasks). A populated ``HF_DATASETS_CACHE`` with ``HF_DATASETS_OFFLINE=1`` works
+too. When a dataset is neither local, cached nor reachable on the hub, :class:`DatasetUnavailableError`
+is raised before any model work, naming the dataset and these two options (no retry loop: the check
+probes the hub with one 3-second connection and then loads strictly offline).
+
+Outputs (run-folder layout of .notes/CONTRACT.md), for each mode in ``<run>/eval/<mode>/``:
+``results.json`` ``{task: {metric, value, stderr, n, num_fewshot}, "_meta": {...}}`` (keys starting with
+``_`` are not tasks; :func:`load_eval_results` drops them), ``samples_<task>.csv`` (``doc_id,correct``),
+``lm_eval_results.json`` (lm-eval's own output without the samples) and ``samples_<task>.jsonl.gz``
+(per sample: doc id, target, per-choice log-likelihoods and metrics; no prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import gzip
+import json
+import logging
+import math
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+MINITASK_DIR = Path(__file__).resolve().parent / "minitasks"
+MODES = ("bf16", "hif8")
+LOCAL_DATA_ENV = "HIF8QAT_LM_EVAL_DATA"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    num_fewshot: int
+    metric: str  # the sample-level metric the paper reports (acc / acc_norm / exact_match)
+    filter: str = "none"
+    mini: bool = False
+
+
+TASKS: dict[str, TaskSpec] = {
+    "mini_mmlu": TaskSpec("mini_mmlu", 5, "acc", mini=True),
+    "mini_hellaswag": TaskSpec("mini_hellaswag", 2, "acc_norm", mini=True),
+    "mini_arc": TaskSpec("mini_arc", 3, "acc_norm", mini=True),
+    "mmlu": TaskSpec("mmlu", 5, "acc"),
+    "hellaswag": TaskSpec("hellaswag", 10, "acc_norm"),
+    "arc_challenge": TaskSpec("arc_challenge", 25, "acc_norm"),
+    "arc_easy": TaskSpec("arc_easy", 25, "acc_norm"),
+    "gsm8k": TaskSpec("gsm8k", 5, "exact_match", filter="flexible-extract"),
+}
+SUITES: dict[str, tuple[str, ...]] = {
+    "mini": ("mini_mmlu", "mini_hellaswag", "mini_arc"),
+    "paper": ("mmlu", "hellaswag", "arc_challenge"),
+    "paper_full": ("mmlu", "hellaswag", "arc_challenge", "arc_easy", "gsm8k"),
+}
+
+
+class DatasetUnavailableError(RuntimeError):
+    """A paper task's dataset is neither on disk, in the datasets cache, nor reachable on the hub."""
+
+
+# ------------------------------------------------------------------------------------------- task lists
+def resolve_tasks(tasks: str | Iterable[str]) -> list[TaskSpec]:
+    """``"mini"``/``"paper"``/``"paper_full"``, a comma-separated string, or a list of task names."""
+    if isinstance(tasks, str):
+        names = list(SUITES[tasks]) if tasks in SUITES else [t.strip() for t in tasks.split(",") if t.strip()]
+    else:
+        names = []
+        for t in tasks:
+            names.extend(SUITES.get(t, (t,)))
+    out = []
+    for n in names:
+        if n not in TASKS:
+            raise ValueError(f"eval.tasks: unknown task {n!r}; allowed: {sorted(TASKS)} or suites {sorted(SUITES)}")
+        out.append(TASKS[n])
+    if not out:
+        raise ValueError("eval.tasks: no task given")
+    return out
+
+
+# --------------------------------------------------------------------------------- paper-task datasets
+def _leaf_tasks(name: str, index: Mapping[str, Any], _seen: set[str] | None = None) -> list[str]:
+    """Leaf task names under a task/group/tag name in lm-eval's task index."""
+    from lm_eval.tasks._index import Kind
+
+    _seen = set() if _seen is None else _seen
+    if name in _seen:
+        return []
+    _seen.add(name)
+    entry = index.get(name)
+    if entry is None:
+        return []
+    if entry.kind in (Kind.TASK, Kind.PY_TASK):
+        return [name]
+    members: list[str] = []
+    if entry.kind == Kind.TAG:
+        members = sorted(entry.tags)
+    elif entry.kind == Kind.GROUP:
+        members = [m for m in (entry.cfg or {}).get("task", []) if isinstance(m, str)]
+    out: list[str] = []
+    for m in members:
+        out.extend(_leaf_tasks(m, index, _seen))
+    return out
+
+
+def _local_dataset_map(local_datasets: Mapping[str, str | os.PathLike] | None) -> dict[str, Path]:
+    out = {k: Path(v).expanduser() for k, v in (local_datasets or {}).items()}
+    for k, p in out.items():
+        if not p.exists():
+            raise DatasetUnavailableError(f"eval.local_datasets[{k!r}] = {p} does not exist")
+    return out
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = urlparse(endpoint).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _offline_env() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+
+
+@contextlib.contextmanager
+def _forced_offline():
+    """Make datasets/huggingface_hub fail fast instead of retrying an unreachable hub."""
+    import datasets.config as dcfg
+    import huggingface_hub.constants as hconst
+
+    saved = (dcfg.HF_HUB_OFFLINE, hconst.HF_HUB_OFFLINE, os.environ.get("HF_DATASETS_OFFLINE"))
+    dcfg.HF_HUB_OFFLINE = hconst.HF_HUB_OFFLINE = True
+    if hasattr(dcfg, "HF_DATASETS_OFFLINE"):
+        dcfg.HF_DATASETS_OFFLINE = True
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        dcfg.HF_HUB_OFFLINE, hconst.HF_HUB_OFFLINE = saved[0], saved[1]
+        if hasattr(dcfg, "HF_DATASETS_OFFLINE"):
+            dcfg.HF_DATASETS_OFFLINE = saved[0]
+        if saved[2] is None:
+            os.environ.pop("HF_DATASETS_OFFLINE", None)
+        else:
+            os.environ["HF_DATASETS_OFFLINE"] = saved[2]
+
+
+def prepare_paper_tasks(
+    specs: list[TaskSpec],
+    local_datasets: Mapping[str, str | os.PathLike] | None,
+    workdir: Path,
+    *,
+    index: Mapping[str, Any] | None = None,
+    check: bool = True,
+) -> tuple[list[Path], bool]:
+    """Write override YAMLs for paper tasks with a local dataset copy and check the rest can be loaded.
+
+    Returns (extra include paths, whether evaluation must run with the hub forced offline).
+    Raises :class:`DatasetUnavailableError` for a dataset with no local copy, no cache and no hub.
+    """
+    paper = [s for s in specs if not s.mini]
+    if not paper:
+        return [], False
+    if index is None:
+        from lm_eval.tasks import TaskManager
+
+        index = TaskManager().task_index
+    local = _local_dataset_map(local_datasets)
+    root = os.environ.get(LOCAL_DATA_ENV)
+    override_dir = workdir / "task_overrides"
+    written = 0
+    unresolved: dict[str, tuple[str, str | None]] = {}  # dataset_path -> (first leaf, dataset_name)
+    for spec in paper:
+        leaves = _leaf_tasks(spec.name, index)
+        if not leaves:
+            raise ValueError(f"lm-eval has no task named {spec.name!r}")
+        for leaf in leaves:
+            entry = index[leaf]
+            cfg = entry.cfg or {}
+            ds_path = cfg.get("dataset_path")
+            if not ds_path:
+                continue
+            target = local.get(leaf) or local.get(spec.name) or local.get(ds_path)
+            if target is None and root and (Path(root) / ds_path).exists():
+                target = Path(root) / ds_path
+            if target is not None:
+                override_dir.mkdir(parents=True, exist_ok=True)
+                text = (f"# generated by hif8qat.evaluate: {leaf} on a local copy of {ds_path}\n"
+                        f"include: {json.dumps(str(Path(entry.yaml_path).resolve()))}\n"
+                        f"task: {json.dumps(leaf)}\n"
+                        f"dataset_path: {json.dumps(str(Path(target).resolve()))}\n")
+                (override_dir / f"{leaf}.yaml").write_text(text)
+                written += 1
+            elif ds_path not in unresolved:
+                unresolved[ds_path] = (leaf, cfg.get("dataset_name"))
+    force_offline = False
+    if unresolved and check:
+        online = not _offline_env() and _hub_reachable()
+        if not online:
+            force_offline = True
+            missing = []
+            with _forced_offline():
+                import datasets
+
+                for ds_path, (leaf, ds_name) in unresolved.items():
+                    try:
+                        datasets.load_dataset(ds_path, ds_name)
+                    except Exception as err:  # noqa: BLE001 - any failure means "not available"
+                        missing.append(f"  {ds_path} (task {leaf}): {type(err).__name__}: {str(err)[:160]}")
+            if missing:
+                raise DatasetUnavailableError(
+                    "lm-eval datasets not available: the hub is unreachable"
+                    + (" (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE set)" if _offline_env() else "")
+                    + " and there is no local or cached copy of:\n" + "\n".join(missing)
+                    + f"\nProvide a copy of each hub dataset repo and set {LOCAL_DATA_ENV}=<root> (laid out as "
+                    "<root>/<hub id>, e.g. <root>/cais/mmlu) or eval.local_datasets={<hub id>: <dir>}; "
+                    "or run the mini tasks (eval.tasks=mini)."
+                )
+    return ([override_dir] if written else []), force_offline
+
+
+# ---------------------------------------------------------------------------------------- model loading
+def _resolve_dtype(dtype: str | Any, device: str):
+    import torch
+
+    if not isinstance(dtype, str):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+            "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}[dtype]
+
+
+def load_for_eval(export_dir: str | Path, mode: str, *, dtype="auto", device: str = "cpu"):
+    """Load an exported model folder for evaluation in ``mode`` (see the module doc)."""
+    import torch
+
+    if mode not in MODES:
+        raise ValueError(f"eval mode {mode!r}; allowed: {MODES}")
+    export_dir = Path(export_dir)
+    if not (export_dir / "config.json").exists():
+        raise FileNotFoundError(f"{export_dir} is not a save_pretrained folder (no config.json)")
+    tdtype = _resolve_dtype(dtype, device)
+    try:
+        from .models import load_causal_lm
+
+        model, tok = load_causal_lm(str(export_dir), dtype=torch.float32)
+    except ImportError:  # models.py not available: plain transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(export_dir)
+    if mode == "hif8":
+        quant_json = export_dir / "hif8qat_quant.json"
+        if not quant_json.exists():
+            raise FileNotFoundError(f"mode hif8 needs {quant_json} (written by save_quant_export)")
+        from .qlinear import freeze_scales, load_quant_export
+
+        load_quant_export(model, export_dir)
+        freeze_scales(model, True)
+    model.to(device=device, dtype=tdtype)
+    model.eval()
+    return model, tok
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def _sample_correct(sample: dict, metric: str) -> int:
+    v = sample.get(metric)
+    if v is None:
+        raise KeyError(f"lm-eval sample has no {metric!r} (keys: {sorted(sample)})")
+    return int(round(float(v)))
+
+
+def _samples_by_task(raw: dict, spec: TaskSpec, group_subtasks: Mapping[str, list]) -> list[tuple[str, int, dict]]:
+    """(doc_id, correct, compact sample) for the task's metric; groups use "<subtask>:<doc_id>" ids."""
+    leaves = [spec.name] if spec.name in raw else _flatten_group(spec.name, group_subtasks)
+    rows = []
+    for leaf in leaves:
+        for s in raw.get(leaf, []):
+            if s.get("filter", "none") != spec.filter:
+                continue
+            doc_id = str(s["doc_id"]) if leaf == spec.name else f"{leaf}:{s['doc_id']}"
+            rows.append((doc_id, _sample_correct(s, spec.metric), _compact_sample(s, doc_id, leaf)))
+    return rows
+
+
+def _flatten_group(name: str, group_subtasks: Mapping[str, list]) -> list[str]:
+    out = []
+    for child in group_subtasks.get(name, []):
+        if child in group_subtasks and group_subtasks[child]:
+            out.extend(_flatten_group(child, group_subtasks))
+        else:
+            out.append(child)
+    return out
+
+
+def _jsonable(x):
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def _compact_sample(s: dict, doc_id: str, leaf: str) -> dict:
+    keep = {"doc_id": doc_id, "task": leaf, "target": s.get("target"),
+            "filtered_resps": s.get("filtered_resps"), "filter": s.get("filter")}
+    for m in s.get("metrics", []):
+        if m in s:
+            keep[m] = s[m]
+    return _jsonable(keep)
+
+
+def _task_result(res: dict, spec: TaskSpec, n: int, nshot: int) -> dict:
+    key = f"{spec.metric},{spec.filter}"
+    r = res.get(spec.name, {})
+    if key not in r:
+        raise KeyError(f"lm-eval returned no {key!r} for {spec.name} (keys: {sorted(r)})")
+    stderr = r.get(f"{spec.metric}_stderr,{spec.filter}")
+    try:
+        stderr = float(stderr)
+    except (TypeError, ValueError):
+        stderr = float("nan")
+    return {"metric": spec.metric, "value": float(r[key]), "stderr": stderr, "n": int(n), "num_fewshot": int(nshot)}
+
+
+def _provenance() -> dict:
+    try:
+        from .runs import provenance
+
+        return provenance()
+    except Exception:  # noqa: BLE001 - runs.py absent or git missing: record what we can
+        import platform
+
+        import lm_eval
+        import torch
+        import transformers
+
+        return {"versions": {"python": platform.python_version(), "torch": torch.__version__,
+                             "transformers": transformers.__version__, "lm_eval": lm_eval.__version__}}
+
+
+def evaluate_model(
+    model,
+    tokenizer,
+    tasks: str | Iterable[str] = "mini",
+    *,
+    out_dir: str | Path | None = None,
+    mode: str = "bf16",
+    batch_size: int = 16,
+    limit: int | float | None = None,
+    num_fewshot: Mapping[str, int] | None = None,
+    local_datasets: Mapping[str, str | os.PathLike] | None = None,
+    device: str | None = None,
+    seed: int = 1234,
+    extra_meta: Mapping[str, Any] | None = None,
+) -> dict:
+    """Evaluate an in-memory model with lm-eval; write the eval folder when ``out_dir`` is given.
+
+    The model is used as it is (the caller puts a QAT model into the wanted mode, e.g. by
+    :func:`hif8qat.qlinear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
+    ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``limit``: first N docs per
+    task (smoke runs). Returns the ``results.json`` dict.
+    """
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    specs = resolve_tasks(tasks)
+    device = device or str(next(model.parameters()).device)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp:
+        include = [MINITASK_DIR]
+        extra, force_offline = prepare_paper_tasks(specs, local_datasets, Path(tmp))
+        include += extra
+        has_paper = any(not s.mini for s in specs)
+        tm = TaskManager(include_path=[str(p) for p in include], include_defaults=has_paper)
+        task_cfgs: list[str | dict] = []
+        shots = {}
+        for s in specs:
+            k = int((num_fewshot or {}).get(s.name, s.num_fewshot))
+            shots[s.name] = k
+            task_cfgs.append(s.name)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+        ctx = _forced_offline() if force_offline else contextlib.nullcontext()
+        per_task_shots = {s.name: shots[s.name] for s in specs}
+        raw = None
+        with ctx, torch.inference_mode():
+            # one simple_evaluate per distinct shot count (num_fewshot is global in lm-eval)
+            for k in sorted(set(per_task_shots.values())):
+                names = [n for n, kk in per_task_shots.items() if kk == k]
+                r = simple_evaluate(
+                    model=lm, tasks=names, num_fewshot=k, batch_size=batch_size, limit=limit,
+                    task_manager=tm, log_samples=True, bootstrap_iters=1000, random_seed=seed,
+                    numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                )
+                raw = r if raw is None else _merge_lm_eval(raw, r)
+    wall = time.time() - t0
+    results: dict[str, Any] = {}
+    samples: dict[str, list] = {}
+    for s in specs:
+        rows = _samples_by_task(raw["samples"], s, raw.get("group_subtasks", {}))
+        samples[s.name] = rows
+        results[s.name] = _task_result(raw["results"], s, len(rows), shots[s.name])
+    meta = {
+        "mode": mode, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
+        "batch_size": batch_size, "limit": limit, "seed": seed, "wall_time_s": round(wall, 2),
+        "tasks": {s.name: {"metric": s.metric, "filter": s.filter, "num_fewshot": shots[s.name],
+                           "mini": s.mini} for s in specs},
+        "local_datasets": {k: str(v) for k, v in (local_datasets or {}).items()},
+        "lm_eval_version": raw.get("lm_eval_version"), "provenance": _provenance(),
+    }
+    if extra_meta:
+        meta.update(_jsonable(dict(extra_meta)))
+    results["_meta"] = meta
+    if out_dir is not None:
+        write_eval_dir(Path(out_dir), results, samples, raw)
+    return results
+
+
+def _merge_lm_eval(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key in ("results", "samples", "configs", "versions", "n-shot", "higher_is_better", "n-samples",
+                "group_subtasks"):
+        merged = dict(a.get(key) or {})
+        merged.update(b.get(key) or {})
+        out[key] = merged
+    return out
+
+
+def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for task, rows in samples.items():
+        with (out / f"samples_{task}.csv").open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["doc_id", "correct"])
+            for doc_id, correct, _ in rows:
+                w.writerow([doc_id, correct])
+        with gzip.open(out / f"samples_{task}.jsonl.gz", "wt", encoding="utf-8") as fh:
+            for _, _, compact in rows:
+                fh.write(json.dumps(compact) + "\n")
+    if raw is not None:
+        lm_json = {k: v for k, v in raw.items() if k != "samples"}
+        (out / "lm_eval_results.json").write_text(json.dumps(_jsonable(lm_json), indent=1) + "\n")
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(_jsonable(results), indent=1) + "\n")
+    os.replace(tmp, out / "results.json")
+
+
+def load_eval_results(path: str | Path) -> dict[str, dict]:
+    """Task entries of a ``results.json`` (drops ``_meta`` and other ``_``-prefixed keys)."""
+    data = json.loads(Path(path).read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=None, dtype="auto",
+                    device: str = "cpu", **kwargs) -> dict:
+    model, tok = load_for_eval(export_dir, mode, dtype=dtype, device=device)
+    meta = {"export_dir": str(Path(export_dir).resolve()), **kwargs.pop("extra_meta", {})}
+    return evaluate_model(model, tok, tasks, out_dir=out_dir, mode=mode, device=device, extra_meta=meta,
+                          **kwargs)
+
+
+def evaluate_run(run_dir: str | Path, modes: Iterable[str] = MODES, tasks="mini", **kwargs) -> dict[str, dict]:
+    """Evaluate ``<run>/export`` in each mode into ``<run>/eval/<mode>/``. A run trained without
+    quantization has no ``hif8qat_quant.json``; its ``hif8`` mode is skipped with a log message."""
+    run_dir = Path(run_dir)
+    export = run_dir / "export"
+    out = {}
+    for mode in modes:
+        if mode == "hif8" and not (export / "hif8qat_quant.json").exists():
+            log.info("%s: no hif8qat_quant.json in export/, skipping hif8 evaluation", run_dir)
+            continue
+        out[mode] = evaluate_export(export, mode, tasks, out_dir=run_dir / "eval" / mode,
+                                    extra_meta={"run_dir": str(run_dir)}, **kwargs)
+    return out
+
+
+def format_results(results: Mapping[str, Mapping[str, Any]]) -> str:
+    lines = [f"{'task':<16}{'metric':<10}{'value':>8}{'stderr':>8}{'n':>7}{'shots':>6}"]
+    for task, r in results.items():
+        if task.startswith("_"):
+            continue
+        lines.append(f"{task:<16}{r['metric']:<10}{100 * r['value']:>7.2f}%{100 * r['stderr']:>7.2f}%"
+                     f"{r['n']:>7}{r['num_fewshot']:>6}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="lm-eval evaluation of a model, an export folder or a run")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", type=Path, help="a run folder: evaluates export/ into eval/<mode>/")
+    src.add_argument("--export", type=Path, help="a save_pretrained folder (+ hif8qat files for hif8)")
+    src.add_argument("--model", help="a load_causal_lm name (tiny, smollm2_135m) or path; bf16 mode only")
+    ap.add_argument("--modes", default="bf16,hif8", help="comma-separated subset of bf16,hif8")
+    ap.add_argument("--tasks", default="mini", help="mini | paper | paper_full | comma-separated names")
+    ap.add_argument("--out", type=Path, help="output folder (--export/--model); default: print only")
+    ap.add_argument("--limit", type=float, default=None, help="first N docs per task (smoke runs)")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fewshot", action="append", default=[], metavar="TASK=K")
+    ap.add_argument("--local-dataset", action="append", default=[], metavar="HUBID_OR_TASK=DIR")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    kw = dict(limit=limit, batch_size=args.batch_size,
+              num_fewshot={k: int(v) for k, v in (x.split("=", 1) for x in args.fewshot)},
+              local_datasets=dict(x.split("=", 1) for x in args.local_dataset))
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        if args.run_dir:
+            res = evaluate_run(args.run_dir, modes, args.tasks, dtype=args.dtype, device=args.device, **kw)
+        elif args.export:
+            res = {m: evaluate_export(args.export, m, args.tasks, out_dir=args.out / m if args.out else None,
+                                      dtype=args.dtype, device=args.device, **kw) for m in modes}
+        else:
+            from .models import load_causal_lm
+
+            model, tok = load_causal_lm(args.model, dtype=_resolve_dtype(args.dtype, args.device))
+            model.to(args.device).eval()
+            res = {"bf16": evaluate_model(model, tok, args.tasks, out_dir=args.out, mode="bf16",
+                                          device=args.device, extra_meta={"model": args.model}, **kw)}
+    except DatasetUnavailableError as err:
+        print(f"error: {err}")
+        return 2
+    for mode, r in res.items():
+        print(f"== {mode}  ({r['_meta']['wall_time_s']:.1f} s, dtype {r['_meta']['dtype']})")
+        print(format_results(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

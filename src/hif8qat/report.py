@@ -1,0 +1,713 @@
+"""Tables and figures: accuracy drops with paired confidence intervals, training-loss APE, scaling telemetry.
+
+Definitions (DESIGN.md §7, the authors' log_visualizer and evaluation summary):
+
+* relative drop per task  ``(base - quant) / base * 100`` (percent of the baseline score; positive = worse);
+* paired bootstrap CI of that drop: documents present in both per-sample files are resampled jointly
+  (the same resampled doc ids for baseline and quantized model), ``n_boot`` times with a fixed seed, and
+  the percentile interval is reported; a drop whose interval contains 0 is marked not significant;
+* training-loss APE: for every step logged by both runs, ``|L_q - L_b| / |L_b| * 100``; plain mean over all
+  common steps and over the last ``last_frac`` of them (the paper: last 1,000 of 10,000 = 10 %); no smoothing.
+
+``build_report(runs_root, profile, out_tables, out_figures)`` reads the run folders of .notes/CONTRACT.md
+(``results/runs/<profile>/<experiment>/seed<k>/``) and writes ``results/tables/*.csv|md`` and
+``results/figures/*.png``; ``python -m hif8qat.report --paper`` (``make paper-tables``) builds the same tables
+from the authors' published logs and scores in ``results/paper/`` and prints them.
+
+Every table is written with a sidecar ``<table>.sources.json`` (and a header comment in the ``.md``) naming
+the files that produced it and, for run folders, the git commit recorded in their ``run_info.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import math
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[2]
+PAPER_DIR = REPO / "results" / "paper"
+TABLES_DIR = REPO / "results" / "tables"
+FIGURES_DIR = REPO / "results" / "figures"
+
+# The authors' runs (results/paper/authors_runs) and the pairs whose loss APE the paper family reports.
+PAPER_RUNS = {
+    "E1": "E1_bf16_lr1e-4", "E2": "E2_cts_lr1e-4", "E3": "E3_dts_mr_lr1e-4", "E4": "E4_dts_es_lr1e-4",
+    "E5": "E5_dts_es_hp5_lr1e-4", "E7": "E7_bf16_lr1e-5", "E8": "E8_max_quant_lr1e-5",
+    "pilot_bf16": "pilot_bf16_lr1e-4", "pilot_cts": "pilot_cts", "pilot_dts_mr": "pilot_dts_mr",
+}
+PAPER_APE_PAIRS = [("E8", "E7"), ("E2", "E1"), ("E3", "E1"), ("E4", "E1"), ("E5", "E1"),
+                   ("pilot_cts", "pilot_bf16"), ("pilot_dts_mr", "pilot_bf16")]
+# Names in the authors' evaluation summaries -> experiments of DESIGN.md §6.
+AUTHORS_RUN_TO_EXP = {"bf16": "E1", "cts": "E2", "dts_exp": "E4|E5", "max_quant": "E6",
+                      "bf16_lr1e5": "E7", "max_quant_lr1e5": "E8"}
+SUMMARY_TASKS = {"MMLU": "mmlu", "GSM8K": "gsm8k", "MATH500": "minerva_math", "HellaSwag": "hellaswag",
+                 "ARC-Easy": "arc_easy", "ARC-Challenge": "arc_challenge"}
+HEADLINE_SUMMARY = "summary_20260507_102016.txt"
+PAPER_TASK_ORDER = ["mmlu", "hellaswag", "arc_challenge", "arc_easy", "gsm8k", "minerva_math"]
+
+
+# ================================================================================================ maths
+def relative_drop(base: float, quant: float) -> float:
+    """``(base - quant) / base * 100``; NaN when the baseline is 0."""
+    return float("nan") if base == 0 else (base - quant) / base * 100.0
+
+
+def loss_ape(steps_q: Sequence[int], loss_q: Sequence[float], steps_b: Sequence[int], loss_b: Sequence[float],
+             *, last_frac: float = 0.1, last_n: int | None = None) -> dict[str, float]:
+    """Training-loss APE over the steps logged by both runs (mean of ``|Lq - Lb| / |Lb| * 100``).
+
+    ``last_n`` (or ``ceil(last_frac * n_common)``) common steps form the "last" window.
+    Returns ``{n_common, ape_all, ape_last, last_n, first_step, last_step}``.
+    """
+    q = pd.Series(np.asarray(loss_q, float), index=np.asarray(steps_q)).groupby(level=0).last()
+    b = pd.Series(np.asarray(loss_b, float), index=np.asarray(steps_b)).groupby(level=0).last()
+    common = q.index.intersection(b.index).sort_values()
+    if len(common) == 0:
+        return {"n_common": 0, "ape_all": float("nan"), "ape_last": float("nan"), "last_n": 0,
+                "first_step": None, "last_step": None}
+    err = (q[common] - b[common]).abs() / b[common].abs() * 100.0
+    n_last = int(last_n) if last_n is not None else max(1, math.ceil(last_frac * len(common)))
+    n_last = min(n_last, len(common))
+    return {"n_common": int(len(common)), "ape_all": float(err.mean()), "ape_last": float(err.iloc[-n_last:].mean()),
+            "last_n": n_last, "first_step": int(common[0]), "last_step": int(common[-1])}
+
+
+def running_ape(steps_q, loss_q, steps_b, loss_b) -> pd.DataFrame:
+    """Per common step: the pointwise APE and its running (cumulative) mean, for the loss figures."""
+    q = pd.Series(np.asarray(loss_q, float), index=np.asarray(steps_q)).groupby(level=0).last()
+    b = pd.Series(np.asarray(loss_b, float), index=np.asarray(steps_b)).groupby(level=0).last()
+    common = q.index.intersection(b.index).sort_values()
+    err = (q[common] - b[common]).abs() / b[common].abs() * 100.0
+    return pd.DataFrame({"step": common, "ape": err.values, "running_ape": err.expanding().mean().values})
+
+
+@dataclass
+class DropCI:
+    base: float
+    quant: float
+    drop: float
+    lo: float
+    hi: float
+    n: int
+    significant: bool
+
+
+def paired_bootstrap_drop(base_correct: Sequence[float], quant_correct: Sequence[float], *, n_boot: int = 10000,
+                          seed: int = 0, ci: float = 0.95) -> DropCI:
+    """Relative drop of mean(quant) vs mean(base) on the same documents, with a paired percentile CI.
+
+    Both arrays are per-document 0/1 (or scores) in the same document order.
+    """
+    b = np.asarray(base_correct, float)
+    q = np.asarray(quant_correct, float)
+    if b.shape != q.shape or b.ndim != 1:
+        raise ValueError(f"paired bootstrap needs equal-length 1-d arrays, got {b.shape} and {q.shape}")
+    n = len(b)
+    if n == 0:
+        nan = float("nan")
+        return DropCI(nan, nan, nan, nan, nan, 0, False)
+    base, quant = float(b.mean()), float(q.mean())
+    rng = np.random.default_rng(seed)
+    drops = np.empty(n_boot)
+    chunk = max(1, min(n_boot, 2_000_000 // max(n, 1)))
+    for start in range(0, n_boot, chunk):
+        m = min(chunk, n_boot - start)
+        idx = rng.integers(0, n, size=(m, n))
+        mb, mq = b[idx].mean(1), q[idx].mean(1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            drops[start:start + m] = np.where(mb > 0, (mb - mq) / mb * 100.0, np.nan)
+    alpha = (1.0 - ci) / 2.0
+    lo, hi = np.nanquantile(drops, [alpha, 1.0 - alpha]) if np.isfinite(drops).any() else (np.nan, np.nan)
+    drop = relative_drop(base, quant)
+    sig = bool(np.isfinite(lo) and np.isfinite(hi) and (lo > 0 or hi < 0))
+    return DropCI(base, quant, drop, float(lo), float(hi), n, sig)
+
+
+def align_samples(base: pd.DataFrame, quant: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Inner-join two ``doc_id,correct`` frames on doc_id (as strings), in the baseline's order."""
+    b = base.assign(doc_id=base["doc_id"].astype(str)).drop_duplicates("doc_id")
+    q = quant.assign(doc_id=quant["doc_id"].astype(str)).drop_duplicates("doc_id")
+    m = b.merge(q, on="doc_id", suffixes=("_b", "_q"), how="inner")
+    return m["correct_b"].to_numpy(float), m["correct_q"].to_numpy(float)
+
+
+def telemetry_summary(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Per role, from the ``tel/<role>/<stat>`` columns of metrics.jsonl (steps with telemetry only).
+
+    Columns: steps, frac_steps_ratio_gt1 (steps whose max amax/estimate > 1), max_ratio, frac_calls_ratio_gt1
+    (calls with amax > estimate over all calls), overflow_total, max_exceed_frac, nonfinite_total, max_amax.
+    """
+    roles = sorted({c.split("/")[1] for c in metrics.columns if c.startswith("tel/") and c.count("/") == 2})
+    rows = []
+    for r in roles:
+        def col(stat, _r=r):
+            c = f"tel/{_r}/{stat}"
+            return pd.to_numeric(metrics[c], errors="coerce") if c in metrics else pd.Series(dtype=float)
+
+        ratio = col("amax_ratio_max")
+        valid = ratio.notna() & (ratio > 0)
+        calls, gt1 = col("calls"), col("amax_ratio_gt1")
+        rows.append({
+            "role": r,
+            "steps": int(valid.sum()),
+            "frac_steps_ratio_gt1": float((ratio[valid] > 1).mean()) if valid.any() else float("nan"),
+            "max_ratio": float(ratio[valid].max()) if valid.any() else float("nan"),
+            "frac_calls_ratio_gt1": float(gt1.sum() / calls.sum()) if len(calls) and calls.sum() > 0 else float("nan"),
+            "overflow_total": float(col("overflow_count").sum()) if len(col("overflow_count")) else float("nan"),
+            "max_exceed_frac": float(col("exceed_frac_max").max()) if len(col("exceed_frac_max")) else float("nan"),
+            "nonfinite_total": float(col("nonfinite_count").sum()) if len(col("nonfinite_count")) else float("nan"),
+            "max_amax": float(col("amax_max").max()) if len(col("amax_max")) else float("nan"),
+        })
+    return pd.DataFrame(rows)
+
+
+# ============================================================================================ file I/O
+def read_authors_run(path: str | Path) -> tuple[list[str], pd.DataFrame]:
+    """One of the authors' per-step logs: ('#' header lines, DataFrame step, loss, lr, quant, ...)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        header = []
+        for line in fh:
+            if not line.startswith("#"):
+                break
+            header.append(line[1:].strip())
+    return header, pd.read_csv(path, comment="#")
+
+
+def read_metrics(path: str | Path) -> pd.DataFrame:
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn last line of a killed run
+    df = pd.DataFrame(rows)
+    if "step" in df:
+        df = df.drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
+    return df
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _fmt(v, nd=4):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return ""
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    if isinstance(v, (float, np.floating)):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def to_markdown(df: pd.DataFrame, nd: int = 4) -> str:
+    if df.empty:
+        return "_(no rows)_\n"
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for _, row in df.iterrows():
+        lines.append("| " + " | ".join(_fmt(row[c], nd) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(df: pd.DataFrame, out_dir: Path, name: str, *, title: str, sources: Mapping[str, Any],
+                nd: int = 4) -> dict[str, str]:
+    """``<name>.csv``, ``<name>.md`` (title + source note) and ``<name>.sources.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_p, md_p, src_p = out_dir / f"{name}.csv", out_dir / f"{name}.md", out_dir / f"{name}.sources.json"
+    df.to_csv(csv_p, index=False)
+    note = sources.get("note", "")
+    files = sources.get("files", [])
+    md = [f"# {title}", "", f"<!-- sources: {src_p.name} ({len(files)} files) -->"]
+    if note:
+        md += ["", note]
+    md += ["", to_markdown(df, nd)]
+    md_p.write_text("\n".join(md))
+    src_p.write_text(json.dumps(sources, indent=1, default=str) + "\n")
+    return {"csv": str(csv_p), "md": str(md_p), "sources": str(src_p)}
+
+
+# ===================================================================================== paper tables
+def paper_ape_table(paper_dir: Path = PAPER_DIR, *, last_n: int = 1000,
+                    pairs: Sequence[tuple[str, str]] = PAPER_APE_PAIRS) -> pd.DataFrame:
+    runs_dir = paper_dir / "authors_runs"
+    cache: dict[str, pd.DataFrame] = {}
+
+    def load(key):
+        if key not in cache:
+            cache[key] = read_authors_run(runs_dir / f"{PAPER_RUNS[key]}.csv.gz")[1]
+        return cache[key]
+
+    rows = []
+    for q, b in pairs:
+        dq, db = load(q), load(b)
+        a = loss_ape(dq["step"], dq["loss"], db["step"], db["loss"], last_n=last_n)
+        a10 = loss_ape(dq["step"], dq["loss"], db["step"], db["loss"], last_frac=0.1)
+        rows.append({"quantized": q, "baseline": b, "quant_log": PAPER_RUNS[q], "base_log": PAPER_RUNS[b],
+                     "n_common": a["n_common"], "ape_all_pct": a["ape_all"], f"ape_last{last_n}_pct": a["ape_last"],
+                     "ape_last10pct_pct": a10["ape_last"], "last10pct_n": a10["last_n"],
+                     "final_loss_quant": float(dq["loss"].iloc[-1]), "final_loss_base": float(db["loss"].iloc[-1])})
+    return pd.DataFrame(rows)
+
+
+_NUM = re.compile(r"(-?\d+(?:\.\d+)?)%|N/A")
+
+
+def parse_summary(path: Path, run_order: Sequence[str]) -> pd.DataFrame:
+    """Scores and the authors' printed drops (from unrounded scores) of one evaluation summary.
+
+    ``run_order``: the summary's run columns (first = baseline). Returns rows
+    (task, run, score_pct, drop_pct_printed) for every non-baseline run and task.
+    """
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = re.match(r"^(MMLU|GSM8K|MATH500|HellaSwag|ARC-Easy|ARC-Challenge)\s*\(\s*(\d+)-shot\)", line)
+        if not m:
+            continue
+        task, shots = SUMMARY_TASKS[m.group(1)], int(m.group(2))
+        vals = [None if t.group(0) == "N/A" else float(t.group(1)) for t in _NUM.finditer(line[m.end():])]
+        k = len(run_order)
+        if len(vals) != 2 * k - 1:
+            raise ValueError(f"{path.name}: cannot parse {line!r} for runs {run_order}")
+        scores, drops = vals[:k], vals[k:]
+        for i, run in enumerate(run_order):
+            rows.append({"task": task, "num_fewshot": shots, "run": run, "score_pct": scores[i],
+                         "drop_pct_printed": None if i == 0 else drops[i - 1]})
+    return pd.DataFrame(rows)
+
+
+def _summary_run_order(scores: pd.DataFrame, summary_file: str) -> list[str]:
+    sub = scores[scores["summary_file"] == summary_file]
+    return list(dict.fromkeys(sub["run"]))
+
+
+def paper_drop_table(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
+    """Every published comparison: per summary file, each quantized run vs the summary's baseline."""
+    scores = pd.read_csv(paper_dir / "authors_scores.csv")
+    rows = []
+    for summary in sorted(scores["summary_file"].unique()):
+        order = _summary_run_order(scores, summary)
+        parsed = parse_summary(paper_dir / "authors_eval" / summary, order)
+        base_run = order[0]
+        for run in order[1:]:
+            for task in PAPER_TASK_ORDER:
+                pb = parsed[(parsed.run == base_run) & (parsed.task == task)]
+                pq = parsed[(parsed.run == run) & (parsed.task == task)]
+                if pb.empty or pq.empty:
+                    continue
+                sb, sq = pb["score_pct"].iloc[0], pq["score_pct"].iloc[0]
+                rows.append({
+                    "summary_file": summary, "baseline": base_run, "quantized": run,
+                    "baseline_exp": AUTHORS_RUN_TO_EXP.get(base_run, ""), "quant_exp": AUTHORS_RUN_TO_EXP.get(run, ""),
+                    "task": task, "num_fewshot": int(pq["num_fewshot"].iloc[0]),
+                    "base_pct": sb, "quant_pct": sq,
+                    "drop_pct_from_scores": relative_drop(sb, sq) if sb is not None and sq is not None else float("nan"),
+                    "drop_pct_printed": pq["drop_pct_printed"].iloc[0],
+                })
+    df = pd.DataFrame(rows)
+    return df.astype({"drop_pct_printed": float})
+
+
+def paper_headline(drops: pd.DataFrame) -> pd.DataFrame:
+    """exp8 vs exp7 on the paper's three tasks (summary_20260507_102016), both drop computations."""
+    sub = drops[(drops.summary_file == HEADLINE_SUMMARY) & (drops.quantized == "max_quant_lr1e5")
+                & (drops.task.isin(["mmlu", "hellaswag", "arc_challenge", "arc_easy", "gsm8k"]))]
+    return sub[["task", "num_fewshot", "base_pct", "quant_pct", "drop_pct_printed", "drop_pct_from_scores"]] \
+        .reset_index(drop=True)
+
+
+def binomial_se_pp(p_pct: float, n: int) -> float:
+    p = p_pct / 100.0
+    return math.sqrt(p * (1 - p) / n) * 100.0
+
+
+def build_paper_tables(paper_dir: Path = PAPER_DIR, out_tables: Path | None = None) -> dict[str, pd.DataFrame]:
+    """The paper's tables from the authors' data; written to ``out_tables`` when given."""
+    ape = paper_ape_table(paper_dir)
+    drops = paper_drop_table(paper_dir)
+    head = paper_headline(drops)
+    tables = {"paper_ape": ape, "paper_drops": drops, "paper_headline": head}
+    if out_tables is not None:
+        files = sorted(p for p in paper_dir.rglob("*") if p.is_file() and p.name != "README.md")
+        src = {"files": [{"path": str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p),
+                          "sha256_16": _sha256(p)} for p in files],
+               "origin": "authors' repository chengyingyingcs-pixel/ICME_2026_challange_openpangu_pretrain "
+                         "(see results/paper/README.md)"}
+        notes = {
+            "paper_ape": "Training-loss APE (%), mean over common steps of |Lq-Lb|/|Lb|*100; last 1000 steps and "
+                         "last 10 % of the common steps.",
+            "paper_drops": "Relative drop (%) = (base-quant)/base*100. drop_pct_printed: the authors' summary "
+                           "(unrounded scores); drop_pct_from_scores: from the 2-decimal scores.",
+            "paper_headline": "exp8 (max_quant_lr1e5) vs exp7 (bf16_lr1e5), summary_20260507_102016. Abstract: "
+                              "0.43 % MMLU (= printed 0.4271), 0.58 % HellaSwag, 0.22 % ARC-Challenge "
+                              "(= from the rounded scores; the summary prints 0.2320).",
+        }
+        for name, df in tables.items():
+            write_table(df, out_tables, name, title=name.replace("_", " "), sources={**src, "note": notes[name]})
+    return tables
+
+
+def format_paper_tables(tables: Mapping[str, pd.DataFrame]) -> str:
+    ape, drops, head = tables["paper_ape"], tables["paper_drops"], tables["paper_headline"]
+    out = ["Training-loss APE (authors' logs), % of the baseline loss"]
+    out.append(f"  {'quantized':<14}{'baseline':<12}{'steps':>7}{'all':>9}{'last1000':>10}{'last10%':>9}")
+    for _, r in ape.iterrows():
+        out.append(f"  {r.quantized:<14}{r.baseline:<12}{r.n_common:>7}{r.ape_all_pct:>9.4f}"
+                   f"{r.ape_last1000_pct:>10.4f}{r.ape_last10pct_pct:>9.4f}")
+    out.append("")
+    out.append("Headline: exp8 (max_quant_lr1e5) vs exp7 (bf16_lr1e5), summary_20260507_102016")
+    out.append(f"  {'task':<15}{'shots':>5}{'exp7':>8}{'exp8':>8}{'drop printed':>14}{'drop from scores':>18}")
+    for _, r in head.iterrows():
+        out.append(f"  {r.task:<15}{r.num_fewshot:>5}{r.base_pct:>8.2f}{r.quant_pct:>8.2f}"
+                   f"{r.drop_pct_printed:>13.4f}%{r.drop_pct_from_scores:>17.4f}%")
+    out.append("  abstract: 0.43 % MMLU, 0.58 % HellaSwag, 0.22 % ARC-Challenge")
+    out.append("")
+    out.append("All published comparisons (latest summary per pair), drop % as printed by the authors")
+    latest = drops.sort_values("summary_file").groupby(["baseline", "quantized", "task"], as_index=False).last()
+    piv = latest.pivot_table(index=["baseline", "quantized"], columns="task", values="drop_pct_printed")
+    piv = piv[[t for t in PAPER_TASK_ORDER if t in piv.columns]]
+    out.append("  " + f"{'baseline':<12}{'quantized':<17}" + "".join(f"{t:>14}" for t in piv.columns))
+    for (b, q), row in piv.iterrows():
+        out.append("  " + f"{b:<12}{q:<17}" + "".join(f"{v:>14.4f}" if pd.notna(v) else f"{'':>14}" for v in row))
+    return "\n".join(out)
+
+
+# ===================================================================================== our run folders
+@dataclass
+class RunInfo:
+    path: Path
+    experiment: str
+    baseline: str | None
+    seed: int | None
+    quant: bool
+    paper_run: str | None
+    config: dict
+    info: dict
+    done: bool
+    estimator: str
+
+
+def _get(d: Mapping, dotted: str, default=None):
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return default
+        cur = cur[part]
+    return cur
+
+
+def discover_runs(runs_root: Path, profile: str) -> list[RunInfo]:
+    import yaml
+
+    base = Path(runs_root) / profile
+    runs = []
+    if not base.exists():
+        return runs
+    for cfg_p in sorted(base.glob("*/*/config_resolved.yaml")):
+        d = cfg_p.parent
+        try:
+            cfg = yaml.safe_load(cfg_p.read_text()) or {}
+        except yaml.YAMLError:
+            continue
+        info = {}
+        if (d / "run_info.json").exists():
+            try:
+                info = json.loads((d / "run_info.json").read_text())
+            except json.JSONDecodeError:
+                info = {}
+        algo = _get(cfg, "quant.algo")
+        runs.append(RunInfo(
+            path=d, experiment=str(_get(cfg, "experiment.name", d.parent.name)),
+            baseline=_get(cfg, "experiment.baseline"), seed=_get(cfg, "seed"),
+            quant=bool(_get(cfg, "quant.enabled", False)), paper_run=_get(cfg, "experiment.paper_run"),
+            config=cfg, info=info, done=(d / "DONE").exists(),
+            estimator=(json.dumps(algo, sort_keys=True) if isinstance(algo, dict) else str(algo))
+            if _get(cfg, "quant.enabled", False) else "bf16",
+        ))
+    return runs
+
+
+def _pick_baseline(run: RunInfo, runs: list[RunInfo]) -> RunInfo | None:
+    if not run.baseline:
+        return None
+    cands = [r for r in runs if r.experiment == str(run.baseline)]
+    same_seed = [r for r in cands if r.seed == run.seed]
+    pool = same_seed or cands
+    pool = sorted(pool, key=lambda r: (not r.done, str(r.path)))
+    return pool[0] if pool else None
+
+
+def _git_of(run: RunInfo):
+    g = run.info.get("git") or _get(run.info, "provenance.git") or {}
+    return g.get("commit") if isinstance(g, Mapping) else g
+
+
+def _read_samples(p: Path) -> pd.DataFrame | None:
+    return pd.read_csv(p, dtype={"doc_id": str}) if p.exists() else None
+
+
+def _eval_results(run: RunInfo, mode: str) -> dict:
+    p = run.path / "eval" / mode / "results.json"
+    if not p.exists():
+        return {}
+    data = json.loads(p.read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
+                 seed: int = 0, last_frac: float = 0.1, figures: bool = True) -> dict:
+    """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
+    "message": str}``; with no runs, writes nothing and says so in ``message``."""
+    runs_root, out_tables, out_figures = Path(runs_root), Path(out_tables), Path(out_figures)
+    runs = discover_runs(runs_root, profile)
+    if not runs:
+        msg = f"no runs under {runs_root / profile} (train some first, e.g. `make exp8 PROFILE={profile}`)"
+        return {"tables": {}, "files": [], "message": msg}
+    used: dict[str, set] = {}
+
+    def use(run: RunInfo, *files: Path):
+        for f in files:
+            used.setdefault(str(f), set()).add(_git_of(run))
+
+    # ---- runs overview
+    run_rows, metrics_cache = [], {}
+    for r in runs:
+        mp = r.path / "metrics.jsonl"
+        m = read_metrics(mp) if mp.exists() else pd.DataFrame()
+        metrics_cache[str(r.path)] = m
+        summ = json.loads((r.path / "summary.json").read_text()) if (r.path / "summary.json").exists() else {}
+        row = {"experiment": r.experiment, "seed": r.seed, "paper_run": r.paper_run, "quant": r.quant,
+               "estimator": r.estimator, "baseline": r.baseline, "done": r.done,
+               "steps": int(m["step"].max()) if "step" in m and len(m) else 0,
+               "final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan"),
+               "wall_time_s": summ.get("wall_time_s", float("nan")), "git": _git_of(r), "run_dir": str(r.path)}
+        for mode in ("bf16", "hif8"):
+            for task, res in _eval_results(r, mode).items():
+                row[f"{mode}:{task}"] = res.get("value", float("nan")) * 100.0
+                use(r, r.path / "eval" / mode / "results.json")
+        if mp.exists():
+            use(r, mp)
+        run_rows.append(row)
+    runs_df = pd.DataFrame(run_rows).sort_values(["experiment", "seed"]).reset_index(drop=True)
+
+    # ---- drops and APE per (run, baseline)
+    drop_rows, ape_rows, curves = [], [], []
+    for r in runs:
+        b = _pick_baseline(r, runs)
+        if b is None:
+            continue
+        mq, mb = metrics_cache[str(r.path)], metrics_cache[str(b.path)]
+        if "loss" in mq and "loss" in mb and len(mq) and len(mb):
+            a = loss_ape(mq["step"], mq["loss"], mb["step"], mb["loss"], last_frac=last_frac)
+            ape_rows.append({"experiment": r.experiment, "baseline": b.experiment, "seed": r.seed,
+                             "n_common": a["n_common"], "ape_all_pct": a["ape_all"], "ape_last_pct": a["ape_last"],
+                             "last_n": a["last_n"], "last_frac": last_frac,
+                             "final_loss_quant": float(mq["loss"].iloc[-1]), "final_loss_base": float(mb["loss"].iloc[-1])})
+            curves.append((r, b, mq, mb))
+        base_res = _eval_results(b, "bf16")
+        for qmode in ("bf16", "hif8"):
+            q_res = _eval_results(r, qmode)
+            for task, qr in q_res.items():
+                if task not in base_res:
+                    continue
+                bs = _read_samples(b.path / "eval" / "bf16" / f"samples_{task}.csv")
+                qs = _read_samples(r.path / "eval" / qmode / f"samples_{task}.csv")
+                row = {"experiment": r.experiment, "baseline": b.experiment, "seed": r.seed, "quant_mode": qmode,
+                       "task": task, "metric": qr.get("metric"), "base_pct": base_res[task]["value"] * 100.0,
+                       "quant_pct": qr["value"] * 100.0,
+                       "drop_pct": relative_drop(base_res[task]["value"], qr["value"])}
+                if bs is not None and qs is not None:
+                    xb, xq = align_samples(bs, qs)
+                    ci = paired_bootstrap_drop(xb, xq, n_boot=n_boot, seed=seed)
+                    row.update(n_paired=ci.n, drop_paired_pct=ci.drop, ci_lo=ci.lo, ci_hi=ci.hi,
+                               significant=ci.significant)
+                    use(b, b.path / "eval" / "bf16" / f"samples_{task}.csv")
+                    use(r, r.path / "eval" / qmode / f"samples_{task}.csv")
+                else:
+                    row.update(n_paired=0, drop_paired_pct=float("nan"), ci_lo=float("nan"), ci_hi=float("nan"),
+                               significant=False)
+                drop_rows.append(row)
+    drops_df = pd.DataFrame(drop_rows)
+    ape_df = pd.DataFrame(ape_rows)
+
+    # ---- telemetry
+    tel_rows = []
+    for r in runs:
+        m = metrics_cache[str(r.path)]
+        if not len(m):
+            continue
+        ts = telemetry_summary(m)
+        for _, t in ts.iterrows():
+            tel_rows.append({"experiment": r.experiment, "seed": r.seed, "estimator": r.estimator, **t.to_dict()})
+    tel_df = pd.DataFrame(tel_rows)
+
+    tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": ape_df,
+              f"telemetry_{profile}": tel_df}
+    notes = {
+        f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %.",
+        f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
+                            f"evaluation; paired bootstrap 95 % CI ({n_boot} resamples of the common documents, "
+                            f"seed {seed}); significant = CI excludes 0.",
+        f"ape_{profile}": f"Training-loss APE (%) over all common steps and the last {last_frac:.0%} of them.",
+        f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl: share of steps whose max amax/estimate > 1 "
+                                "(the tensor outgrew its delayed estimate), the largest ratio, overflow counts.",
+    }
+    sources = {"files": [{"path": p, "git_commits": sorted(c for c in g if c)} for p, g in sorted(used.items())],
+               "runs_root": str(runs_root), "profile": profile}
+    files = []
+    for name, df in tables.items():
+        files += list(write_table(df, out_tables, name, title=name.replace("_", " "),
+                                  sources={**sources, "note": notes[name]}).values())
+    if figures:
+        files += make_figures(curves, runs, metrics_cache, tel_df, out_figures, profile)
+    return {"tables": tables, "files": files,
+            "message": f"{len(runs)} runs, {len(drops_df)} drop rows, {len(ape_df)} APE rows"}
+
+
+# ============================================================================================ figures
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loss_pair(steps_q, loss_q, steps_b, loss_b, *, label_q: str, label_b: str, path: Path, title: str = ""):
+    plt = _plt()
+    ra = running_ape(steps_q, loss_q, steps_b, loss_b)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps_b, loss_b, lw=0.8, label=label_b)
+    ax.plot(steps_q, loss_q, lw=0.8, label=label_q)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax2 = ax.twinx()
+    ax2.plot(ra["step"], ra["running_ape"], color="k", lw=0.8, ls="--", label="running APE")
+    ax2.set_ylabel("running APE (%)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8)
+    ax.set_title(title or f"{label_q} vs {label_b}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def read_telemetry_dumps(run_dir: Path) -> pd.DataFrame:
+    rows = []
+    for p in sorted((Path(run_dir) / "telemetry").glob("*.jsonl")):
+        with open(p, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return pd.DataFrame(rows)
+
+
+def make_figures(curves, runs, metrics_cache, tel_df, out: Path, profile: str) -> list[str]:
+    plt = _plt()
+    files = []
+    out.mkdir(parents=True, exist_ok=True)
+    for r, b, mq, mb in curves:
+        p = out / f"loss_{profile}_{r.experiment}_vs_{b.experiment}_seed{r.seed}.png"
+        plot_loss_pair(mq["step"], mq["loss"], mb["step"], mb["loss"], label_q=r.experiment, label_b=b.experiment,
+                       path=p)
+        files.append(str(p))
+    for r in runs:
+        m = metrics_cache[str(r.path)]
+        tel = read_telemetry_dumps(r.path)
+        cols = [c for c in m.columns if c.endswith("/amax_max") or c.endswith("/amax_ratio_max")] if len(m) else []
+        if not cols and tel.empty:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        if not tel.empty and {"step", "role", "amax", "estimate"} <= set(tel.columns):
+            g = tel.groupby(["step", "role"])[["amax", "estimate"]].max().reset_index()
+            for role, sub in g.groupby("role"):
+                axes[0].semilogy(sub["step"], sub["amax"], lw=0.9, label=f"{role} amax")
+                axes[0].semilogy(sub["step"], sub["estimate"], lw=0.9, ls="--", label=f"{role} estimate")
+            axes[0].set_title("max over layers (telemetry dumps)")
+        else:
+            for c in [c for c in cols if c.endswith("/amax_max")]:
+                s = pd.to_numeric(m[c], errors="coerce")
+                axes[0].semilogy(m["step"], s.where(s > 0), lw=0.9, label=c.split("/")[1] + " amax")
+            axes[0].set_title("amax per step (metrics.jsonl)")
+        axes[0].set_xlabel("step")
+        axes[0].legend(fontsize=7)
+        for c in [c for c in cols if c.endswith("/amax_ratio_max")]:
+            s = pd.to_numeric(m[c], errors="coerce")
+            axes[1].plot(m["step"], s.where(s > 0), lw=0.9, label=c.split("/")[1])
+        axes[1].axhline(1.0, color="k", lw=0.6, ls=":")
+        axes[1].set_title("max amax / estimate (>1: outgrew the estimate)")
+        axes[1].set_xlabel("step")
+        axes[1].legend(fontsize=7)
+        fig.suptitle(f"{r.experiment} seed {r.seed} ({r.estimator})", fontsize=9)
+        fig.tight_layout()
+        p = out / f"scales_{profile}_{r.experiment}_seed{r.seed}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        files.append(str(p))
+    if len(tel_df):
+        piv = tel_df.groupby(["estimator", "role"])["frac_steps_ratio_gt1"].mean().unstack("role")
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        piv.plot.bar(ax=ax)
+        ax.set_ylabel("share of steps with amax > estimate")
+        ax.set_title("saturation events per estimator")
+        ax.tick_params(axis="x", labelrotation=20, labelsize=7)
+        fig.tight_layout()
+        p = out / f"saturation_{profile}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        files.append(str(p))
+    return files
+
+
+def format_report(rep: dict) -> str:
+    out = [rep.get("message", "")]
+    for name, df in rep.get("tables", {}).items():
+        if name.startswith("runs_"):
+            continue
+        out += ["", name, to_markdown(df, 3) if len(df) else "(empty)"]
+    return "\n".join(out)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Tables and figures (results/tables, results/figures)")
+    ap.add_argument("--paper", action="store_true", help="the paper's tables from the authors' data")
+    ap.add_argument("--profile", default="mini")
+    ap.add_argument("--runs-root", type=Path, default=REPO / "results" / "runs")
+    ap.add_argument("--tables", type=Path, default=TABLES_DIR)
+    ap.add_argument("--figures", type=Path, default=FIGURES_DIR)
+    ap.add_argument("--paper-dir", type=Path, default=PAPER_DIR)
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.paper:
+        tables = build_paper_tables(args.paper_dir, args.tables)
+        print(format_paper_tables(tables))
+        print(f"\nwritten: {args.tables}/paper_*.csv|md")
+        return 0
+    rep = build_report(args.runs_root, args.profile, args.tables, args.figures)
+    print(format_report(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -269,3 +269,17 @@ def test_export_round_trip_restores_scales(tmp_path):
     ids = torch.randint(0, 96, (2, 12))
     with torch.no_grad():
         assert torch.equal(m(ids).logits, plain.eval()(ids).logits)
+
+
+def test_model_dtype_cast_keeps_scaler_state_in_fp32():
+    m = tiny_llama(2)
+    convert_model(m, "mlp", None, ScalingConfig())
+    m.to(torch.bfloat16)  # the authors' BF16 parameters (quirks=authors)
+    layer = m.model.layers[1].mlp.up_proj
+    assert layer.weight.dtype == torch.bfloat16
+    assert layer.scaler_a.history.dtype == torch.float32 and layer.scaler_a.est_block.dtype == torch.float64
+    ids = torch.randint(0, 96, (2, 8))
+    loss = m(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and layer.weight.grad.dtype == torch.bfloat16
+    assert layer.scaler_g.total.item() == 1

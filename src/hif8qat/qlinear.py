@@ -93,6 +93,14 @@ class _HiF8LinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
+@torch.compiler.disable
+def _quantized_linear(x, weight, bias, module):
+    # The scalers keep Python-side bookkeeping (call counters, schedules) that a traced graph would bake
+    # in as constants: under torch.compile the quantized linear is a graph break and runs eagerly (the
+    # HiF8 kernel inside formats is compiled on its own).
+    return _HiF8LinearFn.apply(x, weight, bias, module)
+
+
 class HiF8Linear(nn.Linear):
     """Drop-in ``nn.Linear`` with HiF8 fake quantization of A, W (forward) and G (backward)."""
 
@@ -130,7 +138,7 @@ class HiF8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quant_enabled:
             return F.linear(x, self.weight, self.bias)
-        return _HiF8LinearFn.apply(x, self.weight, self.bias, self)
+        return _quantized_linear(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, hif8={'on' if self.quant_enabled else 'off'}"

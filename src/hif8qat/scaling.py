@@ -17,9 +17,10 @@ Per quantizer call
      with interval 1 the two agree).
    * **refresh**: the estimate comes from the history **before** the current amax is appended:
      ``max`` / ``most_recent`` / ``mean`` over the last ``history_len`` entries, or ``exp_smooth``
-     (below). A non-finite or non-positive estimate falls back to 1.0 (authors' rule), i.e.
-     ``scale = target``; a history that is still empty (every amax so far non-finite) reuses the
-     previous estimate.
+     (below). A non-finite or non-positive cold-start amax falls back to 1.0 (authors' rule), i.e.
+     ``scale = target``; a history estimate that is 0 (history still empty because every amax so far
+     was non-finite, or only zero amaxes) keeps the previous estimate (the authors use 1.0 there too;
+     the two agree when that previous estimate is the cold-start fallback).
    * ``algo`` and ``interval`` may be step schedules ``{0: "most_recent", 1000: "exp_smooth"}``: the
      value for a call is the one of the largest key <= the step given by :meth:`set_step`.
 2. Quantize with the fused ``formats.hif8_qdq_scaled_amax`` (one pass: qdq + amax of the unscaled
@@ -35,11 +36,13 @@ call amaxes. The entry of step t is committed at the first call of the next step
 :meth:`set_step`); the scale is refreshed only at step boundaries (interval then counts steps), the
 first call after a reset is a cold start and the rest of that first step reuses its scale.
 
-No host synchronisation for ``max`` / ``most_recent`` / ``mean``: the history is a ring buffer
-tensor on the tensor's device with a device counter of entries ever appended (``total``; write
-position ``total % history_len``), the estimate and the non-finite / empty-history cases use tensor
-ops and ``torch.where``; interval and schedule bookkeeping uses Python ints. ``exp_smooth`` copies
-the history to the host at each refresh (one sync per refresh).
+No host synchronisation for ``max`` / ``most_recent`` / ``mean``: the history is a fixed-size
+float32 buffer on the tensor's device (newest entry last, shifted by one per append; unused leading
+slots hold 0, neutral for max and sum) with a device counter ``total`` of entries ever appended; the
+estimate and the non-finite / empty-history / cold-start cases use tensor ops and ``torch.where``;
+interval and schedule bookkeeping uses Python ints. ``exp_smooth`` copies the history to the host at
+each refresh (one sync per refresh). The scaler follows device moves of its model but not dtype casts
+(``model.to(torch.bfloat16)`` leaves the history in float32 and the estimates in float64).
 
 ``exp_smooth`` (own version of the authors' ``ExpSmoothPredictor``)
 --------------------------------------------------------------------
@@ -487,10 +490,15 @@ class DelayedScaler(nn.Module):
         self._frozen = False
         self._reset_python_state()
 
-    def _apply(self, fn, recurse=True):  # .to()/.cuda() replace buffers: re-point the views
-        out = super()._apply(fn, recurse)
+    def _apply(self, fn, recurse=True):
+        # Follow device moves of the enclosing model (.to(device), .cuda(), ...) but never its dtype
+        # casts: model.to(torch.bfloat16) must not round the amax history or the scales.
+        dev = fn(torch.zeros(1, dtype=torch.float32, device=self.history.device)).device
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.device != dev:
+                self._buffers[name] = buf.to(dev)
         self._select_block(self._block_j)
-        return out
+        return self
 
     # -- python state ----------------------------------------------------------------------------
     def _reset_python_state(self) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import types
 import warnings
 
 import torch
@@ -68,7 +69,6 @@ _HALF_MIN_BITS = 0x34000000  # 2^-23: from here up (ties away) values round to 2
 _EXP_BIAS = 127
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DEFAULT_GENERATOR_LOCK = threading.Lock()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -212,13 +212,6 @@ def _qdq_fp32_lut_(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _qdq_16bit_lut(x: torch.Tensor) -> torch.Tensor:
-    """Eager bf16/fp16 "ta" qdq: one gather from a table of all 65,536 results."""
-    name = "lut16_bf16" if x.dtype == torch.bfloat16 else "lut16_fp16"
-    lut = _table(name, x.device)
-    return lut[x.view(torch.int16).int()].view(x.dtype)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Codes: en_dtypes' byte layout, derived once from the value set.
 
@@ -281,11 +274,35 @@ def _encode_table() -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Compiled fast path with eager fallback
+# One kernel body for every variant; compiled per variant, or run eagerly.
+
+
+def _kernel_body(x, scale, rand, out, *, scaled: bool, saturate: bool, want_amax: bool):
+    """qdq of a flat tensor: optionally scaled (x * scale, qdq, / scale in fp32), saturated, with amax.
+
+    Written once and specialised by keyword flags; ``torch.compile`` turns each variant into one
+    fused loop (the amax reduction reads the same x as the quantisation).
+    """
+    xf = x.float()
+    if scaled:
+        xf = xf * scale
+    y = _qdq_fp32_arith(xf, rand)
+    if saturate:
+        y = torch.clamp(y, -HIF8_MAX, HIF8_MAX)
+    if scaled:
+        y = y / scale
+    y = y.to(x.dtype)
+    amax = x.abs().amax().float() if want_amax else None
+    if out is not None:
+        out.copy_(y)
+        y = out
+    return y, amax
+
 
 _COMPILE_LOCK = threading.Lock()
-_compiled: dict[str, object] = {}
+_compiled: dict[tuple, object] = {}
 _compile_failed: str | None = None
+_MIN_COMPILED_NUMEL = 1024  # below this the eager path is as fast and avoids size-0/1 specialisation
 
 
 def _compile_enabled() -> bool:
@@ -297,59 +314,105 @@ def compile_status() -> dict[str, object]:
     return {"enabled": _compile_enabled(), "failed": _compile_failed}
 
 
-def _kernel_qdq(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    y = _qdq_fp32_arith(x).to(x.dtype)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+def _variant_function(key: tuple, flags: dict):
+    """A fresh function object *with its own code object* for one variant.
+
+    Dynamo keeps its cache (and its recompile limit of 8) per code object. Giving every variant
+    (flags, dtype, device type, out mode) its own copy of the code means each compiles once, with a
+    dynamic length, and no mix of dtypes or out modes can exhaust a shared recompile budget.
+    """
+    name = "hif8_kernel_" + "_".join(str(k).replace(".", "_") for k in key)
+
+    def kernel(x, scale, rand, out):
+        return _kernel_body(x, scale, rand, out, **flags)
+
+    code = kernel.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, kernel.__globals__, name, kernel.__defaults__, kernel.__closure__)
 
 
-def _kernel_qdq_scaled(x, scale, saturate: bool, want_amax: bool, out):
-    xs = x.float() * scale
-    y = _qdq_fp32_arith(xs)
-    if saturate:
-        y = torch.clamp(y, -HIF8_MAX, HIF8_MAX)
-    y = (y / scale).to(x.dtype)
-    amax = x.abs().amax().float() if want_amax else None
-    if out is not None:
-        out.copy_(y)
-        y = out
-    return y, amax
-
-
-def _get_compiled(name: str, fn):
-    c = _compiled.get(name)
+def _get_compiled(key: tuple, flags: dict):
+    c = _compiled.get(key)
     if c is None:
         with _COMPILE_LOCK:
-            c = _compiled.get(name)
+            c = _compiled.get(key)
             if c is None:
-                c = torch.compile(fn, dynamic=True, fullgraph=True)
-                _compiled[name] = c
+                c = torch.compile(_variant_function(key, flags), dynamic=True, fullgraph=True)
+                _compiled[key] = c
     return c
 
 
 def _disable_compile(err: BaseException) -> None:
     global _compile_failed
     if _compile_failed is None:
-        _compile_failed = f"{type(err).__name__}: {err}"
+        lines = [ln.strip() for ln in f"{type(err).__name__}: {err}".splitlines() if ln.strip()]
+        _compile_failed = " ".join(lines[:3])[:500]
         warnings.warn(
             f"hif8qat: torch.compile of the HiF8 quantizer failed ({_compile_failed}); "
             "using the eager implementation from now on",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
-def _try_compiled(name: str, fn, *args):
-    """Run the compiled ``fn``; None if compilation is unavailable or has failed (then remembered)."""
-    if not _compile_enabled() or torch.compiler.is_compiling():
+def _run_compiled(flags: dict, x, scale, rand, out):
+    """The compiled variant's result, or None when compilation is off, unavailable or has failed.
+
+    A failure (no compiler, unsupported backend, ...) is caught at the call, remembered for the rest of
+    the process and reported by one warning; the caller then takes the eager path.
+    """
+    if not _compile_enabled() or x.numel() < _MIN_COMPILED_NUMEL or torch.compiler.is_compiling():
         return None
+    out_mode = "none" if out is None else ("alias" if out.data_ptr() == x.data_ptr() else "out")
+    key = (*sorted(flags.items()), rand is not None, x.dtype, x.device.type, out_mode)
     try:
-        return _get_compiled(name, fn)(*args)
+        return _get_compiled(key, flags)(x, scale, rand, out)
     except Exception as err:  # noqa: BLE001 - any compiler failure means: fall back to eager
         _disable_compile(err)
         return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Eager paths (flat, contiguous tensors)
+
+
+def _eager_ta_into(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Table-driven "ta" qdq of flat x into flat ``out`` (allocated when None)."""
+    if x.dtype == torch.float32:
+        return _qdq_fp32_lut_(x, torch.empty_like(x) if out is None else out)
+    name = "lut16_bf16" if x.dtype == torch.bfloat16 else "lut16_fp16"
+    lut = _table(name, x.device)
+    idx = x.view(torch.int16).int()
+    idx &= 0xFFFF  # index_select wants non-negative indices
+    if out is None:
+        out = torch.empty_like(x)
+    torch.index_select(lut, 0, idx, out=out.view(torch.int16))
+    return out
+
+
+def _eager(flags: dict, x, scale, rand, out):
+    """Eager counterpart of the compiled kernel; tables for "ta", the arithmetic for stochastic."""
+    if rand is not None:
+        return _kernel_body(x, scale, rand, out, **flags)
+    if not flags["scaled"]:
+        return _eager_ta_into(x, out), None
+    if x.dtype == torch.float32 and out is not None and out.data_ptr() != x.data_ptr():
+        xs = torch.mul(x, scale, out=out)  # work in the caller's buffer: no temporary
+    else:
+        xs = x.float() * scale
+    y = _qdq_fp32_lut_(xs, xs)
+    if flags["saturate"]:
+        y.clamp_(-HIF8_MAX, HIF8_MAX)
+    y.div_(scale)
+    y = y.to(x.dtype)
+    amax = None
+    if flags["want_amax"]:
+        # aminmax is one fused pass; x.abs().amax() would first materialise |x|
+        mn, mx = torch.aminmax(x)
+        amax = torch.maximum(mx.float(), -mn.float())
+    if out is not None and y is not out:
+        out.copy_(y)
+        y = out
+    return y, amax
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -371,9 +434,12 @@ def _check_rounding(rounding) -> str:
         raise ValueError(f"rounding must be one of {ROUNDINGS}; got {rounding!r}")
     if rounding == "hr":
         raise NotImplementedError(
-            "rounding='hr' (HiF8 hybrid rounding): the public HiF8 paper (arXiv 2409.16626) names it but "
-            "does not specify which bits decide the rounding direction, and no public reference "
-            "implementation was found; use 'ta' or 'stochastic'"
+            "rounding='hr' (HiF8 hybrid rounding) is not available: the public sources name it (round half "
+            "away for |exponent| < 4, a stochastic-style rounding elsewhere) but do not specify the "
+            "random source or the threshold bit widths of the stochastic part; the one public "
+            "reconstruction found (a CANN host codec: up iff the top 14 dropped bits >= the lowest 14 "
+            "bits) rounds exactly representable values such as 16.0 up to 20.0, so it is not a usable "
+            "specification. Use rounding='ta' or 'stochastic'"
         )
     return rounding
 
@@ -393,8 +459,12 @@ def _check_out(out, x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def _check_scale(scale, x: torch.Tensor):
-    """Validate a positive finite scale. Device tensors on an accelerator are not checked (no host sync)."""
+def _check_scale(scale, x: torch.Tensor) -> torch.Tensor:
+    """A positive finite scale as a 0-d float32 tensor on x's device.
+
+    Python numbers and CPU tensors are validated. A tensor on an accelerator is not (reading it would
+    force a host sync on every call); a bad value there shows up as inf/NaN/0 in the result.
+    """
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or not scale.is_floating_point():
             raise ValueError(
@@ -404,7 +474,7 @@ def _check_scale(scale, x: torch.Tensor):
             v = float(scale)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"scale must be positive and finite (0 < scale < inf); got {v}")
-        return scale.reshape(()).to(device=x.device, dtype=torch.float32)
+        return scale.detach().reshape(()).to(device=x.device, dtype=torch.float32)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(
             f"scale must be a positive finite float or a 1-element float tensor; got {type(scale)}"
@@ -412,30 +482,44 @@ def _check_scale(scale, x: torch.Tensor):
     v = float(scale)
     if not (math.isfinite(v) and v > 0):
         raise ValueError(f"scale must be positive and finite (0 < scale < inf); got {v}")
-    return v
+    # torch.full fills on the device (no host-to-device copy, no sync)
+    return torch.full((), v, dtype=torch.float32, device=x.device)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Public API
 
 
-def _random_bits(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Uniform int32 in [0, 2^23) per element, drawn from ``generator`` (or the default) on x's device."""
-    return torch.randint(0, 1 << 23, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+def _random_bits(n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform int32 in [0, 2^23) per element, drawn from ``generator`` (or the default) on device."""
+    return torch.randint(0, 1 << 23, (n,), dtype=torch.int32, device=device, generator=generator)
 
 
-def _qdq_eager(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        xc = x.contiguous()
-        if out is not None and out.is_contiguous():
-            return _qdq_fp32_lut_(xc, out)
-        y = _qdq_fp32_lut_(xc, torch.empty_like(xc))
+def _dispatch(x, scale, rounding, generator, out, *, scaled, saturate, want_amax):
+    """Flatten, pick compiled or eager, and put the result where the caller wants it."""
+    flags = {"scaled": scaled, "saturate": bool(saturate), "want_amax": want_amax}
+    if x.numel() == 0:
+        y = out if out is not None else torch.empty_like(x)
+        amax = torch.zeros((), dtype=torch.float32, device=x.device) if want_amax else None
+        return y, amax
+    xf = x.contiguous().view(-1)
+    direct = out is not None and out.is_contiguous()
+    of = out.view(-1) if direct else None
+    if direct and out.data_ptr() == x.data_ptr() and x.is_contiguous():
+        of = xf  # in place: one tensor object, which the compiler handles as an input mutation
+    rand = _random_bits(xf.numel(), x.device, generator) if rounding == "stochastic" else None
+    r = _run_compiled(flags, xf, scale, rand, of)
+    if r is None:
+        r = _eager(flags, xf, scale, rand, of)
+    y, amax = r
+    if direct:
+        y = out
+    elif out is not None:
+        out.copy_(y.view(x.shape))
+        y = out
     else:
-        y = _qdq_16bit_lut(x.contiguous())
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+        y = y.view(x.shape)
+    return y, amax
 
 
 def hif8_qdq(
@@ -449,51 +533,12 @@ def hif8_qdq(
 
     rounding: "ta" (half away from zero; bit-exact with en_dtypes), "stochastic" (unbiased; draws
     from ``generator``), "hr" (not available, raises NotImplementedError). ``out``: optional
-    preallocated result (same dtype/shape/device as x), which avoids an allocation per call.
+    preallocated result (same dtype/shape/device as x; may be x itself), which saves an allocation.
     """
     x = _check_x(x)
     rounding = _check_rounding(rounding)
     out = _check_out(out, x)
-    if rounding == "stochastic":
-        y = _qdq_fp32_arith(x, _random_bits(x, generator)).to(x.dtype)
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y
-    r = _try_compiled("qdq", _kernel_qdq, x, out)
-    if r is not None:
-        return r
-    return _qdq_eager(x, out)
-
-
-def _scaled(x, scale, rounding, saturate, generator, out, want_amax):
-    x = _check_x(x)
-    rounding = _check_rounding(rounding)
-    out = _check_out(out, x)
-    scale = _check_scale(scale, x)
-    if rounding == "ta":
-        r = _try_compiled(
-            f"scaled_amax={want_amax}", _kernel_qdq_scaled, x, scale, bool(saturate), want_amax, out
-        )
-        if r is not None:
-            return r
-    xs = x.float() * scale
-    if rounding == "stochastic":
-        y = _qdq_fp32_arith(xs, _random_bits(xs, generator))
-    else:
-        y = _qdq_fp32_lut_(xs, xs)
-    if saturate:
-        y.clamp_(-HIF8_MAX, HIF8_MAX)
-    y.div_(scale)
-    y = y.to(x.dtype)
-    amax = None
-    if want_amax:
-        mn, mx = torch.aminmax(x)
-        amax = torch.maximum(mx.float(), -mn.float())
-    if out is not None:
-        out.copy_(y)
-        y = out
-    return y, amax
+    return _dispatch(x, None, rounding, generator, out, scaled=False, saturate=False, want_amax=False)[0]
 
 
 def hif8_qdq_scaled(
@@ -507,11 +552,15 @@ def hif8_qdq_scaled(
 ) -> torch.Tensor:
     """``qdq(x * scale) / scale`` computed in float32 and cast back to x's dtype.
 
-    scale: a positive finite python float or a 1-element float tensor. A CPU tensor is validated; a
+    scale: a positive finite python number or a 1-element float tensor. A CPU tensor is validated; a
     tensor on an accelerator is not (validating it would force a host sync on every call).
-    saturate=True clamps results to +-HIF8_MAX instead of overflowing to +-inf (NaN still propagates).
+    saturate=True clamps results to +-HIF8_MAX instead of +-inf (infinite inputs too); NaN propagates.
     """
-    return _scaled(x, scale, rounding, saturate, generator, out, want_amax=False)[0]
+    x = _check_x(x)
+    rounding = _check_rounding(rounding)
+    out = _check_out(out, x)
+    scale = _check_scale(scale, x)
+    return _dispatch(x, scale, rounding, generator, out, scaled=True, saturate=saturate, want_amax=False)[0]
 
 
 def hif8_qdq_scaled_amax(
@@ -523,21 +572,26 @@ def hif8_qdq_scaled_amax(
     generator: torch.Generator | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hif8_qdq_scaled`` plus ``amax = max|x|`` (unscaled x, 0-d float32 on x's device) from one pass.
+    """``hif8_qdq_scaled`` plus ``amax = max|x|`` (unscaled x, 0-d float32 on x's device).
 
-    The delayed scaler needs the amax of every quantized tensor; computing it in the same compiled
-    kernel as the quantization avoids a second read of x. NaN/inf in x propagate into amax.
+    The delayed scaler needs the amax of every quantized tensor; the compiled path computes it in the
+    same kernel as the quantization, so x is read once. NaN/inf in x propagate into amax; an empty x
+    gives amax 0.
     """
-    return _scaled(x, scale, rounding, saturate, generator, out, want_amax=True)
+    x = _check_x(x)
+    rounding = _check_rounding(rounding)
+    out = _check_out(out, x)
+    scale = _check_scale(scale, x)
+    return _dispatch(x, scale, rounding, generator, out, scaled=True, saturate=saturate, want_amax=True)
 
 
 def hif8_encode(x: torch.Tensor) -> torch.Tensor:
     """HiF8 byte codes (en_dtypes layout, uint8) of x rounded with "ta". NaN -> 0x80, one zero 0x00."""
     x = _check_x(x)
-    y = _qdq_fp32_arith(x)
+    y = hif8_qdq(x).float()  # exact: every HiF8 value is a bf16/fp16 value too
     top = torch.bitwise_right_shift(y.view(torch.int32), 20) & 0xFFF
-    codes = _table("encode", x.device)[top]
-    return torch.where(torch.isnan(y), torch.tensor(0x80, dtype=torch.uint8, device=x.device), codes)
+    codes = _table("encode", x.device)[top.reshape(-1)].view(x.shape)  # 1-d index: always a copy
+    return codes.masked_fill_(torch.isnan(y), 0x80)
 
 
 def hif8_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -547,4 +601,5 @@ def hif8_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
         raise ValueError(f"codes must be a torch.uint8 tensor; got {got}")
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {dtype}")
-    return _table("decode", codes.device)[codes.int()].to(dtype)
+    vals = _table("decode", codes.device)[codes.reshape(-1).int()]  # 1-d index: always a copy
+    return vals.view(codes.shape).to(dtype)

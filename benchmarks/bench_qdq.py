@@ -1,0 +1,144 @@
+"""Throughput of HiF8 qdq against reference ops, measured side by side in one run (DESIGN.md section 8).
+
+For each size (fp32 and bf16 input) it prints elements/s, the median of ``--repeats`` timed calls after
+a warm-up, of:
+
+  compiled        hif8_qdq(x), torch.compile'd path, output allocated
+  compiled out=   hif8_qdq(x, out=buf), preallocated output
+  eager           hif8_qdq(x) with HIF8QAT_COMPILE=0 (lookup-table fallback), allocated
+  eager out=      the same into a preallocated output
+  scaled+amax     hif8_qdq_scaled_amax(x, s) (compiled, fused), allocated
+  scaled+amax out= the same into a preallocated output
+  e4m3            x.to(torch.float8_e4m3fn).to(x.dtype), torch's native fp8 round trip
+  en_dtypes       numpy astype(hifloat8) and back (the ground-truth simulator)
+  copy_           buf.copy_(x), preallocated: the memory-bandwidth ceiling
+
+and the ratios the targets are stated in. ``THP_MEM_ALLOC_ENABLE=1`` (transparent huge pages for
+torch's CPU allocator) is set before torch is imported unless ``--no-thp``: fresh large allocations
+otherwise page-fault through 4 KiB pages and dominate elementwise kernels on this machine; it applies to
+every op in the table alike.
+
+Usage: python benchmarks/bench_qdq.py [--quick] [--repeats 5] [--no-en-dtypes] [--no-thp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="only 1M and 16M elements")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median; >= 5)")
+    p.add_argument("--no-en-dtypes", action="store_true", help="skip the (slow) en_dtypes round trip")
+    p.add_argument("--no-thp", action="store_true", help="do not set THP_MEM_ALLOC_ENABLE=1")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated input dtypes")
+    return p.parse_args(argv)
+
+
+ARGS = _parse(sys.argv[1:])
+if not ARGS.no_thp:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # must precede the torch import
+
+import en_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from hif8qat import formats  # noqa: E402
+from hif8qat.formats import hif8_qdq, hif8_qdq_scaled_amax  # noqa: E402
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds per call after two warm-up calls (the first compiles / faults in pages)."""
+    fn()
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+class eager_mode:
+    """Route hif8qat through its eager fallback inside the block."""
+
+    def __enter__(self):
+        self.old = os.environ.get("HIF8QAT_COMPILE")
+        os.environ["HIF8QAT_COMPILE"] = "0"
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("HIF8QAT_COMPILE", None)
+        else:
+            os.environ["HIF8QAT_COMPILE"] = self.old
+
+
+def bench_one(n: int, dtype: torch.dtype, repeats: int, with_en: bool) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(n, generator=g) * 4).to(dtype)
+    buf = torch.empty_like(x)
+    scale = torch.tensor(3.75)
+    r: dict[str, float] = {}
+    r["compiled"] = timed(lambda: hif8_qdq(x), repeats)
+    r["compiled out="] = timed(lambda: hif8_qdq(x, out=buf), repeats)
+    with eager_mode():
+        r["eager"] = timed(lambda: hif8_qdq(x), repeats)
+        r["eager out="] = timed(lambda: hif8_qdq(x, out=buf), repeats)
+    r["scaled+amax"] = timed(lambda: hif8_qdq_scaled_amax(x, scale), repeats)
+    r["scaled+amax out="] = timed(lambda: hif8_qdq_scaled_amax(x, scale, out=buf), repeats)
+    r["e4m3"] = timed(lambda: x.to(torch.float8_e4m3fn).to(dtype), repeats)
+    if with_en:
+        xn = x.float().numpy()
+
+        def en_round_trip():
+            with np.errstate(invalid="ignore", over="ignore"):
+                return torch.from_numpy(xn.astype(en_dtypes.hifloat8).astype(np.float32)).to(dtype)
+
+        r["en_dtypes"] = timed(en_round_trip, max(3, repeats // 2) if n > 1 << 24 else repeats)
+    r["copy_"] = timed(lambda: buf.copy_(x), repeats)
+    return {k: n / v for k, v in r.items()}  # elements per second
+
+
+def main() -> int:
+    sizes = [1 << 20, 1 << 24] if ARGS.quick else [1 << 20, 1 << 24, 1 << 26]
+    dtypes = [getattr(torch, d) for d in ARGS.dtypes.split(",")]
+    repeats = max(5, ARGS.repeats)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '')}, median of {repeats}"
+    )
+    rows = []
+    for dtype in dtypes:
+        for n in sizes:
+            r = bench_one(n, dtype, repeats, not ARGS.no_en_dtypes)
+            rows.append((dtype, n, r))
+            name = str(dtype).replace("torch.", "")
+            print(f"\n{name} n={n // (1 << 20)}M  (Melem/s)")
+            for k, v in r.items():
+                print(f"  {k:<18} {v / 1e6:9.1f}")
+            e4 = r["e4m3"]
+            print("  ratios:")
+            print(f"    compiled / e4m3          {r['compiled'] / e4:6.2f}x   (target >= 1.5, stretch 1.8)")
+            print(
+                f"    compiled out= / copy_    {r['compiled out='] / r['copy_']:6.2f}x   (target >= 0.4, stretch 0.9)"
+            )
+            print(f"    eager / e4m3             {r['eager'] / e4:6.2f}x   (target >= 0.3, stretch 0.45)")
+            print(f"    eager out= / copy_       {r['eager out='] / r['copy_']:6.2f}x")
+            print(f"    scaled+amax / e4m3       {r['scaled+amax'] / e4:6.2f}x   (target >= 1.5)")
+            print(
+                f"    scaled+amax time / qdq   {r['compiled'] / r['scaled+amax']:6.2f}x   (target <= 1.1; "
+                f"out=: {r['compiled out='] / r['scaled+amax out=']:.2f}x)"
+            )
+            if "en_dtypes" in r:
+                print(f"    compiled / en_dtypes     {r['compiled'] / r['en_dtypes']:6.1f}x")
+    print(f"\ncompile status: {formats.compile_status()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -77,17 +77,18 @@ class TaskSpec:
     metric: str  # the sample-level metric the paper reports (acc / acc_norm / exact_match)
     filter: str = "none"
     mini: bool = False
+    lm_eval_dir: str | None = None  # folder under lm_eval/tasks holding the task's YAMLs (indexed alone: fast)
 
 
 TASKS: dict[str, TaskSpec] = {
     "mini_mmlu": TaskSpec("mini_mmlu", 5, "acc", mini=True),
     "mini_hellaswag": TaskSpec("mini_hellaswag", 2, "acc_norm", mini=True),
     "mini_arc": TaskSpec("mini_arc", 3, "acc_norm", mini=True),
-    "mmlu": TaskSpec("mmlu", 5, "acc"),
-    "hellaswag": TaskSpec("hellaswag", 10, "acc_norm"),
-    "arc_challenge": TaskSpec("arc_challenge", 25, "acc_norm"),
-    "arc_easy": TaskSpec("arc_easy", 25, "acc_norm"),
-    "gsm8k": TaskSpec("gsm8k", 5, "exact_match", filter="flexible-extract"),
+    "mmlu": TaskSpec("mmlu", 5, "acc", lm_eval_dir="mmlu"),
+    "hellaswag": TaskSpec("hellaswag", 10, "acc_norm", lm_eval_dir="hellaswag"),
+    "arc_challenge": TaskSpec("arc_challenge", 25, "acc_norm", lm_eval_dir="arc"),
+    "arc_easy": TaskSpec("arc_easy", 25, "acc_norm", lm_eval_dir="arc"),
+    "gsm8k": TaskSpec("gsm8k", 5, "exact_match", filter="flexible-extract", lm_eval_dir="gsm8k"),
 }
 SUITES: dict[str, tuple[str, ...]] = {
     "mini": ("mini_mmlu", "mini_hellaswag", "mini_arc"),
@@ -120,6 +121,37 @@ def resolve_tasks(tasks: str | Iterable[str]) -> list[TaskSpec]:
 
 
 # --------------------------------------------------------------------------------- paper-task datasets
+def lm_eval_task_dirs(specs: Iterable[TaskSpec]) -> list[Path] | None:
+    """lm-eval's own YAML folders for the paper tasks (None = index everything: a task without a folder).
+
+    Indexing only these folders takes a second; lm-eval's full index (~15k YAMLs) takes 10-90 s here.
+    """
+    import lm_eval.tasks
+
+    root = Path(lm_eval.tasks.__file__).resolve().parent
+    dirs: list[Path] = []
+    for s in specs:
+        if s.mini:
+            continue
+        if s.lm_eval_dir is None:
+            return None
+        d = root / s.lm_eval_dir
+        if d not in dirs:
+            dirs.append(d)
+    return dirs
+
+
+def task_index_for(specs: Iterable[TaskSpec]) -> Mapping[str, Any]:
+    from lm_eval.tasks._index import TaskIndex
+
+    dirs = lm_eval_task_dirs(specs)
+    if dirs is None:
+        from lm_eval.tasks import TaskManager
+
+        return TaskManager().task_index
+    return TaskIndex.build(dirs)
+
+
 def _leaf_tasks(name: str, index: Mapping[str, Any], _seen: set[str] | None = None) -> list[str]:
     """Leaf task names under a task/group/tag name in lm-eval's task index."""
     from lm_eval.tasks._index import Kind
@@ -207,9 +239,7 @@ def prepare_paper_tasks(
     if not paper:
         return [], False
     if index is None:
-        from lm_eval.tasks import TaskManager
-
-        index = TaskManager().task_index
+        index = task_index_for(paper)
     local = _local_dataset_map(local_datasets)
     root = os.environ.get(LOCAL_DATA_ENV)
     override_dir = workdir / "task_overrides"
@@ -420,11 +450,11 @@ def evaluate_model(
     device = device or str(next(model.parameters()).device)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp:
-        include = [MINITASK_DIR]
         extra, force_offline = prepare_paper_tasks(specs, local_datasets, Path(tmp))
-        include += extra
-        has_paper = any(not s.mini for s in specs)
-        tm = TaskManager(include_path=[str(p) for p in include], include_defaults=has_paper)
+        lm_dirs = lm_eval_task_dirs(specs)
+        # later include paths override earlier ones: lm-eval's folders, then the local-dataset overrides
+        include = (lm_dirs or []) + [MINITASK_DIR] + extra
+        tm = TaskManager(include_path=[str(p) for p in include], include_defaults=lm_dirs is None)
         task_cfgs: list[str | dict] = []
         shots = {}
         for s in specs:

@@ -1,0 +1,163 @@
+"""evaluate.py on the tiny model: eval folder layout and counts, hif8 mode from an export, local-dataset
+overrides for paper tasks, and the fail-fast error when a dataset is unavailable."""
+
+import csv
+import gzip
+import json
+import time
+
+import pytest
+import torch
+
+from hif8qat import evaluate as ev
+
+tiny = pytest.importorskip("hif8qat.models")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    model, tok = tiny.build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64)
+    return model, tok
+
+
+def _read_csv(p):
+    with p.open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_resolve_tasks():
+    assert [s.name for s in ev.resolve_tasks("mini")] == ["mini_mmlu", "mini_hellaswag", "mini_arc"]
+    assert [s.name for s in ev.resolve_tasks("paper")] == ["mmlu", "hellaswag", "arc_challenge"]
+    assert [s.metric for s in ev.resolve_tasks("paper")] == ["acc", "acc_norm", "acc_norm"]
+    assert [s.num_fewshot for s in ev.resolve_tasks("paper")] == [5, 10, 25]
+    assert [s.name for s in ev.resolve_tasks("mini_arc,mmlu")] == ["mini_arc", "mmlu"]
+    with pytest.raises(ValueError, match="unknown task"):
+        ev.resolve_tasks(["nope"])
+
+
+def test_evaluate_mini_tasks_writes_contract_layout(tiny_model, tmp_path):
+    model, tok = tiny_model
+    out = tmp_path / "eval" / "bf16"
+    res = ev.evaluate_model(model, tok, "mini", out_dir=out, limit=3, batch_size=8,
+                            num_fewshot={"mini_mmlu": 2})
+    tasks = ev.load_eval_results(out / "results.json")
+    assert set(tasks) == {"mini_mmlu", "mini_hellaswag", "mini_arc"}
+    assert tasks == {k: v for k, v in res.items() if not k.startswith("_")}
+    for name, r in tasks.items():
+        assert set(r) == {"metric", "value", "stderr", "n", "num_fewshot"}
+        assert r["n"] == 3
+        rows = _read_csv(out / f"samples_{name}.csv")
+        assert [row["doc_id"] for row in rows] == ["0", "1", "2"]
+        assert {row["correct"] for row in rows} <= {"0", "1"}
+        # results value = mean of the per-sample correctness for the task's metric
+        assert r["value"] == pytest.approx(sum(int(row["correct"]) for row in rows) / 3)
+        with gzip.open(out / f"samples_{name}.jsonl.gz", "rt") as fh:
+            compact = [json.loads(line) for line in fh]
+        assert len(compact) == 3 and r["metric"] in compact[0] and "arguments" not in compact[0]
+    assert tasks["mini_mmlu"]["metric"] == "acc" and tasks["mini_arc"]["metric"] == "acc_norm"
+    assert tasks["mini_mmlu"]["num_fewshot"] == 2 and tasks["mini_hellaswag"]["num_fewshot"] == 2
+    assert tasks["mini_arc"]["num_fewshot"] == 3
+    meta = json.loads((out / "results.json").read_text())["_meta"]
+    assert meta["mode"] == "bf16" and meta["dtype"] == "float32" and meta["limit"] == 3
+    assert "versions" in meta["provenance"]
+    lm = json.loads((out / "lm_eval_results.json").read_text())
+    assert "samples" not in lm and lm["n-shot"]["mini_mmlu"] == 2
+
+
+def test_hif8_mode_from_export(tmp_path):
+    qlinear = pytest.importorskip("hif8qat.qlinear")
+    from hif8qat.scaling import ScalingConfig
+
+    model, tok = tiny.build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=1)
+    export = tmp_path / "export"
+    model.save_pretrained(export)
+    tok.save_pretrained(export)
+    qlinear.convert_model(model, "mlp", "none", ScalingConfig(algo="max", history_len=4))
+    qlinear.set_quantization(model, True)
+    with torch.no_grad():
+        model(torch.randint(3, 200, (2, 16)))
+    sd_before = {k: v.clone() for k, v in qlinear.quant_state_dict(model).items()}
+    qlinear.save_quant_export(model, export, {"step": 1})
+
+    loaded, _ = ev.load_for_eval(export, "hif8")
+    assert len(list(qlinear.hif8_linears(loaded))) == 6  # gate/up/down x 2 blocks
+    sd = qlinear.quant_state_dict(loaded)
+    for k, v in sd_before.items():
+        if "history" in k or "scale" in k:
+            assert torch.equal(sd[k], v), k
+    with torch.no_grad():  # frozen: evaluation does not change the scales
+        loaded(torch.randint(3, 200, (2, 16)))
+    for k, v in qlinear.quant_state_dict(loaded).items():
+        if "history" in k or "scale" in k:
+            assert torch.equal(v, sd[k]), k
+
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    for f in export.iterdir():
+        (run / "export" / f.name).write_bytes(f.read_bytes())
+    out = ev.evaluate_run(run, tasks="mini_arc", limit=2, batch_size=4)
+    assert set(out) == {"bf16", "hif8"}
+    for mode in ("bf16", "hif8"):
+        r = ev.load_eval_results(run / "eval" / mode / "results.json")
+        assert r["mini_arc"]["n"] == 2
+        assert json.loads((run / "eval" / mode / "results.json").read_text())["_meta"]["mode"] == mode
+
+
+def _fake_ai2_arc(root):
+    """A local copy laid out like the hub repo allenai/ai2_arc (README configs + data files)."""
+    d = root / "allenai" / "ai2_arc"
+    (d / "ARC-Easy").mkdir(parents=True)
+    (d / "README.md").write_text(
+        "---\nconfigs:\n- config_name: ARC-Easy\n  data_files:\n"
+        + "".join(f"  - split: {s}\n    path: ARC-Easy/{s}.jsonl\n" for s in ("train", "validation", "test"))
+        + "---\n")
+    docs = [{"id": f"q{i}", "question": f"Which number is {i}?",
+             "choices": {"text": [str(i), str(i + 1), str(i + 2), str(i + 3)], "label": ["A", "B", "C", "D"]},
+             "answerKey": "A"} for i in range(4)]
+    for s in ("train", "validation", "test"):
+        (d / "ARC-Easy" / f"{s}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
+    return d
+
+
+def test_paper_task_on_local_dataset_copy(tiny_model, tmp_path, monkeypatch):
+    model, tok = tiny_model
+    _fake_ai2_arc(tmp_path / "data")
+    monkeypatch.setenv(ev.LOCAL_DATA_ENV, str(tmp_path / "data"))
+    res = ev.evaluate_model(model, tok, ["arc_easy"], limit=2, batch_size=4, num_fewshot={"arc_easy": 1},
+                            out_dir=tmp_path / "out")
+    assert res["arc_easy"]["n"] == 2 and res["arc_easy"]["metric"] == "acc_norm"
+    assert res["arc_easy"]["num_fewshot"] == 1
+    lm = json.loads((tmp_path / "out" / "lm_eval_results.json").read_text())
+    assert lm["configs"]["arc_easy"]["dataset_path"] == str((tmp_path / "data" / "allenai" / "ai2_arc").resolve())
+
+
+def test_override_yaml_for_group_members(tmp_path):
+    from lm_eval.tasks._index import TaskIndex
+
+    spec = ev.TASKS["mmlu"]
+    index = ev.task_index_for([spec])
+    local = tmp_path / "mmlu"
+    local.mkdir()
+    extra, offline = ev.prepare_paper_tasks([spec], {"cais/mmlu": local}, tmp_path, index=index)
+    assert not offline and len(extra) == 1
+    written = sorted(p.stem for p in extra[0].glob("*.yaml"))
+    assert len(written) == 57 and "mmlu_anatomy" in written
+    merged = TaskIndex.build(ev.lm_eval_task_dirs([spec]) + extra)
+    assert merged["mmlu_anatomy"].cfg["dataset_path"] == str(local.resolve())
+    assert merged["mmlu_anatomy"].cfg["dataset_name"] == "anatomy"  # kept from lm-eval's YAML
+    assert ev._leaf_tasks("mmlu", merged) == ev._leaf_tasks("mmlu", index)
+
+
+def test_unavailable_dataset_fails_fast(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv(ev.LOCAL_DATA_ENV, raising=False)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty_cache"))
+    spec = ev.TASKS["hellaswag"]
+    t0 = time.time()
+    with pytest.raises(ev.DatasetUnavailableError, match="Rowan/hellaswag") as err:
+        ev.prepare_paper_tasks([spec], None, tmp_path, index=ev.task_index_for([spec]))
+    assert time.time() - t0 < 30
+    assert ev.LOCAL_DATA_ENV in str(err.value)
+    with pytest.raises(ev.DatasetUnavailableError, match="does not exist"):
+        ev.prepare_paper_tasks([spec], {"Rowan/hellaswag": tmp_path / "missing"}, tmp_path)

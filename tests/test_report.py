@@ -1,0 +1,231 @@
+"""report.py: drop/APE/bootstrap maths on hand-made inputs, the paper's numbers, report structure."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from hif8qat import report
+
+PAPER = report.PAPER_DIR
+
+
+# ------------------------------------------------------------------------------------------ maths
+def test_relative_drop():
+    assert report.relative_drop(50.0, 49.0) == pytest.approx(2.0)
+    assert report.relative_drop(40.0, 41.0) == pytest.approx(-2.5)
+    assert math.isnan(report.relative_drop(0.0, 1.0))
+
+
+def test_loss_ape_hand_made():
+    # baseline 2.0 everywhere; quant 2.02 on steps 1..8 (1 %), 2.1 on 9..10 (5 %); step 11 only in quant
+    steps_b = list(range(1, 11))
+    loss_b = [2.0] * 10
+    steps_q = list(range(1, 12))
+    loss_q = [2.02] * 8 + [2.1, 2.1, 7.0]
+    a = report.loss_ape(steps_q, loss_q, steps_b, loss_b, last_frac=0.2)
+    assert a["n_common"] == 10
+    assert a["ape_all"] == pytest.approx((8 * 1 + 2 * 5) / 10)
+    assert a["ape_last"] == pytest.approx(5.0)
+    assert a["last_n"] == 2
+    a3 = report.loss_ape(steps_q, loss_q, steps_b, loss_b, last_n=3)
+    assert a3["ape_last"] == pytest.approx((1 + 5 + 5) / 3)
+    # absolute value: quant below baseline counts the same
+    assert report.loss_ape([1], [1.98], [1], [2.0])["ape_all"] == pytest.approx(1.0)
+
+
+def test_running_ape_is_cumulative_mean():
+    ra = report.running_ape([1, 2, 3], [1.1, 1.0, 1.3], [1, 2, 3], [1.0, 1.0, 1.0])
+    assert ra["ape"].tolist() == pytest.approx([10.0, 0.0, 30.0])
+    assert ra["running_ape"].tolist() == pytest.approx([10.0, 5.0, 40.0 / 3])
+
+
+def test_bootstrap_ci_excludes_zero_for_a_real_drop():
+    rng = np.random.default_rng(1)
+    base = (rng.random(400) < 0.6).astype(float)
+    quant = base.copy()
+    flip = np.flatnonzero(base == 1)[:40]  # 40 of ~240 correct answers lost, none gained
+    quant[flip] = 0
+    ci = report.paired_bootstrap_drop(base, quant, n_boot=2000, seed=0)
+    assert ci.drop == pytest.approx((base.mean() - quant.mean()) / base.mean() * 100)
+    assert ci.lo > 0 and ci.significant
+    assert ci.lo <= ci.drop <= ci.hi
+
+
+def test_bootstrap_ci_covers_zero_for_swaps():
+    base = np.array([1, 0] * 200, float)
+    quant = base.copy()
+    quant[:20] = 1 - quant[:20]  # 10 lost, 10 gained: same accuracy
+    ci = report.paired_bootstrap_drop(base, quant, n_boot=2000, seed=0)
+    assert ci.drop == pytest.approx(0.0)
+    assert ci.lo < 0 < ci.hi and not ci.significant
+    # deterministic for a fixed seed
+    assert report.paired_bootstrap_drop(base, quant, n_boot=2000, seed=0) == ci
+
+
+def test_bootstrap_is_paired():
+    """A small consistent drop on correlated documents is significant only because it is paired."""
+    rng = np.random.default_rng(3)
+    base = (rng.random(300) < 0.5).astype(float)
+    quant = base.copy()
+    quant[np.flatnonzero(base == 1)[:8]] = 0
+    ci = report.paired_bootstrap_drop(base, quant, n_boot=3000, seed=0)
+    assert ci.significant  # unpaired binomial SEs (~2.9 pp each) would swamp this 8-item difference
+
+
+def test_align_samples_joins_on_doc_id():
+    b = pd.DataFrame({"doc_id": ["0", "1", "2", "3"], "correct": [1, 1, 0, 0]})
+    q = pd.DataFrame({"doc_id": ["3", "2", "1"], "correct": [1, 0, 0]})
+    xb, xq = report.align_samples(b, q)
+    assert xb.tolist() == [1, 0, 0] and xq.tolist() == [0, 0, 1]
+
+
+def test_telemetry_summary():
+    m = pd.DataFrame({
+        "step": [1, 2, 3, 4],
+        "tel/A/amax_ratio_max": [0.9, 1.5, 0.8, 2.0],
+        "tel/A/amax_ratio_gt1": [0, 2, 0, 3],
+        "tel/A/calls": [10, 10, 10, 10],
+        "tel/A/overflow_count": [0, 0, 1, 4],
+        "tel/G/amax_ratio_max": [0.5, 0.5, 0.5, 0.5],
+        "tel/G/calls": [10, 10, 10, 10],
+    })
+    ts = report.telemetry_summary(m).set_index("role")
+    assert ts.loc["A", "frac_steps_ratio_gt1"] == pytest.approx(0.5)
+    assert ts.loc["A", "max_ratio"] == pytest.approx(2.0)
+    assert ts.loc["A", "frac_calls_ratio_gt1"] == pytest.approx(5 / 40)
+    assert ts.loc["A", "overflow_total"] == 5
+    assert ts.loc["G", "frac_steps_ratio_gt1"] == 0.0
+
+
+# ------------------------------------------------------------------------------------- paper data
+def test_paper_ape_values():
+    ape = report.paper_ape_table(PAPER).set_index("quantized")
+    e8 = ape.loc["E8"]
+    assert e8["baseline"] == "E7" and e8["n_common"] == 10000
+    assert e8["ape_all_pct"] == pytest.approx(0.1148, abs=5e-5)
+    assert e8["ape_last1000_pct"] == pytest.approx(0.1205, abs=5e-5)
+    assert round(e8["ape_all_pct"], 2) == 0.11 and round(e8["ape_last1000_pct"], 2) == 0.12
+    assert e8["ape_last10pct_pct"] == pytest.approx(e8["ape_last1000_pct"])
+    assert set(ape.index) >= {"E2", "E3", "E4", "E5"}
+    assert (ape.loc[["E2", "E3", "E4", "E5"], "baseline"] == "E1").all()
+
+
+def test_paper_drops_headline():
+    drops = report.paper_drop_table(PAPER)
+    head = report.paper_headline(drops).set_index("task")
+    assert head.loc["mmlu", "drop_pct_printed"] == pytest.approx(0.4271, abs=5e-5)
+    assert round(head.loc["mmlu", "drop_pct_printed"], 2) == 0.43
+    assert round(head.loc["hellaswag", "drop_pct_printed"], 2) == 0.58
+    assert round(head.loc["hellaswag", "drop_pct_from_scores"], 2) == 0.58
+    assert round(head.loc["arc_challenge", "drop_pct_from_scores"], 2) == 0.22
+    assert head.loc["arc_challenge", "drop_pct_printed"] == pytest.approx(0.2320, abs=5e-5)
+    assert head.loc["mmlu", "base_pct"] == 43.36 and head.loc["mmlu", "quant_pct"] == 43.17
+    # computed drops agree with the printed ones to the scores' rounding everywhere
+    ok = drops.dropna(subset=["drop_pct_printed", "drop_pct_from_scores"])
+    tol = 0.005 / ok["base_pct"] * 100 * 2 + 0.01 / ok["base_pct"] * 100 * abs(ok["drop_pct_from_scores"]) + 1e-3
+    assert (abs(ok["drop_pct_printed"] - ok["drop_pct_from_scores"]) <= tol + 0.02 * abs(ok["drop_pct_printed"])).all()
+
+
+def test_paper_drops_cover_all_published_runs():
+    drops = report.paper_drop_table(PAPER)
+    pairs = set(zip(drops.baseline, drops.quantized))
+    assert {("bf16", "cts"), ("bf16", "dts_exp"), ("bf16", "max_quant"), ("bf16_lr1e5", "max_quant_lr1e5")} <= pairs
+    e6 = drops[(drops.summary_file == "summary_20260505_162925.txt") & (drops.quantized == "max_quant")]
+    assert e6.set_index("task").loc["arc_challenge", "drop_pct_printed"] == pytest.approx(3.2995)
+
+
+def test_paper_cli_prints_and_writes(tmp_path, capsys):
+    assert report.main(["--paper", "--tables", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0.1148" in out and "0.1205" in out and "0.4271" in out
+    for name in ("paper_ape", "paper_drops", "paper_headline"):
+        assert (tmp_path / f"{name}.csv").exists() and (tmp_path / f"{name}.md").exists()
+        src = json.loads((tmp_path / f"{name}.sources.json").read_text())
+        assert any("E8_max_quant" in f["path"] for f in src["files"])
+
+
+# ------------------------------------------------------------------------------ run-folder report
+def make_fake_runs(root: Path, profile: str = "smoke", n_docs: int = 120, steps: int = 40) -> Path:
+    """exp7 (bf16 baseline) and exp8 (quantized, baseline exp7) run folders with the CONTRACT's files."""
+    rng = np.random.default_rng(0)
+    base_correct = (rng.random(n_docs) < 0.6).astype(int)
+    for exp, baseline, quant in (("exp7", None, False), ("exp8", "exp7", True)):
+        d = root / profile / exp / "seed0"
+        d.mkdir(parents=True)
+        cfg = {"experiment": {"name": exp, "baseline": baseline, "paper_run": exp.upper()},
+               "profile": {"name": profile}, "seed": 0,
+               "quant": {"enabled": quant, "algo": "max" if quant else None, "history_len": 64}}
+        (d / "config_resolved.yaml").write_text(yaml.safe_dump(cfg))
+        (d / "run_info.json").write_text(json.dumps({"git": {"commit": f"abc{exp}", "dirty": False}}))
+        with (d / "metrics.jsonl").open("w") as fh:
+            for s in range(1, steps + 1):
+                loss = 5.0 - 0.02 * s + (0.01 * (s % 3) if quant else 0.0)
+                rec = {"step": s, "loss": loss, "lr": 1e-4, "quant": quant and s > 5}
+                if quant and s > 5:
+                    for role in ("A", "W", "G"):
+                        ratio = 1.3 if (role == "A" and s % 7 == 0) else 0.9
+                        rec.update({f"tel/{role}/amax_ratio_max": ratio, f"tel/{role}/amax_ratio_gt1": float(ratio > 1),
+                                    f"tel/{role}/calls": 4.0, f"tel/{role}/amax_max": 2.0 + 0.01 * s,
+                                    f"tel/{role}/overflow_count": 0.0, f"tel/{role}/exceed_frac_max": 0.01})
+                fh.write(json.dumps(rec) + "\n")
+        if quant:
+            (d / "telemetry").mkdir()
+            with (d / "telemetry" / "dump.jsonl").open("w") as fh:
+                for s in range(6, steps + 1, 2):
+                    for role in ("A", "W", "G"):
+                        amax = 2.0 + 0.05 * s + (1.0 if s % 10 == 0 else 0)
+                        fh.write(json.dumps({"step": s, "layer": "model.layers.0.mlp.up_proj", "role": role,
+                                             "amax": amax, "estimate": 2.0 + 0.05 * (s - 2), "scale": 15 / amax}) + "\n")
+        for mode in (("bf16", "hif8") if quant else ("bf16",)):
+            e = d / "eval" / mode
+            e.mkdir(parents=True)
+            correct = base_correct.copy()
+            if quant:
+                lost = np.flatnonzero(correct == 1)[: (6 if mode == "bf16" else 20)]
+                correct[lost] = 0
+            pd.DataFrame({"doc_id": range(n_docs), "correct": correct}).to_csv(e / "samples_mini_arc.csv", index=False)
+            res = {"mini_arc": {"metric": "acc_norm", "value": float(correct.mean()), "stderr": 0.04, "n": n_docs,
+                                "num_fewshot": 3}, "_meta": {"mode": mode}}
+            (e / "results.json").write_text(json.dumps(res))
+        (d / "summary.json").write_text(json.dumps({"wall_time_s": 12.5}))
+        (d / "DONE").write_text("")
+    return root
+
+
+def test_build_report_structure(tmp_path):
+    runs = make_fake_runs(tmp_path / "runs")
+    rep = report.build_report(runs, "smoke", tmp_path / "tables", tmp_path / "figures", n_boot=1000)
+    t = rep["tables"]
+    assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke"}
+    drops = t["drops_smoke"].set_index("quant_mode")
+    assert list(t["drops_smoke"].experiment.unique()) == ["exp8"]
+    assert (t["drops_smoke"].baseline == "exp7").all()
+    # hif8 mode lost 20 of ~72 correct answers: large, significant; bf16 mode lost 6
+    h = drops.loc["hif8"]
+    assert h["drop_pct"] == pytest.approx(h["drop_paired_pct"]) and h["drop_pct"] > 20
+    assert h["significant"] and h["ci_lo"] > 0 and h["n_paired"] == 120
+    assert drops.loc["bf16", "drop_pct"] < h["drop_pct"]
+    ape = t["ape_smoke"].iloc[0]
+    assert ape["n_common"] == 40 and ape["last_n"] == 4 and ape["ape_all_pct"] > 0
+    tel = t["telemetry_smoke"].set_index("role")
+    assert tel.loc["A", "frac_steps_ratio_gt1"] == pytest.approx(5 / 35)
+    assert tel.loc["W", "max_ratio"] == pytest.approx(0.9)
+    for name in t:
+        assert (tmp_path / "tables" / f"{name}.csv").exists() and (tmp_path / "tables" / f"{name}.md").exists()
+    src = json.loads((tmp_path / "tables" / "drops_smoke.sources.json").read_text())
+    commits = {c for f in src["files"] for c in f["git_commits"]}
+    assert commits == {"abcexp7", "abcexp8"}
+    pngs = sorted(p.name for p in (tmp_path / "figures").glob("*.png"))
+    assert any(p.startswith("loss_smoke_exp8_vs_exp7") for p in pngs)
+    assert any(p.startswith("scales_smoke_exp8") for p in pngs) and "saturation_smoke.png" in pngs
+
+
+def test_build_report_without_runs(tmp_path):
+    rep = report.build_report(tmp_path / "nothing", "mini", tmp_path / "t", tmp_path / "f")
+    assert rep["tables"] == {} and "no runs" in rep["message"]
+    assert not (tmp_path / "t").exists()

@@ -55,13 +55,17 @@ class DistContext:
 
 
 def setup_distributed(device_pref: str = "auto") -> DistContext:
-    """Read torchrun's environment; initialise the process group (NCCL on GPU, gloo on CPU)."""
+    """Read torchrun's environment (or srun's, mapped by env_from_slurm); initialise the process group
+    (NCCL on GPU, gloo on CPU)."""
+    from .distributed import cuda_device_for, env_from_slurm
+
+    env_from_slurm()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device_pref != "cpu"
     if device_pref == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is available")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    device = cuda_device_for(local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
@@ -342,8 +346,11 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     sink.log({"step": cfg.train.steps, "val_loss": val_loss})
     sink.close()
     summary: dict[str, Any] = {}
+    from .distributed import full_model_state_dict, is_fsdp
+
+    full_state = full_model_state_dict(model) if is_fsdp(model) else None  # FSDP: every rank gathers
     if ctx.is_main:
-        export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted)
+        export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted, state_dict=full_state)
         summary = update_summary(run_dir, **_train_summary(metrics_path, step_times, val_loss, converted,
                                                            time.perf_counter() - wall_start))
         mark_done(run_dir)
@@ -381,14 +388,18 @@ def _train_summary(metrics_path: Path, step_times: dict[bool, list[float]], val_
     }
 
 
-def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: list[str]) -> None:
-    """A save_pretrained folder that plain transformers and lm-eval load, plus the scalers' final state."""
+def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: list[str],
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """A save_pretrained folder that plain transformers and lm-eval load, plus the scalers' final state.
+
+    state_dict: the gathered full weights of an FSDP-sharded model (distributed.full_model_state_dict).
+    """
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
         import shutil
 
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     if cfg.quant.enabled:
         from .qlinear import save_quant_export

@@ -19,6 +19,15 @@ from hif8qat.scaling import (
 NAN, INF = float("nan"), float("inf")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to a loaded machine's thread contention."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def s(*amaxes, target=15.0):
     """Expected float32 scales for the given estimates."""
     return torch.tensor([target / (a + 1e-12) for a in amaxes], dtype=torch.float64).to(torch.float32)

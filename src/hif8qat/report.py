@@ -496,7 +496,9 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                "estimator": r.estimator, "baseline": r.baseline, "done": r.done,
                "steps": int(m["step"].max()) if "step" in m and len(m) else 0,
                "final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan"),
-               "wall_time_s": summ.get("wall_time_s", float("nan")), "git": _git_of(r), "run_dir": str(r.path)}
+               "wall_time_s": next((summ[k] for k in ("wall_time_s", "train_wall_s", "train_wall_s_this_session")
+                                    if k in summ), float("nan")),
+               "git": _git_of(r), "run_dir": str(r.path)}
         for mode in ("bf16", "hif8"):
             for task, res in _eval_results(r, mode).items():
                 row[f"{mode}:{task}"] = res.get("value", float("nan")) * 100.0
@@ -507,10 +509,12 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     runs_df = pd.DataFrame(run_rows).sort_values(["experiment", "seed"]).reset_index(drop=True)
 
     # ---- drops and APE per (run, baseline)
-    drop_rows, ape_rows, curves = [], [], []
+    drop_rows, ape_rows, curves, unpaired = [], [], [], []
     for r in runs:
         b = _pick_baseline(r, runs)
         if b is None:
+            if r.baseline:
+                unpaired.append(f"{r.experiment} (baseline {r.baseline} has no run)")
             continue
         mq, mb = metrics_cache[str(r.path)], metrics_cache[str(b.path)]
         if "loss" in mq and "loss" in mb and len(mq) and len(mb):
@@ -576,8 +580,10 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                                   sources={**sources, "note": notes[name]}).values())
     if figures:
         files += make_figures(curves, runs, metrics_cache, tel_df, out_figures, profile)
-    return {"tables": tables, "files": files,
-            "message": f"{len(runs)} runs, {len(drops_df)} drop rows, {len(ape_df)} APE rows"}
+    msg = f"{len(runs)} runs, {len(drops_df)} drop rows, {len(ape_df)} APE rows"
+    if unpaired:
+        msg += "; not compared: " + ", ".join(sorted(set(unpaired)))
+    return {"tables": tables, "files": files, "message": msg}
 
 
 # ============================================================================================ figures

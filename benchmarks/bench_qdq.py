@@ -52,16 +52,22 @@ from hif8qat import formats  # noqa: E402
 from hif8qat.formats import hif8_qdq, hif8_qdq_scaled_amax  # noqa: E402
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds per call after two warm-up calls (the first compiles / faults in pages)."""
-    fn()
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def timed_round_robin(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each fn, timed in interleaved rounds.
+
+    Round-robin timing (every op once per round) keeps the ratios fair when the machine's load
+    changes during the run. Two warm-up calls each first (the first compiles / faults in pages).
+    """
+    for fn in fns.values():
         fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        fn()
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in ts.items()}
 
 
 class eager_mode:
@@ -83,15 +89,24 @@ def bench_one(n: int, dtype: torch.dtype, repeats: int, with_en: bool) -> dict[s
     x = (torch.randn(n, generator=g) * 4).to(dtype)
     buf = torch.empty_like(x)
     scale = torch.tensor(3.75)
-    r: dict[str, float] = {}
-    r["compiled"] = timed(lambda: hif8_qdq(x), repeats)
-    r["compiled out="] = timed(lambda: hif8_qdq(x, out=buf), repeats)
-    with eager_mode():
-        r["eager"] = timed(lambda: hif8_qdq(x), repeats)
-        r["eager out="] = timed(lambda: hif8_qdq(x, out=buf), repeats)
-    r["scaled+amax"] = timed(lambda: hif8_qdq_scaled_amax(x, scale), repeats)
-    r["scaled+amax out="] = timed(lambda: hif8_qdq_scaled_amax(x, scale, out=buf), repeats)
-    r["e4m3"] = timed(lambda: x.to(torch.float8_e4m3fn).to(dtype), repeats)
+
+    def eager(fn):
+        def run():
+            with eager_mode():
+                return fn()
+
+        return run
+
+    fns = {
+        "compiled": lambda: hif8_qdq(x),
+        "compiled out=": lambda: hif8_qdq(x, out=buf),
+        "eager": eager(lambda: hif8_qdq(x)),
+        "eager out=": eager(lambda: hif8_qdq(x, out=buf)),
+        "scaled+amax": lambda: hif8_qdq_scaled_amax(x, scale),
+        "scaled+amax out=": lambda: hif8_qdq_scaled_amax(x, scale, out=buf),
+        "e4m3": lambda: x.to(torch.float8_e4m3fn).to(dtype),
+        "copy_": lambda: buf.copy_(x),
+    }
     if with_en:
         xn = x.float().numpy()
 
@@ -99,8 +114,8 @@ def bench_one(n: int, dtype: torch.dtype, repeats: int, with_en: bool) -> dict[s
             with np.errstate(invalid="ignore", over="ignore"):
                 return torch.from_numpy(xn.astype(en_dtypes.hifloat8).astype(np.float32)).to(dtype)
 
-        r["en_dtypes"] = timed(en_round_trip, max(3, repeats // 2) if n > 1 << 24 else repeats)
-    r["copy_"] = timed(lambda: buf.copy_(x), repeats)
+        fns["en_dtypes"] = en_round_trip
+    r = timed_round_robin(fns, repeats)
     return {k: n / v for k, v in r.items()}  # elements per second
 
 

@@ -71,20 +71,55 @@ def ensure_baseline(cfg: RunConfig) -> None:
     subprocess.run(cmd, check=True)
 
 
+def evaluate(cfg: RunConfig, run_dir: Path) -> None:
+    """Evaluate the run's export in each configured mode that has no results yet (force=true redoes them)."""
+    from hif8qat.evaluate import evaluate_run
+
+    if not (run_dir / "export").exists():
+        raise SystemExit(f"error: {run_dir} has no export/ to evaluate; train it first (stage=train or all)")
+    modes = [m for m in cfg.eval.modes if cfg.force or not (run_dir / "eval" / m / "results.json").exists()]
+    if not modes:
+        print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
+        return
+    evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
+                 limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
+                 local_datasets=dict(cfg.eval.local_datasets) or None)
+
+
+def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
+    """Tables and figures for the profile; with only_experiment, print that experiment's rows."""
+    from hif8qat.report import build_report, format_report, to_markdown
+
+    # Tables and figures sit beside the runs they come from: results/{tables,figures}/<profile>/ by default.
+    results = Path(cfg.results_root).parent
+    rep = build_report(Path(cfg.results_root), cfg.profile.name, results / "tables" / cfg.profile.name,
+                       results / "figures" / cfg.profile.name, figures=only_experiment is None)
+    if only_experiment is None:
+        print(format_report(rep))
+        return
+    for name, table in rep["tables"].items():
+        if len(table) and "experiment" in table and not name.startswith("runs_"):
+            rows = table[table["experiment"] == only_experiment]
+            if len(rows):
+                print(f"\n{name} ({only_experiment})\n" + to_markdown(rows, 3))
+
+
 def dispatch(cfg: RunConfig, baseline_pass: bool = False) -> None:
-    from hif8qat.runs import prepare_run_dir
+    from hif8qat.distributed import env_from_slurm
+    from hif8qat.runs import prepare_run_dir, run_dir_for
+
+    env_from_slurm()  # under srun, every task must know its rank before deciding anything
 
     if cfg.stage == "report":
-        from hif8qat.report import build_report
-
-        root = Path(cfg.results_root)
-        build_report(root, cfg.profile.name, ROOT / "results" / "tables" / cfg.profile.name,
-                     ROOT / "results" / "figures" / cfg.profile.name)
+        report(cfg)
         return
     if cfg.stage == "all" and not baseline_pass:
         ensure_baseline(cfg)
     from hif8qat.train import setup_distributed
 
+    if cfg.stage == "eval":  # evaluation never touches the training folder's state
+        evaluate(cfg, run_dir_for(cfg))
+        return
     ctx = setup_distributed(cfg.train.device)
     run_dir, status = prepare_run_dir(cfg, is_main=ctx.is_main)
     if cfg.stage in ("train", "all"):
@@ -94,14 +129,9 @@ def dispatch(cfg: RunConfig, baseline_pass: bool = False) -> None:
             from hif8qat.train import train
 
             train(cfg, run_dir, ctx)
-    if cfg.stage in ("eval", "all") and ctx.is_main:
-        from hif8qat.evaluate import evaluate_run
-
-        evaluate_run(run_dir, cfg)
-        if cfg.stage == "all":
-            from hif8qat.report import print_experiment_row
-
-            print_experiment_row(Path(cfg.results_root), cfg.profile.name, cfg.experiment.name, seed=cfg.seed)
+    if cfg.stage == "all" and ctx.is_main:
+        evaluate(cfg, run_dir)
+        report(cfg, only_experiment=cfg.experiment.name)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

@@ -343,7 +343,6 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
 
     save(cfg.train.steps)
     val_loss = _held_out(model, cfg, tokenizer, ctx, build_eval_windows)
-    sink.log({"step": cfg.train.steps, "val_loss": val_loss})
     sink.close()
     summary: dict[str, Any] = {}
     from .distributed import full_model_state_dict, is_fsdp

@@ -1,0 +1,66 @@
+"""End to end at the smoke profile: exp1 and exp8 (which runs its baseline exp7 first), then the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from hif8qat.report import loss_ape, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HIF8QAT_COMPILE": "0"}
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT, env=env)
+    assert out.returncode == 0, f"{args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return out
+
+
+@pytest.mark.slow
+def test_smoke_experiments_and_report_are_consistent_with_the_run_files(tmp_path):
+    runs = tmp_path / "runs"
+    common = ["profile=smoke", f"results_root={runs}", "logger.progress_bar=false", "train.num_threads=1"]
+    out8 = run("experiment=exp8", "stage=all", *common)
+    assert "drops_smoke (exp8)" in out8.stdout  # stage=all prints the experiment's rows
+    run("experiment=exp1", "stage=all", *common)
+    run("stage=report", *common)
+
+    folders = {e: runs / "smoke" / e / "seed0" for e in ("exp1", "exp7", "exp8")}
+    for folder in folders.values():
+        assert (folder / "DONE").exists() and (folder / "eval" / "bf16" / "results.json").exists()
+    assert (folders["exp8"] / "eval" / "hif8" / "results.json").exists()
+    assert not (folders["exp7"] / "eval" / "hif8").exists()  # nothing to simulate in an unquantized run
+
+    tables = tmp_path / "tables" / "smoke"
+    drops = pd.read_csv(tables / "drops_smoke.csv")
+    ape = pd.read_csv(tables / "ape_smoke.csv")
+    assert set(drops["experiment"]) == {"exp8"} and set(drops["baseline"]) == {"exp7"}
+    assert set(drops["quant_mode"]) == {"bf16", "hif8"}
+    assert set(drops["task"]) == {"mini_mmlu", "mini_hellaswag", "mini_arc"}
+    assert drops[["base_pct", "quant_pct", "drop_pct"]].map(math.isfinite).all().all()
+    # The table's numbers are the ones in the run files.
+    base = json.loads((folders["exp7"] / "eval" / "bf16" / "results.json").read_text())
+    quant = json.loads((folders["exp8"] / "eval" / "hif8" / "results.json").read_text())
+    for _, row in drops[drops["quant_mode"] == "hif8"].iterrows():
+        assert row["base_pct"] == pytest.approx(base[row["task"]]["value"] * 100)
+        assert row["quant_pct"] == pytest.approx(quant[row["task"]]["value"] * 100)
+        if row["base_pct"] > 0:
+            assert row["drop_pct"] == pytest.approx((row["base_pct"] - row["quant_pct"]) / row["base_pct"] * 100)
+
+    row = ape[ape["experiment"] == "exp8"].iloc[0]
+    mq, mb = read_metrics(folders["exp8"] / "metrics.jsonl"), read_metrics(folders["exp7"] / "metrics.jsonl")
+    expected = loss_ape(mq["step"], mq["loss"], mb["step"], mb["loss"], last_frac=0.1)
+    assert math.isfinite(row["ape_all_pct"]) and row["ape_all_pct"] == pytest.approx(expected["ape_all"])
+    assert row["n_common"] == 8
+    summary = json.loads((folders["exp8"] / "summary.json").read_text())
+    assert summary["provenance"]["git"]["commit"] and summary["converted_linears"] > 0
+    assert (tmp_path / "figures" / "smoke").exists() and any((tmp_path / "figures" / "smoke").iterdir())

@@ -55,8 +55,8 @@ def test_evaluate_mini_tasks_writes_contract_layout(tiny_model, tmp_path):
             compact = [json.loads(line) for line in fh]
         assert len(compact) == 3 and r["metric"] in compact[0] and "arguments" not in compact[0]
     assert tasks["mini_mmlu"]["metric"] == "acc" and tasks["mini_arc"]["metric"] == "acc_norm"
-    assert tasks["mini_mmlu"]["num_fewshot"] == 2 and tasks["mini_hellaswag"]["num_fewshot"] == 2
-    assert tasks["mini_arc"]["num_fewshot"] == 3
+    assert tasks["mini_mmlu"]["num_fewshot"] == 2 and tasks["mini_hellaswag"]["num_fewshot"] == 1
+    assert tasks["mini_arc"]["num_fewshot"] == 1
     meta = json.loads((out / "results.json").read_text())["_meta"]
     assert meta["mode"] == "bf16" and meta["dtype"] == "float32" and meta["limit"] == 3
     assert "versions" in meta["provenance"]

@@ -97,7 +97,7 @@ def test_yaml_tasks_register_and_load():
     from hif8qat.evaluate import MINITASK_DIR
 
     tm = TaskManager(include_path=str(MINITASK_DIR), include_defaults=False)
-    assert {"mini_mmlu", "mini_hellaswag", "mini_arc"} <= set(tm.all_tasks)
+    assert {"mini_mmlu", "mini_hellaswag", "mini_arc", "mini_mmlu_letters"} <= set(tm.all_tasks)
     task = tm.load(["mini_arc"])["tasks"]["mini_arc"]
     docs = list(task.test_docs())
     on_disk = [json.loads(line) for line in gen.data_file("mini_arc", "test").open()]

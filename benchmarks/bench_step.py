@@ -8,6 +8,9 @@ simulator: 7.75 s / 2.90 s = 2.67).
     python benchmarks/bench_step.py                       # ~20M-parameter Llama, batch 4 x 128, fp32
     python benchmarks/bench_step.py --model smollm2       # SmolLM2-135M via hif8qat.models.load_causal_lm
     python benchmarks/bench_step.py --autocast bf16 --compile
+
+On a machine shared with other jobs use ``--threads 1``: intra-op thread pools stall under contention
+and make the two-thread medians meaningless (seen here: plain 4.2 s vs 1.0 s single-threaded).
 """
 
 from __future__ import annotations

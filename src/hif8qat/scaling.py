@@ -240,8 +240,9 @@ class ScalingConfig:
 
 
 def _lookup(schedule: Sequence[tuple[int, Any]], step: int) -> Any:
-    keys = [k for k, _ in schedule]
-    i = bisect.bisect_right(keys, int(step)) - 1
+    if len(schedule) == 1:
+        return schedule[0][1]
+    i = bisect.bisect_right(schedule, (int(step), math.inf), key=lambda kv: (kv[0], math.inf)) - 1
     return schedule[max(i, 0)][1]
 
 

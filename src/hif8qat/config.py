@@ -116,11 +116,12 @@ class QuantConfig:
     saturate: bool = False
     grad_rounding: str = "ta"
     telemetry_dump_every: int = 0
+    telemetry_stats_every: int = 0
 
     def scaling_dict(self) -> dict[str, Any]:
         """The subset understood by `hif8qat.scaling.ScalingConfig`."""
         keys = ("algo", "history_len", "interval", "target_fwd", "target_bwd", "history_unit",
-                "amax_reduce", "saturate", "grad_rounding", "telemetry_dump_every")
+                "amax_reduce", "saturate", "grad_rounding", "telemetry_dump_every", "telemetry_stats_every")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -290,6 +291,7 @@ class RunConfig:
         _check_choice("quant.amax_reduce", q.amax_reduce, ("none", "max"))
         _check_choice("quant.grad_rounding", q.grad_rounding, ("ta", "stochastic"))
         _check_positive("quant.telemetry_dump_every", q.telemetry_dump_every, integer=True, allow_zero=True)
+        _check_positive("quant.telemetry_stats_every", q.telemetry_stats_every, integer=True, allow_zero=True)
         self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
 
     def _validate_eval(self) -> None:

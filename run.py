@@ -27,7 +27,7 @@ from hif8qat.config import ConfigError, RunConfig, resolve_profile  # noqa: E402
 # Overrides that select or steer a run without changing what it trains: they never enter its folder name.
 _UNTAGGED = ("experiment", "profile", "seed", "stage", "force", "results_root", "run_tag", "train.resume",
              "train.num_threads", "train.checkpoint_every", "train.keep_checkpoints", "train.log_every",
-             "train.val_every", "quant.telemetry_dump_every", "quant.telemetry_stats_every", "eval", "logger", "hydra")
+             "train.val_every", "data.eval_windows", "quant.telemetry_dump_every", "quant.telemetry_stats_every", "eval", "logger", "hydra")
 
 
 def known_experiments() -> list[str]:

@@ -470,8 +470,77 @@ def _eval_results(run: RunInfo, mode: str) -> dict:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
+# Estimators compared on the same recorded amax traces (issue 6): the paper's three candidates.
+REPLAY_ESTIMATORS: dict[str, dict[str, Any]] = {
+    "most_recent(30)": {"algo": "most_recent", "history_len": 30},
+    "exp_smooth(30)": {"algo": "exp_smooth", "history_len": 30},
+    "max(64)": {"algo": "max", "history_len": 64},
+}
+# Scaled values above 128 leave HiF8's 2-bit-mantissa tier: amax/estimate > 128/15 costs two mantissa bits.
+_TWO_BIT_TIER_RATIO = 128.0 / 15.0
+
+
+def recorded_amax_traces(export_dir: Path) -> dict[str, list[float]]:
+    """Per-call amax traces from a run's final scaler state, keyed "<layer>.<role>".
+
+    The scalers keep their last history_len amaxes (newest last); a trace is returned only when it is complete,
+    i.e. the scaler was called no more often than its history holds.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(export_dir) / "hif8qat_scalers.safetensors"
+    if not path.exists():
+        return {}
+    state = load_file(str(path))
+    traces = {}
+    for key, history in state.items():
+        if not key.endswith(".history"):
+            continue
+        prefix = key[: -len(".history")]
+        total = int(state[prefix + ".total"])
+        if 0 < total <= history.numel():
+            traces[prefix] = history[-total:].double().tolist()
+    return traces
+
+
+def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping[str, Mapping[str, Any]] = REPLAY_ESTIMATORS,
+                      ) -> pd.DataFrame:
+    """How often, and by how much, each estimator's delayed estimate is exceeded on the same traces.
+
+    Every trace is replayed call by call through `scaling.replay` (interval 1); ratio = amax / estimate, where
+    estimate = target / scale is what the scale was computed from before the call's own amax was known.
+    """
+    import torch
+
+    from .scaling import ScalingConfig, replay
+
+    rows = []
+    for name, overrides in estimators.items():
+        cfg = ScalingConfig.from_dict({**overrides, "interval": 1})
+        for role in ("A", "W", "G"):
+            ratios = []
+            for key, trace in traces.items():
+                if not key.endswith("." + role) or not trace:
+                    continue
+                target = cfg.target_bwd if role == "G" else cfg.target_fwd
+                scales = replay(trace, cfg, role=role).double()
+                amax = torch.tensor(trace, dtype=torch.float64)
+                ratios.append((amax * scales / target).numpy())  # = amax / estimate
+            if not ratios:
+                continue
+            r = np.concatenate(ratios)
+            exceeded = r > 1 + 1e-6
+            rows.append({"estimator": name, "role": role, "traces": len(ratios), "calls": int(r.size),
+                         "frac_exceeded": float(exceeded.mean()),
+                         "median_ratio_when_exceeded": float(np.median(r[exceeded])) if exceeded.any() else float("nan"),
+                         "p99_ratio": float(np.quantile(r, 0.99)), "max_ratio": float(r.max()),
+                         "frac_beyond_2bit_tier": float((r > _TWO_BIT_TIER_RATIO).mean()),
+                         "mean_headroom_lost_bits": float(np.log2(np.maximum(r, 1.0)).mean())})
+    return pd.DataFrame(rows)
+
+
 def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
-                 seed: int = 0, last_frac: float = 0.1, figures: bool = True) -> dict:
+                 seed: int = 0, last_frac: float = 0.1, figures: bool = True, replay: bool | None = None) -> dict:
     """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
     "message": str}``; with no runs, writes nothing and says so in ``message``."""
     runs_root, out_tables, out_figures = Path(runs_root), Path(out_tables), Path(out_figures)
@@ -561,8 +630,19 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
             tel_rows.append({"experiment": r.experiment, "seed": r.seed, "estimator": r.estimator, **t.to_dict()})
     tel_df = pd.DataFrame(tel_rows)
 
+    # ---- estimators replayed on the same recorded traces (complete traces only; see recorded_amax_traces)
+    replay_frames = []
+    for r in runs if (figures if replay is None else replay) else []:
+        traces = recorded_amax_traces(r.path / "export")
+        if traces:
+            df = replay_exceedance(traces)
+            df.insert(0, "trace_source", f"{r.experiment}/seed{r.seed}")
+            replay_frames.append(df)
+            use(r, r.path / "export" / "hif8qat_scalers.safetensors")
+    replay_df = pd.concat(replay_frames, ignore_index=True) if replay_frames else pd.DataFrame()
+
     tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": ape_df,
-              f"telemetry_{profile}": tel_df}
+              f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df}
     notes = {
         f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %.",
         f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
@@ -571,6 +651,9 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         f"ape_{profile}": f"Training-loss APE (%) over all common steps and the last {last_frac:.0%} of them.",
         f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl: share of steps whose max amax/estimate > 1 "
                                 "(the tensor outgrew its delayed estimate), the largest ratio, overflow counts.",
+        f"replay_{profile}": "Each estimator replayed (interval 1) on the same per-call amax traces recorded in a run's "
+                             "final scaler state: share of calls whose amax exceeded the delayed estimate, how far, "
+                             "and the share beyond the 2-bit-mantissa tier (ratio > 128/15).",
     }
     sources = {"files": [{"path": p, "git_commits": sorted(c for c in g if c)} for p, g in sorted(used.items())],
                "runs_root": str(runs_root), "profile": profile}

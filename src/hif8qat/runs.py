@@ -33,7 +33,7 @@ SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
 # Settings that may differ between an interrupted run and its resumption without changing the result.
 _RESUME_FREE_KEYS = {"stage", "force", "train.resume", "train.num_threads", "train.checkpoint_every",
-                     "train.keep_checkpoints", "train.log_every", "train.val_every", "quant.telemetry_dump_every", "quant.telemetry_stats_every",
+                     "train.keep_checkpoints", "train.log_every", "train.val_every", "data.eval_windows", "quant.telemetry_dump_every", "quant.telemetry_stats_every",
                      "logger", "eval", "results_root", "run_tag"}
 _TRACKED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "en_dtypes", "numpy", "hif8qat")
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .scaling import ScalingConfig
+
 PAPER_TOTAL_STEPS = 10_000
 STAGES = ("train", "eval", "report", "all")
 SCOPES = ("mlp", "attn_mlp")
@@ -51,19 +53,6 @@ def _check_positive(setting: str, value: Any, *, integer: bool = False, allow_ze
         _fail(setting, value, ("an integer" if integer else "a number") + (" >= 0" if allow_zero else " > 0"))
 
 
-def _as_schedule(setting: str, value: Any) -> dict[int, Any]:
-    """A constant or a {step: value} mapping -> {step: value} with a mandatory entry at step 0."""
-    if not isinstance(value, dict):
-        return {0: value}
-    try:
-        schedule = {int(k): v for k, v in value.items()}
-    except (TypeError, ValueError):
-        _fail(setting, value, "a value or a mapping {step: value} with integer steps")
-    if 0 not in schedule or min(schedule) < 0:
-        _fail(setting, value, "a schedule whose steps are >= 0 and which starts at step 0")
-    return dict(sorted(schedule.items()))
-
-
 def _from_mapping(cls, data: dict[str, Any], prefix: str):
     """Build dataclass `cls` from `data`, rejecting unknown keys (typos) by name."""
     data = dict(data or {})
@@ -71,7 +60,21 @@ def _from_mapping(cls, data: dict[str, Any], prefix: str):
     unknown = sorted(set(data) - names)
     if unknown:
         _fail(f"{prefix}.{unknown[0]}", data[unknown[0]], "known keys: " + ", ".join(sorted(names)))
-    return cls(**data)
+    try:
+        return cls(**data)
+    except ValueError as err:
+        raise _as_config_error(err, prefix) from None
+
+
+_SCALING_ERROR = re.compile(r"ScalingConfig\.(\w+)=(.*) is invalid; allowed: (.*)", re.S)
+
+
+def _as_config_error(err: ValueError, section: str) -> ConfigError:
+    """Re-word a ScalingConfig error so it names the setting as the user writes it (quant.<field>)."""
+    match = _SCALING_ERROR.match(str(err))
+    if match:
+        return ConfigError(f"invalid setting {section}.{match[1]}={match[2]}: allowed {match[3]}")
+    return ConfigError(f"invalid setting in {section}: {err}")
 
 
 @dataclass
@@ -101,28 +104,18 @@ class DataConfig:
 
 
 @dataclass
-class QuantConfig:
+class QuantConfig(ScalingConfig):
+    """The delayed-scaling settings (inherited from ScalingConfig, validated there) plus which layers are
+    quantized and from which step."""
+
     enabled: bool = False
     scope: str = "mlp"
     high_precision_blocks: Any = "none"
     bf16_warmup_steps: int = 0
-    algo: Any = "max"
-    history_len: int = 64
-    interval: Any = 1
-    target_fwd: float = 15.0
-    target_bwd: float = 15.0
-    history_unit: str = "call"
-    amax_reduce: str = "none"
-    saturate: bool = False
-    grad_rounding: str = "ta"
-    telemetry_dump_every: int = 0
-    telemetry_stats_every: int = 0
 
     def scaling_dict(self) -> dict[str, Any]:
         """The subset understood by `hif8qat.scaling.ScalingConfig`."""
-        keys = ("algo", "history_len", "interval", "target_fwd", "target_bwd", "history_unit",
-                "amax_reduce", "saturate", "grad_rounding", "telemetry_dump_every", "telemetry_stats_every")
-        return {k: getattr(self, k) for k in keys}
+        return {f.name: getattr(self, f.name) for f in fields(ScalingConfig)}
 
 
 @dataclass
@@ -280,18 +273,10 @@ class RunConfig:
         _check_positive("quant.bf16_warmup_steps", q.bf16_warmup_steps, integer=True, allow_zero=True)
         if q.bf16_warmup_steps >= self.train.steps:
             _fail("quant.bf16_warmup_steps", q.bf16_warmup_steps, f"fewer than train.steps={self.train.steps}")
-        _check_positive("quant.history_len", q.history_len, integer=True)
-        for step, algo in _as_schedule("quant.algo", q.algo).items():
-            _check_choice(f"quant.algo[{step}]", algo, ESTIMATORS)
-        for step, interval in _as_schedule("quant.interval", q.interval).items():
-            _check_positive(f"quant.interval[{step}]", interval, integer=True)
-        _check_positive("quant.target_fwd", q.target_fwd)
-        _check_positive("quant.target_bwd", q.target_bwd)
-        _check_choice("quant.history_unit", q.history_unit, ("call", "step"))
-        _check_choice("quant.amax_reduce", q.amax_reduce, ("none", "max"))
-        _check_choice("quant.grad_rounding", q.grad_rounding, ("ta", "stochastic"))
-        _check_positive("quant.telemetry_dump_every", q.telemetry_dump_every, integer=True, allow_zero=True)
-        _check_positive("quant.telemetry_stats_every", q.telemetry_stats_every, integer=True, allow_zero=True)
+        try:
+            ScalingConfig.validate(q)
+        except ValueError as err:
+            raise _as_config_error(err, "quant") from None
         self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
 
     def _validate_eval(self) -> None:
@@ -367,7 +352,7 @@ def _scale_schedule(value: Any, factor: float) -> Any:
     if not isinstance(value, dict):
         return value
     scaled: dict[int, Any] = {}
-    for step, v in _as_schedule("schedule", value).items():
+    for step, v in value.items():
         new = _scale_steps(step, factor)
         scaled[new] = v  # a later switch that collides with an earlier one wins, as it would at paper scale
     return scaled

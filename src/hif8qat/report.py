@@ -630,6 +630,31 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
             tel_rows.append({"experiment": r.experiment, "seed": r.seed, "estimator": r.estimator, **t.to_dict()})
     tel_df = pd.DataFrame(tel_rows)
 
+    # ---- one-factor ablations: each run against the experiment it derives from (e.g. exp7 vs exp1 = the
+    # learning rate alone, both BF16: the forgetting comparison; exp9 vs exp8 = the BF16 warmup alone)
+    abl_rows = []
+    for r in runs:
+        parent_name = _get(r.config, "experiment.derived_from")
+        parent = _pick_baseline(RunInfo(**{**r.__dict__, "baseline": parent_name}), runs) if parent_name else None
+        if parent is None:
+            continue
+        changes = ",".join(_get(r.config, "experiment.changes", []) or [])
+        parent_res, run_res = _eval_results(parent, "bf16"), _eval_results(r, "bf16")
+        for task, rr in run_res.items():
+            if task not in parent_res:
+                continue
+            row = {"experiment": r.experiment, "derived_from": parent.experiment, "changes": changes,
+                   "seed": r.seed, "task": task, "parent_pct": parent_res[task]["value"] * 100.0,
+                   "run_pct": rr["value"] * 100.0,
+                   "drop_pct": relative_drop(parent_res[task]["value"], rr["value"])}
+            ps = _read_samples(parent.path / "eval" / "bf16" / f"samples_{task}.csv")
+            rs = _read_samples(r.path / "eval" / "bf16" / f"samples_{task}.csv")
+            if ps is not None and rs is not None:
+                ci = paired_bootstrap_drop(*align_samples(ps, rs), n_boot=n_boot, seed=seed)
+                row.update(n_paired=ci.n, ci_lo=ci.lo, ci_hi=ci.hi, significant=ci.significant)
+            abl_rows.append(row)
+    abl_df = pd.DataFrame(abl_rows)
+
     # ---- estimators replayed on the same recorded traces (complete traces only; see recorded_amax_traces)
     replay_frames = []
     for r in runs if (figures if replay is None else replay) else []:
@@ -642,7 +667,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     replay_df = pd.concat(replay_frames, ignore_index=True) if replay_frames else pd.DataFrame()
 
     tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": ape_df,
-              f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df}
+              f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df}
     notes = {
         f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %.",
         f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
@@ -651,6 +676,10 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         f"ape_{profile}": f"Training-loss APE (%) over all common steps and the last {last_frac:.0%} of them.",
         f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl: share of steps whose max amax/estimate > 1 "
                                 "(the tensor outgrew its delayed estimate), the largest ratio, overflow counts.",
+        f"ablations_{profile}": "Each run against the experiment it derives from (bf16 evaluations, same seed): "
+                                "relative drop (%) with a paired bootstrap 95 % CI; `changes` lists the settings "
+                                "that differ. exp7 vs exp1 isolates the learning rate (forgetting), exp9 vs exp8 "
+                                "the BF16 warmup.",
         f"replay_{profile}": "Each estimator replayed (interval 1) on the same per-call amax traces recorded in a run's "
                              "final scaler state: share of calls whose amax exceeded the delayed estimate, how far, "
                              "and the share beyond the 2-bit-mantissa tier (ratio > 128/15).",

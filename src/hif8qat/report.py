@@ -539,6 +539,29 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
     return pd.DataFrame(rows)
 
 
+def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int) -> list[dict]:
+    """Per task: both scores, the relative drop and its paired bootstrap CI, from two eval folders."""
+    def scores(folder: Path) -> dict:
+        path = folder / "results.json"
+        if not path.exists():
+            return {}
+        return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+
+    base, other = scores(base_eval), scores(other_eval)
+    rows = []
+    for task, res in other.items():
+        if task not in base:
+            continue
+        row = {"task": task, "base_pct": base[task]["value"] * 100.0, "run_pct": res["value"] * 100.0,
+               "drop_pct": relative_drop(base[task]["value"], res["value"])}
+        bs, rs = _read_samples(base_eval / f"samples_{task}.csv"), _read_samples(other_eval / f"samples_{task}.csv")
+        if bs is not None and rs is not None:
+            ci = paired_bootstrap_drop(*align_samples(bs, rs), n_boot=n_boot, seed=seed)
+            row.update(n_paired=ci.n, ci_lo=ci.lo, ci_hi=ci.hi, significant=ci.significant)
+        rows.append(row)
+    return rows
+
+
 def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
                  seed: int = 0, last_frac: float = 0.1, figures: bool = True, replay: bool | None = None) -> dict:
     """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
@@ -563,7 +586,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         summ = json.loads((r.path / "summary.json").read_text()) if (r.path / "summary.json").exists() else {}
         row = {"experiment": r.experiment, "seed": r.seed, "paper_run": r.paper_run, "quant": r.quant,
                "estimator": r.estimator, "baseline": r.baseline, "done": r.done,
-               "steps": int(m["step"].max()) if "step" in m and len(m) else 0,
+               "steps": int(m["step"].max()) + 1 if "step" in m and len(m) else 0,
                "final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan"),
                "wall_time_s": next((summ[k] for k in ("wall_time_s", "train_wall_s", "train_wall_s_this_session")
                                     if k in summ), float("nan")),
@@ -638,22 +661,21 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         parent = _pick_baseline(RunInfo(**{**r.__dict__, "baseline": parent_name}), runs) if parent_name else None
         if parent is None:
             continue
-        changes = ",".join(_get(r.config, "experiment.changes", []) or [])
-        parent_res, run_res = _eval_results(parent, "bf16"), _eval_results(r, "bf16")
-        for task, rr in run_res.items():
-            if task not in parent_res:
-                continue
-            row = {"experiment": r.experiment, "derived_from": parent.experiment, "changes": changes,
-                   "seed": r.seed, "task": task, "parent_pct": parent_res[task]["value"] * 100.0,
-                   "run_pct": rr["value"] * 100.0,
-                   "drop_pct": relative_drop(parent_res[task]["value"], rr["value"])}
-            ps = _read_samples(parent.path / "eval" / "bf16" / f"samples_{task}.csv")
-            rs = _read_samples(r.path / "eval" / "bf16" / f"samples_{task}.csv")
-            if ps is not None and rs is not None:
-                ci = paired_bootstrap_drop(*align_samples(ps, rs), n_boot=n_boot, seed=seed)
-                row.update(n_paired=ci.n, ci_lo=ci.lo, ci_hi=ci.hi, significant=ci.significant)
-            abl_rows.append(row)
+        head = {"experiment": r.experiment, "derived_from": parent.experiment,
+                "changes": ",".join(_get(r.config, "experiment.changes", []) or []), "seed": r.seed}
+        abl_rows += [{**head, **row} for row in _paired_comparison(parent.path / "eval" / "bf16",
+                                                                   r.path / "eval" / "bf16", n_boot, seed)]
     abl_df = pd.DataFrame(abl_rows)
+
+    # ---- every run against the untrained base model, when its evaluation is on file (forgetting)
+    base_model_dir = runs_root.parent / "base_model" / profile
+    vs_base_rows = []
+    if (base_model_dir / "results.json").exists():
+        for r in runs:
+            head = {"experiment": r.experiment, "seed": r.seed, "lr": _get(r.config, "train.lr"), "quant": r.quant}
+            vs_base_rows += [{**head, **row} for row in _paired_comparison(base_model_dir, r.path / "eval" / "bf16",
+                                                                           n_boot, seed)]
+    vs_base_df = pd.DataFrame(vs_base_rows)
 
     # ---- estimators replayed on the same recorded traces (complete traces only; see recorded_amax_traces)
     replay_frames = []
@@ -667,7 +689,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     replay_df = pd.concat(replay_frames, ignore_index=True) if replay_frames else pd.DataFrame()
 
     tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": ape_df,
-              f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df}
+              f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,
+              f"vs_base_{profile}": vs_base_df}
     notes = {
         f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %.",
         f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
@@ -680,6 +703,10 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                                 "relative drop (%) with a paired bootstrap 95 % CI; `changes` lists the settings "
                                 "that differ. exp7 vs exp1 isolates the learning rate (forgetting), exp9 vs exp8 "
                                 "the BF16 warmup.",
+        f"vs_base_{profile}": "Each run's bf16 evaluation against the untrained base model's "
+                              f"(results/base_model/{profile}/): relative drop (%) with a paired bootstrap 95 % CI. "
+                              "Drops common to quantized and BF16 runs at one learning rate are forgetting, not "
+                              "quantization.",
         f"replay_{profile}": "Each estimator replayed (interval 1) on the same per-call amax traces recorded in a run's "
                              "final scaler state: share of calls whose amax exceeded the delayed estimate, how far, "
                              "and the share beyond the 2-bit-mantissa tier (ratio > 128/15).",

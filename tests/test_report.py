@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -158,7 +159,8 @@ def make_fake_runs(root: Path, profile: str = "smoke", n_docs: int = 120, steps:
     for exp, baseline, quant in (("exp7", None, False), ("exp8", "exp7", True)):
         d = root / profile / exp / "seed0"
         d.mkdir(parents=True)
-        cfg = {"experiment": {"name": exp, "baseline": baseline, "paper_run": exp.upper()},
+        cfg = {"experiment": {"name": exp, "baseline": baseline, "paper_run": exp.upper(), "derived_from": baseline,
+                              "changes": ["quant"] if quant else []},
                "profile": {"name": profile}, "seed": 0,
                "quant": {"enabled": quant, "algo": "max" if quant else None, "history_len": 64}}
         (d / "config_resolved.yaml").write_text(yaml.safe_dump(cfg))
@@ -200,9 +202,21 @@ def make_fake_runs(root: Path, profile: str = "smoke", n_docs: int = 120, steps:
 
 def test_build_report_structure(tmp_path):
     runs = make_fake_runs(tmp_path / "runs")
+    # The untrained base model's evaluation, on file: here identical to exp7's.
+    shutil.copytree(runs / "smoke" / "exp7" / "seed0" / "eval" / "bf16", tmp_path / "base_model" / "smoke")
     rep = report.build_report(runs, "smoke", tmp_path / "tables", tmp_path / "figures", n_boot=1000)
     t = rep["tables"]
-    assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke"}
+    assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke", "replay_smoke",
+                      "ablations_smoke", "vs_base_smoke"}
+    assert t["replay_smoke"].empty  # no exported scaler state in these fake runs
+    # exp8 derives from exp7: the ablation is the bf16-mode drop, and against the base model exp7 is unchanged.
+    abl = t["ablations_smoke"].iloc[0]
+    assert abl["experiment"] == "exp8" and abl["derived_from"] == "exp7" and abl["changes"] == "quant"
+    bf16_drop = t["drops_smoke"].set_index("quant_mode").loc["bf16", "drop_pct"]
+    assert abl["drop_pct"] == pytest.approx(bf16_drop) and abl["n_paired"] == 120
+    vs_base = t["vs_base_smoke"].set_index("experiment")
+    assert vs_base.loc["exp7", "drop_pct"] == 0 and not vs_base.loc["exp7", "significant"]
+    assert vs_base.loc["exp8", "drop_pct"] == pytest.approx(bf16_drop)
     drops = t["drops_smoke"].set_index("quant_mode")
     assert list(t["drops_smoke"].experiment.unique()) == ["exp8"]
     assert (t["drops_smoke"].baseline == "exp7").all()

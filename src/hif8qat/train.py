@@ -27,7 +27,21 @@ from transformers import get_cosine_schedule_with_warmup
 
 from . import checkpoint as ckpt
 from .config import RunConfig
+from .data import build_eval_windows, build_train_stream
+from .models import load_causal_lm
+from .qlinear import (
+    convert_model,
+    dump_telemetry,
+    freeze_scales,
+    load_quant_state_dict,
+    quant_state_dict,
+    save_quant_export,
+    set_quantization,
+    set_step,
+    step_telemetry,
+)
 from .runs import METRICS_FILE, mark_done, update_summary
+from .scaling import ScalingConfig
 
 EXPORT_DIR = "export"
 # Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
@@ -113,8 +127,6 @@ def _autocast(cfg: RunConfig, device: torch.device):
 @torch.no_grad()
 def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.device, batch: int = 4) -> float:
     """Mean loss on held-out windows, with the quantizers' scales frozen so evaluation leaves no trace."""
-    from .qlinear import freeze_scales
-
     was_training = model.training
     model.eval()
     freeze_scales(model, True)
@@ -179,17 +191,12 @@ def _wandb_id(run_dir: Path) -> str:
 
 
 def _build_model(cfg: RunConfig, ctx: DistContext):
-    from .models import load_causal_lm
-
     model, tokenizer = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
                                       revision=cfg.model.revision)
     if cfg.quirks.bf16_params:
         model.to(torch.bfloat16)
     converted: list[str] = []
     if cfg.quant.enabled:
-        from .qlinear import convert_model, set_quantization
-        from .scaling import ScalingConfig
-
         scaling = ScalingConfig.from_dict(cfg.quant.scaling_dict())
         converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), scaling)
         set_quantization(model, False)
@@ -219,8 +226,6 @@ def _no_sync(wrapped: torch.nn.Module, last_micro: bool):
 
 def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict[str, Any]:
     """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows)."""
-    from .data import build_eval_windows, build_train_stream
-
     ctx = ctx or setup_distributed(cfg.train.device)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -245,8 +250,6 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     elif cfg.train.resume != "never":
         resume_from = Path(cfg.train.resume)
     if resume_from is not None:
-        from .qlinear import load_quant_state_dict, set_quantization
-
         start_step, rank_state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer,
                                                       scheduler=scheduler, rank=ctx.rank,
                                                       world_size=ctx.world_size)
@@ -258,8 +261,6 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         if ctx.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
     elif cfg.quant.enabled and quant_on_step == 0:
-        from .qlinear import set_quantization
-
         set_quantization(model, True)
 
     metrics_path = run_dir / METRICS_FILE
@@ -273,8 +274,6 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     wall_start = time.perf_counter()
 
     def save(step: int) -> None:
-        from .qlinear import quant_state_dict
-
         rank_state = {"rng": ckpt.rng_state(), "data": stream.state_dict(),
                       "quant": quant_state_dict(model) if cfg.quant.enabled else {}}
         ckpt.save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -287,8 +286,6 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if cfg.quant.enabled:
-            from .qlinear import set_quantization, set_step
-
             if step == quant_on_step and not quant_active:
                 set_quantization(model, True)  # resets every scaler: cold start on the first QAT call
                 quant_active = True
@@ -323,15 +320,13 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
             "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
         }
         if quant_active:
-            from .qlinear import dump_telemetry, step_telemetry
-
             record.update(step_telemetry(model))
             every = cfg.quant.telemetry_dump_every
-            if quant_active and every and (step + 1) % every == 0:
+            if every and (step + 1) % every == 0:
                 telemetry_dir.mkdir(exist_ok=True)
                 dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{ctx.rank}.jsonl")
         if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
-            record["val_loss"] = _held_out(model, cfg, tokenizer, ctx, build_eval_windows)
+            record["val_loss"] = _held_out(model, cfg, tokenizer, ctx)
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
             sink.log(record)
         progress.update(1)
@@ -342,7 +337,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     progress.close()
 
     save(cfg.train.steps)
-    val_loss = _held_out(model, cfg, tokenizer, ctx, build_eval_windows)
+    val_loss = _held_out(model, cfg, tokenizer, ctx)
     sink.close()
     summary: dict[str, Any] = {}
     from .distributed import full_model_state_dict, is_fsdp
@@ -357,7 +352,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     return summary
 
 
-def _held_out(model, cfg: RunConfig, tokenizer, ctx: DistContext, build_eval_windows) -> float:
+def _held_out(model, cfg: RunConfig, tokenizer, ctx: DistContext) -> float:
     windows = build_eval_windows(cfg.data.source, tokenizer, seq_len=cfg.train.seq_len,
                                  num_windows=cfg.data.eval_windows)
     return held_out_loss(model, windows, cfg, ctx.device)
@@ -401,8 +396,6 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
     model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     if cfg.quant.enabled:
-        from .qlinear import save_quant_export
-
         save_quant_export(model, tmp, {"scope": cfg.quant.scope,
                                        "high_precision_blocks": list(cfg.quant.high_precision_blocks),
                                        "scaling": cfg.quant.scaling_dict(), "converted": converted})

@@ -67,7 +67,7 @@ paper-tables: $(STAMP) ## the paper's tables from the authors' published logs an
 	$(PY) -m hif8qat.report --paper
 
 notebooks: $(STAMP) ## regenerate and execute the notebooks
-	for nb in notebooks/*.py; do $(VENV)/bin/jupytext --to ipynb --execute $$nb || exit 1; done
+	$(PY) notebooks/execute.py
 
 bench: $(STAMP) ## benchmarks: HiF8 qdq throughput and QAT step-time ratio
 	$(PY) benchmarks/bench_qdq.py

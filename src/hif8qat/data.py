@@ -129,30 +129,27 @@ def pack_tokens(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     return tokens[: n * width].reshape(n, width)
 
 
-def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
+def _atomic_write(path: Path, write, *, binary: bool) -> None:
+    """Write through `write(file)` into a temporary file beside `path`, then rename: readers never see a
+    half-written cache file, even when a run is killed mid-write."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr)
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            write(f)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
+    _atomic_write(path, lambda f: np.save(f, arr), binary=True)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _atomic_write(path, lambda f: f.write(text), binary=False)
 
 
 def _check_positive(name: str, value: int) -> int:

@@ -29,6 +29,8 @@ from hif8qat import report
 
 runs_root = Path(os.environ.get("HIF8QAT_RUNS_ROOT", report.REPO / "results" / "runs"))
 profile = os.environ.get("HIF8QAT_PROFILE", "mini")
+if "HIF8QAT_RUNS_ROOT" not in os.environ and not report.discover_runs(runs_root, profile):
+    runs_root = report.REPO / "results" / "reference_runs"  # no runs of your own yet: the committed ones
 out = Path(tempfile.mkdtemp(prefix="hif8qat-nb02-"))
 rep = report.build_report(runs_root, profile, out / "tables", out / "figures", n_boot=2000)
 print(rep["message"])

@@ -36,6 +36,8 @@ from hif8qat import report  # noqa: E402
 
 runs_root = Path(os.environ.get("HIF8QAT_RUNS_ROOT", report.REPO / "results" / "runs"))
 profile = os.environ.get("HIF8QAT_PROFILE", "mini")
+if "HIF8QAT_RUNS_ROOT" not in os.environ and not report.discover_runs(runs_root, profile):
+    runs_root = report.REPO / "results" / "reference_runs"  # no runs of your own yet: the committed ones
 runs = [r for r in report.discover_runs(runs_root, profile) if r.quant]
 print(f"{len(runs)} quantized runs under {runs_root / profile}")
 if not runs:

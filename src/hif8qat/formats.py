@@ -532,6 +532,17 @@ def _dispatch(x, scale, rounding, generator, out, *, scaled, saturate, want_amax
     return y, amax
 
 
+_UNSCALED = object()  # marks the unscaled qdq (a scale of None is a caller's error, checked as such)
+
+
+def _check_args(x, rounding, out, scale=_UNSCALED):
+    """The argument checks every public qdq function makes, in one place (ValueError on bad input)."""
+    x = _check_x(x)
+    rounding = _check_rounding(rounding)
+    out = _check_out(out, x)
+    return x, rounding, out, (None if scale is _UNSCALED else _check_scale(scale, x))
+
+
 def hif8_qdq(
     x: torch.Tensor,
     rounding: str = "ta",
@@ -545,9 +556,7 @@ def hif8_qdq(
     from ``generator``), "hr" (not available, raises NotImplementedError). ``out``: optional
     preallocated result (same dtype/shape/device as x; may be x itself), which saves an allocation.
     """
-    x = _check_x(x)
-    rounding = _check_rounding(rounding)
-    out = _check_out(out, x)
+    x, rounding, out, _ = _check_args(x, rounding, out)
     return _dispatch(x, None, rounding, generator, out, scaled=False, saturate=False, want_amax=False)[0]
 
 
@@ -566,10 +575,7 @@ def hif8_qdq_scaled(
     tensor on an accelerator is not (validating it would force a host sync on every call).
     saturate=True clamps results to +-HIF8_MAX instead of +-inf (infinite inputs too); NaN propagates.
     """
-    x = _check_x(x)
-    rounding = _check_rounding(rounding)
-    out = _check_out(out, x)
-    scale = _check_scale(scale, x)
+    x, rounding, out, scale = _check_args(x, rounding, out, scale)
     return _dispatch(x, scale, rounding, generator, out, scaled=True, saturate=saturate, want_amax=False)[0]
 
 
@@ -588,10 +594,7 @@ def hif8_qdq_scaled_amax(
     same kernel as the quantization, so x is read once. NaN/inf in x propagate into amax; an empty x
     gives amax 0.
     """
-    x = _check_x(x)
-    rounding = _check_rounding(rounding)
-    out = _check_out(out, x)
-    scale = _check_scale(scale, x)
+    x, rounding, out, scale = _check_args(x, rounding, out, scale)
     return _dispatch(x, scale, rounding, generator, out, scaled=True, saturate=saturate, want_amax=True)
 
 

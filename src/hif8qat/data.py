@@ -262,6 +262,17 @@ def mini_tokens(tokenizer, split: str = "train", cache_dir: str | os.PathLike | 
 # ----------------------------------------------------------------------------------------------------------
 # packed (map-style) stream
 # ----------------------------------------------------------------------------------------------------------
+def _init_shard(stream, seq_len: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                source: str) -> None:
+    """Validate and set the settings every token stream shares (window size, batch, this rank's shard)."""
+    stream.seq_len = _check_positive("seq_len", seq_len)
+    stream.micro_batch_size = _check_positive("micro_batch_size", micro_batch_size)
+    stream.world_size = _check_positive("world_size", world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    stream.rank, stream.seed, stream.source = int(rank), int(seed), source
+
+
 class PackedTokenStream:
     """Infinite stream of ``[micro_batch_size, seq_len + 1]`` batches over a fixed token array.
 
@@ -274,12 +285,7 @@ class PackedTokenStream:
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, micro_batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, source: str = ""):
-        self.seq_len = _check_positive("seq_len", seq_len)
-        self.micro_batch_size = _check_positive("micro_batch_size", micro_batch_size)
-        self.world_size = _check_positive("world_size", world_size)
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.rank, self.seed, self.source = int(rank), int(seed), source
+        _init_shard(self, seq_len, micro_batch_size, rank, world_size, seed, source)
         self.windows = pack_tokens(np.asarray(tokens), seq_len)
         self.num_windows = len(self.windows)
         self.batches_per_epoch = self.num_windows // self.world_size // self.micro_batch_size
@@ -358,12 +364,7 @@ class StreamingTokenStream:
 
     def __init__(self, make_dataset: Callable[[int], Iterable[dict]], tokenizer, *, seq_len: int,
                  micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, source: str = ""):
-        self.seq_len = _check_positive("seq_len", seq_len)
-        self.micro_batch_size = _check_positive("micro_batch_size", micro_batch_size)
-        self.world_size = _check_positive("world_size", world_size)
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.rank, self.seed, self.source = int(rank), int(seed), source
+        _init_shard(self, seq_len, micro_batch_size, rank, world_size, seed, source)
         self.tokenizer = tokenizer
         _eos_id(tokenizer)
         self._make = make_dataset

@@ -444,10 +444,15 @@ def discover_runs(runs_root: Path, profile: str) -> list[RunInfo]:
 
 
 def _pick_baseline(run: RunInfo, runs: list[RunInfo]) -> RunInfo | None:
-    if not run.baseline:
+    return _find_run(run.baseline, run.seed, runs)
+
+
+def _find_run(experiment: str | None, seed, runs: list[RunInfo]) -> RunInfo | None:
+    """The run of `experiment`, preferring the same seed and finished runs."""
+    if not experiment:
         return None
-    cands = [r for r in runs if r.experiment == str(run.baseline)]
-    same_seed = [r for r in cands if r.seed == run.seed]
+    cands = [r for r in runs if r.experiment == str(experiment)]
+    same_seed = [r for r in cands if r.seed == seed]
     pool = same_seed or cands
     pool = sorted(pool, key=lambda r: (not r.done, str(r.path)))
     return pool[0] if pool else None
@@ -658,7 +663,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     abl_rows = []
     for r in runs:
         parent_name = _get(r.config, "experiment.derived_from")
-        parent = _pick_baseline(RunInfo(**{**r.__dict__, "baseline": parent_name}), runs) if parent_name else None
+        parent = _find_run(parent_name, r.seed, runs)
         if parent is None:
             continue
         head = {"experiment": r.experiment, "derived_from": parent.experiment,

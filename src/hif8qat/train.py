@@ -232,6 +232,8 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     seed_everything(cfg.seed)
     model, tokenizer, converted = _build_model(cfg, ctx)
     wrapped = _wrap_distributed(model, cfg, ctx)
+    if cfg.train.compile:  # quantized linears are graph breaks; their HiF8 kernels are compiled on their own
+        wrapped = torch.compile(wrapped)
     quant_on_step = cfg.quant.bf16_warmup_steps if cfg.quant.enabled else None
 
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
@@ -270,6 +272,15 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     telemetry_dir = run_dir / "telemetry"
     progress = _progress(cfg, ctx, start_step)
+    held_out_windows = None
+
+    def held_out() -> float:
+        nonlocal held_out_windows
+        if held_out_windows is None:  # tokenized once, reused by every validation
+            held_out_windows = build_eval_windows(cfg.data.source, tokenizer, seq_len=cfg.train.seq_len,
+                                                  num_windows=cfg.data.eval_windows)
+        return held_out_loss(model, held_out_windows, cfg, ctx.device)
+
     step_times: dict[bool, list[float]] = {False: [], True: []}
     wall_start = time.perf_counter()
 
@@ -326,7 +337,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
                 telemetry_dir.mkdir(exist_ok=True)
                 dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{ctx.rank}.jsonl")
         if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
-            record["val_loss"] = _held_out(model, cfg, tokenizer, ctx)
+            record["val_loss"] = held_out()
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
             sink.log(record)
         progress.update(1)
@@ -337,7 +348,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     progress.close()
 
     save(cfg.train.steps)
-    val_loss = _held_out(model, cfg, tokenizer, ctx)
+    val_loss = held_out()
     sink.close()
     summary: dict[str, Any] = {}
     from .distributed import full_model_state_dict, is_fsdp
@@ -350,12 +361,6 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         mark_done(run_dir)
     ctx.barrier()
     return summary
-
-
-def _held_out(model, cfg: RunConfig, tokenizer, ctx: DistContext) -> float:
-    windows = build_eval_windows(cfg.data.source, tokenizer, seq_len=cfg.train.seq_len,
-                                 num_windows=cfg.data.eval_windows)
-    return held_out_loss(model, windows, cfg, ctx.device)
 
 
 def _progress(cfg: RunConfig, ctx: DistContext, start_step: int):

@@ -57,14 +57,14 @@ import json
 import logging
 import math
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+
+from .registry import hub_reachable
 
 log = logging.getLogger(__name__)
 
@@ -188,16 +188,6 @@ def _local_dataset_map(local_datasets: Mapping[str, str | os.PathLike] | None) -
     return out
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    host = urlparse(endpoint).hostname or "huggingface.co"
-    try:
-        with socket.create_connection((host, 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def _offline_env() -> bool:
     return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
                for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
@@ -274,7 +264,7 @@ def prepare_paper_tasks(
                 unresolved[ds_path] = (leaf, cfg.get("dataset_name"))
     force_offline = False
     if unresolved and check:
-        online = not _offline_env() and _hub_reachable()
+        online = not _offline_env() and hub_reachable()
         if not online:
             force_offline = True
             missing = []

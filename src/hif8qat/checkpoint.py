@@ -6,6 +6,14 @@ the data position and the quantization scalers (each rank keeps its own amax his
 "none", as the authors did). It is written under a temporary name and renamed when complete, so a crash
 mid-write never leaves a checkpoint that looks valid. Everything loads with `weights_only=True`.
 
+Integrity: the `COMPLETE` marker is a JSON manifest with the size and sha256 of every file, written last;
+`verify_checkpoint` checks it, so truncated, missing or bit-flipped files are caught before loading (sha256:
+~1.2 GB/s on one core here, under the cost of writing the same bytes, and checkable with `sha256sum`).
+`select_checkpoint` resumes from the newest intact checkpoint and renames rejected ones to
+`step_<N>.corrupt-<time>` (never deleted). Re-saving an existing step swaps folders so that one complete
+copy of the step is on disk at every instant: new -> `step_<N>.tmp`, old -> `step_<N>.old`, tmp -> final,
+then delete old; `recover_interrupted` finishes or undoes a swap a kill interrupted.
+
 Under FSDP (`train.distributed=fsdp`) the same files are written: the weights are gathered into one full
 `model.safetensors` (tied weights stored once, as `safetensors.torch.save_model` does) and the optimizer state
 is gathered and stored keyed by parameter name (`"optimizer_keys": "name"` in trainer.pt). Either kind of
@@ -14,29 +22,64 @@ checkpoint resumes with or without FSDP (same world size); the model file loads 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pickle
 import random
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
+
+from .errors import RunError
 
 COMPLETE_MARKER = "COMPLETE"
 _PREFIX = "step_"
+_TMP, _OLD, _TRASH, _CORRUPT = ".tmp", ".old", ".trash", ".corrupt-"
+_MANIFEST_FORMAT = 1
+# What a checkpoint cannot be resumed without (rank files beyond rank 0 are checked through the manifest).
+_REQUIRED = ("model.safetensors", "trainer.pt", "rank000.pt")
+# What a damaged file makes the loaders raise (safetensors, torch.load's zip reader, unpickling).
+_LOAD_ERRORS = (SafetensorError, RuntimeError, EOFError, OSError, pickle.UnpicklingError, KeyError, ValueError)
+
+
+class CheckpointError(RunError):
+    """A checkpoint that cannot be used: incomplete, truncated, corrupt or written for another setup."""
+
+
+def _rename(src: Path, dst: Path) -> None:  # one place for every rename: tests interrupt saves here
+    os.replace(src, dst)
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path)
 
 
 def checkpoint_path(root: Path, step: int) -> Path:
     return root / f"{_PREFIX}{step:07d}"
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a checkpoint folder named `step_<N>`, None for anything else (tmp, old, corrupt)."""
+    digits = path.name[len(_PREFIX):]
+    return int(digits) if path.name.startswith(_PREFIX) and digits.isdigit() else None
+
+
+def _step_folders(root: Path) -> list[Path]:
     if not root.exists():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
-             and (p / COMPLETE_MARKER).exists()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+    return sorted((p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()), key=checkpoint_step)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Checkpoints marked complete, oldest first (not yet verified: see `select_checkpoint`)."""
+    return [p for p in _step_folders(root) if (p / COMPLETE_MARKER).exists()]
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -84,16 +127,155 @@ def _load_full_model(model: torch.nn.Module, filename: str, rank: int) -> None:
     load_full_model_state_dict(model, state_dict)
 
 
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_manifest(folder: Path, step: int) -> None:
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
+    (folder / COMPLETE_MARKER).write_text(json.dumps({"format": _MANIFEST_FORMAT, "step": step, "files": files},
+                                                     indent=1) + "\n")
+
+
+def _read_manifest(path: Path) -> dict | None:
+    """The manifest, or None for a checkpoint written before manifests existed (marker holds the step)."""
+    marker = path / COMPLETE_MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: no {COMPLETE_MARKER} marker")
+    text = marker.read_text(errors="replace").strip()
+    if text.isdigit():
+        return None
+    try:
+        manifest = json.loads(text)
+        files = manifest["files"]
+        if not all(isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str) for v in files.values()):
+            raise ValueError("malformed file entry")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"checkpoint {path}: unreadable manifest {marker} ({err})") from None
+    return manifest
+
+
+def _read_back(path: Path) -> None:
+    """Load every file once (checkpoints without a manifest): catches truncation, not flipped bits."""
+    for name in _REQUIRED:
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {name}")
+    for file in sorted(path.iterdir()):
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():
+                        f.get_tensor(key)
+            elif file.suffix == ".pt":
+                torch.load(file, weights_only=True, mmap=True)
+        except _LOAD_ERRORS as err:
+            raise CheckpointError(f"checkpoint {path}: {file.name} is unreadable ({type(err).__name__}: "
+                                  f"{str(err)[:200]})") from None
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise CheckpointError naming the first problem: no marker, missing file, wrong size, wrong checksum."""
+    manifest = _read_manifest(path)
+    if manifest is None:
+        _read_back(path)
+        return
+    files = manifest["files"]
+    for name in _REQUIRED:
+        if name not in files:
+            raise CheckpointError(f"checkpoint {path}: manifest lists no {name}")
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {name}")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {name} has {size} bytes, {entry['bytes']} were written "
+                                  "(truncated or replaced)")
+        if _sha256(file) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {name} fails its sha256 check (the file changed after "
+                                  "it was written)")
+
+
+def recover_interrupted(root: Path) -> list[str]:
+    """Finish or undo what a kill interrupted; return one note per action (rank 0, before any load).
+
+    `step_N.old` means a re-save of step N had begun, and its new copy was complete before the old one was
+    moved: publish the new copy if it is not in place yet, then drop the old. A `.tmp` without an `.old` is
+    a write that never got published: drop it (its steps are redone). `.trash` is an interrupted pruning.
+    """
+    notes: list[str] = []
+    if not root.exists():
+        return notes
+    for old in sorted(root.glob(f"{_PREFIX}*{_OLD}")):
+        final, tmp = old.with_name(old.name[:-len(_OLD)]), old.with_name(old.name[:-len(_OLD)] + _TMP)
+        if not final.exists():
+            if (tmp / COMPLETE_MARKER).exists():
+                _rename(tmp, final)
+                notes.append(f"finished the interrupted re-save of {final.name}")
+            else:
+                _rename(old, final)
+                notes.append(f"restored {final.name} from its interrupted re-save")
+                continue
+        _remove_tree(old)
+    for tmp in sorted(root.glob(f"{_PREFIX}*{_TMP}")):
+        _remove_tree(tmp)
+        notes.append(f"removed the unfinished checkpoint write {tmp.name}")
+    for trash in sorted(root.glob(f"{_PREFIX}*{_TRASH}")):
+        _remove_tree(trash)
+    return notes
+
+
+def quarantine(path: Path) -> Path:
+    """Move a rejected checkpoint out of the way, keeping it for inspection."""
+    target = path.with_name(f"{path.name}{_CORRUPT}{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while target.exists():
+        target, n = path.with_name(f"{path.name}{_CORRUPT}{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
+    _rename(path, target)
+    return target
+
+
+def select_checkpoint(root: Path, log: Callable[[str], None] = print) -> Path | None:
+    """The newest intact checkpoint under root, after recovering interrupted writes (rank 0 only).
+
+    Rejected checkpoints are renamed `*.corrupt-<time>` with a printed reason. None when the run never
+    wrote a checkpoint; CheckpointError when it wrote some and none is intact (starting over silently would
+    throw their steps away).
+    """
+    for note in recover_interrupted(root):
+        log(f"checkpoint recovery: {note}")
+    rejected: list[str] = []
+    for path in reversed(_step_folders(root)):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as err:
+            kept = quarantine(path)
+            rejected.append(path.name)
+            log(f"checkpoint rejected: {err}; kept as {kept.name}")
+            continue
+        if rejected:
+            log(f"resuming from the newest intact checkpoint {path} (step {checkpoint_step(path)}) instead of "
+                f"{', '.join(rejected)}")
+        return path
+    earlier = sorted(p.name for p in root.glob(f"{_PREFIX}*{_CORRUPT}*")) if root.exists() else []
+    if earlier:
+        raise CheckpointError(f"no intact checkpoint in {root} (rejected: {', '.join(earlier)}); rerun with "
+                              "force=true to start the run over (the old folder is kept), or delete the run folder")
+    return None
+
+
 def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer, scheduler, rank_state: dict,
                     rank: int = 0, world_size: int = 1, barrier=None, keep: int = 2) -> Path:
     """Write checkpoint `step` atomically. Every rank calls this (rank_state is per rank)."""
     from .distributed import full_model_state_dict, full_optimizer_state_dict, is_fsdp
 
     final = checkpoint_path(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp, old = final.with_name(final.name + _TMP), final.with_name(final.name + _OLD)
     if rank == 0:
         if tmp.exists():
-            shutil.rmtree(tmp)
+            _remove_tree(tmp)
         tmp.mkdir(parents=True)
     if barrier:
         barrier()
@@ -112,12 +294,19 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer,
     if barrier:
         barrier()
     if rank == 0:
-        (tmp / COMPLETE_MARKER).write_text(str(step))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _write_manifest(tmp, step)  # every rank's file is in place (barrier above)
+        if final.exists():  # re-save: one complete copy of this step on disk at every instant
+            if old.exists():
+                _remove_tree(old)
+            _rename(final, old)
+            _rename(tmp, final)
+            _remove_tree(old)
+        else:
+            _rename(tmp, final)
+        for stale in list_checkpoints(root)[:-keep]:
+            trash = stale.with_name(stale.name + _TRASH)  # renamed first: a half-deleted folder never looks complete
+            _rename(stale, trash)
+            _remove_tree(trash)
     if barrier:
         barrier()
     return final
@@ -125,15 +314,29 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer,
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler, rank: int = 0,
                     world_size: int = 1) -> tuple[int, dict]:
-    """Restore model, optimizer and scheduler; return (step, this rank's state)."""
+    """Restore model, optimizer and scheduler; return (step, this rank's state).
+
+    Library errors from a damaged or mismatched file become a CheckpointError naming the checkpoint."""
+    try:
+        return _load(path, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank, world_size=world_size)
+    except CheckpointError:
+        raise
+    except _LOAD_ERRORS as err:
+        raise CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {str(err)[:300]}); it was "
+                              "written by another version or model, or is damaged: resume from another "
+                              "checkpoint (train.resume=<folder>) or start over with force=true") from None
+
+
+def _load(path: Path, *, model, optimizer, scheduler, rank: int, world_size: int) -> tuple[int, dict]:
     from .distributed import is_fsdp, load_full_optimizer_state_dict, optimizer_state_by_name
 
     fsdp = is_fsdp(model)
     # Under FSDP only rank 0 reads the full optimizer state (the others get their shards from it): map the file.
     trainer = torch.load(path / "trainer.pt", weights_only=True, mmap=fsdp and rank != 0)
     if trainer["world_size"] != world_size:
-        raise RuntimeError(f"checkpoint {path} was written by {trainer['world_size']} ranks; resuming with "
-                           f"{world_size} would change the data order and the amax histories")
+        raise CheckpointError(f"checkpoint {path} was written by {trainer['world_size']} ranks; resuming with "
+                              f"{world_size} would change the data order and the amax histories: launch "
+                              f"{trainer['world_size']} ranks")
     if fsdp:
         _load_full_model(model, str(path / "model.safetensors"), rank)
     else:

@@ -136,6 +136,8 @@ class TrainConfig:
     compile: bool = False
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
+    # Optimizer steps with a non-finite gradient norm are skipped; one more in a row than this stops the run.
+    max_consecutive_skips: int = 3
     resume: str = "auto"
     log_every: int = 1
     val_every: int = 0
@@ -256,6 +258,7 @@ class RunConfig:
             _fail("train.global_batch_size", t.global_batch_size,
                   f"a multiple of train.micro_batch_size={t.micro_batch_size}")
         _check_positive("train.keep_checkpoints", t.keep_checkpoints, integer=True)
+        _check_positive("train.max_consecutive_skips", t.max_consecutive_skips, integer=True, allow_zero=True)
         _check_positive("train.val_every", t.val_every, integer=True, allow_zero=True)
         _check_positive("train.num_threads", t.num_threads, integer=True, allow_zero=True)
         _check_choice("train.autocast", t.autocast, ("bf16", "none"))

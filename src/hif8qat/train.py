@@ -28,6 +28,7 @@ from transformers import get_cosine_schedule_with_warmup
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .data import build_eval_windows, build_train_stream
+from .errors import RunError
 from .models import load_causal_lm
 from .qlinear import (
     convert_model,
@@ -48,8 +49,8 @@ EXPORT_DIR = "export"
 _KILL_AT_STEP_ENV = "HIF8QAT_TEST_KILL_AT_STEP"
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss became non-finite; the last good checkpoint is kept."""
+class TrainingDiverged(RunError):
+    """The loss, the gradients (persistently) or the weights became non-finite; no bad state is saved."""
 
 
 @dataclass
@@ -143,12 +144,33 @@ def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.de
 
 
 def _truncate_metrics(path: Path, from_step: int) -> None:
-    """On resume, drop log lines of steps that will be redone, so the series has no duplicates."""
+    """On resume, drop the log lines of steps that will be redone (no duplicates in the series) and any line
+    that does not parse (the torn last line a crash leaves), saying what was dropped."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", -1) < from_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept, redone, broken = [], [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step = record["step"] if isinstance(record, dict) else None
+        except (ValueError, KeyError):
+            step = None
+        if not isinstance(step, int):
+            broken.append(number)
+        elif step < from_step:
+            kept.append(line)
+        else:
+            redone.append(step)
+    if redone or broken:
+        notes = ([f"{len(redone)} line(s) of steps {min(redone)}..{max(redone)} that will be redone"] if redone else [])
+        notes += [f"{len(broken)} unparsable line(s) (line {', '.join(map(str, broken[:5]))}"
+                  f"{', ...' if len(broken) > 5 else ''})"] if broken else []
+        print(f"{path}: resuming at step {from_step}, dropped " + " and ".join(notes))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)  # a kill mid-rewrite leaves the old log, not half of it
 
 
 def _reduce_mean(value: float, ctx: DistContext) -> float:
@@ -245,17 +267,25 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     accum = cfg.grad_accum_steps(ctx.world_size)
 
     ckpt_root = run_dir / "checkpoints"
+    # Optimizer steps skipped for a non-finite gradient norm: in total, and in the current streak.
+    skips = {"skipped_steps": 0, "consecutive_skips": 0}
     start_step = 0
     resume_from = None
     if cfg.train.resume == "auto":
+        if ctx.is_main:  # rank 0 repairs and verifies; the others then see only the checkpoint it chose
+            ckpt.select_checkpoint(ckpt_root)
+        ctx.barrier()
         resume_from = ckpt.latest_checkpoint(ckpt_root)
     elif cfg.train.resume != "never":
         resume_from = Path(cfg.train.resume)
+        if ctx.is_main:  # a checkpoint named explicitly is verified, never replaced by another one
+            ckpt.verify_checkpoint(resume_from)
     if resume_from is not None:
         start_step, rank_state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer,
                                                       scheduler=scheduler, rank=ctx.rank,
                                                       world_size=ctx.world_size)
         stream.load_state_dict(rank_state["data"])
+        skips.update(rank_state.get("train", {}))
         if cfg.quant.enabled:
             set_quantization(model, start_step >= quant_on_step)
             load_quant_state_dict(model, rank_state["quant"])
@@ -284,8 +314,25 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     step_times: dict[bool, list[float]] = {False: [], True: []}
     wall_start = time.perf_counter()
 
+    def diverged(reason: str) -> TrainingDiverged:
+        sink.close()
+        if ctx.is_main:
+            (run_dir / "FAILED").write_text(reason + "\n")
+        last = ckpt.latest_checkpoint(ckpt_root)
+        if last is None:
+            kept = (f"no checkpoint was written before it (the first is due at step {cfg.train.checkpoint_every}); "
+                    "change the settings that diverged (e.g. a lower train.lr) and run again")
+        else:
+            kept = (f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}, finite weights); rerunning "
+                    "these settings resumes from it and will likely diverge again: change the settings that "
+                    f"diverged (e.g. a lower train.lr), optionally continuing from it with train.resume={last}")
+        return TrainingDiverged(f"{reason}; {kept}")
+
     def save(step: int) -> None:
-        rank_state = {"rng": ckpt.rng_state(), "data": stream.state_dict(),
+        bad = _first_nonfinite(model, optimizer, ctx)
+        if bad:
+            raise diverged(f"{bad} became non-finite by step {step}; it was not checkpointed")
+        rank_state = {"rng": ckpt.rng_state(), "data": stream.state_dict(), "train": dict(skips),
                       "quant": quant_state_dict(model) if cfg.quant.enabled else {}}
         ckpt.save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=scheduler,
                              rank_state=rank_state, rank=ctx.rank, world_size=ctx.world_size,
@@ -312,12 +359,24 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
         loss_value = _reduce_mean(float(loss_sum / accum), ctx)
         if not math.isfinite(loss_value):
-            sink.close()
-            (run_dir / "FAILED").write_text(f"non-finite loss {loss_value} at step {step}\n")
-            raise TrainingDiverged(f"loss became {loss_value} at step {step}; the last good checkpoint in "
-                                   f"{ckpt_root} is kept (resume with train.resume=auto after changing settings)")
+            raise diverged(f"loss became {loss_value} at step {step}")
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        # A non-finite gradient would make AdamW's moments NaN for good: skip the update (the step still
+        # consumes its data and LR slot; the scalers have already seen its amax, so under delayed scaling the
+        # next step's scales adapt, as a loss scaler backs off). A streak of them means divergence: stop.
+        skipped = not math.isfinite(float(grad_norm))
+        if skipped:
+            skips["skipped_steps"] += 1
+            skips["consecutive_skips"] += 1
+            if ctx.is_main:
+                print(f"step {step}: gradient norm {float(grad_norm)}, optimizer step skipped "
+                      f"({skips['consecutive_skips']} in a row)")
+            if skips["consecutive_skips"] > cfg.train.max_consecutive_skips:
+                raise diverged(f"gradient norm non-finite for {skips['consecutive_skips']} consecutive steps "
+                               f"(through step {step}; train.max_consecutive_skips={cfg.train.max_consecutive_skips})")
+        else:
+            skips["consecutive_skips"] = 0
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if ctx.device.type == "cuda":
@@ -329,6 +388,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
             "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
             "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
             "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
+            "skipped_steps": skips["skipped_steps"],
         }
         if quant_active:
             record.update(step_telemetry(model))
@@ -338,7 +398,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
                 dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{ctx.rank}.jsonl")
         if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
             record["val_loss"] = held_out()
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or skipped:
             sink.log(record)
         progress.update(1)
         progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
@@ -357,10 +417,32 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     if ctx.is_main:
         export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted, state_dict=full_state)
         summary = update_summary(run_dir, **_train_summary(metrics_path, step_times, val_loss, converted,
-                                                           time.perf_counter() - wall_start))
+                                                           time.perf_counter() - wall_start),
+                                 skipped_steps=skips["skipped_steps"])
         mark_done(run_dir)
     ctx.barrier()
     return summary
+
+
+def _first_nonfinite(model: torch.nn.Module, optimizer, ctx: DistContext) -> str | None:
+    """Name of the first weight (or its optimizer state) holding inf/NaN, agreed by all ranks; None if clean.
+
+    One fused reduction and one host sync per checkpoint; sharded (FSDP) tensors are checked locally."""
+    named = [(name, p) for name, p in model.named_parameters()]
+    tensors, owners = [], []
+    for name, param in named:
+        for label, t in [(name, param), *((f"{name} (optimizer {k})", v) for k, v in optimizer.state.get(param, {}).items()
+                                          if k != "step" and torch.is_tensor(v))]:
+            tensors.append(t.to_local() if hasattr(t, "to_local") else t)
+            owners.append(label)
+    if not tensors:
+        return None
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors])
+    if ctx.world_size > 1:
+        finite = finite.to(ctx.device, torch.int32)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    bad = (~finite.bool()).nonzero()
+    return owners[int(bad[0])] if len(bad) else None
 
 
 def _progress(cfg: RunConfig, ctx: DistContext, start_step: int):

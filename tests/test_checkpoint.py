@@ -1,0 +1,299 @@
+"""Checkpoint integrity and recovery: damaged checkpoints are rejected (kept, renamed) in favour of the newest
+intact one, re-saving a step survives a kill at every point, torn metrics never block a resume, and
+non-finite gradients or weights are never applied or saved."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from hif8qat import checkpoint as ckpt
+from hif8qat.config import RunConfig, resolve_profile
+from hif8qat.errors import RunError
+from hif8qat.train import TrainingDiverged, _first_nonfinite, _truncate_metrics, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).square().sum().backward()
+    optimizer.step()  # AdamW state exists, so trainer.pt holds tensors
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return model, optimizer, scheduler
+
+
+def _save(root: Path, step: int, seed: int, keep: int = 5) -> Path:
+    model, optimizer, scheduler = _model(seed)
+    return ckpt.save_checkpoint(root, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                                rank_state={"seed": seed}, keep=keep)
+
+
+def _loaded_seed(path: Path) -> int:
+    model, optimizer, scheduler = _model(99)
+    step, rank_state = ckpt.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    assert step == ckpt.checkpoint_step(path)
+    reference, _, _ = _model(rank_state["seed"])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    return rank_state["seed"]
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _flip_mantissa_bits(file: Path) -> None:
+    """Flip the lowest mantissa bit of every weight in place: same size, still a valid safetensors file."""
+    tensors = load_file(file)
+    data = bytearray(file.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    for offset in range(header, len(data), 4):
+        data[offset] ^= 1
+    file.write_bytes(bytes(data))
+    assert load_file(file).keys() == tensors.keys()  # still loads: only a checksum can tell
+
+
+DAMAGE = {
+    "truncated model.safetensors": lambda p: _truncate(p / "model.safetensors"),
+    "truncated trainer.pt": lambda p: _truncate(p / "trainer.pt"),
+    "truncated rank000.pt": lambda p: _truncate(p / "rank000.pt"),
+    "missing model.safetensors": lambda p: (p / "model.safetensors").unlink(),
+    "flipped mantissa bits": lambda p: _flip_mantissa_bits(p / "model.safetensors"),
+    "garbled manifest": lambda p: (p / ckpt.COMPLETE_MARKER).write_text("{not json"),
+    "no COMPLETE marker": lambda p: (p / ckpt.COMPLETE_MARKER).unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one_and_is_kept(tmp_path, damage, capsys):
+    root = tmp_path / "checkpoints"
+    _save(root, 2, seed=2)
+    latest = _save(root, 4, seed=4)
+    DAMAGE[damage](latest)
+    with pytest.raises(ckpt.CheckpointError, match="step_0000004"):
+        ckpt.verify_checkpoint(latest)
+
+    chosen = ckpt.select_checkpoint(root)
+
+    assert chosen == ckpt.checkpoint_path(root, 2) and _loaded_seed(chosen) == 2
+    kept = [p.name for p in root.iterdir() if p.name.startswith("step_0000004.corrupt-")]
+    assert len(kept) == 1 and not latest.exists()  # renamed for inspection, never deleted
+    out = capsys.readouterr().out
+    assert "checkpoint rejected" in out and "step_0000004" in out and "resuming from the newest intact" in out
+    assert ckpt.latest_checkpoint(root) == chosen  # what the other ranks pick up after rank 0's selection
+
+
+def test_intact_checkpoints_verify_and_load_bit_for_bit(tmp_path):
+    path = _save(tmp_path, 3, seed=3)
+    ckpt.verify_checkpoint(path)
+    manifest = json.loads((path / ckpt.COMPLETE_MARKER).read_text())
+    assert set(manifest["files"]) == {"model.safetensors", "trainer.pt", "rank000.pt"} and manifest["step"] == 3
+    assert ckpt.select_checkpoint(tmp_path) == path and _loaded_seed(path) == 3
+
+
+def test_no_intact_checkpoint_is_a_clear_error_now_and_on_every_rerun(tmp_path):
+    root = tmp_path / "checkpoints"
+    _truncate(_save(root, 2, seed=2) / "model.safetensors")
+    for _ in range(2):  # the second call sees only the renamed copy: still refuses to start over silently
+        with pytest.raises(RunError, match=r"no intact checkpoint in .*force=true"):
+            ckpt.select_checkpoint(root)
+    assert ckpt.select_checkpoint(tmp_path / "never_written") is None
+
+
+def test_checkpoints_written_before_manifests_are_read_back_instead(tmp_path):
+    root = tmp_path / "checkpoints"
+    old, new = _save(root, 2, seed=2), _save(root, 4, seed=4)
+    for path in (old, new):
+        (path / ckpt.COMPLETE_MARKER).write_text(str(ckpt.checkpoint_step(path)))  # the former marker
+    ckpt.verify_checkpoint(new)
+    _truncate(new / "trainer.pt")
+    assert ckpt.select_checkpoint(root) == old
+
+
+def test_a_checkpoint_from_another_model_fails_with_a_checkpoint_error(tmp_path):
+    path = _save(tmp_path, 1, seed=1)
+    other = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(other.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    with pytest.raises(ckpt.CheckpointError, match="cannot load checkpoint .*step_0000001"):
+        ckpt.load_checkpoint(path, model=other, optimizer=optimizer, scheduler=scheduler)
+
+
+class _Kill(Exception):
+    """Stands for SIGKILL: nothing after it runs, on-disk state stays as it is."""
+
+
+def _interrupt_at(monkeypatch, k: int, partial: bool) -> list[str]:
+    """Make the k-th rename/delete inside checkpoint.py raise; `partial` deletes one file first, as a kill
+    in the middle of rmtree would."""
+    calls: list[str] = []
+    real_rename, real_remove = ckpt._rename, ckpt._remove_tree
+
+    def rename(src, dst):
+        calls.append(f"rename {Path(src).name} -> {Path(dst).name}")
+        if len(calls) == k:
+            raise _Kill
+        real_rename(src, dst)
+
+    def remove(path):
+        calls.append(f"remove {Path(path).name}")
+        if len(calls) == k:
+            if partial and (Path(path) / "model.safetensors").exists():
+                (Path(path) / "model.safetensors").unlink()
+            raise _Kill
+        real_remove(path)
+
+    monkeypatch.setattr(ckpt, "_rename", rename)
+    monkeypatch.setattr(ckpt, "_remove_tree", remove)
+    return calls
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["between-steps", "mid-delete"])
+def test_resaving_a_step_survives_a_kill_at_every_point(tmp_path, monkeypatch, partial):
+    k, points = 1, []
+    while True:
+        root = tmp_path / f"k{k}" / "checkpoints"
+        _save(root, 2, seed=2)
+        _save(root, 4, seed=40)  # the copy of step 4 being replaced
+        calls = _interrupt_at(monkeypatch, k, partial)
+        try:
+            _save(root, 4, seed=41, keep=1)  # re-save step 4, then prune step 2
+            finished = True
+        except _Kill:
+            finished = False
+        monkeypatch.undo()
+        points.append(calls[-1])
+        # What the next run does: recover, verify, resume.
+        chosen = ckpt.select_checkpoint(root, log=lambda _: None)
+        assert chosen == ckpt.checkpoint_path(root, 4), f"killed at {calls[-1]!r}"
+        assert _loaded_seed(chosen) in (40, 41)
+        leftovers = sorted(p.name for p in root.iterdir() if not ckpt.checkpoint_step(p))
+        assert leftovers == [], f"killed at {calls[-1]!r}: {leftovers}"
+        if finished:
+            break
+        k += 1
+    # The swap (move old aside, move new in, delete old) and the pruning were each interrupted.
+    assert any("-> step_0000004.old" in c for c in points) and any("step_0000004.tmp -> step_0000004" in c
+                                                                   for c in points)
+    assert any(c.startswith("remove step_0000004.old") for c in points)
+    assert any(c.startswith("remove step_0000002.trash") for c in points)
+
+
+def test_an_unpublished_write_is_discarded_and_the_previous_copy_kept(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    _save(root, 4, seed=40)
+
+    def killed_mid_write(*args, **kwargs):
+        raise _Kill
+
+    monkeypatch.setattr(ckpt, "_write_manifest", killed_mid_write)
+    with pytest.raises(_Kill):
+        _save(root, 4, seed=41)
+    monkeypatch.undo()
+    assert (root / "step_0000004.tmp").exists()
+    assert _loaded_seed(ckpt.select_checkpoint(root, log=lambda _: None)) == 40
+    assert not (root / "step_0000004.tmp").exists()
+
+
+def test_torn_and_malformed_metrics_lines_are_dropped_with_a_note(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / (s + 1)}) for s in range(6)]
+    lines.insert(2, "garbage")
+    path.write_text("\n".join(lines) + "\n" + '{"step": 6, "lo')  # a crash tore the last line
+    _truncate_metrics(path, from_step=4)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
+    out = capsys.readouterr().out
+    assert "2 line(s) of steps 4..5" in out and "2 unparsable line(s) (line 3, 8)" in out
+
+
+def test_first_nonfinite_names_the_weight_or_optimizer_state():
+    from hif8qat.train import DistContext
+
+    model, optimizer, _ = _model(0)
+    assert _first_nonfinite(model, optimizer, DistContext()) is None
+    next(iter(optimizer.state.values()))["exp_avg_sq"][0] = float("nan")
+    assert _first_nonfinite(model, optimizer, DistContext()) == "0.weight (optimizer exp_avg_sq)"
+    with torch.no_grad():
+        model[1].bias[0] = float("inf")
+    assert _first_nonfinite(model, optimizer, DistContext()) == "0.weight (optimizer exp_avg_sq)"
+    optimizer.state.clear()
+    assert _first_nonfinite(model, optimizer, DistContext()) == "1.bias"
+
+
+# In-process runs of the smoke profile's exp1 (a tiny model, a few seconds each).
+def _smoke(tmp_path: Path, *overrides: str) -> RunConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        composed = compose(config_name="config", overrides=["experiment=exp1", "profile=smoke", "stage=train",
+                                                            "logger.progress_bar=false", "train.num_threads=1",
+                                                            f"results_root={tmp_path}", *overrides])
+    return resolve_profile(RunConfig.from_dict(OmegaConf.to_container(composed, resolve=True), check_paths=False))
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    (tmp_path / "run").mkdir()
+    return tmp_path / "run"
+
+
+def _all_finite(folder: Path) -> bool:
+    tensors = list(load_file(folder / "model.safetensors").values())
+    trainer = torch.load(folder / "trainer.pt", weights_only=True)
+    tensors += [v for s in trainer["optimizer"]["state"].values() for v in s.values() if torch.is_tensor(v)]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def test_nonfinite_gradients_are_skipped_then_stop_the_run_without_saving_bad_weights(tmp_path, capsys):
+    """lr=1e6 gives a finite loss with a NaN gradient norm (step 3 on this model): that update is never applied."""
+    run_dir = _run_dir(tmp_path)
+    with pytest.raises(TrainingDiverged) as err:
+        train(_smoke(tmp_path, "train.lr=1e6"), run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["step"] for r in records if not math.isfinite(r["grad_norm"])]
+    assert skipped and all(math.isfinite(r["loss"]) for r in records)
+    assert [r["skipped_steps"] for r in records if r["step"] in skipped] == list(range(1, len(skipped) + 1))
+    assert "optimizer step skipped" in capsys.readouterr().out
+    message = str(err.value)
+    assert "gradient norm non-finite for 4 consecutive steps" in message
+    saved = ckpt.list_checkpoints(run_dir / "checkpoints")
+    assert saved and all(_all_finite(p) for p in saved)
+    # The message names the checkpoint that really exists, with its step.
+    assert f"newest checkpoint is {saved[-1]} (step {ckpt.checkpoint_step(saved[-1])}" in message
+    assert (run_dir / "FAILED").exists()
+
+
+def test_divergence_before_any_checkpoint_says_none_exists(tmp_path):
+    with pytest.raises(TrainingDiverged, match="no checkpoint was written before it") as err:
+        train(_smoke(tmp_path, "train.lr=1e6", "train.checkpoint_every=100", "train.max_consecutive_skips=0"),
+              _run_dir(tmp_path))
+    assert "gradient norm non-finite for 1 consecutive steps" in str(err.value)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")
+
+
+def test_weights_that_became_nonfinite_are_never_checkpointed(tmp_path, monkeypatch):
+    """A finite gradient can still give inf weights (an overflowing update): the save refuses them."""
+    real_step = torch.optim.AdamW.step
+    calls = []
+
+    def step(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 6:  # the update of step 5 overflows; step 6's checkpoint must not be written
+            with torch.no_grad():
+                self.param_groups[0]["params"][0][0, 0] = float("inf")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    run_dir = _run_dir(tmp_path)
+    with pytest.raises(TrainingDiverged, match="became non-finite by step 6; it was not checkpointed") as err:
+        train(_smoke(tmp_path, "train.checkpoint_every=3"), run_dir)
+    saved = ckpt.list_checkpoints(run_dir / "checkpoints")
+    assert [ckpt.checkpoint_step(p) for p in saved] == [3] and _all_finite(saved[0])
+    assert f"newest checkpoint is {saved[0]} (step 3" in str(err.value)

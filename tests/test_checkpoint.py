@@ -297,3 +297,22 @@ def test_weights_that_became_nonfinite_are_never_checkpointed(tmp_path, monkeypa
     saved = ckpt.list_checkpoints(run_dir / "checkpoints")
     assert [ckpt.checkpoint_step(p) for p in saved] == [3] and _all_finite(saved[0])
     assert f"newest checkpoint is {saved[0]} (step 3" in str(err.value)
+
+
+def test_an_explicitly_named_damaged_checkpoint_is_refused_not_replaced(tmp_path):
+    first = _run_dir(tmp_path)
+    train(_smoke(tmp_path), first)
+    named = ckpt.checkpoint_path(first / "checkpoints", 4)
+    _truncate(named / "trainer.pt")
+    second = tmp_path / "second"
+    second.mkdir()
+    with pytest.raises(ckpt.CheckpointError, match=r"step_0000004: trainer.pt has \d+ bytes"):
+        train(_smoke(tmp_path, f"train.resume={named}"), second)
+    assert named.exists()  # the user's checkpoint stays where it is
+
+
+def test_max_consecutive_skips_must_be_a_count(tmp_path):
+    from hif8qat.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.max_consecutive_skips=-1"):
+        _smoke(tmp_path, "train.max_consecutive_skips=-1")

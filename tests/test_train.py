@@ -88,3 +88,30 @@ def test_ddp_two_cpu_ranks_see_different_data_and_max_reduce_agrees(tmp_path, re
     same = all(torch.equal(activation_scales[0][k], activation_scales[1][k]) for k in activation_scales[0])
     # Different data on each rank gives different activation amax histories unless they are all-reduced.
     assert same == (reduce == "max")
+
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_and_torn_metrics_still_resume_bit_for_bit(tmp_path):
+    whole, crashed = tmp_path / "whole", tmp_path / "crashed"
+    run(SMOKE + [f"results_root={whole}"])
+    out = run(SMOKE + [f"results_root={crashed}"], env_extra={"HIF8QAT_TEST_KILL_AT_STEP": "7"}, check=False)
+    assert out.returncode != 0
+    folder = run_folder(crashed)
+    latest = folder / "checkpoints" / "step_0000006"
+    # Flip the lowest mantissa bit of 2000 float32 weights: the file still loads, only the checksum differs.
+    weights = latest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    for i in range(2000):
+        data[header + 4 * i] ^= 1
+    weights.write_bytes(bytes(data))
+    with (folder / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "lo')  # the torn line a crash mid-write leaves
+
+    out = run(SMOKE + [f"results_root={crashed}", "train.resume=auto"])
+
+    assert "model.safetensors fails its sha256 check" in out.stdout
+    assert "resumed from" in out.stdout and "step_0000003 at step 3" in out.stdout
+    assert "unparsable line" in out.stdout
+    assert losses(folder) == losses(run_folder(whole))  # redone from step 3, bit for bit
+    assert len(list((folder / "checkpoints").glob("step_0000006.corrupt-*"))) == 1

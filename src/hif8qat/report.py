@@ -9,7 +9,7 @@ Definitions (DESIGN.md §7, the authors' log_visualizer and evaluation summary):
 * training-loss APE: for every step logged by both runs, ``|L_q - L_b| / |L_b| * 100``; plain mean over all
   common steps and over the last ``last_frac`` of them (the paper: last 1,000 of 10,000 = 10 %); no smoothing.
 
-``build_report(runs_root, profile, out_tables, out_figures)`` reads the run folders of .notes/CONTRACT.md
+``build_report(runs_root, profile, out_tables, out_figures)`` reads the run folders of docs/design.md
 (``results/runs/<profile>/<experiment>/seed<k>/``) and writes ``results/tables/*.csv|md`` and
 ``results/figures/*.png``; ``python -m hif8qat.report --paper`` (``make paper-tables``) builds the same tables
 from the authors' published logs and scores in ``results/paper/`` and prints them.
@@ -415,12 +415,16 @@ def _get(d: Mapping, dotted: str, default=None):
 def discover_runs(runs_root: Path, profile: str) -> list[RunInfo]:
     import yaml
 
+    from .runs import is_archive
+
     base = Path(runs_root) / profile
     runs = []
     if not base.exists():
         return runs
     for cfg_p in sorted(base.glob("*/*/config_resolved.yaml")):
         d = cfg_p.parent
+        if is_archive(d):  # set aside by force=true: its rerun is the run
+            continue
         try:
             cfg = yaml.safe_load(cfg_p.read_text()) or {}
         except yaml.YAMLError:

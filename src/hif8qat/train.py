@@ -28,6 +28,7 @@ from transformers import get_cosine_schedule_with_warmup
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .data import build_eval_windows, build_train_stream
+from .errors import RunError
 from .models import load_causal_lm
 from .qlinear import (
     convert_model,
@@ -48,7 +49,7 @@ EXPORT_DIR = "export"
 _KILL_AT_STEP_ENV = "HIF8QAT_TEST_KILL_AT_STEP"
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunError):
     """The loss became non-finite; the last good checkpoint is kept."""
 
 

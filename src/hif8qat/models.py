@@ -19,7 +19,7 @@ Names understood by :func:`load_causal_lm`:
 
 Anything else is a hub id (``org/name``) or a local ``save_pretrained`` folder.
 
-Security (DESIGN.md §9): weights load through safetensors where the checkpoint has them (``.bin``
+Security: weights load through safetensors where the checkpoint has them (``.bin``
 checkpoints go through transformers' ``torch.load(weights_only=True)``), and remote code runs only when the
 model's config declares it (``auto_map``) *and* the caller passed ``trust_remote_code=True``.
 """

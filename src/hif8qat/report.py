@@ -1,6 +1,6 @@
 """Tables and figures: accuracy drops with paired confidence intervals, training-loss APE, scaling telemetry.
 
-Definitions (DESIGN.md §7, the authors' log_visualizer and evaluation summary):
+Definitions (the paper's, as in the authors' log_visualizer and evaluation summary):
 
 * relative drop per task  ``(base - quant) / base * 100`` (percent of the baseline score; positive = worse);
 * paired bootstrap CI of that drop: documents present in both per-sample files are resampled jointly
@@ -48,7 +48,7 @@ PAPER_RUNS = {
 }
 PAPER_APE_PAIRS = [("E8", "E7"), ("E2", "E1"), ("E3", "E1"), ("E4", "E1"), ("E5", "E1"),
                    ("pilot_cts", "pilot_bf16"), ("pilot_dts_mr", "pilot_bf16")]
-# Names in the authors' evaluation summaries -> experiments of DESIGN.md §6.
+# Names in the authors' evaluation summaries -> their runs E1..E8 (experiments/README.md).
 AUTHORS_RUN_TO_EXP = {"bf16": "E1", "cts": "E2", "dts_exp": "E4|E5", "max_quant": "E6",
                       "bf16_lr1e5": "E7", "max_quant_lr1e5": "E8"}
 SUMMARY_TASKS = {"MMLU": "mmlu", "GSM8K": "gsm8k", "MATH500": "minerva_math", "HellaSwag": "hellaswag",
@@ -479,7 +479,7 @@ def _eval_results(run: RunInfo, mode: str) -> dict:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
-# Estimators compared on the same recorded amax traces (issue 6): the paper's three candidates.
+# Estimators compared on the same recorded amax traces: the paper's three candidates.
 REPLAY_ESTIMATORS: dict[str, dict[str, Any]] = {
     "most_recent(30)": {"algo": "most_recent", "history_len": 30},
     "exp_smooth(30)": {"algo": "exp_smooth", "history_len": 30},

@@ -347,3 +347,34 @@ def test_wandb_offline_run_holds_the_training_metrics(tmp_path):
                if line.startswith("{") and '"type":"history"' in line]
     logged = {(h["step"], h["loss"]) for h in history if "loss" in h}
     assert logged == set(losses(folder)) and len(logged) == 8
+
+
+# ------------------------------------------------------------------------------ a clone stands alone
+# Built from pieces so this file does not match itself.
+_FOREIGN = re.compile("|".join([r"\.\./" + "shared", "shared/" + "reference", "DESIGN" + r"\.md", r"\." + "notes/",
+                                "\u00a7", r"\b[Ii]ssue" + r" #?\d+"]))
+
+
+def test_no_tracked_file_points_to_material_a_clone_lacks():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    offenders = []
+    for rel in tracked.split("\n"):
+        path = ROOT / rel
+        if not rel or rel.startswith("results/paper/authors_") or path.suffix in (".png", ".gz", ".safetensors"):
+            continue
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue
+        offenders += [f"{rel}: {m.group(0)}" for m in _FOREIGN.finditer(text)]
+    assert not offenders, offenders
+    for doc in ("docs/design.md", "results/paper/README.md", "LICENSE"):
+        assert (ROOT / doc).is_file(), doc
+
+
+def test_license_is_declared():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]

@@ -186,6 +186,8 @@ def dispatch(cfg: RunConfig, baseline_pass: bool = False) -> None:
     from hif8qat.train import setup_distributed
 
     if cfg.stage == "eval":  # evaluation never touches the training folder's state
+        if int(os.environ.get("RANK", "0")) != 0:
+            return  # one process evaluates (and writes eval/); under torchrun that is rank 0
         try:
             evaluate(cfg, run_dir_for(cfg))
         finally:

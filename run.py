@@ -4,30 +4,39 @@
     python run.py -m experiment=exp6 quant.history_len=16,32,64 seed=0,1,2
     torchrun --nproc_per_node 8 run.py experiment=exp8 profile=paper
 
-It composes the config, converts it once into the typed, validated `RunConfig` (every setting is checked
-before a model is loaded), and dispatches stage=train|eval|report|all.
+It composes the config, converts it once into the typed, validated `RunConfig`, checks that the model, data
+and evaluation datasets it names can be had (every setting is checked before a model is loaded or a run
+folder is created), and dispatches stage=train|eval|report|all. Every user-actionable failure (a RunError)
+is printed as ``error: <message>`` with exit status 2.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from hif8qat.config import ConfigError, RunConfig, resolve_profile  # noqa: E402
+from hif8qat.errors import RunError  # noqa: E402
 
 # Overrides that select or steer a run without changing what it trains: they never enter its folder name.
-_UNTAGGED = ("experiment", "profile", "seed", "stage", "force", "results_root", "run_tag", "train.resume",
+# The profile group is in the folder path, but its settings (profile.steps) change the training: tagged.
+_UNTAGGED = ("experiment", "seed", "stage", "force", "results_root", "run_tag", "train.resume",
              "train.num_threads", "train.checkpoint_every", "train.keep_checkpoints", "train.log_every",
-             "train.val_every", "data.eval_windows", "quant.telemetry_dump_every", "quant.telemetry_stats_every", "eval", "logger", "hydra")
+             "train.val_every", "data.eval_windows", "data.cache_dir", "quant.telemetry_dump_every",
+             "quant.telemetry_stats_every", "eval", "logger", "hydra")
+_IN_PATH = ("profile", "profile.name")
+# key={...} typed on the command line (schedules such as quant.interval={0:1,1000:10}, eval.local_datasets).
+_DICT_OVERRIDE = re.compile(r"^\+{0,2}(?!hydra[./])([A-Za-z_][\w.]*)=(\{.*)$", re.S)
 
 
 def known_experiments() -> list[str]:
@@ -39,9 +48,33 @@ def run_tag_from_overrides(overrides: list[str]) -> str:
     kept = []
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~")
+        if key in _IN_PATH:
+            continue
         if not any(key == p or key.startswith(p + ".") or key.startswith(p + "/") for p in _UNTAGGED):
             kept.append(item.lstrip("+~"))
     return ",".join(sorted(kept))
+
+
+def force_add_dict_overrides(argv: list[str]) -> list[str]:
+    """Rewrite ``key={...}`` as ``++key={...}``: Hydra refuses a plain override that adds a key to a dict
+    (``eval.local_datasets={mmlu: ...}`` would need ``+``); ``++`` always applies. See replace_typed_dicts."""
+    out = list(argv[:1])
+    for arg in argv[1:]:
+        match = _DICT_OVERRIDE.match(arg)
+        out.append(f"++{match[1]}={match[2]}" if match else arg)
+    return out
+
+
+def replace_typed_dicts(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """A dict typed on the command line replaces the configured one: Hydra would merge them, so exp3's
+    ``quant.interval={0: 1, 1000: 10}`` overridden by ``{0: 5}`` would silently run ``{0: 5, 1000: 10}``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if not override.is_delete() and isinstance(override.value(), dict):
+            with open_dict(cfg):
+                OmegaConf.update(cfg, override.key_or_group, override.value(), merge=False)
+    return cfg
 
 
 def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
@@ -68,22 +101,27 @@ def ensure_baseline(cfg: RunConfig) -> None:
     print(f"baseline {base} has no finished run at {base_dir}: running it first")
     cmd = [sys.executable, str(ROOT / "run.py"), f"experiment={base}", f"profile={cfg.profile.name}",
            f"seed={cfg.seed}", "stage=all", f"results_root={cfg.results_root}", "+baseline_pass=true"]
-    subprocess.run(cmd, check=True)
+    code = subprocess.run(cmd).returncode
+    if code != 0:
+        raise RunError(f"the baseline run {base} (needed by {cfg.experiment.name}) failed with exit status {code}; "
+                       f"its own error is printed above. Fix it, or run {cfg.experiment.name} with stage=train")
 
 
 def evaluate(cfg: RunConfig, run_dir: Path) -> None:
     """Evaluate the run's export in each configured mode that has no results yet (force=true redoes them)."""
     from hif8qat.evaluate import evaluate_run
+    from hif8qat.runs import lock_run_dir
 
     if not (run_dir / "export").exists():
-        raise SystemExit(f"error: {run_dir} has no export/ to evaluate; train it first (stage=train or all)")
+        raise RunError(f"{run_dir} has no export/ to evaluate; train it first (stage=train or all)")
+    lock_run_dir(run_dir)  # eval/ is written into the run folder: one writer at a time
     modes = [m for m in cfg.eval.modes if cfg.force or not (run_dir / "eval" / m / "results.json").exists()]
     if not modes:
         print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
         return
     evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
                  limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
-                 local_datasets=dict(cfg.eval.local_datasets) or None)
+                 local_datasets=dict(cfg.eval.local_datasets) or None, results_root=Path(cfg.results_root))
 
 
 def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
@@ -104,9 +142,39 @@ def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
                 print(f"\n{name} ({only_experiment})\n" + to_markdown(rows, 3))
 
 
+def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:
+    """Rank 0 alone locks the run folder and decides what to do with it; the other ranks follow its decision.
+
+    Rank 0 holds the folder's lock for the whole job, on behalf of every rank (torchrun stops them all when
+    it exits). Its decision, or its error, is broadcast, so no rank waits at a collective for a rank 0 that
+    refused to start.
+    """
+    from hif8qat.runs import prepare_run_dir
+
+    if ctx.world_size == 1:
+        return prepare_run_dir(cfg)
+    import torch.distributed as dist
+
+    decision: list = [None]
+    error = None
+    if ctx.is_main:
+        try:
+            run_dir, status = prepare_run_dir(cfg)
+            decision = [(str(run_dir), status, None)]
+        except RunError as err:
+            error, decision = err, [(None, None, str(err))]
+    dist.broadcast_object_list(decision, src=0)
+    run_dir, status, message = decision[0]
+    if error is not None:
+        raise error
+    if message is not None:
+        raise SystemExit(2)  # rank 0 reports the error once
+    return Path(run_dir), status
+
+
 def dispatch(cfg: RunConfig, baseline_pass: bool = False) -> None:
     from hif8qat.distributed import env_from_slurm
-    from hif8qat.runs import prepare_run_dir, run_dir_for
+    from hif8qat.runs import release_run_dir, run_dir_for
 
     env_from_slurm()  # under srun, every task must know its rank before deciding anything
 
@@ -118,36 +186,48 @@ def dispatch(cfg: RunConfig, baseline_pass: bool = False) -> None:
     from hif8qat.train import setup_distributed
 
     if cfg.stage == "eval":  # evaluation never touches the training folder's state
-        evaluate(cfg, run_dir_for(cfg))
+        if int(os.environ.get("RANK", "0")) != 0:
+            return  # one process evaluates (and writes eval/); under torchrun that is rank 0
+        try:
+            evaluate(cfg, run_dir_for(cfg))
+        finally:
+            release_run_dir(run_dir_for(cfg))
         return
     ctx = setup_distributed(cfg.train.device)
-    run_dir, status = prepare_run_dir(cfg, is_main=ctx.is_main)
-    if cfg.stage in ("train", "all"):
-        if status == "done":
-            print(f"{run_dir} is finished: skipping training (force=true reruns it)")
-        else:
-            from hif8qat.train import train
+    run_dir, status = prepare_shared(cfg, ctx)
+    try:
+        if cfg.stage in ("train", "all"):
+            if status == "done":
+                print(f"{run_dir} is finished: skipping training (force=true reruns it)")
+            else:
+                from hif8qat.train import train
 
-            train(cfg, run_dir, ctx)
-    if cfg.stage == "all" and ctx.is_main:
-        evaluate(cfg, run_dir)
-        report(cfg, only_experiment=cfg.experiment.name)
+                train(cfg, run_dir, ctx)
+        if cfg.stage == "all" and ctx.is_main:
+            evaluate(cfg, run_dir)
+            report(cfg, only_experiment=cfg.experiment.name)
+    finally:
+        release_run_dir(run_dir)  # a multirun sweep runs its jobs in this one process
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from hif8qat.preflight import preflight
+
     overrides = list(HydraConfig.get().overrides.task)
     baseline_pass = bool(cfg.get("baseline_pass", False))
     if "baseline_pass" in cfg:
         cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "baseline_pass"])
         overrides = [o for o in overrides if "baseline_pass" not in o]
     try:
-        run_cfg = to_run_config(cfg, overrides)
-    except ConfigError as err:
+        run_cfg = to_run_config(replace_typed_dicts(cfg, overrides), overrides)
+        preflight(run_cfg)
+        dispatch(run_cfg, baseline_pass=baseline_pass)
+    except (RunError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    dispatch(run_cfg, baseline_pass=baseline_pass)
 
 
 if __name__ == "__main__":
+    sys.argv = force_add_dict_overrides(sys.argv)
     main()

@@ -1,4 +1,4 @@
-"""Throughput of HiF8 qdq against reference ops, measured side by side in one run (DESIGN.md section 8).
+"""Throughput of HiF8 qdq against reference ops, measured side by side in one run.
 
 For each size (fp32 and bf16 input) it prints elements/s, the median of ``--repeats`` timed calls after
 a warm-up, of:

@@ -2,7 +2,7 @@
 
 Both models are built from the same weights in one process; steps (forward + backward + AdamW) are
 interleaved (the order alternates every repeat) and the median over repeats is compared. Prints the
-ratio quantized / unquantized (DESIGN.md §8 target: <= 1.3 on CPU, stretch <= 1.08; the authors' GPU
+ratio quantized / unquantized (target: <= 1.3 on CPU, stretch <= 1.08; the authors' GPU
 simulator: 7.75 s / 2.90 s = 2.67).
 
     python benchmarks/bench_step.py                       # ~20M-parameter Llama, batch 4 x 128, fp32

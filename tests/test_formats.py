@@ -88,7 +88,7 @@ def hif8_sorted_finite() -> torch.Tensor:
 
 def boundary_values() -> torch.Tensor:
     """Every HiF8 value, every midpoint between adjacent values and the float32 neighbours of both,
-    plus the special cases named in DESIGN.md section 3."""
+    plus the format's special cases (docs/design.md, section 1)."""
     vals = hif8_sorted_finite().double()
     mids = (vals[1:] + vals[:-1]) / 2  # exact in float32: adjacent HiF8 values differ in few bits
     extra = torch.tensor(

@@ -1,4 +1,4 @@
-"""The CUDA path (DESIGN.md §3-§5, issue 7): bit-exact quantizer on GPU, compiled and eager; no host sync per
+"""The CUDA path: bit-exact quantizer on GPU, compiled and eager; no host sync per
 scaler call; a QAT training step with BF16 autocast; the trainer end to end on CUDA (DDP/FSDP over NCCL
 when there are 2+ GPUs); FSDP checkpoints over NCCL. Every test here is `gpu`-marked (skipped without CUDA
 by conftest.py). The helpers take a device so their logic can be exercised on CPU as well."""

@@ -70,9 +70,9 @@ def test_load_saved_local_folder_through_safetensors(tmp_path):
 
 
 def test_missing_local_path_names_the_setting(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model.name_or_path"):
+    with pytest.raises(FileNotFoundError, match="model.name"):
         load_causal_lm(str(tmp_path / "nope"))
-    with pytest.raises(FileNotFoundError, match="model.name_or_path"):
+    with pytest.raises(FileNotFoundError, match="model.name"):
         load_causal_lm("./relative/missing/model")
 
 

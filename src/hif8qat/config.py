@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .errors import RunError
 from .scaling import ScalingConfig
 
 PAPER_TOTAL_STEPS = 10_000
@@ -31,8 +32,9 @@ TINY_DEFAULT_DEPTH = 4
 _FIRST_LAST = re.compile(r"^first(\d+)_last(\d+)$")
 
 
-class ConfigError(ValueError):
-    """An invalid setting; the message names the setting and what is allowed."""
+class ConfigError(RunError, ValueError):
+    """An invalid setting; the message names the setting and what is allowed (a ValueError too, for callers
+    that validate values)."""
 
 
 def _fail(setting: str, value: Any, allowed: str) -> None:
@@ -223,9 +225,10 @@ class RunConfig:
             if known_experiments is not None and value is not None:
                 _check_choice(f"experiment.{key}", value, tuple(known_experiments))
         self._validate_model(check_paths)
+        self._validate_data(check_paths)
         self._validate_train()
         self._validate_quant()
-        self._validate_eval()
+        self._validate_eval(check_paths)
         if self.profile.steps is not None:
             _check_positive("profile.steps", self.profile.steps, integer=True)
 
@@ -233,13 +236,28 @@ class RunConfig:
         name = self.model.name
         if not isinstance(name, str) or not name:
             _fail("model.name", name, "a named model (" + ", ".join(NAMED_MODELS) + "), a hub id or a local path")
-        if name.startswith("tiny:") and not name[5:].isdigit():
-            _fail("model.name", name, "tiny or tiny:<number of blocks>")
+        if name.startswith("tiny:") and not (name[5:].isdigit() and int(name[5:]) >= 1):
+            _fail("model.name", name, "tiny or tiny:N with N >= 1 blocks")
         if check_paths and name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
             _fail("model.name", name, "an existing local model directory (this path does not exist), "
                   "a hub id, or one of " + ", ".join(NAMED_MODELS))
         if self.model.trust_remote_code not in (None, True, False):
             _fail("model.trust_remote_code", self.model.trust_remote_code, "true, false or null")
+
+    def _validate_data(self, check_paths: bool) -> None:
+        source = self.data.source
+        forms = "'mini', 'fineweb', or an existing local directory, file or glob of .parquet/.jsonl/.json/.txt files"
+        if not isinstance(source, str) or not source.strip():
+            _fail("data.source", source, forms)
+        if check_paths and source.strip() not in ("mini", "fineweb"):
+            from .data import _validate_source  # imports torch: only for a path, which must be checked here
+
+            try:
+                _validate_source(source)
+            except ValueError as err:
+                why = str(err) if Path(source).expanduser().exists() else "no such file or folder, no glob match"
+                raise ConfigError(f"invalid setting data.source={source!r} ({why}): allowed {forms}") from None
+        _check_positive("data.eval_windows", self.data.eval_windows, integer=True)
 
     def _validate_train(self) -> None:
         t = self.train
@@ -282,15 +300,38 @@ class RunConfig:
             raise _as_config_error(err, "quant") from None
         self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
 
-    def _validate_eval(self) -> None:
+    def _validate_eval(self, check_paths: bool) -> None:
         e = self.eval
         for mode in e.modes:
             _check_choice("eval.modes[]", mode, EVAL_MODES)
         if e.limit is not None:
             _check_positive("eval.limit", e.limit, integer=True)
         _check_positive("eval.batch_size", e.batch_size, integer=True)
-        if not e.tasks:
-            _fail("eval.tasks", e.tasks, "a non-empty list of lm-eval task names")
+        from .evaluate import SUITES, TASKS, resolve_tasks  # task tables only: no lm-eval import
+
+        known = f"task names {', '.join(TASKS)} or suites {', '.join(SUITES)}"
+        if not e.tasks or isinstance(e.tasks, str):
+            _fail("eval.tasks", e.tasks, f"a non-empty list (eval.tasks=[mini], eval.tasks=[mmlu,hellaswag]) of {known}")
+        try:
+            selected = {s.name: s for s in resolve_tasks(list(e.tasks))}
+        except ValueError:
+            _fail("eval.tasks", e.tasks, f"a list of {known}")
+        for task, shots in (e.num_fewshot or {}).items():
+            if task not in TASKS:
+                _fail(f"eval.num_fewshot.{task}", shots, f"keys among {', '.join(TASKS)}")
+            _check_positive(f"eval.num_fewshot.{task}", shots, integer=True, allow_zero=True)
+        for key, path in (e.local_datasets or {}).items():
+            # A local copy replaces a paper task's hub dataset; mini tasks ship their data, so a key naming one
+            # (or a task that is not evaluated) would be silently ignored.
+            spec = selected.get(key)
+            if (spec is None or spec.mini) and "/" not in str(key):
+                paper = [n for n, s in selected.items() if not s.mini]
+                _fail(f"eval.local_datasets.{key}", path, "keys that are a paper task in eval.tasks ("
+                      + (", ".join(paper) or "none selected") + ") or a hub dataset id such as cais/mmlu")
+            if not isinstance(path, str) or not path:
+                _fail(f"eval.local_datasets.{key}", path, "a local folder holding a copy of the dataset")
+            if check_paths and not Path(path).expanduser().exists():
+                _fail(f"eval.local_datasets.{key}", path, "an existing local folder (this path does not exist)")
 
     # ------------------------------------------------------------------ derived values
     def model_depth(self) -> int | None:

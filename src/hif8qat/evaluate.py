@@ -40,7 +40,7 @@ too. When a dataset is neither local, cached nor reachable on the hub, :class:`D
 is raised before any model work, naming the dataset and these two options (no retry loop: the check
 probes the hub with one 3-second connection and then loads strictly offline).
 
-Outputs (run-folder layout of .notes/CONTRACT.md), for each mode in ``<run>/eval/<mode>/``:
+Outputs (run-folder layout of docs/design.md), for each mode in ``<run>/eval/<mode>/``:
 ``results.json`` ``{task: {metric, value, stderr, n, num_fewshot}, "_meta": {...}}`` (keys starting with
 ``_`` are not tasks; :func:`load_eval_results` drops them), ``samples_<task>.csv`` (``doc_id,correct``),
 ``lm_eval_results.json`` (lm-eval's own output without the samples) and ``samples_<task>.jsonl.gz``
@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import RunError
 from .registry import hub_reachable
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ SUITES: dict[str, tuple[str, ...]] = {
 }
 
 
-class DatasetUnavailableError(RuntimeError):
+class DatasetUnavailableError(RunError):
     """A paper task's dataset is neither on disk, in the datasets cache, nor reachable on the hub."""
 
 
@@ -535,18 +536,28 @@ def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=
                           **kwargs)
 
 
-def evaluate_run(run_dir: str | Path, modes: Iterable[str] = MODES, tasks="mini", **kwargs) -> dict[str, dict]:
+def evaluate_run(run_dir: str | Path, modes: Iterable[str] = MODES, tasks="mini", *,
+                 results_root: str | Path | None = None, **kwargs) -> dict[str, dict]:
     """Evaluate ``<run>/export`` in each mode into ``<run>/eval/<mode>/``. A run trained without
-    quantization has no ``hif8qat_quant.json``; its ``hif8`` mode is skipped with a log message."""
+    quantization has no ``hif8qat_quant.json``; its ``hif8`` mode is skipped with a log message.
+
+    ``results.json`` records ``run_dir`` and ``export_dir`` relative to ``results_root`` (default: the folder
+    three levels up, ``<root>/<profile>/<experiment>/<run>``), so result files hold no machine paths."""
     run_dir = Path(run_dir)
     export = run_dir / "export"
+    root = Path(results_root) if results_root is not None else run_dir.resolve().parents[2]
+    try:
+        rel = Path(os.path.relpath(run_dir.resolve(), root.resolve())).as_posix()
+    except ValueError:  # another drive (Windows): keep only the folder's name
+        rel = run_dir.name
+    meta = {"run_dir": rel, "export_dir": f"{rel}/export", "paths_relative_to": "results_root"}
     out = {}
     for mode in modes:
         if mode == "hif8" and not (export / "hif8qat_quant.json").exists():
             log.info("%s: no hif8qat_quant.json in export/, skipping hif8 evaluation", run_dir)
             continue
         out[mode] = evaluate_export(export, mode, tasks, out_dir=run_dir / "eval" / mode,
-                                    extra_meta={"run_dir": str(run_dir)}, **kwargs)
+                                    extra_meta=meta, **kwargs)
     return out
 
 

@@ -19,7 +19,7 @@ Names understood by :func:`load_causal_lm`:
 
 Anything else is a hub id (``org/name``) or a local ``save_pretrained`` folder.
 
-Security (DESIGN.md §9): weights load through safetensors where the checkpoint has them (``.bin``
+Security: weights load through safetensors where the checkpoint has them (``.bin``
 checkpoints go through transformers' ``torch.load(weights_only=True)``), and remote code runs only when the
 model's config declares it (``auto_map``) *and* the caller passed ``trust_remote_code=True``.
 """
@@ -61,7 +61,7 @@ OPENPANGU_EMBEDDED_1B = {
     "num_blocks": 26,
     "how_to": (
         "git lfs install && git clone https://huggingface.co/FreedomIntelligence/openPangu-Embedded-1B "
-        "/data/models/openPangu-Embedded-1B ; then model.name_or_path=/data/models/openPangu-Embedded-1B "
+        "/data/models/openPangu-Embedded-1B ; then model.name=/data/models/openPangu-Embedded-1B "
         "model.trust_remote_code=true (or pass the hub id directly on a machine with hub access)"
     ),
 }
@@ -301,7 +301,7 @@ def _read_config_json(source: str, *, revision: str | None) -> dict:
         return json.loads(Path(hf_hub_download(source, "config.json", revision=revision)).read_text())
     except Exception as exc:  # noqa: BLE001
         raise OSError(
-            f"model.name_or_path={source!r}: cannot read its config.json from the Hugging Face hub "
+            f"model.name={source!r}: cannot read its config.json from the Hugging Face hub "
             f"({type(exc).__name__}: {str(exc)[:300]}). Check the id, your network / HF_TOKEN, or use a local "
             f"folder."
         ) from exc
@@ -334,14 +334,14 @@ def load_causal_lm(
     """Load ``(model, tokenizer)`` for a special name (module doc), a hub id or a local folder.
 
     Errors (raised before any weight is read): missing local folder (``FileNotFoundError`` naming
-    ``model.name_or_path``); hub id not cached while ``HF_HUB_OFFLINE=1`` (``OSError``, no retries);
+    ``model.name``); hub id not cached while ``HF_HUB_OFFLINE=1`` (``OSError``, no retries);
     remote code needed but ``trust_remote_code`` not ``True`` (``ValueError`` naming
     ``model.trust_remote_code``). The tokenizer always has a pad token (eos if the model defines none).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not isinstance(name_or_path, str) or not name_or_path.strip():
-        raise ValueError(f"model.name_or_path must be a non-empty string, got {name_or_path!r}")
+        raise ValueError(f"model.name must be a non-empty string, got {name_or_path!r}")
     name = name_or_path.strip()
     if name == "tiny" or name.startswith("tiny:"):
         layers = 4
@@ -349,7 +349,7 @@ def load_causal_lm(
             try:
                 layers = int(name.split(":", 1)[1])
             except ValueError:
-                raise ValueError(f"model.name_or_path={name!r}: expected 'tiny' or 'tiny:<num_layers>'") from None
+                raise ValueError(f"model.name={name!r}: expected 'tiny' or 'tiny:<num_layers>'") from None
         return build_tiny_llama(num_layers=layers, dtype=dtype)
 
     source = resolve_model_source(name, revision=revision)
@@ -359,20 +359,20 @@ def load_causal_lm(
             if local.suffix == ".gguf":
                 gguf_file, local = local.name, local.parent
             else:
-                raise FileNotFoundError(f"model.name_or_path={source!r} is a file, expected a model folder")
+                raise FileNotFoundError(f"model.name={source!r} is a file, expected a model folder")
         source = str(local)
     elif _looks_like_path(source) or Path(source).is_absolute():
         raise FileNotFoundError(
-            f"model.name_or_path={source!r} does not exist. Give an existing save_pretrained folder, a hub id "
+            f"model.name={source!r} does not exist. Give an existing save_pretrained folder, a hub id "
             f"(org/name), or one of: tiny, tiny:<layers>, smollm2_135m, smollm2_135m_offline, "
             f"openpangu_embedded_1b."
         )
     else:
         if hub_offline() and not _hub_cached(source, revision):
             raise OSError(
-                f"model.name_or_path={source!r} is not in the local Hugging Face cache and the hub is offline "
+                f"model.name={source!r} is not in the local Hugging Face cache and the hub is offline "
                 f"(HF_HUB_OFFLINE=1). Download it on a machine with access (huggingface-cli download "
-                f"{source}) or point model.name_or_path at a local folder."
+                f"{source}) or point model.name at a local folder."
             )
 
     config = {} if gguf_file else _read_config_json(source, revision=revision)

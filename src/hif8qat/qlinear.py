@@ -1,4 +1,4 @@
-"""HiF8 quantized linear layer and model conversion (DESIGN.md §5).
+"""HiF8 quantized linear layer and model conversion (contract: docs/design.md).
 
 ``HiF8Linear`` is an ``nn.Linear`` (same parameters ``weight`` / ``bias``, so ``state_dict()`` keys and
 ``save_pretrained`` folders are those of the plain model) with three :class:`~hif8qat.scaling.DelayedScaler`

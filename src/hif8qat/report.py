@@ -1,6 +1,6 @@
 """Tables and figures: accuracy drops with paired confidence intervals, training-loss APE, scaling telemetry.
 
-Definitions (DESIGN.md §7, the authors' log_visualizer and evaluation summary):
+Definitions (the paper's, as in the authors' log_visualizer and evaluation summary):
 
 * relative drop per task  ``(base - quant) / base * 100`` (percent of the baseline score; positive = worse);
 * paired bootstrap CI of that drop: documents present in both per-sample files are resampled jointly
@@ -9,7 +9,7 @@ Definitions (DESIGN.md §7, the authors' log_visualizer and evaluation summary):
 * training-loss APE: for every step logged by both runs, ``|L_q - L_b| / |L_b| * 100``; plain mean over all
   common steps and over the last ``last_frac`` of them (the paper: last 1,000 of 10,000 = 10 %); no smoothing.
 
-``build_report(runs_root, profile, out_tables, out_figures)`` reads the run folders of .notes/CONTRACT.md
+``build_report(runs_root, profile, out_tables, out_figures)`` reads the run folders of docs/design.md
 (``results/runs/<profile>/<experiment>/seed<k>/``) and writes ``results/tables/*.csv|md`` and
 ``results/figures/*.png``; ``python -m hif8qat.report --paper`` (``make paper-tables``) builds the same tables
 from the authors' published logs and scores in ``results/paper/`` and prints them.
@@ -48,7 +48,7 @@ PAPER_RUNS = {
 }
 PAPER_APE_PAIRS = [("E8", "E7"), ("E2", "E1"), ("E3", "E1"), ("E4", "E1"), ("E5", "E1"),
                    ("pilot_cts", "pilot_bf16"), ("pilot_dts_mr", "pilot_bf16")]
-# Names in the authors' evaluation summaries -> experiments of DESIGN.md §6.
+# Names in the authors' evaluation summaries -> their runs E1..E8 (experiments/README.md).
 AUTHORS_RUN_TO_EXP = {"bf16": "E1", "cts": "E2", "dts_exp": "E4|E5", "max_quant": "E6",
                       "bf16_lr1e5": "E7", "max_quant_lr1e5": "E8"}
 SUMMARY_TASKS = {"MMLU": "mmlu", "GSM8K": "gsm8k", "MATH500": "minerva_math", "HellaSwag": "hellaswag",
@@ -415,12 +415,16 @@ def _get(d: Mapping, dotted: str, default=None):
 def discover_runs(runs_root: Path, profile: str) -> list[RunInfo]:
     import yaml
 
+    from .runs import is_archive
+
     base = Path(runs_root) / profile
     runs = []
     if not base.exists():
         return runs
     for cfg_p in sorted(base.glob("*/*/config_resolved.yaml")):
         d = cfg_p.parent
+        if is_archive(d):  # set aside by force=true: its rerun is the run
+            continue
         try:
             cfg = yaml.safe_load(cfg_p.read_text()) or {}
         except yaml.YAMLError:
@@ -475,7 +479,7 @@ def _eval_results(run: RunInfo, mode: str) -> dict:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
-# Estimators compared on the same recorded amax traces (issue 6): the paper's three candidates.
+# Estimators compared on the same recorded amax traces: the paper's three candidates.
 REPLAY_ESTIMATORS: dict[str, dict[str, Any]] = {
     "most_recent(30)": {"algo": "most_recent", "history_len": 30},
     "exp_smooth(30)": {"algo": "exp_smooth", "history_len": 30},

@@ -1,15 +1,19 @@
 """Run folders: where a run lives, what it records about itself, and how reruns treat it.
 
-Layout (one folder per run, never shared):
+Layout (one folder per run, never shared; docs/design.md describes the whole lifecycle):
     results/runs/<profile>/<experiment>/seed<k>[-<tag>]/
-        config_resolved.yaml  run_info.json  metrics.jsonl  telemetry/  checkpoints/  export/  eval/
+        run.lock  config_resolved.yaml  run_info.json  metrics.jsonl  telemetry/  checkpoints/  export/  eval/
         summary.json  DONE
-A finished run (DONE present) is skipped unless forced; forcing keeps the old folder under a new name, so
+One process writes a folder at a time: it holds an OS lock (flock) on ``run.lock`` for as long as it lives,
+released by the OS even on kill -9. A finished run (DONE present) is skipped unless forced, and only if it was
+trained with the same settings; forcing keeps the old folder under a new name (``<name>.old-<time>``), so
 nothing already written is lost.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -24,9 +28,13 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, RunConfig
+from .config import RunConfig
+from .errors import RunError
 
 DONE_MARKER = "DONE"
+LOCK_FILE = "run.lock"
+ARCHIVE_INFIX = ".old-"  # <run folder>.old-<time>: a run set aside by force=true; never counted as a run
+_TAG_MAX = 120
 CONFIG_FILE = "config_resolved.yaml"
 INFO_FILE = "run_info.json"
 SUMMARY_FILE = "summary.json"
@@ -38,8 +46,31 @@ _RESUME_FREE_KEYS = {"stage", "force", "train.resume", "train.num_threads", "tra
 _TRACKED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "en_dtypes", "numpy", "hif8qat")
 
 
+class RunFolderError(RunError):
+    """A run folder cannot be used as asked (unfinished and not resumable, ...)."""
+
+
+class SettingsDiffer(RunFolderError):
+    """The folder holds a run trained with other settings: resuming or skipping it would mix two runs."""
+
+
+class CorruptRunFile(RunFolderError):
+    """A run-folder file that decides what a rerun does (config_resolved.yaml, run_info.json) is unreadable."""
+
+
+class RunFolderBusy(RunFolderError):
+    """Another live process holds the run folder's lock."""
+
+
 def sanitize_tag(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=,+-]+", "_", text).strip("_")[:120]
+    tag = re.sub(r"[^A-Za-z0-9_.=,+-]+", "_", text).strip("_")
+    if len(tag) > _TAG_MAX:  # a cut tag could name two sweep points alike: a hash of the whole keeps them apart
+        tag = tag[:_TAG_MAX - 9] + "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
+    return tag
+
+
+def is_archive(path: Path) -> bool:
+    return ARCHIVE_INFIX in Path(path).name
 
 
 def run_dir_for(cfg: RunConfig) -> Path:
@@ -95,46 +126,144 @@ def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
 
 
+# ------------------------------------------------------------------------------------------- one writer
+_HELD_LOCKS: dict[str, Any] = {}  # run folder (real path) -> open lock file, held until release or exit
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take the folder's lock for this process, or raise RunFolderBusy naming the holder. Idempotent.
+
+    An flock belongs to the open file, so the OS drops it when the process dies, kill -9 included: a stale
+    lock file never blocks a rerun. Under torchrun only rank 0 calls this (see run.py).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(run_dir)
+    if key in _HELD_LOCKS:
+        return
+    path = run_dir / LOCK_FILE
+    while True:
+        fh = open(path, "a+")  # noqa: SIM115 - held open on purpose for the life of the process
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "pid unknown"
+            fh.close()
+            raise RunFolderBusy(f"{run_dir} is in use by another process ({holder}); one process writes a run "
+                                "folder at a time: wait for it to finish or stop it, then run again") from None
+        except OSError as err:  # a filesystem without flock support (some network mounts)
+            fh.close()
+            print(f"warning: cannot lock {path} ({err}); nothing stops a second process from writing this "
+                  "run folder at the same time", file=sys.stderr)
+            return
+        # If force=true renamed the folder between our open and flock, the lock guards the archive: retry.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        fh.close()
+        run_dir.mkdir(parents=True, exist_ok=True)
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    fh.flush()
+    _HELD_LOCKS[key] = fh
+
+
+def release_run_dir(run_dir: Path) -> None:
+    fh = _HELD_LOCKS.pop(os.path.realpath(run_dir), None)
+    if fh is not None:
+        fh.close()  # the lock file stays: removing it could let two processes lock two different files
+
+
+def _has_run_files(run_dir: Path) -> bool:
+    return run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
+
+
 def _archive(run_dir: Path) -> Path:
-    target = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    """Set a run folder aside (force=true) and lock the fresh folder that replaces it."""
+    target = run_dir.with_name(f"{run_dir.name}{ARCHIVE_INFIX}{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.rename(target)
+    release_run_dir(run_dir)
+    lock_run_dir(run_dir)
     return target
+
+
+def _read_saved_config(path: Path) -> dict[str, Any]:
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        saved = err
+    if not isinstance(saved, dict):
+        reason = f"{type(saved).__name__}: {str(saved)[:200]}" if isinstance(saved, Exception) else "not a mapping"
+        raise CorruptRunFile(f"{path} is unreadable ({reason}); it records the settings the run was trained "
+                             "with. Restore it, or start the run again with force=true (the folder is kept, "
+                             "renamed)")
+    return saved
+
+
+def _read_run_info(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        info = err
+    if not isinstance(info, dict):
+        raise CorruptRunFile(f"{path} is unreadable ({str(info)[:200]}); it holds the run's history of "
+                             "starts. Restore or delete it, or start the run again with force=true (the folder "
+                             "is kept, renamed)")
+    return info
+
+
+def _check_same_settings(run_dir: Path, cfg: RunConfig, what: str) -> None:
+    config_path = run_dir / CONFIG_FILE
+    if not config_path.exists():
+        return
+    diff = [k for k in config_differences(_read_saved_config(config_path), cfg.to_dict())
+            if not any(k == p or k.startswith(p + ".") for p in _RESUME_FREE_KEYS)]
+    if diff:
+        raise SettingsDiffer(f"cannot {what} {run_dir}: settings differ from the saved run in {config_path.name} "
+                             f"({', '.join(diff)}); use force=true to start again (the folder is kept, renamed) "
+                             "or run_tag=<name> for a separate folder")
 
 
 def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]:
     """Decide what to do with the run folder: ("done" | "resume" | "new", path).
 
-    Raises ConfigError for an unfinished folder that may not be resumed, or one whose saved config differs
-    in a setting that changes the training result.
+    The main process first takes the folder's lock (RunFolderBusy if another process holds it). Raises
+    RunFolderError for an unfinished folder that may not be resumed, SettingsDiffer for a folder (finished or
+    not) whose saved config differs in a setting that changes the training result, CorruptRunFile for an
+    unreadable config_resolved.yaml or run_info.json.
     """
     run_dir = run_dir_for(cfg)
+    if is_main:
+        lock_run_dir(run_dir)
     config_path = run_dir / CONFIG_FILE
+    info_path = run_dir / INFO_FILE
     status = "new"
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if _has_run_files(run_dir):
         if cfg.force:
             if is_main:
                 print(f"force=true: keeping the previous run as {_archive(run_dir)}")
         elif is_done(run_dir):
+            _check_same_settings(run_dir, cfg, "skip the finished run in")
             return run_dir, "done"
         elif cfg.train.resume == "never":
-            raise ConfigError(f"run folder {run_dir} holds an unfinished run: set train.resume=auto to continue "
-                              "it, or force=true to start again (the old folder is kept)")
+            raise RunFolderError(f"run folder {run_dir} holds an unfinished run: set train.resume=auto to "
+                                 "continue it, or force=true to start again (the old folder is kept)")
         else:
             status = "resume"
-            if config_path.exists():
-                saved = yaml.safe_load(config_path.read_text())
-                diff = [k for k in config_differences(saved, cfg.to_dict())
-                        if not any(k == p or k.startswith(p + ".") for p in _RESUME_FREE_KEYS)]
-                if diff:
-                    raise ConfigError(f"cannot resume {run_dir}: settings differ from the saved run ({', '.join(diff)}); "
-                                      "use force=true to start again or a different run_tag")
+            _check_same_settings(run_dir, cfg, "resume")
+            _read_run_info(info_path)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if status == "new" or not config_path.exists():
             write_yaml_atomic(config_path, cfg.to_dict())
         info = {"status": status, "argv": sys.argv, **provenance()}
-        info_path = run_dir / INFO_FILE
-        history = json.loads(info_path.read_text()).get("history", []) if info_path.exists() else []
+        history = _read_run_info(info_path).get("history", [])
         history.append(info)
         write_json_atomic(info_path, {**info, "history": history})
     return run_dir, status

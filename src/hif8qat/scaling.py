@@ -1,4 +1,4 @@
-"""Delayed tensor scaling for HiF8 fake quantization (DESIGN.md §4).
+"""Delayed tensor scaling for HiF8 fake quantization (contract: docs/design.md).
 
 One :class:`DelayedScaler` per quantized tensor role (activation input ``A``, weight ``W``, output
 gradient ``G`` of every converted linear). Semantics follow the authors' ``pangu_hif8_pretrain/hif8.py``

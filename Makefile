@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 PROFILE ?= mini
 SEED ?= 0
 ARGS ?=
+# What an experiment's baseline run gets from the command line: by default only where results go, so that
+# `make exp6 ARGS="quant.history_len=16"` reuses exp1's one run instead of training a tagged copy.
+BASELINE_ARGS ?= $(filter results_root=%,$(ARGS))
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 # Paper-scale runs use every local GPU through torchrun; the mini profile runs in one process.
 NPROC ?= $(shell $(PY) -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
@@ -45,7 +48,13 @@ test-fast: $(STAMP) ## the suite without the slow end-to-end tests
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .
 
-$(EXPERIMENTS): $(STAMP) ## (exp1..exp9) train + evaluate one experiment: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
+# The baseline comes first under the same launcher (torchrun too); a finished one is skipped in seconds.
+$(EXPERIMENTS): $(STAMP) ## (exp1..exp9) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
+	@base=$$(PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.config --baseline $@) || exit 1; \
+	if [ -n "$$base" ]; then \
+		echo "== $@: baseline $$base first"; \
+		$(LAUNCH) experiment=$$base profile=$(PROFILE) seed=$(SEED) stage=all $(BASELINE_ARGS) || exit 1; \
+	fi
 	$(LAUNCH) experiment=$@ profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS)
 
 baseline: exp1 ## the BF16 baseline at lr 1e-4 (exp1)

@@ -21,7 +21,7 @@ endif
 EXPERIMENTS := exp1 exp2 exp3 exp4 exp5 exp6 exp7 exp8 exp9
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint $(EXPERIMENTS) baseline smoke all sweep report paper-tables notebooks bench verify-hif8 clean-venv
+.PHONY: help venv test test-fast lint $(EXPERIMENTS) baseline smoke all sweep report paper-tables notebooks bench gpu-check verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -81,6 +81,9 @@ notebooks: $(STAMP) ## regenerate and execute the notebooks
 bench: $(STAMP) ## benchmarks: HiF8 qdq throughput and QAT step-time ratio
 	$(PY) benchmarks/bench_qdq.py
 	$(PY) benchmarks/bench_step.py
+
+gpu-check: $(STAMP) ## one GPU: pytest -m gpu, qdq bandwidth, QAT/BF16 step ratios, exp8 at paper shapes (<8 min)
+	benchmarks/gpu_check.sh
 
 verify-hif8: $(STAMP) ## check all 2^32 float32 patterns against en_dtypes (long)
 	$(PY) benchmarks/verify_hif8_exhaustive.py

@@ -63,8 +63,9 @@ def test_cpu_rehearsal_runs_every_stage_and_reports_its_figures(tmp_path):
         [s for s in CPU_STAGES if not s.startswith("step_")]
     out = tmp_path / "out"
     proc = gpu_check(out, GPU_CHECK_ONLY=" ".join(stages))
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted(out.glob("*.log")))
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
     rows = summary(out)
-    assert proc.returncode == 0, proc.stdout[-4000:] + "\n".join((out / f"{s}.log").read_text()[-2000:] for s in rows)
     assert list(rows) == stages and {r["status"] for r in rows.values()} == {"ok"}
     assert "skipped" in rows["pytest_gpu"]["result"]  # no CUDA here: the gpu tests ran as far as their marker
     qdq = json.loads((out / "qdq.json").read_text())

@@ -179,3 +179,13 @@ def test_baseline_helper_reads_each_experiment_file_like_the_composed_config():
     with pytest.raises(ConfigError, match="experiment='exp42'.*allowed one of exp1"):
         experiment_baseline("exp42")
     assert main(["--baseline", "exp42"]) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or __import__("torch").cuda.is_available(),
+                    reason="needs a machine without CUDA")
+def test_cli_rejects_an_evaluation_device_it_lacks_before_training(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "experiment=exp8", "profile=smoke", "stage=all",
+                          "eval.device=cuda", f"results_root={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "eval.device=cuda" in out.stderr and "no CUDA device" in out.stderr
+    assert not any(tmp_path.iterdir())  # nothing trained, no run folder

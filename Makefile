@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 PROFILE ?= mini
 SEED ?= 0
 ARGS ?=
+# What an experiment's baseline run gets from the command line: by default only where results go, so that
+# `make exp6 ARGS="quant.history_len=16"` reuses exp1's one run instead of training a tagged copy.
+BASELINE_ARGS ?= $(filter results_root=%,$(ARGS))
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 # Paper-scale runs use every local GPU through torchrun; the mini profile runs in one process.
 NPROC ?= $(shell $(PY) -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
@@ -18,7 +21,7 @@ endif
 EXPERIMENTS := exp1 exp2 exp3 exp4 exp5 exp6 exp7 exp8 exp9
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint $(EXPERIMENTS) baseline smoke all sweep report paper-tables notebooks bench verify-hif8 clean-venv
+.PHONY: help venv test test-fast lint $(EXPERIMENTS) baseline smoke all sweep report paper-tables notebooks bench gpu-check verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -45,7 +48,13 @@ test-fast: $(STAMP) ## the suite without the slow end-to-end tests
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .
 
-$(EXPERIMENTS): $(STAMP) ## (exp1..exp9) train + evaluate one experiment: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
+# The baseline comes first under the same launcher (torchrun too); a finished one is skipped in seconds.
+$(EXPERIMENTS): $(STAMP) ## (exp1..exp9) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
+	@base=$$(PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.config --baseline $@) || exit 1; \
+	if [ -n "$$base" ]; then \
+		echo "== $@: baseline $$base first"; \
+		$(LAUNCH) experiment=$$base profile=$(PROFILE) seed=$(SEED) stage=all $(BASELINE_ARGS) || exit 1; \
+	fi
 	$(LAUNCH) experiment=$@ profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS)
 
 baseline: exp1 ## the BF16 baseline at lr 1e-4 (exp1)
@@ -72,6 +81,9 @@ notebooks: $(STAMP) ## regenerate and execute the notebooks
 bench: $(STAMP) ## benchmarks: HiF8 qdq throughput and QAT step-time ratio
 	$(PY) benchmarks/bench_qdq.py
 	$(PY) benchmarks/bench_step.py
+
+gpu-check: $(STAMP) ## one GPU: pytest -m gpu, qdq bandwidth, QAT/BF16 step ratios, exp8 at paper shapes (<8 min)
+	benchmarks/gpu_check.sh
 
 verify-hif8: $(STAMP) ## check all 2^32 float32 patterns against en_dtypes (long)
 	$(PY) benchmarks/verify_hif8_exhaustive.py

@@ -18,7 +18,13 @@ torch's CPU allocator) is set before torch is imported unless ``--no-thp``: fres
 otherwise page-fault through 4 KiB pages and dominate elementwise kernels on this machine; it applies to
 every op in the table alike.
 
-Usage: python benchmarks/bench_qdq.py [--quick] [--repeats 5] [--no-en-dtypes] [--no-thp]
+Bandwidth: each op reads its input once and writes its output once (2 x n x element size bytes); the
+table gives that traffic per second and, with ``--peak-gbps`` (default on CUDA: the GPU's HBM bandwidth
+when the model is known, e.g. 4800 GB/s for an H200), its fraction of the peak. ``--device cuda`` times
+with ``torch.cuda.synchronize()`` around every call (en_dtypes, a host-side simulator, is CPU only).
+
+Usage: python benchmarks/bench_qdq.py [--device cpu|cuda] [--quick] [--sizes 24,26] [--repeats 5]
+       [--no-en-dtypes] [--no-thp] [--peak-gbps 4800] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,7 +43,17 @@ def _parse(argv):
     p.add_argument("--no-en-dtypes", action="store_true", help="skip the (slow) en_dtypes round trip")
     p.add_argument("--no-thp", action="store_true", help="do not set THP_MEM_ALLOC_ENABLE=1")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated input dtypes")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--sizes", default="", help="comma-separated log2 element counts (overrides --quick)")
+    p.add_argument("--peak-gbps", type=float, default=None,
+                   help="memory bandwidth the traffic is compared with (default on CUDA: known HBM peaks)")
+    p.add_argument("--json", default="", help="also write the measurements to this JSON file")
     return p.parse_args(argv)
+
+
+# HBM bandwidth of the data-centre GPUs a user is likely to have (vendor figures, GB/s), by name fragment.
+HBM_GBPS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0, "A100": 1555.0,
+            "B200": 8000.0, "L40S": 864.0}
 
 
 ARGS = _parse(sys.argv[1:])
@@ -52,6 +68,11 @@ from hif8qat import formats  # noqa: E402
 from hif8qat.formats import hif8_qdq, hif8_qdq_scaled_amax  # noqa: E402
 
 
+def _sync() -> None:
+    if ARGS.device == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed_round_robin(fns: dict, repeats: int) -> dict[str, float]:
     """Median seconds per call of each fn, timed in interleaved rounds.
 
@@ -64,10 +85,24 @@ def timed_round_robin(fns: dict, repeats: int) -> dict[str, float]:
     ts: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
+            _sync()
             t0 = time.perf_counter()
             fn()
+            _sync()
             ts[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in ts.items()}
+
+
+def peak_gbps() -> tuple[float | None, str]:
+    if ARGS.peak_gbps:
+        return ARGS.peak_gbps, "--peak-gbps"
+    if ARGS.device != "cuda":
+        return None, ""
+    name = torch.cuda.get_device_name()
+    for fragment, gbps in HBM_GBPS.items():
+        if fragment in name:
+            return gbps, name
+    return None, name
 
 
 class eager_mode:
@@ -86,9 +121,9 @@ class eager_mode:
 
 def bench_one(n: int, dtype: torch.dtype, repeats: int, with_en: bool) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(n, generator=g) * 4).to(dtype)
+    x = (torch.randn(n, generator=g) * 4).to(dtype).to(ARGS.device)
     buf = torch.empty_like(x)
-    scale = torch.tensor(3.75)
+    scale = torch.tensor(3.75, device=ARGS.device)
 
     def eager(fn):
         def run():
@@ -107,7 +142,7 @@ def bench_one(n: int, dtype: torch.dtype, repeats: int, with_en: bool) -> dict[s
         "e4m3": lambda: x.to(torch.float8_e4m3fn).to(dtype),
         "copy_": lambda: buf.copy_(x),
     }
-    if with_en:
+    if with_en and ARGS.device == "cpu":
         xn = x.float().numpy()
 
         def en_round_trip():
@@ -120,22 +155,33 @@ def bench_one(n: int, dtype: torch.dtype, repeats: int, with_en: bool) -> dict[s
 
 
 def main() -> int:
-    sizes = [1 << 20, 1 << 24] if ARGS.quick else [1 << 20, 1 << 24, 1 << 26]
+    if ARGS.sizes:
+        sizes = [1 << int(k) for k in ARGS.sizes.split(",")]
+    else:
+        sizes = [1 << 20, 1 << 24] if ARGS.quick else [1 << 20, 1 << 24, 1 << 26]
     dtypes = [getattr(torch, d) for d in ARGS.dtypes.split(",")]
     repeats = max(5, ARGS.repeats)
+    peak, peak_source = peak_gbps()
+    device = torch.cuda.get_device_name() if ARGS.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, {device}, "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '')}, median of {repeats}"
+        + (f", peak {peak:.0f} GB/s ({peak_source})" if peak else "")
     )
     rows = []
     for dtype in dtypes:
         for n in sizes:
             r = bench_one(n, dtype, repeats, not ARGS.no_en_dtypes)
-            rows.append((dtype, n, r))
+            itemsize = torch.tensor([], dtype=dtype).element_size()
+            gbps = {k: 2 * itemsize * v / 1e9 for k, v in r.items()}  # read once + write once
+            rows.append({"dtype": str(dtype).replace("torch.", ""), "n": n, "melem_s": {k: v / 1e6 for k, v in r.items()},
+                         "gbps": gbps, "peak_fraction": {k: g / peak for k, g in gbps.items()} if peak else None})
             name = str(dtype).replace("torch.", "")
-            print(f"\n{name} n={n // (1 << 20)}M  (Melem/s)")
+            size = f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
+            print(f"\n{name} n={size}  (Melem/s, GB/s read+write" + (", % of peak)" if peak else ")"))
             for k, v in r.items():
-                print(f"  {k:<18} {v / 1e6:9.1f}")
+                frac = f" {100 * gbps[k] / peak:6.1f}%" if peak else ""
+                print(f"  {k:<18} {v / 1e6:9.1f} {gbps[k]:9.1f}{frac}")
             e4 = r["e4m3"]
             print("  ratios:")
             print(f"    compiled / e4m3          {r['compiled'] / e4:6.2f}x   (target >= 1.5, stretch 1.8)")
@@ -152,6 +198,17 @@ def main() -> int:
             if "en_dtypes" in r:
                 print(f"    compiled / en_dtypes     {r['compiled'] / r['en_dtypes']:6.1f}x")
     print(f"\ncompile status: {formats.compile_status()}")
+    if ARGS.json:
+        import json
+
+        best = max(rows, key=lambda row: row["gbps"]["scaled+amax out="])
+        summary = {"device": device, "peak_gbps": peak, "compile": formats.compile_status(), "rows": rows,
+                   # the training kernel (fused qdq + amax) at its best size: what the GPU check reports
+                   "scaled_amax_gbps": best["gbps"]["scaled+amax out="],
+                   "scaled_amax_peak_fraction": best["gbps"]["scaled+amax out="] / peak if peak else None,
+                   "copy_gbps": best["gbps"]["copy_"]}
+        with open(ARGS.json, "w") as fh:
+            json.dump(summary, fh, indent=1, default=str)
     return 0
 
 

@@ -129,6 +129,8 @@ BAD_SETTINGS = [
     ("+train.learning_rate=1e-4", "train.learning_rate"),
     ("eval.modes=[fp8]", "eval.modes"),
     ("train.autocast=fp16", "train.autocast"),
+    ("eval.device=tpu", "eval.device"),
+    ("eval.dtype=fp16", "eval.dtype"),
 ]
 
 
@@ -166,3 +168,24 @@ def test_cli_rejects_bad_setting_before_loading_anything(tmp_path):
     assert out.returncode == 2
     assert "quant.history_len" in out.stderr and "allowed" in out.stderr
     assert not any(tmp_path.iterdir())  # no run folder was created
+
+
+def test_baseline_helper_reads_each_experiment_file_like_the_composed_config():
+    from hif8qat.config import experiment_baseline, main
+
+    for name in EXPERIMENTS:
+        assert experiment_baseline(name) == run_config([f"experiment={name}"], resolve=False).experiment.baseline
+    assert experiment_baseline("exp8") == "exp7" and experiment_baseline("exp1") is None
+    with pytest.raises(ConfigError, match="experiment='exp42'.*allowed one of exp1"):
+        experiment_baseline("exp42")
+    assert main(["--baseline", "exp42"]) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or __import__("torch").cuda.is_available(),
+                    reason="needs a machine without CUDA")
+def test_cli_rejects_an_evaluation_device_it_lacks_before_training(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "experiment=exp8", "profile=smoke", "stage=all",
+                          "eval.device=cuda", f"results_root={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "eval.device=cuda" in out.stderr and "no CUDA device" in out.stderr
+    assert not any(tmp_path.iterdir())  # nothing trained, no run folder

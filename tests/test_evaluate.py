@@ -161,3 +161,67 @@ def test_unavailable_dataset_fails_fast(tmp_path, monkeypatch):
     assert ev.LOCAL_DATA_ENV in str(err.value)
     with pytest.raises(ev.DatasetUnavailableError, match="does not exist"):
         ev.prepare_paper_tasks([spec], {"Rowan/hellaswag": tmp_path / "missing"}, tmp_path)
+
+
+# ------------------------------------------------------------------------------------ device and numerics
+def test_auto_numerics_follow_the_training_settings(monkeypatch):
+    from hif8qat.errors import RunError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ev.resolve_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cpu", "bf16")
+    assert ev.resolve_numerics("auto", "auto", train_device="cpu", train_autocast="none") == ("cpu", "fp32")
+    assert ev.resolve_numerics("cpu", "fp32", train_autocast="bf16") == ("cpu", "fp32")  # explicit wins
+    with pytest.raises(RunError, match="eval.device=cuda.*no CUDA device"):
+        ev.resolve_numerics("cuda", "auto")
+    with pytest.raises(RunError, match=r"eval.dtype='fp16'.*allowed one of auto, fp32, bf16"):
+        ev.resolve_numerics("auto", "fp16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ev.resolve_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cuda", "bf16")
+    assert ev.resolve_numerics("auto", "auto", train_device="cpu", train_autocast="bf16") == ("cpu", "bf16")
+    assert ev.resolve_numerics("auto", "auto") == ("cuda", "bf16")  # no training config: bf16 on a GPU
+
+
+def _loglikelihoods(out) -> list:
+    """Per-sample, per-choice (log-likelihood, is_greedy) that lm-eval computed, from the samples file."""
+    with gzip.open(out / "samples_mini_arc.jsonl.gz", "rt") as fh:
+        return [json.loads(line)["filtered_resps"] for line in fh]
+
+
+def test_bf16_evaluation_is_the_training_autocast_forward(tiny_model, tmp_path, monkeypatch):
+    model, tok = tiny_model
+    kw = dict(tasks="mini_arc", limit=3, batch_size=4)
+    res = ev.evaluate_model(model, tok, out_dir=tmp_path / "bf16", dtype="bf16", **kw)
+    assert {k: res["_meta"][k] for k in ("device", "dtype", "autocast")} == \
+        {"device": "cpu", "dtype": "float32", "autocast": "bfloat16"}
+    fp32 = ev.evaluate_model(model, tok, out_dir=tmp_path / "fp32", dtype="fp32", **kw)
+    assert fp32["_meta"]["autocast"] is None
+    forward = model.forward
+
+    def autocast_forward(*args, **kwargs):  # what the trainer's step does with train.autocast=bf16
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", autocast_forward)
+    ev.evaluate_model(model, tok, out_dir=tmp_path / "manual", **kw)
+    assert _loglikelihoods(tmp_path / "bf16") == _loglikelihoods(tmp_path / "manual")
+    assert _loglikelihoods(tmp_path / "bf16") != _loglikelihoods(tmp_path / "fp32")
+
+
+def test_hif8_mode_keeps_fp32_master_weights_under_bf16(tmp_path):
+    """The weight quantizer must see the FP32 weights, as in training: bf16 comes from autocast only."""
+    qlinear = pytest.importorskip("hif8qat.qlinear")
+    from hif8qat.scaling import ScalingConfig
+
+    model, tok = tiny.build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=2)
+    export = tmp_path / "export"
+    model.save_pretrained(export)
+    tok.save_pretrained(export)
+    qlinear.convert_model(model, "mlp", "none", ScalingConfig(algo="max", history_len=4))
+    qlinear.set_quantization(model, True)
+    with torch.no_grad():
+        model(torch.randint(3, 200, (2, 16)))
+    qlinear.save_quant_export(model, export, {"step": 1})
+    loaded, _ = ev.load_for_eval(export, "hif8", device="cpu")
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    res = ev.evaluate_export(export, "hif8", "mini_arc", dtype="bf16", device="cpu", limit=2, batch_size=4)
+    assert (res["_meta"]["mode"], res["_meta"]["dtype"], res["_meta"]["autocast"]) == ("hif8", "float32", "bfloat16")

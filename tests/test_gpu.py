@@ -1,7 +1,8 @@
-"""The CUDA path: bit-exact quantizer on GPU, compiled and eager; no host sync per
-scaler call; a QAT training step with BF16 autocast; the trainer end to end on CUDA (DDP/FSDP over NCCL
-when there are 2+ GPUs); FSDP checkpoints over NCCL. Every test here is `gpu`-marked (skipped without CUDA
-by conftest.py). The helpers take a device so their logic can be exercised on CPU as well."""
+"""The CUDA path: bit-exact quantizer on GPU, compiled and eager; no host sync per scaler call; a QAT training
+step with BF16 autocast; the trainer end to end on CUDA (DDP/FSDP over NCCL when there are 2+ GPUs); FSDP
+checkpoints over NCCL; evaluation on the GPU with the training numerics. Every test here is `gpu`-marked
+(skipped without CUDA by conftest.py; benchmarks/gpu_check.sh runs them). The helpers take a device so their
+logic can be exercised on CPU as well."""
 
 from __future__ import annotations
 
@@ -235,3 +236,23 @@ def fsdp_checkpoint_roundtrip(device: str, backend: str, tmp_path: Path) -> None
 
 def test_fsdp_checkpoint_roundtrip_over_nccl(tmp_path):
     fsdp_checkpoint_roundtrip("cuda", "nccl", tmp_path)
+
+
+def test_evaluation_defaults_to_the_gpu_with_bf16_autocast_over_fp32_weights(tmp_path):
+    from hif8qat import evaluate as ev
+    from hif8qat.models import build_tiny_llama
+    from hif8qat.qlinear import convert_model, save_quant_export, set_quantization
+
+    model, tok = build_tiny_llama(num_layers=2, hidden_size=64, intermediate_size=128)
+    model.save_pretrained(tmp_path / "export")
+    tok.save_pretrained(tmp_path / "export")
+    convert_model(model, "mlp", "none", ScalingConfig(algo="max", history_len=4))
+    set_quantization(model, True)
+    with torch.no_grad():
+        model(torch.randint(3, 200, (2, 16)))
+    save_quant_export(model, tmp_path / "export", {"step": 1})
+    assert ev.resolve_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cuda", "bf16")
+    res = ev.evaluate_export(tmp_path / "export", "hif8", "mini_arc", limit=4, batch_size=4)  # auto, auto
+    meta = res["_meta"]
+    assert meta["device"].startswith("cuda") and (meta["dtype"], meta["autocast"]) == ("float32", "bfloat16")
+    assert res["mini_arc"]["n"] == 4

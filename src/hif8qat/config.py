@@ -25,6 +25,8 @@ STAGES = ("train", "eval", "report", "all")
 SCOPES = ("mlp", "attn_mlp")
 ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
 EVAL_MODES = ("bf16", "hif8")
+EVAL_DEVICES = ("auto", "cpu", "cuda")
+EVAL_DTYPES = ("auto", "fp32", "bf16")
 NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
 KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
@@ -154,6 +156,9 @@ class EvalConfig:
     batch_size: int = 8
     num_fewshot: dict[str, int] = field(default_factory=dict)
     local_datasets: dict[str, str] = field(default_factory=dict)
+    # auto: the training device and its numerics (bf16 = FP32 weights under bf16 autocast, as trained).
+    device: str = "auto"
+    dtype: str = "auto"
 
 
 @dataclass
@@ -307,6 +312,8 @@ class RunConfig:
         if e.limit is not None:
             _check_positive("eval.limit", e.limit, integer=True)
         _check_positive("eval.batch_size", e.batch_size, integer=True)
+        _check_choice("eval.device", e.device, EVAL_DEVICES)
+        _check_choice("eval.dtype", e.dtype, EVAL_DTYPES)
         from .evaluate import SUITES, TASKS, resolve_tasks  # task tables only: no lm-eval import
 
         known = f"task names {', '.join(TASKS)} or suites {', '.join(SUITES)}"
@@ -427,6 +434,37 @@ def resolve_profile(cfg: RunConfig) -> RunConfig:
     return out
 
 
+def experiment_baseline(name: str, conf_dir: str | Path | None = None) -> str | None:
+    """`experiment.baseline` of conf/experiment/<name>.yaml, read without composing (None: it has none)."""
+    import yaml
+
+    folder = Path(conf_dir) if conf_dir else Path(__file__).resolve().parents[2] / "conf"
+    path = folder / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (folder / "experiment").glob("*.yaml"))
+        _fail("experiment", name, "one of " + ", ".join(known))
+    return ((yaml.safe_load(path.read_text()) or {}).get("experiment") or {}).get("baseline")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hif8qat.config --baseline exp8` prints exp8's baseline (nothing when it has none): the
+    Makefile runs it before the experiment, under any launcher."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description="Facts about the experiment configs, for scripts and the Makefile")
+    ap.add_argument("--baseline", metavar="EXPERIMENT", required=True, help="print the experiment's baseline")
+    args = ap.parse_args(argv)
+    try:
+        base = experiment_baseline(args.baseline)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if base:
+        print(base)
+    return 0
+
+
 _SECTION_TYPES = {
     "experiment": ExperimentConfig,
     "model": ModelConfig,
@@ -438,3 +476,7 @@ _SECTION_TYPES = {
     "quirks": QuirksConfig,
     "logger": LoggerConfig,
 }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,6 +6,9 @@
   the data-parallel ranks; their names do not change, so HiF8 conversion, scalers and `quant_state_dict`
   work as without FSDP. The HiF8 weight quantizer sees the full (all-gathered) weight, so its scale is the
   same on every rank, exactly as under DDP. Works with NCCL on GPU and gloo on CPU.
+- `grad_sync(model, enabled)`: gradient accumulation without communication on the non-final micro-batches,
+  for DDP (`no_sync`) and FSDP2 (`set_requires_gradient_sync`; FSDP2 has no `no_sync`), so gradients are
+  reduced once per optimizer step.
 - `env_from_slurm()` fills torch's RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from SLURM's
   variables when a process was started by `srun` (one task per GPU, e.g. by `hydra/launcher=slurm`) instead
   of `torchrun`. torchrun sets WORLD_SIZE itself; then nothing is changed.
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -155,6 +159,31 @@ def apply_fsdp(model: nn.Module, *, mesh=None, reshard_after_forward: bool = Tru
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+@contextmanager
+def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Run a micro-batch's forward *and* backward inside: with enabled=False its gradients only accumulate
+    locally (no all-reduce / reduce-scatter); the final micro-batch of a step runs with enabled=True.
+
+    `model` is what the trainer calls: a DDP module, an FSDP2 root, a plain module (nothing to do) or any of
+    them behind torch.compile. DDP decides in forward and FSDP2 in backward, hence one block around both.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    target = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule wraps the module
+    if enabled or not (isinstance(target, FSDPModule) or hasattr(target, "no_sync")):
+        yield
+    elif isinstance(target, FSDPModule):
+        # Unsharded gradients accumulate across micro-batches; the final one reduce-scatters their sum.
+        target.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            target.set_requires_gradient_sync(True)
+    else:
+        with target.no_sync():
+            yield
 
 
 def _options(**kw):

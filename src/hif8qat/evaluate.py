@@ -3,13 +3,20 @@
 Modes
 -----
 ``bf16``  the saved weights without quantization, as the authors evaluated (their vLLM run used BF16).
-          ``dtype="auto"`` evaluates in bfloat16 on CUDA and in float32 on CPU: bf16 matmuls are slow on
-          most CPUs and an fp32 evaluation of bf16-representable weights differs from a bf16 one only by
-          the activations' rounding. The dtype used is recorded in ``results.json``.
 ``hif8``  HiF8 W8A8 simulated inference: the plain model is re-converted from ``hif8qat_quant.json`` by
           :func:`hif8qat.qlinear.load_quant_export`, which restores the scalers' final state, and the scales
           are frozen (:func:`hif8qat.qlinear.freeze_scales`): every quantized linear uses the last scales
           of training, with no history update during evaluation.
+
+Device and numerics
+-------------------
+Weights are always loaded in FP32, the trainer's master weights. ``dtype="bf16"`` runs the forward under
+bf16 autocast, exactly as a ``train.autocast=bf16`` training step: in ``hif8`` mode the FP32 weight is
+quantized and the matmul runs in bf16 (casting the weights to bf16 first would round them twice before
+quantization). ``dtype="fp32"``: no autocast. :func:`resolve_numerics` turns ``auto`` into the training
+device and numerics (run.py's ``eval.device`` / ``eval.dtype``); without a training config, ``auto`` is
+CUDA when available and bf16 there, fp32 on CPU. ``results.json`` records ``device``, ``dtype`` (of the
+weights) and ``autocast`` (the matmul dtype, or null).
 
 Tasks
 -----
@@ -71,6 +78,8 @@ log = logging.getLogger(__name__)
 
 MINITASK_DIR = Path(__file__).resolve().parent / "minitasks"
 MODES = ("bf16", "hif8")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16")
 LOCAL_DATA_ENV = "HIF8QAT_LM_EVAL_DATA"
 
 
@@ -104,6 +113,10 @@ SUITES: dict[str, tuple[str, ...]] = {
 
 class DatasetUnavailableError(RunError):
     """A paper task's dataset is neither on disk, in the datasets cache, nor reachable on the hub."""
+
+
+class EvalSettingError(RunError):
+    """An evaluation device or dtype that this machine or this mode cannot honour."""
 
 
 # ------------------------------------------------------------------------------------------- task lists
@@ -290,19 +303,45 @@ def prepare_paper_tasks(
 
 
 # ---------------------------------------------------------------------------------------- model loading
-def _resolve_dtype(dtype: str | Any, device: str):
+def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device: str | None = None,
+                     train_autocast: str | None = None) -> tuple[str, str]:
+    """Concrete ``(device, dtype)`` for an evaluation (``dtype``: ``fp32`` or ``bf16``, see the module doc).
+
+    ``auto`` follows the training settings when given: device as ``train.device`` resolves (CUDA unless it
+    is ``cpu`` or there is no GPU), dtype ``bf16`` when ``train.autocast=bf16``, else ``fp32``.
+    Raises :class:`EvalSettingError` for an unknown value or ``cuda`` on a machine without a GPU.
+    """
     import torch
 
-    if not isinstance(dtype, str):
-        return dtype
+    for setting, value, allowed in (("eval.device", device, DEVICES), ("eval.dtype", dtype, DTYPES)):
+        if value not in allowed and not (setting == "eval.device" and str(value).startswith("cuda:")):
+            raise EvalSettingError(f"invalid setting {setting}={value!r}: allowed one of {', '.join(allowed)}")
+    if device == "auto":
+        wanted = str(train_device or "auto")
+        device = "cpu" if wanted == "cpu" or not torch.cuda.is_available() else wanted.replace("auto", "cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EvalSettingError(f"eval.device={device} but this machine has no CUDA device; use eval.device=cpu "
+                               "(or auto: the training device)")
     if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-            "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}[dtype]
+        if train_autocast is not None:
+            dtype = "bf16" if train_autocast == "bf16" else "fp32"
+        else:
+            dtype = "bf16" if device.startswith("cuda") else "fp32"
+    return device, dtype
 
 
-def load_for_eval(export_dir: str | Path, mode: str, *, dtype="auto", device: str = "cpu"):
-    """Load an exported model folder for evaluation in ``mode`` (see the module doc)."""
+def _autocast_dtype(dtype: str | None):
+    import torch
+
+    if dtype in (None, "fp32"):
+        return None
+    if dtype == "bf16":
+        return torch.bfloat16
+    raise EvalSettingError(f"invalid setting eval.dtype={dtype!r}: allowed one of fp32, bf16 (or auto)")
+
+
+def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu"):
+    """Load an exported model folder for evaluation in ``mode``, FP32 weights on ``device`` (module doc)."""
     import torch
 
     if mode not in MODES:
@@ -310,7 +349,6 @@ def load_for_eval(export_dir: str | Path, mode: str, *, dtype="auto", device: st
     export_dir = Path(export_dir)
     if not (export_dir / "config.json").exists():
         raise FileNotFoundError(f"{export_dir} is not a save_pretrained folder (no config.json)")
-    tdtype = _resolve_dtype(dtype, device)
     try:
         from .models import load_causal_lm
 
@@ -328,7 +366,7 @@ def load_for_eval(export_dir: str | Path, mode: str, *, dtype="auto", device: st
 
         load_quant_export(model, export_dir)
         freeze_scales(model, True)
-    model.to(device=device, dtype=tdtype)
+    model.to(device=device)
     model.eval()
     return model, tok
 
@@ -426,6 +464,7 @@ def evaluate_model(
     num_fewshot: Mapping[str, int] | None = None,
     local_datasets: Mapping[str, str | os.PathLike] | None = None,
     device: str | None = None,
+    dtype: str | None = None,
     seed: int = 1234,
     extra_meta: Mapping[str, Any] | None = None,
 ) -> dict:
@@ -433,6 +472,7 @@ def evaluate_model(
 
     The model is used as it is (the caller puts a QAT model into the wanted mode, e.g. by
     :func:`hif8qat.qlinear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
+    ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None or ``"fp32"``: none.
     ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``limit``: first N docs per
     task (smoke runs). Returns the ``results.json`` dict.
     """
@@ -456,7 +496,9 @@ def evaluate_model(
             k = int((num_fewshot or {}).get(s.name, s.num_fewshot))
             shots[s.name] = k
             task_cfgs.append(s.name)
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+        autocast = _autocast_dtype(dtype)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                  mixed_precision_dtype=autocast)
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
         per_task_shots = {s.name: shots[s.name] for s in specs}
         raw = None
@@ -479,6 +521,7 @@ def evaluate_model(
         results[s.name] = _task_result(raw["results"], s, len(rows), shots[s.name])
     meta = {
         "mode": mode, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
+        "autocast": None if autocast is None else str(autocast).replace("torch.", ""),
         "batch_size": batch_size, "limit": limit, "seed": seed, "wall_time_s": round(wall, 2),
         "tasks": {s.name: {"metric": s.metric, "filter": s.filter, "num_fewshot": shots[s.name],
                            "mini": s.mini} for s in specs},
@@ -529,11 +572,12 @@ def load_eval_results(path: str | Path) -> dict[str, dict]:
 
 
 def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=None, dtype="auto",
-                    device: str = "cpu", **kwargs) -> dict:
-    model, tok = load_for_eval(export_dir, mode, dtype=dtype, device=device)
+                    device: str = "auto", **kwargs) -> dict:
+    device, dtype = resolve_numerics(device, dtype)
+    model, tok = load_for_eval(export_dir, mode, device=device)
     meta = {"export_dir": str(Path(export_dir).resolve()), **kwargs.pop("extra_meta", {})}
-    return evaluate_model(model, tok, tasks, out_dir=out_dir, mode=mode, device=device, extra_meta=meta,
-                          **kwargs)
+    return evaluate_model(model, tok, tasks, out_dir=out_dir, mode=mode, device=device, dtype=dtype,
+                          extra_meta=meta, **kwargs)
 
 
 def evaluate_run(run_dir: str | Path, modes: Iterable[str] = MODES, tasks="mini", *,
@@ -582,8 +626,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="output folder (--export/--model); default: print only")
     ap.add_argument("--limit", type=float, default=None, help="first N docs per task (smoke runs)")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES,
+                    help="auto (bf16 on CUDA, fp32 on CPU) | bf16 (FP32 weights, bf16 autocast) | fp32")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
     ap.add_argument("--fewshot", action="append", default=[], metavar="TASK=K")
     ap.add_argument("--local-dataset", action="append", default=[], metavar="HUBID_OR_TASK=DIR")
     args = ap.parse_args(argv)
@@ -594,23 +639,26 @@ def main(argv=None) -> int:
               local_datasets=dict(x.split("=", 1) for x in args.local_dataset))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
+        device, dtype = resolve_numerics(args.device, args.dtype)
         if args.run_dir:
-            res = evaluate_run(args.run_dir, modes, args.tasks, dtype=args.dtype, device=args.device, **kw)
+            res = evaluate_run(args.run_dir, modes, args.tasks, dtype=dtype, device=device, **kw)
         elif args.export:
             res = {m: evaluate_export(args.export, m, args.tasks, out_dir=args.out / m if args.out else None,
-                                      dtype=args.dtype, device=args.device, **kw) for m in modes}
+                                      dtype=dtype, device=device, **kw) for m in modes}
         else:
             from .models import load_causal_lm
 
-            model, tok = load_causal_lm(args.model, dtype=_resolve_dtype(args.dtype, args.device))
-            model.to(args.device).eval()
-            res = {"bf16": evaluate_model(model, tok, args.tasks, out_dir=args.out, mode="bf16",
-                                          device=args.device, extra_meta={"model": args.model}, **kw)}
-    except DatasetUnavailableError as err:
+            model, tok = load_causal_lm(args.model)
+            model.to(device).eval()
+            res = {"bf16": evaluate_model(model, tok, args.tasks, out_dir=args.out, mode="bf16", device=device,
+                                          dtype=dtype, extra_meta={"model": args.model}, **kw)}
+    except (DatasetUnavailableError, EvalSettingError) as err:
         print(f"error: {err}")
         return 2
     for mode, r in res.items():
-        print(f"== {mode}  ({r['_meta']['wall_time_s']:.1f} s, dtype {r['_meta']['dtype']})")
+        meta = r["_meta"]
+        print(f"== {mode}  ({meta['wall_time_s']:.1f} s, {meta['device']}, {meta['dtype']} weights, "
+              f"autocast {meta['autocast']})")
         print(format_results(r))
     return 0
 

@@ -28,6 +28,7 @@ from transformers import get_cosine_schedule_with_warmup
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .data import build_eval_windows, build_train_stream
+from .distributed import grad_sync
 from .errors import RunError
 from .models import load_causal_lm
 from .qlinear import (
@@ -240,12 +241,6 @@ def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) 
     return DistributedDataParallel(model, device_ids=ids)
 
 
-def _no_sync(wrapped: torch.nn.Module, last_micro: bool):
-    if last_micro or not hasattr(wrapped, "no_sync"):
-        return nullcontext()
-    return wrapped.no_sync()
-
-
 def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict[str, Any]:
     """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows)."""
     ctx = ctx or setup_distributed(cfg.train.device)
@@ -352,9 +347,10 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         loss_sum = 0.0
         for micro in range(accum):
             tokens = next(stream).to(ctx.device, non_blocking=True)
-            with _no_sync(wrapped, micro == accum - 1), _autocast(cfg, ctx.device):
-                loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
-            (loss / accum).backward()
+            with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
+                with _autocast(cfg, ctx.device):
+                    loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
+                (loss / accum).backward()
             loss_sum += loss.detach().float()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
         loss_value = _reduce_mean(float(loss_sum / accum), ctx)

@@ -16,9 +16,11 @@ else
 LAUNCH := $(PY) run.py
 endif
 EXPERIMENTS := exp1 exp2 exp3 exp4 exp5 exp6 exp7 exp8 exp9
+# Beyond the paper: HiF8 vs FP8 HYBRID (exp10, exp11) and delayed vs just-in-time scaling (exp12, exp13).
+BEYOND := exp10 exp11 exp12 exp13
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint $(EXPERIMENTS) baseline smoke all sweep report paper-tables notebooks bench verify-hif8 clean-venv
+.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond baseline smoke all sweep report paper-tables notebooks bench verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -45,7 +47,7 @@ test-fast: $(STAMP) ## the suite without the slow end-to-end tests
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .
 
-$(EXPERIMENTS): $(STAMP) ## (exp1..exp9) train + evaluate one experiment: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
+$(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp13) train + evaluate one experiment: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
 	$(LAUNCH) experiment=$@ profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS)
 
 baseline: exp1 ## the BF16 baseline at lr 1e-4 (exp1)
@@ -55,6 +57,10 @@ smoke: $(STAMP) ## a seconds-long end-to-end run of exp8 on the tiny model
 
 all: $(STAMP) ## all experiments without a finished run, their evaluations, then the report
 	for e in $(EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
+	$(PY) run.py stage=report profile=$(PROFILE)
+
+beyond: $(STAMP) ## exp10-exp13 and the runs they derive from (exp2, exp8; baselines follow), then the report
+	for e in exp2 exp8 $(BEYOND); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
 	$(PY) run.py stage=report profile=$(PROFILE)
 
 sweep: $(STAMP) ## example Hydra multirun: history length x seed for exp6 (add hydra/launcher=slurm on a cluster)

@@ -247,3 +247,33 @@ def test_current_scale_is_the_delayed_scalers_cold_start():
     scaler = DelayedScaler("A", ScalingConfig())
     scaler.quantize(x)
     assert scaler.scale.item() == current_scale(x.abs().max(), 15.0).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FP8)
+def test_cuda_matches_the_reference_on_every_bf16_pattern(fmt, path):
+    """CUDA's plain cast of out-of-range values differs from the CPU's; the saturating qdq must not."""
+    x = all_bf16()
+    y = fp8_qdq(x.cuda(), fmt).cpu()
+    assert same(y, nearest_even_reference(x, fmt))
+    xs = torch.randn(1 << 16, generator=torch.Generator().manual_seed(5)) * 1000
+    y2, amax = fp8_qdq_scaled_amax(xs.cuda(), torch.tensor(0.7, device="cuda"), fmt)
+    assert torch.equal(y2.cpu(), fp8_qdq_scaled(xs, 0.7, fmt)) and amax.item() == xs.abs().max().item()
+    assert clipped_count(xs.cuda(), 0.7, fmt).item() == clipped_count(xs, 0.7, fmt).item()
+
+
+def test_a_failing_fp8_compile_falls_back_to_eager_and_leaves_hif8_compiled(monkeypatch):
+    monkeypatch.setenv("HIF8QAT_COMPILE", "1")
+    monkeypatch.setattr(formats, "_fp8_compile_failed", None)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no float8 conversion on this backend")
+
+    monkeypatch.setattr(formats, "_fp8_variant_function", lambda key, flags: broken)
+    monkeypatch.setattr(formats, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    x = torch.randn(4096) * 100
+    with pytest.warns(RuntimeWarning, match="FP8 quantizer failed"):
+        y = fp8_qdq(x, "e4m3")
+    assert torch.equal(y, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert formats.compile_status()["failed"] is None  # HiF8's compiled path is untouched

@@ -759,9 +759,19 @@ def _fp8_variant_function(key: tuple, flags: dict):
     return types.FunctionType(code, kernel.__globals__, name, kernel.__defaults__, kernel.__closure__)
 
 
+_fp8_compile_failed: str | None = None
+
+
 def _fp8_run(flags: dict, x, scale, out):
-    """Compiled variant when enabled (falls back to eager on any compiler failure, as the HiF8 path)."""
-    if _compile_enabled() and x.numel() >= _MIN_COMPILED_NUMEL and not torch.compiler.is_compiling():
+    """Compiled variant when enabled, else eager.
+
+    A compiler failure (e.g. a GPU whose compiler backend has no float8 conversion) turns the compiled
+    FP8 path off for the process with one warning; unlike the HiF8 path's failure it leaves HiF8's
+    compiled path on.
+    """
+    global _fp8_compile_failed
+    if (_compile_enabled() and _fp8_compile_failed is None and x.numel() >= _MIN_COMPILED_NUMEL
+            and not torch.compiler.is_compiling()):
         out_mode = "none" if out is None else ("alias" if out.data_ptr() == x.data_ptr() else "out")
         key = ("fp8", *sorted(flags.items()), x.dtype, x.device.type, out_mode)
         try:
@@ -774,7 +784,9 @@ def _fp8_run(flags: dict, x, scale, out):
                         _compiled[key] = c
             return c(x, scale, out)
         except Exception as err:  # noqa: BLE001 - any compiler failure means: fall back to eager
-            _disable_compile(err)
+            _fp8_compile_failed = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+            warnings.warn(f"hif8qat: torch.compile of the FP8 quantizer failed ({_fp8_compile_failed}); "
+                          "using the eager implementation from now on", RuntimeWarning, stacklevel=4)
     return _fp8_body(x, scale, out, **flags)
 
 

@@ -19,9 +19,11 @@ else
 LAUNCH := $(PY) run.py
 endif
 EXPERIMENTS := exp1 exp2 exp3 exp4 exp5 exp6 exp7 exp8 exp9
+# Beyond the paper: HiF8 vs FP8 HYBRID (exp10, exp11) and delayed vs just-in-time scaling (exp12, exp13).
+BEYOND := exp10 exp11 exp12 exp13
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint $(EXPERIMENTS) baseline smoke all sweep report paper-tables notebooks bench gpu-check verify-hif8 clean-venv
+.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond baseline smoke all sweep report paper-tables notebooks bench gpu-check verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -49,7 +51,7 @@ lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .
 
 # The baseline comes first under the same launcher (torchrun too); a finished one is skipped in seconds.
-$(EXPERIMENTS): $(STAMP) ## (exp1..exp9) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
+$(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp13) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
 	@base=$$(PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.config --baseline $@) || exit 1; \
 	if [ -n "$$base" ]; then \
 		echo "== $@: baseline $$base first"; \
@@ -64,6 +66,10 @@ smoke: $(STAMP) ## a seconds-long end-to-end run of exp8 on the tiny model
 
 all: $(STAMP) ## all experiments without a finished run, their evaluations, then the report
 	for e in $(EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
+	$(PY) run.py stage=report profile=$(PROFILE)
+
+beyond: $(STAMP) ## exp10-exp13 and the runs they derive from (exp2, exp8; baselines follow), then the report
+	for e in exp2 exp8 $(BEYOND); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
 	$(PY) run.py stage=report profile=$(PROFILE)
 
 sweep: $(STAMP) ## example Hydra multirun: history length x seed for exp6 (add hydra/launcher=slurm on a cluster)

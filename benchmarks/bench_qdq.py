@@ -10,6 +10,8 @@ a warm-up, of:
   scaled+amax     hif8_qdq_scaled_amax(x, s) (compiled, fused), allocated
   scaled+amax out= the same into a preallocated output
   e4m3            x.to(torch.float8_e4m3fn).to(x.dtype), torch's native fp8 round trip
+  fp8 qdq         fp8_qdq(x, "e4m3"): the saturating FP8 fake quantizer (compiled)
+  fp8 scaled+amax fp8_qdq_scaled_amax(x, s, "e4m3"), the FP8 counterpart of scaled+amax
   en_dtypes       numpy astype(hifloat8) and back (the ground-truth simulator)
   copy_           buf.copy_(x), preallocated: the memory-bandwidth ceiling
 
@@ -65,7 +67,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hif8qat import formats  # noqa: E402
-from hif8qat.formats import hif8_qdq, hif8_qdq_scaled_amax  # noqa: E402
+from hif8qat.formats import fp8_qdq, fp8_qdq_scaled_amax, hif8_qdq, hif8_qdq_scaled_amax  # noqa: E402
 
 
 def _sync() -> None:
@@ -140,6 +142,8 @@ def bench_one(n: int, dtype: torch.dtype, repeats: int, with_en: bool) -> dict[s
         "scaled+amax": lambda: hif8_qdq_scaled_amax(x, scale),
         "scaled+amax out=": lambda: hif8_qdq_scaled_amax(x, scale, out=buf),
         "e4m3": lambda: x.to(torch.float8_e4m3fn).to(dtype),
+        "fp8 qdq": lambda: fp8_qdq(x, "e4m3"),
+        "fp8 scaled+amax": lambda: fp8_qdq_scaled_amax(x, scale, "e4m3"),
         "copy_": lambda: buf.copy_(x),
     }
     if with_en and ARGS.device == "cpu":
@@ -195,6 +199,9 @@ def main() -> int:
                 f"    scaled+amax time / qdq   {r['compiled'] / r['scaled+amax']:6.2f}x   (target <= 1.1; "
                 f"out=: {r['compiled out='] / r['scaled+amax out=']:.2f}x)"
             )
+            # HiF8 against FP8 in the same fake-quantization pipeline (> 1: HiF8 is faster)
+            print(f"    hif8 / fp8 qdq           {r['compiled'] / r['fp8 qdq']:6.2f}x")
+            print(f"    hif8 / fp8 scaled+amax   {r['scaled+amax'] / r['fp8 scaled+amax']:6.2f}x")
             if "en_dtypes" in r:
                 print(f"    compiled / en_dtypes     {r['compiled'] / r['en_dtypes']:6.1f}x")
     print(f"\ncompile status: {formats.compile_status()}")

@@ -28,6 +28,7 @@ caller's business (see ``qlinear.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -616,3 +617,286 @@ def hif8_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
         raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {dtype}")
     vals = _table("decode", codes.device)[codes.reshape(-1).int()]  # 1-d index: always a copy
     return vals.view(codes.shape).to(dtype)
+
+
+# ===================================================================================================
+# FP8 (OCP E4M3 / E5M2) under the same scaled fake-quantization, and the per-format scale conventions.
+#
+# Used to compare HiF8 with FP8 under identical delayed scaling. The casts are torch's native
+# ``float8_e4m3fn`` / ``float8_e5m2`` conversions (round to nearest, ties to even). They are made
+# saturating by clamping to +-max first, as torchao's ``to_fp8_saturated`` does: the plain cast of an
+# out-of-range value is version and device dependent (NaN for e4m3fn, inf for e5m2 on some builds,
+# +-max on others), and Transformer Engine clips values beyond the range to +-FP8_MAX ("If some value
+# exceeds fp8 range, it is clipped to FP8_MAX or -FP8_MAX", TE docs, FP8 delayed scaling). Infinite
+# inputs therefore become +-max as well; NaN stays NaN.
+#
+# Scale conventions (amax -> target):
+#   HiF8: the paper's target 15, the top of the 3-bit-mantissa tier (``target_fwd`` / ``target_bwd``).
+#   FP8:  TE ``DelayedScaling``: ``scale = (FP8_MAX / amax) / 2^margin`` with ``margin`` 0 by default,
+#         i.e. target = FP8_MAX / 2^margin (448 for E4M3, 57344 for E5M2).
+#   ``hybrid``: TE's ``Format.HYBRID``: E4M3 in the forward pass (activations A, weights W), E5M2 in the
+#         backward pass (output gradients G).
+# Clipped values per call: for HiF8 the overflow |x * s| >= 40960 (values that become inf, or are
+# clamped when saturating); for FP8 |x * s| > FP8_MAX (values the saturating cast clips).
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSpec:
+    """One 8-bit element format: its range and its scale convention."""
+
+    name: str
+    max: float  # largest finite value
+    # |x * scale| from which a value is clipped (FP8, strictly above max) or overflows (HiF8, >= 40960)
+    clip_threshold: float
+    clip_inclusive: bool
+    # amax -> this value at margin 0
+    default_target: float
+    dtype: torch.dtype | None  # torch's native dtype (None: HiF8, simulated on float32 bits)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype is not None
+
+    def target(self, margin: int = 0) -> float:
+        """Scale target: amax maps to ``max / 2^margin`` (FP8, TE's rule) or to 15 (HiF8, margin 0 only)."""
+        if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+            raise ValueError(f"margin must be an integer >= 0; got {margin!r}")
+        if not self.is_fp8 and margin:
+            raise ValueError("margin applies to FP8 formats only; HiF8's target is set directly (15 by default)")
+        return self.default_target / 2.0**margin
+
+
+FORMATS: dict[str, FormatSpec] = {
+    "hif8": FormatSpec("hif8", HIF8_MAX, HIF8_OVERFLOW, True, HIF8_TIER3_MAX, None),
+    "e4m3": FormatSpec("e4m3", 448.0, 448.0, False, 448.0, torch.float8_e4m3fn),
+    "e5m2": FormatSpec("e5m2", 57344.0, 57344.0, False, 57344.0, torch.float8_e5m2),
+}
+FP8_FORMATS = ("e4m3", "e5m2")
+# The values of the ``format`` setting: an element format for every role, or TE's HYBRID recipe.
+FORMAT_SETTINGS = ("hif8", "e4m3", "e5m2", "hybrid")
+_HYBRID_ROLES = {"A": "e4m3", "W": "e4m3", "G": "e5m2"}
+_SCALE_EPS = 1e-12  # as scaling.EPS: scale = target / (amax + 1e-12)
+_FALLBACK_AMAX = 1.0  # as the delayed scaler's cold start: a non-finite or non-positive amax counts as 1
+
+
+def format_spec(fmt: str) -> FormatSpec:
+    """The spec of an element format ("hif8", "e4m3", "e5m2"); ValueError naming the allowed values."""
+    spec = FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if spec is None:
+        raise ValueError(f"format must be one of {tuple(FORMATS)}; got {fmt!r}")
+    return spec
+
+
+def element_format(setting: str, role: str) -> str:
+    """Element format of tensor role "A", "W" or "G" under a ``format`` setting (``hybrid``: E4M3 for A and
+    W, E5M2 for G, as TE's HYBRID recipe)."""
+    if role not in _HYBRID_ROLES:
+        raise ValueError(f"role must be one of {tuple(_HYBRID_ROLES)}; got {role!r}")
+    if setting == "hybrid":
+        return _HYBRID_ROLES[role]
+    return format_spec(setting).name
+
+
+def target_for(config, role: str) -> float:
+    """Scale target of ``role`` under a scaling config (any object with ``format``, ``margin``,
+    ``target_fwd`` and ``target_bwd``, e.g. ``scaling.ScalingConfig``).
+
+    HiF8: ``target_bwd`` for G, ``target_fwd`` for A and W (the paper's 15 by default). FP8: the format max
+    of the role's element format over ``2^margin`` (TE ``DelayedScaling``).
+    """
+    fmt = element_format(getattr(config, "format", "hif8"), role)
+    if fmt == "hif8":
+        return float(config.target_bwd if role == "G" else config.target_fwd)
+    return FORMATS[fmt].target(getattr(config, "margin", 0))
+
+
+def current_scale(amax, target: float) -> torch.Tensor:
+    """Just-in-time scale from a tensor's own amax: ``target / (amax + 1e-12)`` (float64, returned as a
+    0-d float32 tensor on amax's device).
+
+    TE's current scaling (``Float8CurrentScaling``) and torchao's dynamic scaling use ``FP8_MAX / amax``
+    of the tensor being cast; with the target of the format this is the same rule for every format and
+    the upper bound a delayed estimate can reach (no lag, nothing clipped). A non-finite or non-positive
+    amax gives ``scale = target``, the delayed scaler's cold-start fallback, so the two agree on every call.
+    No host synchronisation.
+    """
+    if not (isinstance(target, (int, float)) and not isinstance(target, bool) and math.isfinite(target)
+            and target > 0):
+        raise ValueError(f"target must be a finite number > 0; got {target!r}")
+    a = torch.as_tensor(amax).detach().reshape(()).to(torch.float64)
+    ok = (a > 0) & (a < math.inf)
+    est = torch.where(ok, a, torch.full_like(a, _FALLBACK_AMAX))
+    return torch.div(float(target), est + _SCALE_EPS).to(torch.float32)
+
+
+def _fp8_body(x, scale, out, *, fmax: float, dtype: torch.dtype, scaled: bool, want_amax: bool):
+    """Saturating FP8 qdq of a flat tensor, optionally scaled (in float32), optionally with max|x|."""
+    xf = x.float()
+    if scaled:
+        xf = xf * scale
+    y = torch.clamp(xf, -fmax, fmax).to(dtype).float()
+    if scaled:
+        y = y / scale
+    y = y.to(x.dtype)
+    amax = None
+    if want_amax:
+        mn, mx = torch.aminmax(x)  # one pass; NaN propagates
+        amax = torch.maximum(mx.float(), -mn.float())
+    if out is not None:
+        out.copy_(y)
+        y = out
+    return y, amax
+
+
+def _fp8_variant_function(key: tuple, flags: dict):
+    """Own code object per variant (as ``_variant_function``): one dynamo cache and recompile budget each."""
+    name = "fp8_kernel_" + "_".join(str(k).replace(".", "_") for k in key)
+
+    def kernel(x, scale, out):
+        return _fp8_body(x, scale, out, **flags)
+
+    code = kernel.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, kernel.__globals__, name, kernel.__defaults__, kernel.__closure__)
+
+
+_fp8_compile_failed: str | None = None
+
+
+def _fp8_run(flags: dict, x, scale, out):
+    """Compiled variant when enabled, else eager.
+
+    A compiler failure (e.g. a GPU whose compiler backend has no float8 conversion) turns the compiled
+    FP8 path off for the process with one warning; unlike the HiF8 path's failure it leaves HiF8's
+    compiled path on.
+    """
+    global _fp8_compile_failed
+    if (_compile_enabled() and _fp8_compile_failed is None and x.numel() >= _MIN_COMPILED_NUMEL
+            and not torch.compiler.is_compiling()):
+        out_mode = "none" if out is None else ("alias" if out.data_ptr() == x.data_ptr() else "out")
+        key = ("fp8", *sorted(flags.items()), x.dtype, x.device.type, out_mode)
+        try:
+            c = _compiled.get(key)
+            if c is None:
+                with _COMPILE_LOCK:
+                    c = _compiled.get(key)
+                    if c is None:
+                        c = torch.compile(_fp8_variant_function(key, flags), dynamic=True, fullgraph=True)
+                        _compiled[key] = c
+            return c(x, scale, out)
+        except Exception as err:  # noqa: BLE001 - any compiler failure means: fall back to eager
+            _fp8_compile_failed = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+            warnings.warn(f"hif8qat: torch.compile of the FP8 quantizer failed ({_fp8_compile_failed}); "
+                          "using the eager implementation from now on", RuntimeWarning, stacklevel=4)
+    return _fp8_body(x, scale, out, **flags)
+
+
+def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool):
+    spec = format_spec(fmt)
+    if not spec.is_fp8:
+        raise ValueError(f"fmt must be one of {FP8_FORMATS} (use the hif8_* functions for HiF8); got {fmt!r}")
+    flags = {"fmax": spec.max, "dtype": spec.dtype, "scaled": scaled, "want_amax": want_amax}
+    if x.numel() == 0:
+        y = out if out is not None else torch.empty_like(x)
+        return y, (torch.zeros((), dtype=torch.float32, device=x.device) if want_amax else None)
+    xf = x.contiguous().view(-1)
+    direct = out is not None and out.is_contiguous()
+    of = out.view(-1) if direct else None
+    if direct and out.data_ptr() == x.data_ptr() and x.is_contiguous():
+        of = xf
+    y, amax = _fp8_run(flags, xf, scale, of)
+    if direct:
+        y = out
+    elif out is not None:
+        out.copy_(y.view(x.shape))
+        y = out
+    else:
+        y = y.view(x.shape)
+    return y, amax
+
+
+def fp8_qdq(x: torch.Tensor, fmt: str = "e4m3", *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantize ``x`` to FP8 ``fmt`` ("e4m3" or "e5m2"): nearest value, ties to even, saturating at
+    +-max (inf too; NaN stays NaN); returned in x's dtype, shape and device. ``out`` as in ``hif8_qdq``."""
+    x = _check_x(x)
+    return _fp8_dispatch(x, None, fmt, _check_out(out, x), scaled=False, want_amax=False)[0]
+
+
+def fp8_qdq_scaled(x: torch.Tensor, scale, fmt: str = "e4m3", *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``qdq(x * scale) / scale`` in float32, cast back to x's dtype (the convention of ``hif8_qdq_scaled``)."""
+    x = _check_x(x)
+    out, scale = _check_out(out, x), _check_scale(scale, x)
+    return _fp8_dispatch(x, scale, fmt, out, scaled=True, want_amax=False)[0]
+
+
+def fp8_qdq_scaled_amax(x: torch.Tensor, scale, fmt: str = "e4m3", *,
+                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_qdq_scaled`` plus ``amax = max|x|`` (unscaled x, 0-d float32), as ``hif8_qdq_scaled_amax``."""
+    x = _check_x(x)
+    out, scale = _check_out(out, x), _check_scale(scale, x)
+    return _fp8_dispatch(x, scale, fmt, out, scaled=True, want_amax=True)
+
+
+def qdq_scaled_amax(x: torch.Tensor, scale, fmt: str, rounding: str = "ta", *, saturate: bool = False,
+                    generator: torch.Generator | None = None,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled qdq + amax in any element format: the one entry point a format-pluggable quantizer needs.
+
+    HiF8 honours ``rounding`` and ``saturate``. FP8 always rounds to nearest even and saturates (TE's
+    casts); there ``rounding`` must be "ta" (the deterministic rounding of the format) and ``saturate``
+    is ignored.
+    """
+    if format_spec(fmt).is_fp8:
+        if rounding != "ta":
+            raise ValueError(f"rounding={rounding!r} is HiF8-only; FP8 casts round to nearest even (use 'ta')")
+        return fp8_qdq_scaled_amax(x, scale, fmt, out=out)
+    return hif8_qdq_scaled_amax(x, scale, rounding, saturate=saturate, generator=generator, out=out)
+
+
+def clipped_count(x: torch.Tensor, scale, fmt: str) -> torch.Tensor:
+    """Number of elements of ``x * scale`` beyond the format's range (0-d int64, on x's device, no sync).
+
+    FP8: ``|x * scale| > max`` (what the saturating cast clips). HiF8: ``|x * scale| >= 40960`` (the
+    overflow: inf, or HIF8_MAX when saturating). NaN is not counted. One extra pass over x, so telemetry
+    computes it on statistics calls only.
+    """
+    spec = format_spec(fmt)
+    x = _check_x(x)
+    s = _check_scale(scale, x)
+    ax = x.abs().to(torch.float32).mul_(s)  # |x| * s == |x * s| exactly in float32
+    hit = ax >= spec.clip_threshold if spec.clip_inclusive else ax > spec.clip_threshold
+    return hit.sum()
+
+
+def current_qdq(x: torch.Tensor, fmt: str, target: float, rounding: str = "ta", *, saturate: bool = False,
+                generator: torch.Generator | None = None,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Just-in-time scaled qdq (TE's current scaling): amax of x itself, ``scale = current_scale(amax,
+    target)``, then ``qdq_scaled_amax``. Returns ``(y, amax, scale)``; reads x twice (amax, then cast)."""
+    x = _check_x(x)
+    if x.numel():
+        mn, mx = torch.aminmax(x)
+        amax = torch.maximum(mx.float(), -mn.float())
+    else:
+        amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    scale = current_scale(amax, target)
+    y, _ = qdq_scaled_amax(x, scale, fmt, rounding, saturate=saturate, generator=generator, out=out)
+    return y, amax, scale
+
+
+__all__ += [
+    "FORMATS",
+    "FORMAT_SETTINGS",
+    "FP8_FORMATS",
+    "FormatSpec",
+    "clipped_count",
+    "current_qdq",
+    "current_scale",
+    "element_format",
+    "format_spec",
+    "fp8_qdq",
+    "fp8_qdq_scaled",
+    "fp8_qdq_scaled_amax",
+    "qdq_scaled_amax",
+    "target_for",
+]

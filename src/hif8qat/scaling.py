@@ -106,7 +106,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .errors import RunError
+
 ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
+# Allowed ``algo`` values: the history estimators, and "current", the just-in-time scale from the tensor's
+# own amax (Transformer Engine's current scaling; formats.current_scale), the bound no estimator can beat.
+ALGOS = (*ESTIMATORS, "current")
 HISTORY_UNITS = ("call", "step")
 AMAX_REDUCES = ("none", "max")
 GRAD_ROUNDINGS = ("ta", "stochastic")
@@ -158,6 +163,10 @@ class ScalingConfig:
     # Extension of the CONTRACT: exceed-fraction / overflow statistics every N calls (0 = only on dump
     # steps). They cost two extra reductions over the tensor, so they are not computed on every call.
     telemetry_stats_every: int = 0
+    # Element format (formats.FORMAT_SETTINGS): hif8, e4m3, e5m2, or hybrid (E4M3 for A/W, E5M2 for G).
+    format: str = "hif8"
+    # FP8 only: amax maps to format max / 2^margin (Transformer Engine DelayedScaling, default 0).
+    margin: int = 0
 
     def __post_init__(self) -> None:
         self.algo = _normalize_schedule("algo", self.algo)
@@ -165,8 +174,8 @@ class ScalingConfig:
 
     # -- validation ------------------------------------------------------------------------------
     def validate(self) -> ScalingConfig:
-        self._validate_schedule("algo", self.algo, lambda v: isinstance(v, str) and v in ESTIMATORS,
-                                f"one of {ESTIMATORS}")
+        self._validate_schedule("algo", self.algo, lambda v: isinstance(v, str) and v in ALGOS,
+                                f"one of {ALGOS}")
         self._validate_schedule("interval", self.interval, lambda v: _is_int(v) and v >= 1,
                                 "an integer >= 1")
         if not _is_int(self.history_len) or self.history_len < 1:
@@ -185,7 +194,31 @@ class ScalingConfig:
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 _fail(name, v, "an integer >= 0")
+        self._validate_format()
         return self
+
+    def _validate_format(self) -> None:
+        """format / margin, and the settings that mean something for one kind of format only."""
+        from .formats import FORMAT_SETTINGS
+
+        if self.format not in FORMAT_SETTINGS:
+            _fail("format", self.format, f"one of {FORMAT_SETTINGS}")
+        if not _is_int(self.margin) or self.margin < 0:
+            _fail("margin", self.margin, "an integer >= 0")
+        if self.format == "hif8":
+            if self.margin:
+                _fail("margin", self.margin, "0 with format=hif8 (HiF8's target is target_fwd / target_bwd); "
+                      "an integer >= 0 with e4m3, e5m2 or hybrid")
+            return
+        # FP8 targets come from the format (max / 2^margin); a changed HiF8 target would be silently unused.
+        for name in ("target_fwd", "target_bwd"):
+            default = next(f.default for f in dataclasses.fields(ScalingConfig) if f.name == name)
+            if getattr(self, name) != default:
+                _fail(name, getattr(self, name), f"{default} (unused) with format={self.format}: FP8 targets are "
+                      "the format max / 2^margin, set margin instead")
+        if self.grad_rounding != "ta":
+            _fail("grad_rounding", self.grad_rounding, f"ta with format={self.format} (FP8 casts round to "
+                  "nearest even; stochastic rounding is HiF8-only)")
 
     @staticmethod
     def _validate_schedule(name: str, value: Any, ok: Callable[[Any], bool], allowed: str) -> None:
@@ -446,6 +479,10 @@ _TEL_MAX = ("amax_ratio_max", "exceed_frac_max", "amax_max")
 _TEL_CNT = ("amax_ratio_gt1", "overflow_count", "nonfinite_count")
 
 
+class UnsupportedScalingError(RunError):
+    """A valid scaling setting that the DelayedScaler does not implement."""
+
+
 class DelayedScaler(nn.Module):
     """Delayed per-tensor scaling for one tensor role (see the module docstring).
 
@@ -463,6 +500,12 @@ class DelayedScaler(nn.Module):
         super().__init__()
         config = config if config is not None else ScalingConfig()
         config.validate()
+        if config.format != "hif8" or config.uses("current"):
+            # Refuse rather than silently quantize to HiF8 from a history estimate.
+            raise UnsupportedScalingError(
+                f"quant.format={config.format}, quant.algo={config.algo}: the DelayedScaler quantizes to HiF8 "
+                "from a history estimate only; use quant.format=hif8 and quant.algo one of "
+                + ", ".join(ESTIMATORS))
         self.role = role
         self.config = config
         if target is None:
@@ -842,6 +885,6 @@ def replay(amax_sequence: Sequence[float] | torch.Tensor, config: ScalingConfig 
 
 
 __all__ = [
-    "AMAX_REDUCES", "ESTIMATORS", "GRAD_ROUNDINGS", "HISTORY_UNITS", "ROLES", "DelayedScaler",
+    "ALGOS", "AMAX_REDUCES", "ESTIMATORS", "GRAD_ROUNDINGS", "HISTORY_UNITS", "ROLES", "DelayedScaler",
     "ExpSmoothForecaster", "ExpSmoothParams", "ScalingConfig", "replay",
 ]

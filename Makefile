@@ -68,8 +68,8 @@ all: $(STAMP) ## all experiments without a finished run, their evaluations, then
 	for e in $(EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
 	$(PY) run.py stage=report profile=$(PROFILE)
 
-beyond: $(STAMP) ## exp10-exp13 and the runs they derive from (exp2, exp8; baselines follow), then the report
-	for e in exp2 exp8 $(BEYOND); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
+beyond: $(STAMP) ## exp10-exp13 after the runs they compare with (exp1, exp7 baselines; exp2, exp8), then the report
+	for e in exp1 exp7 exp2 exp8 $(BEYOND); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
 	$(PY) run.py stage=report profile=$(PROFILE)
 
 sweep: $(STAMP) ## example Hydra multirun: history length x seed for exp6 (add hydra/launcher=slurm on a cluster)

@@ -83,7 +83,8 @@ def evaluate(cfg: RunConfig, run_dir: Path) -> None:
         return
     evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
                  limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
-                 local_datasets=dict(cfg.eval.local_datasets) or None)
+                 local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
+                 subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data)
 
 
 def report(cfg: RunConfig, only_experiment: str | None = None) -> None:

@@ -150,6 +150,11 @@ class EvalConfig:
     batch_size: int = 8
     num_fewshot: dict[str, int] = field(default_factory=dict)
     local_datasets: dict[str, str] = field(default_factory=dict)
+    # Fixed seeded subsets: task -> number of documents ("full" = every document); see evaluate.subset_indices.
+    subset: Any = "full"
+    subset_seed: int = 0
+    # Paper tasks read the offline benchmark copies (hif8qat.evaldata) unless a local copy is named.
+    offline_data: bool = False
 
 
 @dataclass
@@ -288,6 +293,17 @@ class RunConfig:
         _check_positive("eval.batch_size", e.batch_size, integer=True)
         if not e.tasks:
             _fail("eval.tasks", e.tasks, "a non-empty list of lm-eval task names")
+        if e.subset != "full":
+            if not isinstance(e.subset, dict):
+                _fail("eval.subset", e.subset, "full, or a mapping task -> number of documents (or full)")
+            for task, n in e.subset.items():
+                if task not in e.tasks:
+                    _fail(f"eval.subset.{task}", n, "keys among eval.tasks: " + ", ".join(map(str, e.tasks)))
+                if n != "full":
+                    _check_positive(f"eval.subset.{task}", n, integer=True)
+        if not isinstance(e.subset_seed, int) or isinstance(e.subset_seed, bool) or e.subset_seed < 0:
+            _fail("eval.subset_seed", e.subset_seed, "an integer >= 0")
+        _check_choice("eval.offline_data", e.offline_data, (True, False))
 
     # ------------------------------------------------------------------ derived values
     def model_depth(self) -> int | None:

@@ -221,7 +221,7 @@ def test_build_report_structure(tmp_path):
     t = rep["tables"]
     assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke", "replay_smoke",
                       "ablations_smoke", "vs_base_smoke", "seeds_smoke", "seed_null_smoke", "claims_smoke",
-                      "mde_smoke"}
+                      "mde_smoke", "anchor"}
     assert t["replay_smoke"].empty  # no exported scaler state in these fake runs
     # exp8 derives from exp7: the ablation is the bf16-mode drop, and against the base model exp7 is unchanged.
     abl = t["ablations_smoke"].iloc[0]
@@ -297,6 +297,22 @@ def test_min_detectable_difference_and_multiple_comparisons():
     assert report.mcnemar_p(b, b) == 1.0
     adj = report.holm([0.01, 0.04, 0.03, float("nan")])
     assert adj[:3] == pytest.approx([0.03, 0.06, 0.06]) and math.isnan(adj[3])
+
+
+def test_anchor_table_puts_ours_next_to_published(tmp_path):
+    d = tmp_path / "anchor" / "smollm2_135m" / "0shot"
+    d.mkdir(parents=True)
+    res = {t: {"metric": "acc_norm", "value": v, "stderr": 0.01, "n": n, "num_fewshot": 0}
+           for t, v, n in (("arc_easy", 0.5, 2376), ("arc_challenge", 0.3, 1172), ("hellaswag", 0.4, 10042))}
+    (d / "results.json").write_text(json.dumps({**res, "_meta": {}}))
+    t = report.anchor_table(tmp_path / "anchor").set_index("task")
+    pub = pd.read_csv(report.ANCHOR_PUBLISHED)
+    assert set(pub["task"]) == {"hellaswag", "arc_average", "mmlu_continuation"} and pub["source"].str.contains(
+        "huggingface.co/HuggingFaceTB").all()
+    assert t.loc["arc_average", "ours smollm2_135m/0shot"] == pytest.approx(40.0)  # mean of ARC-Easy and -Challenge
+    assert t.loc["arc_average", "n smollm2_135m/0shot"] == 2376 + 1172
+    assert t.loc["hellaswag", "published SmolLM2-135M-Instruct"] == 40.9
+    assert pd.isna(t.loc["mmlu_continuation", "ours smollm2_135m/0shot"])  # not evaluated: published alone
 
 
 def test_baseline_with_another_seed_or_tag_is_an_error(tmp_path):

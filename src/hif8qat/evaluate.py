@@ -723,28 +723,54 @@ def main(argv=None) -> int:
     src.add_argument("--export", type=Path, help="a save_pretrained folder (+ hif8qat files for hif8)")
     src.add_argument("--model", help="a load_causal_lm name (tiny, smollm2_135m) or path; bf16 mode only")
     ap.add_argument("--modes", default="bf16,hif8", help="comma-separated subset of bf16,hif8")
-    ap.add_argument("--tasks", default="mini", help="mini | paper | paper_full | comma-separated names")
+    ap.add_argument("--tasks", default=None, help="mini | paper | paper_full | comma-separated names (default: "
+                    "mini, or those of --eval-config)")
+    ap.add_argument("--eval-config", type=Path, metavar="YAML",
+                    help="take tasks, shots, subsets, batch size and offline_data from an eval config "
+                         "(e.g. conf/eval/mini.yaml: the base model on exactly what the runs are evaluated on); "
+                         "flags given here win")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing --out evaluation")
     ap.add_argument("--out", type=Path, help="output folder (--export/--model); default: print only")
     ap.add_argument("--limit", type=float, default=None, help="first N docs per task (smoke runs)")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=None, help="default 16 (or the eval config's)")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--fewshot", action="append", default=[], metavar="TASK=K")
     ap.add_argument("--local-dataset", action="append", default=[], metavar="HUBID_OR_TASK=DIR")
     ap.add_argument("--subset", action="append", default=[], metavar="TASK=N",
                     help="a fixed seeded subset of N documents of TASK (stratified by subtask)")
-    ap.add_argument("--subset-seed", type=int, default=0)
+    ap.add_argument("--subset-seed", type=int, default=None, help="default 0 (or the eval config's)")
     ap.add_argument("--offline-data", action="store_true",
                     help="paper tasks on the offline benchmark copies (python -m hif8qat.evaldata --install)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    kw = dict(limit=limit, batch_size=args.batch_size,
-              num_fewshot={k: int(v) for k, v in (x.split("=", 1) for x in args.fewshot)},
-              local_datasets=dict(x.split("=", 1) for x in args.local_dataset),
-              subset={k: int(v) for k, v in (x.split("=", 1) for x in args.subset)} or None,
-              subset_seed=args.subset_seed, offline_data=args.offline_data)
+    base: dict[str, Any] = {}
+    if args.eval_config:
+        import yaml
+
+        base = yaml.safe_load(args.eval_config.read_text()) or {}
+    limit = base.get("limit") if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    subset = dict(base.get("subset") or {}) if isinstance(base.get("subset"), dict) else base.get("subset")
+    if args.subset:
+        subset = {**(subset if isinstance(subset, dict) else {}),
+                  **{k: int(v) for k, v in (x.split("=", 1) for x in args.subset)}}
+    kw = dict(limit=limit, batch_size=args.batch_size or base.get("batch_size", 16),
+              num_fewshot={**(base.get("num_fewshot") or {}),
+                           **{k: int(v) for k, v in (x.split("=", 1) for x in args.fewshot)}},
+              local_datasets={**(base.get("local_datasets") or {}),
+                              **dict(x.split("=", 1) for x in args.local_dataset)},
+              subset=subset or None, subset_seed=args.subset_seed if args.subset_seed is not None else base.get("subset_seed", 0),
+              offline_data=args.offline_data or bool(base.get("offline_data", False)))
+    tasks = args.tasks or ",".join(base.get("tasks") or []) or "mini"
+    args.tasks = tasks
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.out and not args.force:  # never overwrite a finished evaluation
+        done = [p for p in ([args.out] if args.model else [args.out / m for m in modes])
+                if (p / "results.json").exists()]
+        if done:
+            print(f"error: {done[0]}/results.json exists; pass --force to overwrite it or choose another --out",
+                  file=sys.stderr)
+            return 2
     try:
         if args.run_dir:
             res = evaluate_run(args.run_dir, modes, args.tasks, dtype=args.dtype, device=args.device, **kw)

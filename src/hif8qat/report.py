@@ -744,6 +744,37 @@ def mde_table(drops_df: pd.DataFrame, null_df: pd.DataFrame, *, alpha: float = 0
     return pd.DataFrame(rows)
 
 
+ANCHOR_DIR = REPO / "results" / "anchor"
+ANCHOR_PUBLISHED = ANCHOR_DIR / "published_smollm2_135m.csv"
+
+
+def anchor_table(anchor_dir: Path = ANCHOR_DIR, published: Path = ANCHOR_PUBLISHED) -> pd.DataFrame:
+    """Our evaluations of the base model on the full real sets (``<anchor_dir>/<model>/<shots>/results.json``,
+    ``make anchor``) next to the scores HuggingFace published for SmolLM2-135M and -Instruct (the CSV, with
+    its source). ``arc_average`` is the mean of arc_easy and arc_challenge, as the model card's "ARC
+    (Average)". Rows without our evaluation show the published score alone."""
+    if not published.exists():
+        return pd.DataFrame()
+    pub = pd.read_csv(published)
+    ours: dict[str, dict[str, dict]] = {}
+    for res in sorted(Path(anchor_dir).glob("*/*/results.json")):
+        data = json.loads(res.read_text())
+        ours[f"{res.parent.parent.name}/{res.parent.name}"] = {k: v for k, v in data.items() if not k.startswith("_")}
+    rows = []
+    for (bench, task), g in pub.groupby(["benchmark", "task"], sort=False):
+        row = {"benchmark": bench, "task": task, "metric": g["metric"].iloc[0]}
+        for _, p in g.iterrows():
+            row[f"published {p['model'].split('/')[-1]}"] = p["score_pct"]
+        for name, res in ours.items():
+            parts = ["arc_easy", "arc_challenge"] if task == "arc_average" else [task]
+            if all(t in res for t in parts):
+                row[f"ours {name}"] = float(np.mean([res[t]["value"] for t in parts])) * 100.0
+                row[f"n {name}"] = int(sum(res[t]["n"] for t in parts))
+                row[f"shots {name}"] = "/".join(str(res[t]["num_fewshot"]) for t in parts)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
                  seed: int = 0, last_frac: float = 0.1, figures: bool = True, replay: bool | None = None) -> dict:
     """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
@@ -886,10 +917,14 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     claims_df = claims_table(drops_df, null_df)
     mde_df = mde_table(drops_df, null_df)
 
+    anchor_df = anchor_table(runs_root.parent / "anchor", runs_root.parent / "anchor" / ANCHOR_PUBLISHED.name)
+    if anchor_df.empty and ANCHOR_PUBLISHED.exists():
+        anchor_df = anchor_table()
+
     tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": ape_df,
               f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,
               f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
-              f"claims_{profile}": claims_df, f"mde_{profile}": mde_df}
+              f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df}
     multiple = (f"Multiple comparisons: {n_tests} paired tests in drops_{profile} (runs x modes x tasks); p_holm "
                 "is the exact McNemar p-value Holm-adjusted over all of them (significant_holm: p_holm < 0.05); "
                 "the bootstrap CIs and `significant` are per comparison, unadjusted.")
@@ -909,6 +944,10 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         f"claims_{profile}": "Each quantized experiment against its baseline over seeds: mean drop vs the largest "
                              "|drop| of the baseline's seed null; a claim survives seed noise when it exceeds the "
                              "null and is significant after Holm in every seed.",
+        "anchor": "The base SmolLM2-135M on the full real benchmarks (make anchor; our weights: the Instruct model "
+                  "dequantized from Q4_1, lm-eval's prompts) next to the scores HuggingFace published (lighteval, "
+                  "0-shot; results/anchor/published_smollm2_135m.csv names the source). ARC (Average) = mean of "
+                  "ARC-Easy and ARC-Challenge.",
         f"mde_{profile}": "Minimum detectable paired difference (80 % power, two-sided alpha 0.05, McNemar normal "
                           "approximation) at each task's item count, in points and in % of the baseline score, "
                           "from the measured discordance of quantized-vs-baseline and seed-null pairs. The "

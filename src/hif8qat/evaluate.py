@@ -20,7 +20,10 @@ lettered A-D format, 5-shot, acc) is registered but not in the ``mini`` suite: S
 chance on lettered options. Shot counts are small because every choice is a separate forward pass over
 shots + question on CPU (see ``minitasks/README.md`` for the token counts). Paper tasks (lm-eval's own configs): ``mmlu`` 5-shot acc,
 ``hellaswag`` 10-shot acc_norm, ``arc_challenge`` 25-shot acc_norm, optional ``arc_easy`` 25-shot acc_norm
-and ``gsm8k`` 5-shot exact_match (flexible-extract).
+and ``gsm8k`` 5-shot exact_match (flexible-extract); ``mmlu_continuation`` (MMLU's cloze form, acc) for small
+models. The mini profile runs the real ones 0-shot on the offline copies of :mod:`hif8qat.evaldata`
+(``offline_data``) and on fixed seeded subsets (``subset``; :func:`subset_indices`), selected through
+lm-eval's own ``samples`` argument so that per-sample doc ids are the documents' indices in the full split.
 
 Datasets for the paper tasks without internet
 ---------------------------------------------
@@ -707,11 +710,11 @@ def evaluate_run(run_dir: str | Path, modes: Iterable[str] = MODES, tasks="mini"
 
 
 def format_results(results: Mapping[str, Mapping[str, Any]]) -> str:
-    lines = [f"{'task':<16}{'metric':<10}{'value':>8}{'stderr':>8}{'n':>7}{'shots':>6}"]
+    lines = [f"{'task':<20}{'metric':<10}{'value':>8}{'stderr':>8}{'n':>7}{'shots':>6}"]
     for task, r in results.items():
         if task.startswith("_"):
             continue
-        lines.append(f"{task:<16}{r['metric']:<10}{100 * r['value']:>7.2f}%{100 * r['stderr']:>7.2f}%"
+        lines.append(f"{task:<20}{r['metric']:<10}{100 * r['value']:>7.2f}%{100 * r['stderr']:>7.2f}%"
                      f"{r['n']:>7}{r['num_fewshot']:>6}")
     return "\n".join(lines)
 

@@ -73,10 +73,10 @@ seeds: $(STAMP) ## exp1 exp7 exp8 exp6 exp3 at seeds 1 and 2 (bf16 evaluation), 
 base-model: $(STAMP) ## the untrained base model on the profile's evaluation (results/base_model/PROFILE/, the forgetting table)
 	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --eval-config conf/eval/$(PROFILE).yaml --out results/base_model/$(PROFILE) $(ARGS)
 
-anchor: $(STAMP) ## the base SmolLM2 on EVERY item of the real benchmarks, 0-shot (about 3 h on 2 cores), vs its published scores
+anchor: $(STAMP) ## the base SmolLM2 on EVERY item of the real benchmarks, 0-shot (about 4 h on 2 cores), vs its published scores
 	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --offline-data --batch-size 32 --tasks $(ANCHOR_TASKS) $(foreach t,$(subst $(comma), ,$(ANCHOR_TASKS)),--fewshot $(t)=0) --out $(ANCHOR_OUT)/0shot $(ARGS)
 
-anchor-fewshot: $(STAMP) ## ARC-Challenge and ARC-Easy at the paper's 25 shots, every item (about 5 h; all tasks: FEWSHOT_TASKS=..., ~1.5 days)
+anchor-fewshot: $(STAMP) ## ARC-Challenge and ARC-Easy at the paper's 25 shots, every item (about 5.5 h; all five tasks at their paper shots: ~1.5 days)
 	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --offline-data --batch-size 32 --tasks $(FEWSHOT_TASKS) --out $(ANCHOR_OUT)/papershots $(ARGS)
 
 sweep: $(STAMP) ## example Hydra multirun: history length x seed for exp6 (add hydra/launcher=slurm on a cluster)

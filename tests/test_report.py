@@ -152,16 +152,30 @@ def test_paper_cli_prints_and_writes(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------ run-folder report
-def make_fake_runs(root: Path, profile: str = "smoke", n_docs: int = 120, steps: int = 40) -> Path:
-    """exp7 (bf16 baseline) and exp8 (quantized, baseline exp7) run folders with the CONTRACT's files."""
+def make_fake_runs(root: Path, profile: str = "smoke", n_docs: int = 120, steps: int = 40, seeds=(0,),
+                   exps=("exp7", "exp8"), tags=None) -> Path:
+    """exp7 (bf16 baseline) and exp8 (quantized, baseline exp7) run folders with the CONTRACT's files.
+
+    Seed k > 0 flips the answers of k documents (seed noise); exp8 loses 6 correct answers in bf16 mode and
+    20 in hif8 mode against exp7 of the same seed. ``tags``: run_tag per experiment."""
+    for sd in seeds:
+        _fake_seed(root, profile, n_docs, steps, sd, exps, tags or {})
+    return root
+
+
+def _fake_seed(root, profile, n_docs, steps, sd, exps, tags):
     rng = np.random.default_rng(0)
     base_correct = (rng.random(n_docs) < 0.6).astype(int)
+    if sd:
+        base_correct[-2 * sd:] = 1 - base_correct[-2 * sd:]
     for exp, baseline, quant in (("exp7", None, False), ("exp8", "exp7", True)):
-        d = root / profile / exp / "seed0"
+        if exp not in exps:
+            continue
+        d = root / profile / exp / (f"seed{sd}" + (f"-{tags[exp]}" if tags.get(exp) else ""))
         d.mkdir(parents=True)
         cfg = {"experiment": {"name": exp, "baseline": baseline, "paper_run": exp.upper(), "derived_from": baseline,
                               "changes": ["quant"] if quant else []},
-               "profile": {"name": profile}, "seed": 0,
+               "profile": {"name": profile}, "seed": sd, "run_tag": tags.get(exp, ""),
                "quant": {"enabled": quant, "algo": "max" if quant else None, "history_len": 64}}
         (d / "config_resolved.yaml").write_text(yaml.safe_dump(cfg))
         (d / "run_info.json").write_text(json.dumps({"git": {"commit": f"abc{exp}", "dirty": False}}))
@@ -197,7 +211,6 @@ def make_fake_runs(root: Path, profile: str = "smoke", n_docs: int = 120, steps:
             (e / "results.json").write_text(json.dumps(res))
         (d / "summary.json").write_text(json.dumps({"wall_time_s": 12.5}))
         (d / "DONE").write_text("")
-    return root
 
 
 def test_build_report_structure(tmp_path):
@@ -207,7 +220,8 @@ def test_build_report_structure(tmp_path):
     rep = report.build_report(runs, "smoke", tmp_path / "tables", tmp_path / "figures", n_boot=1000)
     t = rep["tables"]
     assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke", "replay_smoke",
-                      "ablations_smoke", "vs_base_smoke"}
+                      "ablations_smoke", "vs_base_smoke", "seeds_smoke", "seed_null_smoke", "claims_smoke",
+                      "mde_smoke", "anchor"}
     assert t["replay_smoke"].empty  # no exported scaler state in these fake runs
     # exp8 derives from exp7: the ablation is the bf16-mode drop, and against the base model exp7 is unchanged.
     abl = t["ablations_smoke"].iloc[0]
@@ -227,6 +241,10 @@ def test_build_report_structure(tmp_path):
     assert drops.loc["bf16", "drop_pct"] < h["drop_pct"]
     ape = t["ape_smoke"].iloc[0]
     assert ape["n_common"] == 40 and ape["last_n"] == 4 and ape["ape_all_pct"] > 0
+    # QAT phase: from step 6, the first the quantized run logged as quantized (steps 1-5: its BF16 warmup)
+    qat_err = [(0.01 * (s % 3)) / (5.0 - 0.02 * s) * 100 for s in range(6, 41)]
+    assert ape["qat_from_step"] == 6 and ape["n_qat"] == 35
+    assert ape["ape_qat_pct"] == pytest.approx(np.mean(qat_err))
     tel = t["telemetry_smoke"].set_index("role")
     assert tel.loc["A", "frac_steps_ratio_gt1"] == pytest.approx(5 / 35)
     assert tel.loc["W", "max_ratio"] == pytest.approx(0.9)
@@ -238,6 +256,77 @@ def test_build_report_structure(tmp_path):
     pngs = sorted(p.name for p in (tmp_path / "figures").glob("*.png"))
     assert any(p.startswith("loss_smoke_exp8_vs_exp7") for p in pngs)
     assert any(p.startswith("scales_smoke_exp8") for p in pngs) and "saturation_smoke.png" in pngs
+
+
+def test_seed_null_claims_and_spread(tmp_path):
+    runs = make_fake_runs(tmp_path / "runs", seeds=(0, 1, 2))
+    rep = report.build_report(runs, "smoke", tmp_path / "tables", tmp_path / "figures", n_boot=500, figures=False)
+    t = rep["tables"]
+    null = t["seed_null_smoke"]
+    # exp7 against itself: seeds (0,1), (0,2), (1,2); seed k flips 2k answers, so the pairs differ on 2, 4, 2 items
+    assert sorted(zip(null.seed_a, null.seed_b, strict=True)) == [(0, 1), (0, 2), (1, 2)]
+    assert (null.experiment == "exp7").all()
+    assert sorted(np.round(null.discordant * 120).astype(int)) == [2, 2, 4]
+    spread = t["seeds_smoke"]
+    s7 = spread[(spread.experiment == "exp7") & (spread.what == "score")].iloc[0]
+    scores = t["runs_smoke"].set_index(["experiment", "seed"])["bf16:mini_arc"].loc["exp7"]
+    assert s7["n_seeds"] == 3 and s7["mean_pct"] == pytest.approx(scores.mean())
+    assert s7["sd_pct"] == pytest.approx(scores.std(ddof=1))
+    claims = t["claims_smoke"].set_index("quant_mode")
+    floor = null["drop_pct"].abs().max()
+    # hif8 mode loses 20 answers per seed: far beyond the seed null, significant after Holm in every seed
+    assert claims.loc["hif8", "null_max_abs_drop_pct"] == pytest.approx(floor)
+    assert claims.loc["hif8", "exceeds_seed_null"] and claims.loc["hif8", "verdict"] == "beyond seed noise"
+    assert claims.loc["hif8", "n_seeds"] == 3
+    drops = t["drops_smoke"]
+    assert len(drops) == 6 and drops["p_holm"].ge(drops["p_mcnemar"]).all()
+    assert "Holm" in rep["message"] and "6 paired tests" in rep["message"]
+    mde = t["mde_smoke"].iloc[0]
+    assert mde["n_items"] == 120
+    assert mde["mde_pp"] == pytest.approx(report.min_detectable_difference(120, mde["discordant_quant_vs_base"]))
+
+
+def test_min_detectable_difference_and_multiple_comparisons():
+    # (z_0.975 + z_0.8) * sqrt(0.1 / 1000) = 2.8016 points; four times the items halve it
+    assert report.min_detectable_difference(1000, 0.1) == pytest.approx(2.8016, abs=1e-3)
+    assert report.min_detectable_difference(4000, 0.1) == pytest.approx(2.8016 / 2, abs=1e-3)
+    assert report.min_detectable_difference(1000, 0.1, power=0.9) > report.min_detectable_difference(1000, 0.1)
+    assert math.isnan(report.min_detectable_difference(0, 0.1))
+    b = np.array([1] * 10 + [0] * 5)
+    assert report.mcnemar_p(b, np.zeros(15)) == pytest.approx(2 * 0.5 ** 10)  # 10 lost, none gained
+    assert report.mcnemar_p(b, b) == 1.0
+    adj = report.holm([0.01, 0.04, 0.03, float("nan")])
+    assert adj[:3] == pytest.approx([0.03, 0.06, 0.06]) and math.isnan(adj[3])
+
+
+def test_anchor_table_puts_ours_next_to_published(tmp_path):
+    d = tmp_path / "anchor" / "smollm2_135m" / "0shot"
+    d.mkdir(parents=True)
+    res = {t: {"metric": "acc_norm", "value": v, "stderr": 0.01, "n": n, "num_fewshot": 0}
+           for t, v, n in (("arc_easy", 0.5, 2376), ("arc_challenge", 0.3, 1172), ("hellaswag", 0.4, 10042))}
+    (d / "results.json").write_text(json.dumps({**res, "_meta": {}}))
+    t = report.anchor_table(tmp_path / "anchor").set_index("task")
+    pub = pd.read_csv(report.ANCHOR_PUBLISHED)
+    assert set(pub["task"]) == {"hellaswag", "arc_average", "mmlu_continuation"} and pub["source"].str.contains(
+        "huggingface.co/HuggingFaceTB").all()
+    assert t.loc["arc_average", "ours smollm2_135m/0shot"] == pytest.approx(40.0)  # mean of ARC-Easy and -Challenge
+    assert t.loc["arc_average", "n smollm2_135m/0shot"] == 2376 + 1172
+    assert t.loc["hellaswag", "published SmolLM2-135M-Instruct"] == 40.9
+    assert pd.isna(t.loc["mmlu_continuation", "ours smollm2_135m/0shot"])  # not evaluated: published alone
+
+
+def test_baseline_with_another_seed_or_tag_is_an_error(tmp_path):
+    runs = make_fake_runs(tmp_path / "a", seeds=(0,), exps=("exp7",))
+    make_fake_runs(tmp_path / "a", seeds=(1,), exps=("exp8",))
+    with pytest.raises(report.BaselineMismatchError, match=r"baseline exp7 has no run with seed 1.*found seed 0"):
+        report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
+    runs = make_fake_runs(tmp_path / "b", tags={"exp7": "train.lr=1e-3", "exp8": "quant.history_len=16"})
+    with pytest.raises(report.BaselineMismatchError, match="train.lr=1e-3"):
+        report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
+    # a tagged sweep point against the untagged baseline of its seed is the normal case
+    runs = make_fake_runs(tmp_path / "c", tags={"exp8": "quant.history_len=16"})
+    rep = report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
+    assert (rep["tables"]["drops_smoke"].baseline == "exp7").all()
 
 
 def test_build_report_without_runs(tmp_path):

@@ -159,6 +159,11 @@ class EvalConfig:
     # auto: the training device and its numerics (bf16 = FP32 weights under bf16 autocast, as trained).
     device: str = "auto"
     dtype: str = "auto"
+    # Fixed seeded subsets: task -> number of documents ("full" = every document); see evaluate.subset_indices.
+    subset: Any = "full"
+    subset_seed: int = 0
+    # Paper tasks read the offline benchmark copies (hif8qat.evaldata) unless a local copy is named.
+    offline_data: bool = False
 
 
 @dataclass
@@ -339,6 +344,17 @@ class RunConfig:
                 _fail(f"eval.local_datasets.{key}", path, "a local folder holding a copy of the dataset")
             if check_paths and not Path(path).expanduser().exists():
                 _fail(f"eval.local_datasets.{key}", path, "an existing local folder (this path does not exist)")
+        if e.subset != "full":
+            if not isinstance(e.subset, dict):
+                _fail("eval.subset", e.subset, "full, or a mapping task -> number of documents (or full)")
+            for task, n in e.subset.items():
+                if task not in e.tasks:
+                    _fail(f"eval.subset.{task}", n, "keys among eval.tasks: " + ", ".join(map(str, e.tasks)))
+                if n != "full":
+                    _check_positive(f"eval.subset.{task}", n, integer=True)
+        if not isinstance(e.subset_seed, int) or isinstance(e.subset_seed, bool) or e.subset_seed < 0:
+            _fail("eval.subset_seed", e.subset_seed, "an integer >= 0")
+        _check_choice("eval.offline_data", e.offline_data, (True, False))
 
     # ------------------------------------------------------------------ derived values
     def model_depth(self) -> int | None:

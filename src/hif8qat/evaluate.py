@@ -27,7 +27,10 @@ lettered A-D format, 5-shot, acc) is registered but not in the ``mini`` suite: S
 chance on lettered options. Shot counts are small because every choice is a separate forward pass over
 shots + question on CPU (see ``minitasks/README.md`` for the token counts). Paper tasks (lm-eval's own configs): ``mmlu`` 5-shot acc,
 ``hellaswag`` 10-shot acc_norm, ``arc_challenge`` 25-shot acc_norm, optional ``arc_easy`` 25-shot acc_norm
-and ``gsm8k`` 5-shot exact_match (flexible-extract).
+and ``gsm8k`` 5-shot exact_match (flexible-extract); ``mmlu_continuation`` (MMLU's cloze form, acc) for small
+models. The mini profile runs the real ones 0-shot on the offline copies of :mod:`hif8qat.evaldata`
+(``offline_data``) and on fixed seeded subsets (``subset``; :func:`subset_indices`), selected through
+lm-eval's own ``samples`` argument so that per-sample doc ids are the documents' indices in the full split.
 
 Datasets for the paper tasks without internet
 ---------------------------------------------
@@ -64,6 +67,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -99,6 +103,8 @@ TASKS: dict[str, TaskSpec] = {
     "mini_arc": TaskSpec("mini_arc", 1, "acc_norm", mini=True),
     "mini_mmlu_letters": TaskSpec("mini_mmlu_letters", 5, "acc", mini=True),
     "mmlu": TaskSpec("mmlu", 5, "acc", lm_eval_dir="mmlu"),
+    # MMLU's cloze formulation (question -> answer text): small models are at chance on lettered options
+    "mmlu_continuation": TaskSpec("mmlu_continuation", 5, "acc", lm_eval_dir="mmlu"),
     "hellaswag": TaskSpec("hellaswag", 10, "acc_norm", lm_eval_dir="hellaswag"),
     "arc_challenge": TaskSpec("arc_challenge", 25, "acc_norm", lm_eval_dir="arc"),
     "arc_easy": TaskSpec("arc_easy", 25, "acc_norm", lm_eval_dir="arc"),
@@ -187,10 +193,22 @@ def _leaf_tasks(name: str, index: Mapping[str, Any], _seen: set[str] | None = No
     if entry.kind == Kind.TAG:
         members = sorted(entry.tags)
     elif entry.kind == Kind.GROUP:
-        members = [m for m in (entry.cfg or {}).get("task", []) if isinstance(m, str)]
+        members = _group_members((entry.cfg or {}).get("task", []))
     out: list[str] = []
     for m in members:
         out.extend(_leaf_tasks(m, index, _seen))
+    return out
+
+
+def _group_members(items) -> list[str]:
+    """Task/tag names in a group's ``task:`` list; inline subgroups (``{group: stem, task: [...]}``, as in
+    ``mmlu_continuation``) are flattened."""
+    out: list[str] = []
+    for m in items if isinstance(items, list) else [items]:
+        if isinstance(m, str):
+            out.append(m)
+        elif isinstance(m, Mapping):
+            out.extend(_group_members(m.get("task", [])))
     return out
 
 
@@ -230,6 +248,28 @@ def _forced_offline():
             os.environ["HF_DATASETS_OFFLINE"] = saved[2]
 
 
+def local_splits(folder: Path, config_name: str | None) -> set[str] | None:
+    """Splits a hub-style local copy declares for a config (its README ``configs:`` block); None = unknown."""
+    import yaml
+
+    readme = Path(folder) / "README.md"
+    if not readme.is_file():
+        return None
+    text = readme.read_text(encoding="utf-8")
+    if not text.startswith("---"):
+        return None
+    try:
+        meta = yaml.safe_load(text.split("---", 2)[1]) or {}
+    except yaml.YAMLError:
+        return None
+    for cfg in meta.get("configs") or []:
+        if cfg.get("config_name", "default") == (config_name or "default"):
+            files = cfg.get("data_files")
+            return {f["split"] for f in files if isinstance(f, Mapping) and "split" in f} \
+                if isinstance(files, list) else None
+    return None
+
+
 def prepare_paper_tasks(
     specs: list[TaskSpec],
     local_datasets: Mapping[str, str | os.PathLike] | None,
@@ -237,8 +277,16 @@ def prepare_paper_tasks(
     *,
     index: Mapping[str, Any] | None = None,
     check: bool = True,
+    data_root: str | os.PathLike | None = None,
 ) -> tuple[list[Path], bool]:
     """Write override YAMLs for paper tasks with a local dataset copy and check the rest can be loaded.
+
+    A dataset is looked up in ``local_datasets`` (hub id or task name), then under ``$HIF8QAT_LM_EVAL_DATA``,
+    then under ``data_root`` (the offline benchmark copies of :mod:`hif8qat.evaldata`). When the local copy
+    has no train split and the task takes its few-shot examples from it (HellaSwag, ARC; the offline copies
+    ship none), the override also sets ``training_split: null``, so lm-eval's own fallback picks the
+    few-shot source: the validation split (ARC: disjoint from test; HellaSwag: the evaluated split, with
+    the evaluated document excluded from its own context by lm-eval's sampler).
 
     Returns (extra include paths, whether evaluation must run with the hub forced offline).
     Raises :class:`DatasetUnavailableError` for a dataset with no local copy, no cache and no hub.
@@ -249,7 +297,7 @@ def prepare_paper_tasks(
     if index is None:
         index = task_index_for(paper)
     local = _local_dataset_map(local_datasets)
-    root = os.environ.get(LOCAL_DATA_ENV)
+    roots = [Path(r) for r in (os.environ.get(LOCAL_DATA_ENV), data_root) if r]
     override_dir = workdir / "task_overrides"
     written = 0
     unresolved: dict[str, tuple[str, str | None]] = {}  # dataset_path -> (first leaf, dataset_name)
@@ -264,14 +312,18 @@ def prepare_paper_tasks(
             if not ds_path:
                 continue
             target = local.get(leaf) or local.get(spec.name) or local.get(ds_path)
-            if target is None and root and (Path(root) / ds_path).exists():
-                target = Path(root) / ds_path
+            if target is None:
+                target = next((r / ds_path for r in roots if (r / ds_path).exists()), None)
             if target is not None:
                 override_dir.mkdir(parents=True, exist_ok=True)
                 text = (f"# generated by hif8qat.evaluate: {leaf} on a local copy of {ds_path}\n"
                         f"include: {json.dumps(str(Path(entry.yaml_path).resolve()))}\n"
                         f"task: {json.dumps(leaf)}\n"
                         f"dataset_path: {json.dumps(str(Path(target).resolve()))}\n")
+                splits = local_splits(Path(target), cfg.get("dataset_name"))
+                train = cfg.get("training_split")
+                if splits is not None and train and train not in splits and not cfg.get("fewshot_split"):
+                    text += "training_split: null\n"
                 (override_dir / f"{leaf}.yaml").write_text(text)
                 written += 1
             elif ds_path not in unresolved:
@@ -466,6 +518,9 @@ def evaluate_model(
     device: str | None = None,
     dtype: str | None = None,
     seed: int = 1234,
+    subset: Mapping[str, int | None] | str | None = None,
+    subset_seed: int = 0,
+    offline_data: bool = False,
     extra_meta: Mapping[str, Any] | None = None,
 ) -> dict:
     """Evaluate an in-memory model with lm-eval; write the eval folder when ``out_dir`` is given.
@@ -473,8 +528,13 @@ def evaluate_model(
     The model is used as it is (the caller puts a QAT model into the wanted mode, e.g. by
     :func:`hif8qat.qlinear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
     ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None or ``"fp32"``: none.
-    ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``limit``: first N docs per
-    task (smoke runs). Returns the ``results.json`` dict.
+        ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``subset``: task -> number of
+    documents, a fixed seeded subset (:func:`subset_indices`, stratified by subtask, e.g. MMLU subject;
+    ``"full"``, None or a missing task = every document); lm-eval's ``samples`` selects them, so per-sample
+    doc ids are the documents' indices in the full split. ``limit``: first N docs per task (smoke runs;
+    with a subset, the first N of each subtask's subset). ``offline_data``: read the paper tasks' datasets
+    from the offline copies of :mod:`hif8qat.evaldata` (installed on first use) unless
+    ``local_datasets`` / ``$HIF8QAT_LM_EVAL_DATA`` name another copy. Returns the ``results.json`` dict.
     """
     import torch
     from lm_eval import simple_evaluate
@@ -484,8 +544,15 @@ def evaluate_model(
     specs = resolve_tasks(tasks)
     device = device or str(next(model.parameters()).device)
     t0 = time.time()
+    sizes = check_subset(subset, [s.name for s in specs])
+    data_root = None
+    if offline_data and any(not s.mini for s in specs):
+        from .evaldata import ensure_installed
+
+        data_root = ensure_installed()
+    subset_meta: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp:
-        extra, force_offline = prepare_paper_tasks(specs, local_datasets, Path(tmp))
+        extra, force_offline = prepare_paper_tasks(specs, local_datasets, Path(tmp), data_root=data_root)
         lm_dirs = lm_eval_task_dirs(specs)
         # later include paths override earlier ones: lm-eval's folders, then the local-dataset overrides
         include = (lm_dirs or []) + [MINITASK_DIR] + extra
@@ -506,8 +573,11 @@ def evaluate_model(
             # one simple_evaluate per distinct shot count (num_fewshot is global in lm-eval)
             for k in sorted(set(per_task_shots.values())):
                 names = [n for n, kk in per_task_shots.items() if kk == k]
+                task_arg, chosen = _select_subsets(tm, names, sizes, subset_seed, limit)
+                subset_meta.update(chosen.pop("_meta", {}))
                 r = simple_evaluate(
-                    model=lm, tasks=names, num_fewshot=k, batch_size=batch_size, limit=limit,
+                    model=lm, tasks=task_arg, num_fewshot=k, batch_size=batch_size,
+                    limit=None if chosen else limit, samples=chosen or None,
                     task_manager=tm, log_samples=True, bootstrap_iters=1000, random_seed=seed,
                     numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
                 )
@@ -526,6 +596,8 @@ def evaluate_model(
         "tasks": {s.name: {"metric": s.metric, "filter": s.filter, "num_fewshot": shots[s.name],
                            "mini": s.mini} for s in specs},
         "local_datasets": {k: str(v) for k, v in (local_datasets or {}).items()},
+        "data_root": str(data_root) if data_root else None,
+        "subset": subset_meta, "subset_seed": subset_seed,
         "lm_eval_version": raw.get("lm_eval_version"), "provenance": _provenance(),
     }
     if extra_meta:
@@ -534,6 +606,92 @@ def evaluate_model(
     if out_dir is not None:
         write_eval_dir(Path(out_dir), results, samples, raw)
     return results
+
+
+# ------------------------------------------------------------------------------------------- subsets
+def check_subset(subset: Mapping[str, int | None] | str | None, tasks: Iterable[str]) -> dict[str, int]:
+    """Validated ``{task: size}`` (tasks evaluated in full left out); raises ValueError naming the setting."""
+    if subset is None or subset == "full":
+        return {}
+    if not isinstance(subset, Mapping):
+        raise ValueError(f"eval.subset={subset!r}: allowed 'full' or a mapping task -> number of documents")
+    tasks = list(tasks)
+    out = {}
+    for task, n in subset.items():
+        if task not in tasks:
+            raise ValueError(f"eval.subset: task {task!r} is not evaluated; allowed: {tasks}")
+        if n is None or n == "full":
+            continue
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"eval.subset.{task}={n!r}: allowed a positive number of documents or 'full'")
+        out[task] = int(n)
+    return out
+
+
+def subset_indices(sizes: Mapping[str, int], n: int, *, seed: int) -> dict[str, list[int]]:
+    """A fixed, seeded subset of ``n`` documents over subtasks of ``sizes`` (subtask -> documents).
+
+    Stratified: every subtask keeps at least one document and the rest of ``n`` is shared in proportion
+    to the subtasks' sizes (largest remainder). Within a subtask the documents are the first ones of a
+    permutation seeded by ``(seed, crc32(subtask name))``: independent of the model, the training seed and
+    the other subtasks, and nested (a larger subset contains a smaller one where the allocation grows).
+    Returns sorted indices per subtask (lm-eval's ``samples`` needs them sorted); all when ``n`` >= total.
+    """
+    import zlib
+
+    import numpy as np
+
+    leaves = sorted(sizes)
+    total = sum(sizes.values())
+    if any(sizes[leaf] < 1 for leaf in leaves):
+        raise ValueError(f"subset: empty subtask in {dict(sizes)}")
+    if n >= total:
+        return {leaf: list(range(sizes[leaf])) for leaf in leaves}
+    if n < len(leaves):
+        raise ValueError(f"subset of {n} documents cannot cover {len(leaves)} subtasks (one each at least)")
+    spare, pool = n - len(leaves), total - len(leaves)
+    share = {leaf: spare * (sizes[leaf] - 1) / pool for leaf in leaves}
+    alloc = {leaf: 1 + math.floor(share[leaf]) for leaf in leaves}
+    rest = n - sum(alloc.values())
+    for leaf in sorted(leaves, key=lambda x: (-(share[x] - math.floor(share[x])), x))[:rest]:
+        alloc[leaf] += 1
+    out = {}
+    for leaf in leaves:
+        rng = np.random.default_rng([seed, zlib.crc32(leaf.encode())])
+        out[leaf] = sorted(int(i) for i in rng.permutation(sizes[leaf])[:alloc[leaf]])
+    return out
+
+
+def _limited(ix: list[int], limit: int | float | None) -> list[int]:
+    if limit is None:
+        return ix
+    return ix[: int(limit) if limit >= 1 else max(1, math.ceil(limit * len(ix)))]
+
+
+def _select_subsets(tm, names: list[str], sizes: Mapping[str, int], seed: int, limit) -> tuple[list, dict]:
+    """Tasks for simple_evaluate and lm-eval's ``samples`` (leaf task -> doc indices) for the subsets.
+
+    With a subset among ``names``, every task of the call is built here (its documents must be counted;
+    a task without a subset gets all its indices, as ``samples`` replaces ``limit``) and handed to
+    simple_evaluate as an object, so no dataset is loaded twice. ``samples["_meta"]``: what was chosen.
+    """
+    if not any(n in sizes for n in names):
+        return names, {}
+    task_arg: list = []
+    samples: dict[str, Any] = {"_meta": {}}
+    for name in names:
+        loaded = tm.load([name])
+        task_arg.append(loaded["groups"].get(name) or loaded["tasks"][name])
+        counts = {leaf: len(t.eval_docs) for leaf, t in loaded["tasks"].items()}
+        if name in sizes:
+            chosen = subset_indices(counts, sizes[name], seed=seed)
+        else:
+            chosen = {leaf: list(range(c)) for leaf, c in counts.items()}
+        chosen = {leaf: _limited(ix, limit) for leaf, ix in chosen.items()}
+        samples.update(chosen)
+        samples["_meta"][name] = {"size": sum(len(ix) for ix in chosen.values()), "of": sum(counts.values()),
+                                  "subtasks": len(counts), "seed": seed if name in sizes else None}
+    return task_arg, samples
 
 
 def _merge_lm_eval(a: dict, b: dict) -> dict:
@@ -606,11 +764,11 @@ def evaluate_run(run_dir: str | Path, modes: Iterable[str] = MODES, tasks="mini"
 
 
 def format_results(results: Mapping[str, Mapping[str, Any]]) -> str:
-    lines = [f"{'task':<16}{'metric':<10}{'value':>8}{'stderr':>8}{'n':>7}{'shots':>6}"]
+    lines = [f"{'task':<20}{'metric':<10}{'value':>8}{'stderr':>8}{'n':>7}{'shots':>6}"]
     for task, r in results.items():
         if task.startswith("_"):
             continue
-        lines.append(f"{task:<16}{r['metric']:<10}{100 * r['value']:>7.2f}%{100 * r['stderr']:>7.2f}%"
+        lines.append(f"{task:<20}{r['metric']:<10}{100 * r['value']:>7.2f}%{100 * r['stderr']:>7.2f}%"
                      f"{r['n']:>7}{r['num_fewshot']:>6}")
     return "\n".join(lines)
 
@@ -622,22 +780,55 @@ def main(argv=None) -> int:
     src.add_argument("--export", type=Path, help="a save_pretrained folder (+ hif8qat files for hif8)")
     src.add_argument("--model", help="a load_causal_lm name (tiny, smollm2_135m) or path; bf16 mode only")
     ap.add_argument("--modes", default="bf16,hif8", help="comma-separated subset of bf16,hif8")
-    ap.add_argument("--tasks", default="mini", help="mini | paper | paper_full | comma-separated names")
+    ap.add_argument("--tasks", default=None, help="mini | paper | paper_full | comma-separated names (default: "
+                    "mini, or those of --eval-config)")
+    ap.add_argument("--eval-config", type=Path, metavar="YAML",
+                    help="take tasks, shots, subsets, batch size and offline_data from an eval config "
+                         "(e.g. conf/eval/mini.yaml: the base model on exactly what the runs are evaluated on); "
+                         "flags given here win")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing --out evaluation")
     ap.add_argument("--out", type=Path, help="output folder (--export/--model); default: print only")
     ap.add_argument("--limit", type=float, default=None, help="first N docs per task (smoke runs)")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=None, help="default 16 (or the eval config's)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES,
                     help="auto (bf16 on CUDA, fp32 on CPU) | bf16 (FP32 weights, bf16 autocast) | fp32")
     ap.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
     ap.add_argument("--fewshot", action="append", default=[], metavar="TASK=K")
     ap.add_argument("--local-dataset", action="append", default=[], metavar="HUBID_OR_TASK=DIR")
+    ap.add_argument("--subset", action="append", default=[], metavar="TASK=N",
+                    help="a fixed seeded subset of N documents of TASK (stratified by subtask)")
+    ap.add_argument("--subset-seed", type=int, default=None, help="default 0 (or the eval config's)")
+    ap.add_argument("--offline-data", action="store_true",
+                    help="paper tasks on the offline benchmark copies (python -m hif8qat.evaldata --install)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    kw = dict(limit=limit, batch_size=args.batch_size,
-              num_fewshot={k: int(v) for k, v in (x.split("=", 1) for x in args.fewshot)},
-              local_datasets=dict(x.split("=", 1) for x in args.local_dataset))
+    base: dict[str, Any] = {}
+    if args.eval_config:
+        import yaml
+
+        base = yaml.safe_load(args.eval_config.read_text()) or {}
+    limit = base.get("limit") if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    subset = dict(base.get("subset") or {}) if isinstance(base.get("subset"), dict) else base.get("subset")
+    if args.subset:
+        subset = {**(subset if isinstance(subset, dict) else {}),
+                  **{k: int(v) for k, v in (x.split("=", 1) for x in args.subset)}}
+    kw = dict(limit=limit, batch_size=args.batch_size or base.get("batch_size", 16),
+              num_fewshot={**(base.get("num_fewshot") or {}),
+                           **{k: int(v) for k, v in (x.split("=", 1) for x in args.fewshot)}},
+              local_datasets={**(base.get("local_datasets") or {}),
+                              **dict(x.split("=", 1) for x in args.local_dataset)},
+              subset=subset or None, subset_seed=args.subset_seed if args.subset_seed is not None else base.get("subset_seed", 0),
+              offline_data=args.offline_data or bool(base.get("offline_data", False)))
+    tasks = args.tasks or ",".join(base.get("tasks") or []) or "mini"
+    args.tasks = tasks
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.out and not args.force:  # never overwrite a finished evaluation
+        done = [p for p in ([args.out] if args.model else [args.out / m for m in modes])
+                if (p / "results.json").exists()]
+        if done:
+            print(f"error: {done[0]}/results.json exists; pass --force to overwrite it or choose another --out",
+                  file=sys.stderr)
+            return 2
     try:
         device, dtype = resolve_numerics(args.device, args.dtype)
         if args.run_dir:
@@ -652,8 +843,8 @@ def main(argv=None) -> int:
             model.to(device).eval()
             res = {"bf16": evaluate_model(model, tok, args.tasks, out_dir=args.out, mode="bf16", device=device,
                                           dtype=dtype, extra_meta={"model": args.model}, **kw)}
-    except (DatasetUnavailableError, EvalSettingError) as err:
-        print(f"error: {err}")
+    except (RunError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     for mode, r in res.items():
         meta = r["_meta"]

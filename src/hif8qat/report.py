@@ -7,7 +7,14 @@ Definitions (the paper's, as in the authors' log_visualizer and evaluation summa
   (the same resampled doc ids for baseline and quantized model), ``n_boot`` times with a fixed seed, and
   the percentile interval is reported; a drop whose interval contains 0 is marked not significant;
 * training-loss APE: for every step logged by both runs, ``|L_q - L_b| / |L_b| * 100``; plain mean over all
-  common steps and over the last ``last_frac`` of them (the paper: last 1,000 of 10,000 = 10 %); no smoothing.
+  common steps, over the last ``last_frac`` of them (the paper: last 1,000 of 10,000 = 10 %) and over the QAT
+  phase (the steps after the BF16 warmup, where the quantized run's log says ``quant``); no smoothing;
+* multiple comparisons: every drop row also gets an exact McNemar p-value (discordant pairs) and its Holm
+  adjustment over all rows of the table; the bootstrap CIs are per comparison;
+* seeds: the spread (mean, sd) of each score and drop over seeds, a seed null (a BF16 experiment against
+  itself at another seed: the noise floor of a drop) and, per claim (quantized run vs its baseline), whether
+  its mean drop exceeds that floor; the minimum detectable paired difference of each task at its item count
+  (:func:`min_detectable_difference`).
 
 ``build_report(runs_root, profile, out_tables, out_figures)`` reads the run folders of docs/design.md
 (``results/runs/<profile>/<experiment>/seed<k>/``) and writes ``results/tables/*.csv|md`` and
@@ -34,6 +41,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from .errors import RunError
 
 REPO = Path(__file__).resolve().parents[2]
 PAPER_DIR = REPO / "results" / "paper"
@@ -81,6 +90,43 @@ def loss_ape(steps_q: Sequence[int], loss_q: Sequence[float], steps_b: Sequence[
     n_last = min(n_last, len(common))
     return {"n_common": int(len(common)), "ape_all": float(err.mean()), "ape_last": float(err.iloc[-n_last:].mean()),
             "last_n": n_last, "first_step": int(common[0]), "last_step": int(common[-1])}
+
+
+def min_detectable_difference(n: int, discordant: float, *, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Smallest true difference in accuracy (percentage points) a paired test on ``n`` items detects.
+
+    Normal approximation of McNemar's test: the paired difference of two proportions has variance
+    ``discordant / n`` near zero difference (``discordant``: share of items the two models answer
+    differently), so MDE = (z_{1-alpha/2} + z_{power}) * sqrt(discordant / n). Two-sided.
+    """
+    from scipy.stats import norm
+
+    if n <= 0 or not np.isfinite(discordant) or discordant < 0:
+        return float("nan")
+    return float((norm.ppf(1 - alpha / 2) + norm.ppf(power)) * math.sqrt(discordant / n) * 100.0)
+
+
+def mcnemar_p(base_correct: Sequence[float], quant_correct: Sequence[float]) -> float:
+    """Exact two-sided McNemar p-value (binomial test on the discordant pairs); 1.0 without any."""
+    from scipy.stats import binomtest
+
+    b = np.asarray(base_correct) > 0.5
+    q = np.asarray(quant_correct) > 0.5
+    lost, gained = int((b & ~q).sum()), int((~b & q).sum())
+    return 1.0 if lost + gained == 0 else float(binomtest(lost, lost + gained, 0.5).pvalue)
+
+
+def holm(pvalues: Sequence[float]) -> np.ndarray:
+    """Holm-Bonferroni adjusted p-values (NaN stays NaN and does not count as a comparison)."""
+    p = np.asarray(pvalues, float)
+    out = np.full_like(p, np.nan)
+    ok = np.flatnonzero(np.isfinite(p))
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m, running = len(order), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        out[i] = running
+    return out
 
 
 def running_ape(steps_q, loss_q, steps_b, loss_b) -> pd.DataFrame:
@@ -447,8 +493,30 @@ def discover_runs(runs_root: Path, profile: str) -> list[RunInfo]:
     return runs
 
 
+class BaselineMismatchError(RunError):
+    """A run's baseline exists only with another seed or another run tag: comparing them would mix effects."""
+
+
+def _tag(run: RunInfo) -> str:
+    return str(_get(run.config, "run_tag", "") or "")
+
+
 def _pick_baseline(run: RunInfo, runs: list[RunInfo]) -> RunInfo | None:
-    return _find_run(run.baseline, run.seed, runs)
+    """The baseline run with the same seed and the same (or no) run tag; None when the baseline experiment has
+    no run at all. A baseline that exists only with other seeds or tags is an error, never a fallback."""
+    if not run.baseline:
+        return None
+    cands = [r for r in runs if r.experiment == str(run.baseline)]
+    if not cands:
+        return None
+    ok = [r for r in cands if r.seed == run.seed and _tag(r) in (_tag(run), "")]
+    if not ok:
+        found = ", ".join(sorted(f"seed {r.seed}" + (f" tag {_tag(r)!r}" if _tag(r) else "") for r in cands))
+        raise BaselineMismatchError(
+            f"{run.path}: baseline {run.baseline} has no run with seed {run.seed} and run tag "
+            f"{_tag(run)!r} (or none); found {found}. Run it (make {run.baseline} SEED={run.seed}) or move the "
+            "unmatched run out of the results folder.")
+    return sorted(ok, key=lambda r: (_tag(r) != _tag(run), not r.done, str(r.path)))[0]
 
 
 def _find_run(experiment: str | None, seed, runs: list[RunInfo]) -> RunInfo | None:
@@ -565,10 +633,150 @@ def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int
                "drop_pct": relative_drop(base[task]["value"], res["value"])}
         bs, rs = _read_samples(base_eval / f"samples_{task}.csv"), _read_samples(other_eval / f"samples_{task}.csv")
         if bs is not None and rs is not None:
-            ci = paired_bootstrap_drop(*align_samples(bs, rs), n_boot=n_boot, seed=seed)
-            row.update(n_paired=ci.n, ci_lo=ci.lo, ci_hi=ci.hi, significant=ci.significant)
+            xb, xr = align_samples(bs, rs)
+            ci = paired_bootstrap_drop(xb, xr, n_boot=n_boot, seed=seed)
+            row.update(n_paired=ci.n, ci_lo=ci.lo, ci_hi=ci.hi, significant=ci.significant,
+                       discordant=_discordant(xb, xr))
         rows.append(row)
     return rows
+
+
+def _discordant(a: np.ndarray, b: np.ndarray) -> float:
+    """Share of items two evaluations score differently (the variance of a paired difference)."""
+    return float(np.mean((np.asarray(a) > 0.5) != (np.asarray(b) > 0.5))) if len(a) else float("nan")
+
+
+def _qat_start(run: RunInfo, metrics: pd.DataFrame) -> int | None:
+    """First step of the QAT phase: where the run's log says ``quant``, else after quant.bf16_warmup_steps."""
+    if not run.quant:
+        return None
+    if "quant" in metrics and metrics["quant"].astype(bool).any():
+        return int(metrics.loc[metrics["quant"].astype(bool), "step"].min())
+    return int(_get(run.config, "quant.bf16_warmup_steps", 0) or 0)
+
+
+def seed_spread(runs_df: pd.DataFrame, drops_df: pd.DataFrame) -> pd.DataFrame:
+    """Mean and sd over seeds of every score (``<mode>:<task>`` columns of the runs table) and drop."""
+    rows = []
+    for col in [c for c in runs_df.columns if ":" in c]:
+        mode, task = col.split(":", 1)
+        for exp, g in runs_df.groupby("experiment"):
+            v = g[col].dropna()
+            if len(v):
+                rows.append({"experiment": exp, "what": "score", "mode": mode, "task": task, "n_seeds": len(v),
+                             "mean_pct": v.mean(), "sd_pct": v.std(ddof=1) if len(v) > 1 else float("nan"),
+                             "min_pct": v.min(), "max_pct": v.max()})
+    if len(drops_df):
+        for (exp, base, mode, task), g in drops_df.groupby(["experiment", "baseline", "quant_mode", "task"]):
+            v = g["drop_pct"].dropna()
+            if len(v):
+                rows.append({"experiment": exp, "what": f"drop vs {base}", "mode": mode, "task": task,
+                             "n_seeds": len(v), "mean_pct": v.mean(),
+                             "sd_pct": v.std(ddof=1) if len(v) > 1 else float("nan"), "min_pct": v.min(),
+                             "max_pct": v.max()})
+    return pd.DataFrame(rows)
+
+
+def seed_null_table(runs: list[RunInfo], n_boot: int, seed: int) -> pd.DataFrame:
+    """Every unquantized experiment against itself at another seed (bf16 evaluations, per task): relative
+    drop with its paired CI. Same recipe, same data, only the seed differs: the noise floor of a drop."""
+    rows = []
+    by_exp: dict[str, list[RunInfo]] = {}
+    for r in runs:
+        if not r.quant and not _tag(r):
+            by_exp.setdefault(r.experiment, []).append(r)
+    for exp, rs in sorted(by_exp.items()):
+        rs = sorted(rs, key=lambda r: (r.seed, not r.done))
+        rs = [r for i, r in enumerate(rs) if i == 0 or r.seed != rs[i - 1].seed]  # one run per seed
+        for i, a in enumerate(rs):
+            for b in rs[i + 1:]:
+                rows += [{"experiment": exp, "seed_a": a.seed, "seed_b": b.seed, **row}
+                         for row in _paired_comparison(a.path / "eval" / "bf16", b.path / "eval" / "bf16",
+                                                       n_boot, seed)]
+    return pd.DataFrame(rows)
+
+
+def claims_table(drops_df: pd.DataFrame, null_df: pd.DataFrame) -> pd.DataFrame:
+    """Per claim (quantized experiment vs its baseline, mode, task): the drop over seeds against the seed null.
+
+    null_max_abs_drop_pct: the largest |relative drop| between two seeds of the baseline experiment (of any
+    BF16 experiment when the baseline has a single seed; null_source says which). A claim survives seed noise
+    when its mean drop is further from 0 than that, and it is significant after Holm in every seed.
+    """
+    if drops_df.empty:
+        return pd.DataFrame()
+    rows = []
+    for (exp, base, mode, task), g in drops_df.groupby(["experiment", "baseline", "quant_mode", "task"]):
+        null = null_df[(null_df["task"] == task) & (null_df["experiment"] == base)] if len(null_df) else null_df
+        source = base
+        if null is None or null.empty:
+            null = null_df[null_df["task"] == task] if len(null_df) else pd.DataFrame()
+            source = ",".join(sorted(null["experiment"].unique())) if len(null) else ""
+        floor = float(null["drop_pct"].abs().max()) if len(null) else float("nan")
+        mean = float(g["drop_pct"].mean())
+        all_sig = bool(g.get("significant_holm", pd.Series([False])).fillna(False).all())
+        exceeds = bool(np.isfinite(floor) and abs(mean) > floor)
+        verdict = ("no seed null (one seed of every BF16 run)" if not np.isfinite(floor) else
+                   "beyond seed noise" if exceeds and all_sig else
+                   "beyond the seed null, not significant in every seed" if exceeds else "within seed noise")
+        rows.append({"experiment": exp, "baseline": base, "quant_mode": mode, "task": task, "n_seeds": len(g),
+                     "mean_drop_pct": mean, "sd_drop_pct": float(g["drop_pct"].std(ddof=1)) if len(g) > 1
+                     else float("nan"), "null_max_abs_drop_pct": floor, "null_pairs": len(null),
+                     "null_source": source, "significant_holm_all_seeds": all_sig,
+                     "exceeds_seed_null": exceeds, "verdict": verdict})
+    return pd.DataFrame(rows)
+
+
+def mde_table(drops_df: pd.DataFrame, null_df: pd.DataFrame, *, alpha: float = 0.05,
+              power: float = 0.8) -> pd.DataFrame:
+    """Minimum detectable paired difference per task at its item count, from the measured discordance of the
+    quantized-vs-baseline pairs (bf16 mode, median over comparisons) and of the seed-null pairs."""
+    if drops_df.empty:
+        return pd.DataFrame()
+    rows = []
+    for task, g in drops_df[drops_df["quant_mode"] == "bf16"].groupby("task"):
+        n = int(g["n_paired"].median())
+        base = float(g["base_pct"].median())
+        d_q = float(g["discordant"].median())
+        nul = null_df[null_df["task"] == task] if len(null_df) else pd.DataFrame()
+        d_s = float(nul["discordant"].median()) if len(nul) and "discordant" in nul else float("nan")
+        mde_q, mde_s = (min_detectable_difference(n, d, alpha=alpha, power=power) for d in (d_q, d_s))
+        rows.append({"task": task, "n_items": n, "base_pct": base, "discordant_quant_vs_base": d_q,
+                     "mde_pp": mde_q, "mde_rel_pct": mde_q / base * 100 if base else float("nan"),
+                     "discordant_seed_null": d_s, "mde_seed_null_pp": mde_s,
+                     "mde_seed_null_rel_pct": mde_s / base * 100 if base else float("nan")})
+    return pd.DataFrame(rows)
+
+
+ANCHOR_DIR = REPO / "results" / "anchor"
+ANCHOR_PUBLISHED = ANCHOR_DIR / "published_smollm2_135m.csv"
+
+
+def anchor_table(anchor_dir: Path = ANCHOR_DIR, published: Path = ANCHOR_PUBLISHED) -> pd.DataFrame:
+    """Our evaluations of the base model on the full real sets (``<anchor_dir>/<model>/<shots>/results.json``,
+    ``make anchor``) next to the scores HuggingFace published for SmolLM2-135M and -Instruct (the CSV, with
+    its source). ``arc_average`` is the mean of arc_easy and arc_challenge, as the model card's "ARC
+    (Average)". Rows without our evaluation show the published score alone."""
+    if not published.exists():
+        return pd.DataFrame()
+    pub = pd.read_csv(published)
+    ours: dict[str, dict[str, dict]] = {}
+    for res in sorted(Path(anchor_dir).glob("*/*/results.json")):
+        data = json.loads(res.read_text())
+        ours[f"{res.parent.parent.name}/{res.parent.name}"] = {k: v for k, v in data.items() if not k.startswith("_")}
+    rows = []
+    for (bench, task), g in pub.groupby(["benchmark", "task"], sort=False):
+        row = {"benchmark": bench, "task": task, "metric": g["metric"].iloc[0]}
+        for _, p in g.iterrows():
+            row[f"published {p['model'].split('/')[-1]}"] = p["score_pct"]
+        for name, res in ours.items():
+            parts = ["arc_easy", "arc_challenge"] if task == "arc_average" else [task]
+            if all(t in res for t in parts):
+                row[f"ours {name}"] = float(np.mean([res[t]["value"] for t in parts])) * 100.0
+                row[f"n {name}"] = int(sum(res[t]["n"] for t in parts))
+                row[f"shots {name}"] = "/".join(str(res[t]["num_fewshot"]) for t in parts)
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
@@ -620,9 +828,13 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         mq, mb = metrics_cache[str(r.path)], metrics_cache[str(b.path)]
         if "loss" in mq and "loss" in mb and len(mq) and len(mb):
             a = loss_ape(mq["step"], mq["loss"], mb["step"], mb["loss"], last_frac=last_frac)
+            qat_from = _qat_start(r, mq)
+            qat = mq[mq["step"] >= qat_from] if qat_from is not None else mq.iloc[:0]
+            aq = loss_ape(qat["step"], qat["loss"], mb["step"], mb["loss"], last_frac=last_frac)
             ape_rows.append({"experiment": r.experiment, "baseline": b.experiment, "seed": r.seed,
                              "n_common": a["n_common"], "ape_all_pct": a["ape_all"], "ape_last_pct": a["ape_last"],
-                             "last_n": a["last_n"], "last_frac": last_frac,
+                             "last_n": a["last_n"], "last_frac": last_frac, "qat_from_step": qat_from,
+                             "n_qat": aq["n_common"], "ape_qat_pct": aq["ape_all"],
                              "final_loss_quant": float(mq["loss"].iloc[-1]), "final_loss_base": float(mb["loss"].iloc[-1])})
             curves.append((r, b, mq, mb))
         base_res = _eval_results(b, "bf16")
@@ -641,14 +853,20 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                     xb, xq = align_samples(bs, qs)
                     ci = paired_bootstrap_drop(xb, xq, n_boot=n_boot, seed=seed)
                     row.update(n_paired=ci.n, drop_paired_pct=ci.drop, ci_lo=ci.lo, ci_hi=ci.hi,
-                               significant=ci.significant)
+                               significant=ci.significant, discordant=_discordant(xb, xq),
+                               p_mcnemar=mcnemar_p(xb, xq))
                     use(b, b.path / "eval" / "bf16" / f"samples_{task}.csv")
                     use(r, r.path / "eval" / qmode / f"samples_{task}.csv")
                 else:
                     row.update(n_paired=0, drop_paired_pct=float("nan"), ci_lo=float("nan"), ci_hi=float("nan"),
-                               significant=False)
+                               significant=False, discordant=float("nan"), p_mcnemar=float("nan"))
                 drop_rows.append(row)
     drops_df = pd.DataFrame(drop_rows)
+    n_tests = 0
+    if len(drops_df):
+        drops_df["p_holm"] = holm(drops_df["p_mcnemar"])
+        drops_df["significant_holm"] = drops_df["p_holm"] < 0.05
+        n_tests = int(drops_df["p_mcnemar"].notna().sum())
     ape_df = pd.DataFrame(ape_rows)
 
     # ---- telemetry
@@ -697,15 +915,47 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
             use(r, r.path / "export" / "hif8qat_scalers.safetensors")
     replay_df = pd.concat(replay_frames, ignore_index=True) if replay_frames else pd.DataFrame()
 
+    # ---- seeds: spread, the BF16-vs-BF16 seed null, which claims survive it; detectable effect sizes
+    seeds_df = seed_spread(runs_df, drops_df)
+    null_df = seed_null_table(runs, n_boot, seed)
+    claims_df = claims_table(drops_df, null_df)
+    mde_df = mde_table(drops_df, null_df)
+
+    anchor_df = anchor_table(runs_root.parent / "anchor", runs_root.parent / "anchor" / ANCHOR_PUBLISHED.name)
+    if anchor_df.empty and ANCHOR_PUBLISHED.exists():
+        anchor_df = anchor_table()
+
     tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": ape_df,
               f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,
-              f"vs_base_{profile}": vs_base_df}
+              f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
+              f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df}
+    multiple = (f"Multiple comparisons: {n_tests} paired tests in drops_{profile} (runs x modes x tasks); p_holm "
+                "is the exact McNemar p-value Holm-adjusted over all of them (significant_holm: p_holm < 0.05); "
+                "the bootstrap CIs and `significant` are per comparison, unadjusted.")
     notes = {
         f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %.",
         f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
                             f"evaluation; paired bootstrap 95 % CI ({n_boot} resamples of the common documents, "
-                            f"seed {seed}); significant = CI excludes 0.",
-        f"ape_{profile}": f"Training-loss APE (%) over all common steps and the last {last_frac:.0%} of them.",
+                            f"seed {seed}); significant = CI excludes 0. discordant: share of items the two "
+                            "evaluations score differently. " + multiple,
+        f"ape_{profile}": f"Training-loss APE (%) over all common steps, the last {last_frac:.0%} of them, and the "
+                          "QAT phase (ape_qat_pct: steps from qat_from_step, the first step the quantized run "
+                          "logged as quantized, i.e. after its BF16 warmup).",
+        f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
+        f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
+                                "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
+                                "these drops are the noise floor of any claim.",
+        f"claims_{profile}": "Each quantized experiment against its baseline over seeds: mean drop vs the largest "
+                             "|drop| of the baseline's seed null; a claim survives seed noise when it exceeds the "
+                             "null and is significant after Holm in every seed.",
+        "anchor": "The base SmolLM2-135M on the full real benchmarks (make anchor; our weights: the Instruct model "
+                  "dequantized from Q4_1, lm-eval's prompts) next to the scores HuggingFace published (lighteval, "
+                  "0-shot; results/anchor/published_smollm2_135m.csv names the source). ARC (Average) = mean of "
+                  "ARC-Easy and ARC-Challenge.",
+        f"mde_{profile}": "Minimum detectable paired difference (80 % power, two-sided alpha 0.05, McNemar normal "
+                          "approximation) at each task's item count, in points and in % of the baseline score, "
+                          "from the measured discordance of quantized-vs-baseline and seed-null pairs. The "
+                          "paper's drops are 0.2-0.6 % of the score.",
         f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl: share of steps whose max amax/estimate > 1 "
                                 "(the tensor outgrew its delayed estimate), the largest ratio, overflow counts.",
         f"ablations_{profile}": "Each run against the experiment it derives from (bf16 evaluations, same seed): "
@@ -731,6 +981,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     msg = f"{len(runs)} runs, {len(drops_df)} drop rows, {len(ape_df)} APE rows"
     if unpaired:
         msg += "; not compared: " + ", ".join(sorted(set(unpaired)))
+    if n_tests:
+        msg += "\n" + multiple
     return {"tables": tables, "files": files, "message": msg}
 
 

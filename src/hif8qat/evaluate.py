@@ -547,7 +547,7 @@ def evaluate_model(
     sizes = check_subset(subset, [s.name for s in specs])
     data_root = None
     if offline_data and any(not s.mini for s in specs):
-        from .evaldata import ensure_installed
+        from .evaldata import CACHE_SUBDIR, ensure_installed
 
         data_root = ensure_installed()
     subset_meta: dict[str, dict] = {}
@@ -596,7 +596,8 @@ def evaluate_model(
         "tasks": {s.name: {"metric": s.metric, "filter": s.filter, "num_fewshot": shots[s.name],
                            "mini": s.mini} for s in specs},
         "local_datasets": {k: str(v) for k, v in (local_datasets or {}).items()},
-        "data_root": str(data_root) if data_root else None,
+        # Named relative to the cache root: a machine path would not trace anything on another machine.
+        "data_root": f"$HIF8QAT_CACHE/{CACHE_SUBDIR}" if data_root else None,
         "subset": subset_meta, "subset_seed": subset_seed,
         "lm_eval_version": raw.get("lm_eval_version"), "provenance": _provenance(),
     }

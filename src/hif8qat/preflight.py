@@ -79,8 +79,13 @@ def check_eval_datasets(cfg: RunConfig) -> None:
 
     specs = [s for s in resolve_tasks(list(cfg.eval.tasks)) if not s.mini]
     if specs:
+        data_root = None
+        if cfg.eval.offline_data:  # the offline copies the evaluation will read (installed once, else a RunError)
+            from .evaldata import ensure_installed
+
+            data_root = ensure_installed()
         with tempfile.TemporaryDirectory(prefix="hif8qat-preflight-") as tmp:
-            prepare_paper_tasks(specs, dict(cfg.eval.local_datasets) or None, Path(tmp))
+            prepare_paper_tasks(specs, dict(cfg.eval.local_datasets) or None, Path(tmp), data_root=data_root)
 
 
 def preflight(cfg: RunConfig) -> None:

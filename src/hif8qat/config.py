@@ -134,6 +134,7 @@ class TrainConfig:
     device: str = "auto"
     distributed: str = "ddp"
     compile: bool = False
+    activation_checkpointing: bool = False
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     resume: str = "auto"

@@ -325,3 +325,25 @@ def test_reference_run_export_loads_for_evaluation():
     freeze_scales(model, True)
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 64, (1, 6))).logits).all()
+
+
+def test_exp_smooth_costs_one_host_copy_per_refresh_round_for_the_whole_model(monkeypatch):
+    m = tiny_llama(num_layers=3)
+    convert_model(m, "attn_mlp", None, ScalingConfig(algo="exp_smooth", history_len=8, interval=3))
+    copies = []
+    real_cpu = torch.Tensor.cpu
+
+    def counting_cpu(self, *a, **k):
+        copies.append(self.numel())
+        return real_cpu(self, *a, **k)
+
+    ids = torch.randint(0, 96, (2, 8))
+    per_mb = []
+    for _ in range(8):
+        monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
+        m(ids, labels=ids).loss.backward()
+        monkeypatch.setattr(torch.Tensor, "cpu", real_cpu)
+        per_mb.append(len(copies))
+        copies.clear()
+    # the cold start's block covers calls 0-2 (interval 3), refreshes at 3 and 6: one copy for 63 quantizers
+    assert per_mb == [0, 0, 0, 1, 0, 0, 1, 0]

@@ -67,6 +67,16 @@ RECORD_NO_GRAD = 1  # a forward-only call (no backward will come: the next call 
 REPLAY = 2  # the backward's re-quantization of the weight with the forward's scale: reads, records nothing
 
 
+def _hif8_kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: bool, want_amax: bool):
+    """Fused HiF8 ``qdq(x * scale) / scale`` (+ ``max|x|``): one kernel, arguments trusted (no checks)."""
+    return formats._dispatch(x, scale, rounding, None, None, scaled=True, saturate=saturate, want_amax=want_amax)
+
+
+# Quantize kernels by format: ``kernel(x, scale, rounding, saturate, want_amax) -> (y, amax or None)`` with
+# ``scale`` a 0-d float32 tensor (x's device). Another 8-bit format plugs in here with its own target.
+FORMATS = {"hif8": _hif8_kernel}
+
+
 class QuantizerCalledTwice(RunError):
     """A quantizer ran twice in one micro-batch outside an activation-checkpointing recompute."""
 
@@ -114,8 +124,12 @@ class ScalerBank(nn.Module):
     """
 
     def __init__(self, config: ScalingConfig | None = None, roles: Sequence[str] = ROLES, *,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, fmt: str = "hif8"):
         super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"ScalerBank: fmt={fmt!r} is invalid; allowed: {sorted(FORMATS)}")
+        self.fmt = fmt
+        self._kernel = FORMATS[fmt]
         config = config if config is not None else ScalingConfig()
         config.validate()
         bad = [r for r in roles if r not in ROLES]
@@ -286,8 +300,7 @@ class ScalerBank(nn.Module):
         stats = ((c.telemetry_stats_every > 0 and self.calls[row] % c.telemetry_stats_every == 0)
                  or (c.telemetry_dump_every > 0 and self.step % c.telemetry_dump_every == 0))
         scale = self._scale_rows[row]
-        y, amax = formats._dispatch(x, scale, self._rounding[row], None, None, scaled=True,
-                                    saturate=c.saturate, want_amax=True)
+        y, amax = self._kernel(x, scale, self._rounding[row], c.saturate, True)
         self._amax_rows[row].copy_(amax)
         self._mb_calls[row] += 1
         if stats:
@@ -298,8 +311,7 @@ class ScalerBank(nn.Module):
         return y
 
     def _qdq(self, x, row, scale):
-        return formats._dispatch(x, scale, self._rounding[row], None, None, scaled=True,
-                                 saturate=self.config.saturate, want_amax=False)[0]
+        return self._kernel(x, scale, self._rounding[row], self.config.saturate, False)[0]
 
     def _call_scale(self, x, row) -> torch.Tensor:
         """Frozen: the row's scale; a row that never ran takes a cold scale from this tensor (local amax)."""
@@ -324,8 +336,8 @@ class ScalerBank(nn.Module):
         if not self._mb_open:
             self._mb_open = True
             self._mb_grad = mode == RECORD
-        if not self._prepared[row]:
-            self._prepare(row)
+        if not self._prepared[row]:  # a training micro-batch prepares the gradient rows too (one pass)
+            self._prepare(row, both=mode == RECORD)
         if not self.initialized[row]:  # cold start from this call's own (reduced) amax; opens a block
             est = self._cold_estimate(self._reduce_(cold_amax().reshape(1)).reshape(()))
             self.est[row] = est
@@ -337,13 +349,14 @@ class ScalerBank(nn.Module):
             self.blk_size[row] = 1
 
     # -- per micro-batch -------------------------------------------------------------------------------
-    def _prepare(self, row: int) -> None:
-        """Scales of this micro-batch for the row's group (forward rows or gradient rows) in one pass.
+    def _prepare(self, row: int, both: bool) -> None:
+        """Scales of this micro-batch in one pass: for every row (``both``), or the row's group (forward
+        rows A / W, or gradient rows G) when no backward is expected.
 
         Decisions are numpy; tensor work is a handful of whole-table ops. Rows prepared but not called by
         the end of the micro-batch are rolled back in :meth:`update`.
         """
-        group = (self._is_g == self._is_g[row]) & ~self._prepared
+        group = (np.ones(self.n, dtype=bool) if both else self._is_g == self._is_g[row]) & ~self._prepared
         self._prepared |= group
         if self._snap is None:
             self._snap = {"py": {k: getattr(self, k).copy() for k in

@@ -69,7 +69,8 @@ REPLAY = 2  # the backward's re-quantization of the weight with the forward's sc
 
 def _hif8_kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: bool, want_amax: bool):
     """Fused HiF8 ``qdq(x * scale) / scale`` (+ ``max|x|``): one kernel, arguments trusted (no checks)."""
-    return formats._dispatch(x, scale, rounding, None, None, scaled=True, saturate=saturate, want_amax=want_amax)
+    return formats._dispatch(x, scale, rounding, None, None, scaled=True, saturate=saturate, want_amax=want_amax,
+                             site="bank")
 
 
 # Quantize kernels by format: ``kernel(x, scale, rounding, saturate, want_amax) -> (y, amax or None)`` with

@@ -60,7 +60,6 @@ from hif8qat.scaling import (
     _lookup,
 )
 
-_ES = ESTIMATORS.index("exp_smooth")
 # op modes
 RECORD = 0  # a training call (a backward pass is expected to end the micro-batch)
 RECORD_NO_GRAD = 1  # a forward-only call (no backward will come: the next call ends the micro-batch)

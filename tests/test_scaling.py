@@ -1,13 +1,18 @@
 """Delayed tensor scaling: hand-worked estimator / interval / schedule / cold-start / reset / non-finite cases,
-exact resume, telemetry, and no host sync for the tensor estimators."""
+exact resume, telemetry, and no host sync for the tensor estimators.
+
+Every behavioural test runs twice: on the reference DelayedScaler and on a one-row scaler bank
+(``impl`` fixture); both must give the same, hand-worked, scales and histories bit for bit."""
 
 import math
 import random
+import types
 
 import pytest
 import torch
 
 from hif8qat import scaling
+from hif8qat.bank import BankedScaler, ScalerBank, bank_replay
 from hif8qat.scaling import (
     DelayedScaler,
     ExpSmoothForecaster,
@@ -17,6 +22,14 @@ from hif8qat.scaling import (
 )
 
 NAN, INF = float("nan"), float("inf")
+IMPLS = {"oracle": (DelayedScaler, replay), "bank": (BankedScaler.standalone, bank_replay)}
+
+
+@pytest.fixture(params=sorted(IMPLS))
+def impl(request):
+    """The reference scaler or the bank, behind the same constructor and replay function."""
+    scaler, replay_fn = IMPLS[request.param]
+    return types.SimpleNamespace(name=request.param, Scaler=scaler, replay=replay_fn)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -76,38 +89,38 @@ def test_config_dict_round_trip_and_string_schedule_keys():
 
 
 # ------------------------------------------------------------------------------------------------ estimators
-def test_max_window_hand_worked():
+def test_max_window_hand_worked(impl):
     cfg = ScalingConfig(algo="max", history_len=3)
     # call:        0  1  2  3  4  5    history before call (last 3)
     amax = [2, 1, 8, 4, 3, 0.5]
     # scale from:  cold(2) [2] [2,1] [2,1,8] [1,8,4] [8,4,3]
-    assert_scales(replay(amax, cfg), 2, 2, 2, 8, 8, 8)
-    assert_scales(replay(amax + [1, 1], cfg)[6:], 4, 3)  # window slides: [4,3,.5] then [3,.5,1]
+    assert_scales(impl.replay(amax, cfg), 2, 2, 2, 8, 8, 8)
+    assert_scales(impl.replay(amax + [1, 1], cfg)[6:], 4, 3)  # window slides: [4,3,.5] then [3,.5,1]
 
 
-def test_most_recent_and_mean_hand_worked():
+def test_most_recent_and_mean_hand_worked(impl):
     amax = [2, 1, 8, 4]
-    assert_scales(replay(amax, ScalingConfig(algo="most_recent")), 2, 2, 1, 8)
-    assert_scales(replay(amax + [6], ScalingConfig(algo="mean", history_len=3)), 2, 2, 1.5, 11 / 3, 13 / 3)
+    assert_scales(impl.replay(amax, ScalingConfig(algo="most_recent")), 2, 2, 1, 8)
+    assert_scales(impl.replay(amax + [6], ScalingConfig(algo="mean", history_len=3)), 2, 2, 1.5, 11 / 3, 13 / 3)
 
 
-def test_interval_refreshes_every_k_calls_history_grows_every_call():
+def test_interval_refreshes_every_k_calls_history_grows_every_call(impl):
     cfg = ScalingConfig(algo="most_recent", interval=3)
     amax = [1, 2, 3, 4, 5, 6, 7, 8]
     # block 0 (cold start, amax 1): calls 0-2; refresh at 3 from history[-1]=3; at 6 from 6
-    assert_scales(replay(amax, cfg), 1, 1, 1, 3, 3, 3, 6, 6)
+    assert_scales(impl.replay(amax, cfg), 1, 1, 1, 3, 3, 3, 6, 6)
     cfg = ScalingConfig(algo="max", interval=2, history_len=2)
     # refresh at 2 from [1,5] -> 5; at 4 from [2,1] -> 2 (5 fell out of the window while the block ran)
-    assert_scales(replay([1, 5, 2, 1, 9, 9], cfg), 1, 1, 5, 5, 2, 2)
+    assert_scales(impl.replay([1, 5, 2, 1, 9, 9], cfg), 1, 1, 5, 5, 2, 2)
 
 
-def test_schedule_switch_algo_and_interval():
+def test_schedule_switch_algo_and_interval(impl):
     cfg = ScalingConfig(algo={0: "most_recent", 2: "max"}, interval={0: 1, 3: 2}, history_len=8)
     amax = [4, 1, 2, 8, 1, 1, 1]
     steps = [0, 0, 1, 2, 3, 3, 4]
     # call 0 cold 4; call1 mr [4]->4; call2 mr ->1; call3 step2 algo switch to max: max[4,1,2]=4;
     # call4 step3 interval switch -> refresh: max(...,8)=8; call5 in block -> 8; call6 refresh max -> 8
-    assert_scales(replay(amax, cfg, steps=steps), 4, 4, 1, 4, 8, 8, 8)
+    assert_scales(impl.replay(amax, cfg, steps=steps), 4, 4, 1, 4, 8, 8, 8)
 
 
 def test_schedule_lookup_uses_largest_key_not_above_step():
@@ -135,17 +148,17 @@ def _authors_rules(seq, algo, L, k):
 
 @pytest.mark.parametrize("algo", ["max", "most_recent", "mean"])
 @pytest.mark.parametrize("L,k", [(1, 1), (5, 1), (7, 3), (64, 10)])
-def test_matches_authors_rules_on_random_traces(algo, L, k):
+def test_matches_authors_rules_on_random_traces(algo, L, k, impl):
     rng = random.Random(L * 100 + k)
     # amaxes are float32 values (max|x| of a float32 or bf16 tensor), as in the authors' float(amax.item())
     seq = torch.tensor([math.exp(rng.gauss(0, 2)) for _ in range(150)], dtype=torch.float32).tolist()
-    got = replay(seq, ScalingConfig(algo=algo, history_len=L, interval=k))
+    got = impl.replay(seq, ScalingConfig(algo=algo, history_len=L, interval=k))
     torch.testing.assert_close(got, _authors_rules(seq, algo, L, k), rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------ cold start, reset, non-finite
-def test_cold_start_uses_own_amax_and_reset_restarts_it():
-    sc = DelayedScaler("A", ScalingConfig(algo="max", history_len=4))
+def test_cold_start_uses_own_amax_and_reset_restarts_it(impl):
+    sc = impl.Scaler("A", ScalingConfig(algo="max", history_len=4))
     assert sc.observe_amax(3.0).item() == s(3).item()
     assert sc.observe_amax(6.0).item() == s(3).item()
     assert sc.observe_amax(1.0).item() == s(6).item()
@@ -156,33 +169,33 @@ def test_cold_start_uses_own_amax_and_reset_restarts_it():
     assert sc.history_values() == [0.5, 0.25]
 
 
-def test_non_finite_amax_never_enters_history():
+def test_non_finite_amax_never_enters_history(impl):
     cfg = ScalingConfig(algo="max", history_len=3)
-    got = replay([2, NAN, INF, 1, 1, 1, 1], cfg)
+    got = impl.replay([2, NAN, INF, 1, 1, 1, 1], cfg)
     # history stays [2] through the NaN/inf calls, then [2,1], [2,1,1], [1,1,1]
     assert_scales(got, 2, 2, 2, 2, 2, 2, 1)
-    sc = DelayedScaler("A", cfg)
+    sc = impl.Scaler("A", cfg)
     for a in [2, NAN, INF, 1]:
         sc.observe_amax(a)
     assert sc.history_values() == [2.0, 1.0]
     assert sc.telemetry_record()["nonfinite_count"] == 2
 
 
-def test_non_finite_cold_start_falls_back_to_target_then_recovers():
+def test_non_finite_cold_start_falls_back_to_target_then_recovers(impl):
     cfg = ScalingConfig(algo="most_recent")
     # cold NaN -> estimate 1.0 (authors' fallback) -> scale = target; empty history keeps it; then 4
-    assert_scales(replay([NAN, NAN, 4, 2], cfg), 1, 1, 1, 4)
+    assert_scales(impl.replay([NAN, NAN, 4, 2], cfg), 1, 1, 1, 4)
     # an all-zero tensor: estimate 0 -> fallback 1.0, later zeros keep the previous estimate
-    assert_scales(replay([0, 0, 8, 0, 3], cfg), 1, 1, 1, 8, 8)
+    assert_scales(impl.replay([0, 0, 8, 0, 3], cfg), 1, 1, 1, 8, 8)
 
 
-def test_history_unit_step_one_entry_per_step():
+def test_history_unit_step_one_entry_per_step(impl):
     cfg = ScalingConfig(algo="max", history_len=2, history_unit="step")
     amax = [1, 3, 2, 5, 4, 1, 1]
     steps = [0, 0, 1, 1, 2, 3, 4]
     # step 0: cold (1) for the whole step; step-0 entry = max(1,3)=3; step 1 uses [3]; entry 5;
     # step 2 uses [3,5] -> 5; entry 4; step 3 uses [5,4] -> 5; step 4 uses [4,1] -> 4
-    assert_scales(replay(amax, cfg, steps=steps), 1, 1, 3, 3, 5, 5, 4)
+    assert_scales(impl.replay(amax, cfg, steps=steps), 1, 1, 3, 3, 5, 5, 4)
 
 
 # ------------------------------------------------------------------------------------------------ state dict
@@ -202,17 +215,17 @@ def _trace(n, seed=0):
         (ScalingConfig(algo="max", history_len=4, history_unit="step", interval=2), 17),
     ],
 )
-def test_state_dict_round_trip_mid_interval_continues_identically(cfg, split):
+def test_state_dict_round_trip_mid_interval_continues_identically(cfg, split, impl):
     amax = _trace(110)
     steps = [i // 3 for i in range(len(amax))]
-    ref = replay(amax, cfg, steps=steps, role="G")
-    a = DelayedScaler("G", cfg)
+    ref = impl.replay(amax, cfg, steps=steps, role="G")
+    a = impl.Scaler("G", cfg)
     got = []
     for i in range(split):
         a.set_step(steps[i])
         got.append(a.observe_amax(amax[i]))
     state = a.state_dict()
-    b = DelayedScaler("G", cfg)
+    b = impl.Scaler("G", cfg)
     b.load_state_dict({k: v.clone() for k, v in state.items()})
     del a
     for i in range(split, len(amax)):
@@ -224,16 +237,18 @@ def test_state_dict_round_trip_mid_interval_continues_identically(cfg, split):
 def test_scaler_buffers_are_not_in_enclosing_state_dict():
     m = torch.nn.Module()
     m.sc = DelayedScaler("A", ScalingConfig())
-    assert list(m.state_dict().keys()) == []
+    m.bank = ScalerBank(ScalingConfig(), ["A", "W"])
+    assert list(m.state_dict().keys()) == [] and list(m.named_buffers()) == list(m.sc.named_buffers(prefix="sc"))
     assert set(m.sc.state_dict()) >= {"history", "total", "scale_block", "meta"}
+    assert set(m.bank.row_state_dict(1)) == set(m.sc.state_dict())
 
 
 # ------------------------------------------------------------------------------------------------ exp_smooth
-def test_exp_smooth_warmup_is_most_recent_and_constant_series_is_fixed_point():
+def test_exp_smooth_warmup_is_most_recent_and_constant_series_is_fixed_point(impl):
     cfg = ScalingConfig(algo="exp_smooth", history_len=30)
     amax = [float(v) for v in [3, 5, 2, 7]]
-    assert_scales(replay(amax, cfg), 3, 3, 5, 2)
-    got = replay([2.0] * 60, cfg)
+    assert_scales(impl.replay(amax, cfg), 3, 3, 5, 2)
+    got = impl.replay([2.0] * 60, cfg)
     assert_scales(got[-1:], 2.0)
 
 
@@ -250,9 +265,9 @@ def test_exp_smooth_forecast_follows_trend_with_bounds():
     assert set(f.scores) == {"most_recent", "damped_holt", "trend_following", "ar1"}
 
 
-def test_exp_smooth_counts_new_entries_exactly_with_nan_and_intervals():
+def test_exp_smooth_counts_new_entries_exactly_with_nan_and_intervals(impl):
     cfg = ScalingConfig(algo="exp_smooth", history_len=30, interval=4)
-    sc = DelayedScaler("A", cfg)
+    sc = impl.Scaler("A", cfg)
     amax = _trace(50, seed=3)
     for a in amax:
         sc.observe_amax(a)
@@ -263,18 +278,18 @@ def test_exp_smooth_counts_new_entries_exactly_with_nan_and_intervals():
     assert n_seen >= len(finite) - 4
 
 
-def test_exp_smooth_scale_is_clipped_relative_to_history_median():
+def test_exp_smooth_scale_is_clipped_relative_to_history_median(impl):
     cfg = ScalingConfig(algo="exp_smooth", history_len=30)
     amax = [1.0] * 40 + [1e6] * 3
-    got = replay(amax, cfg)
+    got = impl.replay(amax, cfg)
     assert torch.isfinite(got).all() and (got > 0).all()
     assert got[-1].item() >= 15.0 / 1e6 * 0.99
 
 
 # ------------------------------------------------------------------------------------------------ telemetry
-def _spike_run(algo):
+def _spike_run(impl, algo):
     cfg = ScalingConfig(algo=algo, history_len=16, telemetry_stats_every=1)
-    sc = DelayedScaler("A", cfg)
+    sc = impl.Scaler("A", cfg)
     gen = torch.Generator().manual_seed(0)
     ratios, spikes = [], []
     for i in range(12):
@@ -288,9 +303,9 @@ def _spike_run(algo):
     return sc, ratios, spikes
 
 
-def test_spike_reported_by_most_recent_absorbed_by_max_window():
-    sc_mr, r_mr, spikes = _spike_run("most_recent")
-    sc_mx, r_mx, _ = _spike_run("max")
+def test_spike_reported_by_most_recent_absorbed_by_max_window(impl):
+    sc_mr, r_mr, spikes = _spike_run(impl, "most_recent")
+    sc_mx, r_mx, _ = _spike_run(impl, "max")
     assert all(r_mr[i] > 1000 for i in spikes)  # every spike outgrows the most recent estimate
     rec = sc_mr.telemetry_record()
     assert rec["amax_ratio_gt1"] == len(spikes) and rec["overflow_count"] == len(spikes)
@@ -303,16 +318,16 @@ def test_spike_reported_by_most_recent_absorbed_by_max_window():
     assert rec["exceed_frac_max"] > 0  # the spike call put the whole tensor above the target tier
 
 
-def test_stats_cadence_and_reset():
+def test_stats_cadence_and_reset(impl):
     cfg = ScalingConfig(algo="max", telemetry_stats_every=3)
-    sc = DelayedScaler("W", cfg)
+    sc = impl.Scaler("W", cfg)
     for _ in range(7):
         sc.quantize(torch.randn(16, 16))
     assert sc.telemetry_calls() == (7, 3)  # calls 0, 3, 6
     sc.reset_telemetry()
     assert sc.telemetry_calls() == (0, 0) and sc.tel_cnt.sum().item() == 0
     cfg = ScalingConfig(algo="max", telemetry_dump_every=5)
-    sc = DelayedScaler("W", cfg)
+    sc = impl.Scaler("W", cfg)
     for step in range(7):
         sc.set_step(step)
         sc.quantize(torch.randn(4, 4))
@@ -320,36 +335,41 @@ def test_stats_cadence_and_reset():
 
 
 # ------------------------------------------------------------------------------------------------ quantize path
-def test_quantize_uses_delayed_scale_and_replay_matches():
+def test_quantize_uses_delayed_scale_and_replay_matches(impl):
     from hif8qat.formats import hif8_qdq_scaled
 
     cfg = ScalingConfig(algo="max", history_len=4, interval=2)
-    sc = DelayedScaler("A", cfg)
+    sc = impl.Scaler("A", cfg)
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(8, 8, generator=gen) * m for m in (1, 3, 0.5, 10, 2, 2)]
     amaxes = [x.abs().max().item() for x in xs]
-    expected = replay(amaxes, cfg)
+    expected = impl.replay(amaxes, cfg)
     for x, scale in zip(xs, expected):
         y = sc.quantize(x)
         assert sc.last["scale"].item() == scale.item()
         torch.testing.assert_close(y, hif8_qdq_scaled(x, scale.item()), rtol=0, atol=0)
 
 
-def test_frozen_uses_last_scale_without_history_update():
-    sc = DelayedScaler("A", ScalingConfig(algo="most_recent"))
+def test_frozen_uses_last_scale_without_history_update(impl):
+    from hif8qat.formats import hif8_qdq_scaled
+
+    sc = impl.Scaler("A", ScalingConfig(algo="most_recent"))
     sc.quantize(torch.full((4,), 2.0))
     sc.quantize(torch.full((4,), 4.0))
     before = sc.state_dict()
     sc.freeze(True)
     scale = sc.scale.item()
-    sc.quantize(torch.full((4,), 100.0))
-    assert sc.last["scale"].item() == scale == s(2).item()
+    x = torch.linspace(-100, 100, 9)
+    assert torch.equal(sc.quantize(x), hif8_qdq_scaled(x, s(2)))
+    assert scale == s(2).item()
     after = sc.state_dict()
     assert torch.equal(before["history"], after["history"]) and torch.equal(before["total"], after["total"])
-    fresh = DelayedScaler("A", ScalingConfig())
+    fresh = impl.Scaler("A", ScalingConfig())
     fresh.freeze(True)
-    fresh.quantize(torch.full((4,), 3.0))  # never ran: cold scale from this tensor, nothing recorded
-    assert fresh.last["scale"].item() == s(3).item() and not fresh.initialized
+    x = torch.linspace(-3, 3, 7)
+    # never ran: cold scale from this tensor, nothing recorded
+    assert torch.equal(fresh.quantize(x), hif8_qdq_scaled(x, s(3))) and not fresh.initialized
+    assert fresh.history_values() == []
 
 
 class _NoSync:
@@ -389,9 +409,9 @@ class _NoSync:
 
 @pytest.mark.parametrize("algo", ["max", "most_recent", "mean"])
 @pytest.mark.parametrize("unit", ["call", "step"])
-def test_no_host_sync_per_call(algo, unit):
+def test_no_host_sync_per_call(algo, unit, impl):
     cfg = ScalingConfig(algo=algo, history_len=4, interval={0: 1, 2: 2}, history_unit=unit)
-    sc = DelayedScaler("A", cfg)
+    sc = impl.Scaler("A", cfg)
     x = torch.randn(32, 32)
     sc.quantize(x)  # warm up lazy imports / compiled kernels outside the guard
     with _NoSync():
@@ -402,9 +422,9 @@ def test_no_host_sync_per_call(algo, unit):
 
 
 @pytest.mark.gpu
-def test_no_host_sync_on_cuda():
+def test_no_host_sync_on_cuda(impl):
     cfg = ScalingConfig(algo="max", history_len=8, interval={0: 1, 2: 3})
-    sc = DelayedScaler("A", cfg, device="cuda")
+    sc = impl.Scaler("A", cfg, device="cuda")
     x = torch.randn(256, 256, device="cuda")
     sc.quantize(x)
     torch.cuda.synchronize()

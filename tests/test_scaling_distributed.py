@@ -1,4 +1,5 @@
-"""amax_reduce="max": two CPU processes (gloo) that see different amaxes end with identical scales."""
+"""amax_reduce="max": two CPU processes (gloo) that see different amaxes end with identical scales; frozen
+(evaluation) scalers never communicate, so one rank can evaluate alone."""
 
 import json
 import os
@@ -54,3 +55,55 @@ def test_amax_reduce_max_gives_identical_scales_across_ranks(tmp_path):
     assert len(r1["none"]["history"]) == 4 and len(r0["none"]["history"]) == 4
     # the reduced history is the elementwise max of what the ranks saw (rank 1 has the larger tensors)
     assert r0["max"]["scales"][0] == r1["none"]["scales"][0]
+
+
+def _frozen_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Both ranks train with amax_reduce=max, then only rank 0 evaluates with frozen scales."""
+    import datetime
+
+    os.environ["HIF8QAT_COMPILE"] = "0"
+    torch.set_num_threads(1)
+    # a frozen quantizer that still all-reduced would block here until this timeout, then fail
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from hif8qat.qlinear import convert_model, freeze_scales, quant_state_dict
+        from hif8qat.scaling import DelayedScaler, ScalingConfig
+
+        cfg = ScalingConfig(algo="max", history_len=4, amax_reduce="max")
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        convert_model(model, "mlp", None, cfg)
+        oracle, fresh = DelayedScaler("A", cfg), DelayedScaler("A", cfg)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(2):  # training: every rank, amaxes all-reduced
+            ids = torch.randint(0, 64, (2, 8), generator=gen)
+            model(ids, labels=ids).loss.backward()
+            oracle.quantize(torch.randn(8, 8, generator=gen) * (1 + rank))
+        state = quant_state_dict(model)
+        if rank == 0:  # evaluation on rank 0 only: must not wait for rank 1
+            freeze_scales(model, True)
+            oracle.freeze(True)
+            fresh.freeze(True)
+            with torch.no_grad():
+                for _ in range(3):
+                    model(torch.randint(0, 64, (2, 8), generator=gen))
+                    oracle.quantize(torch.randn(8, 8, generator=gen))
+                    fresh.quantize(torch.randn(8, 8, generator=gen))  # cold start while frozen: local amax
+            after = quant_state_dict(model)
+            assert all(torch.equal(state[k], after[k]) for k in state if not k.endswith(".meta"))
+        dist.barrier()
+        with open(os.path.join(out_dir, f"frozen{rank}.json"), "w") as fh:
+            json.dump({k: v.tolist() for k, v in state.items() if k.endswith(".history")}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_frozen_scalers_never_communicate(tmp_path):
+    mp.spawn(_frozen_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"frozen{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1 and r0  # the bank's amax_reduce=max made the training histories identical

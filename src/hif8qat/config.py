@@ -138,6 +138,7 @@ class TrainConfig:
     device: str = "auto"
     distributed: str = "ddp"
     compile: bool = False
+    activation_checkpointing: bool = False
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     # Optimizer steps with a non-finite gradient norm are skipped; one more in a row than this stops the run.

@@ -365,7 +365,7 @@ def _disable_compile(err: BaseException) -> None:
         )
 
 
-def _run_compiled(flags: dict, x, scale, rand, out):
+def _run_compiled(flags: dict, x, scale, rand, out, site: str = ""):
     """The compiled variant's result, or None when compilation is off, unavailable or has failed.
 
     A failure (no compiler, unsupported backend, ...) is caught at the call, remembered for the rest of
@@ -374,9 +374,12 @@ def _run_compiled(flags: dict, x, scale, rand, out):
     if not _compile_enabled() or x.numel() < _MIN_COMPILED_NUMEL or torch.compiler.is_compiling():
         return None
     out_mode = "none" if out is None else ("alias" if out.data_ptr() == x.data_ptr() else "out")
-    key = (*sorted(flags.items()), rand is not None, x.dtype, x.device.type, out_mode)
+    # site: callers running in another dispatch context (inside a custom op autograd keys are excluded,
+    # which dynamo guards on) get their own code object, hence their own recompile budget
+    key = (*sorted(flags.items()), rand is not None, x.dtype, x.device.type, out_mode, *((site,) if site else ()))
     try:
-        return _get_compiled(key, flags)(x, scale, rand, out)
+        with torch.no_grad():  # one grad mode for every caller: a grad-mode change would cost a recompile
+            return _get_compiled(key, flags)(x, scale, rand, out)
     except Exception as err:  # noqa: BLE001 - any compiler failure means: fall back to eager
         _disable_compile(err)
         return None
@@ -506,7 +509,7 @@ def _random_bits(n: int, device: torch.device, generator: torch.Generator | None
     return torch.randint(0, 1 << 23, (n,), dtype=torch.int32, device=device, generator=generator)
 
 
-def _dispatch(x, scale, rounding, generator, out, *, scaled, saturate, want_amax):
+def _dispatch(x, scale, rounding, generator, out, *, scaled, saturate, want_amax, site: str = ""):
     """Flatten, pick compiled or eager, and put the result where the caller wants it."""
     flags = {"scaled": scaled, "saturate": bool(saturate), "want_amax": want_amax}
     if x.numel() == 0:
@@ -519,7 +522,7 @@ def _dispatch(x, scale, rounding, generator, out, *, scaled, saturate, want_amax
     if direct and out.data_ptr() == x.data_ptr() and x.is_contiguous():
         of = xf  # in place: one tensor object, which the compiler handles as an input mutation
     rand = _random_bits(xf.numel(), x.device, generator) if rounding == "stochastic" else None
-    r = _run_compiled(flags, xf, scale, rand, of)
+    r = _run_compiled(flags, xf, scale, rand, of, site)
     if r is None:
         r = _eager(flags, xf, scale, rand, of)
     y, amax = r

@@ -1,26 +1,36 @@
 """HiF8 quantized linear layer and model conversion (contract: docs/design.md).
 
 ``HiF8Linear`` is an ``nn.Linear`` (same parameters ``weight`` / ``bias``, so ``state_dict()`` keys and
-``save_pretrained`` folders are those of the plain model) with three :class:`~hif8qat.scaling.DelayedScaler`
-submodules ``scaler_a``, ``scaler_w``, ``scaler_g`` whose state is kept out of the model's state dict.
+``save_pretrained`` folders are those of the plain model) with three quantizers A, W, G, which are rows of a
+:class:`~hif8qat.bank.ScalerBank`: one bank per converted model (a layer built on its own has a private
+one). The scaler state is kept out of the model's state dict (see :func:`quant_state_dict`).
 
 With quantization on, a custom autograd function computes::
 
     forward   y  = Q_A(x) Q_W(W)^T + b            (bias added in high precision, not quantized)
     backward  dX = Q_G(g) Q_W(W)
-              dW = Q_G(g)^T Q_A(x)                 (the forward's quantized A and W are saved and reused)
-              db = sum Q_G(g)                      (as the authors' HiF8GemmFunction does)
+              dW = Q_G(g)^T Q_A(x)                 (the forward's quantized A is saved; Q_W(W) is recomputed
+              db = sum Q_G(g)                       from W with the forward's scale, as the authors'
+                                                     HiF8GemmFunction uses it: bit-identical, and no full
+                                                     quantized weight lives from forward to backward, which
+                                                     matters under FSDP where W is re-gathered for backward)
 
-Q_A / Q_W use round-half-away (``ta``) and ``target_fwd``; Q_G uses ``grad_rounding`` and
-``target_bwd``. With quantization off the forward is exactly ``F.linear`` (identical outputs and
-gradients to ``nn.Linear``).
+Each Q is one call of the custom op ``hif8qat::bank_qdq`` (traceable: a whole-model ``torch.compile`` has
+no graph break from these layers). Q_A / Q_W use round-half-away (``ta``) and ``target_fwd``; Q_G uses
+``grad_rounding`` and ``target_bwd``. With quantization off the forward is exactly ``F.linear`` (identical
+outputs and gradients to ``nn.Linear``).
+
+Micro-batches: every quantizer runs once per forward/backward; the bank records the amaxes when the
+backward ends (or at the next call of a forward-only pass, or :func:`update_scales`). Activation
+checkpointing is safe: the recomputed forward reuses the forward's scales and records nothing; any other
+second call of a layer in one micro-batch raises :class:`~hif8qat.bank.QuantizerCalledTwice`.
 
 Autocast: under ``torch.autocast`` the quantizers see the incoming tensors as they are (the HiF8
 arithmetic is done in fp32 inside ``formats`` and the result is returned in the input's dtype), then
 the quantized A and W (and the bias) are cast to the autocast dtype and the matmul runs in that dtype
 with autocast disabled, i.e. exactly what autocast's own ``linear`` would do with the quantized
-operands. The backward runs its matmuls in the dtype of the saved operands (the autocast dtype) and
-returns gradients in the dtypes of x, W and b. Without autocast everything runs in the input dtype.
+operands. The backward runs its matmuls in that dtype and returns gradients in the dtypes of x, W and b.
+Without autocast everything runs in the input dtype.
 """
 
 from __future__ import annotations
@@ -38,11 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hif8qat.scaling import _TEL_CNT, _TEL_MAX, ROLES, DelayedScaler, ScalingConfig
+from hif8qat.bank import RECORD, RECORD_NO_GRAD, REPLAY, BankedScaler, ScalerBank, bank_qdq
+from hif8qat.scaling import _TEL_CNT, _TEL_MAX, ROLES, ScalingConfig
 
 SCOPES = ("mlp", "attn_mlp")
 QUANT_JSON = "hif8qat_quant.json"
 SCALERS_FILE = "hif8qat_scalers.safetensors"
+BANK_ATTR = "hif8qat_bank"  # the model-level bank's attribute on a converted model
 
 # Linear layers converted per scope: container segment + leaf name (Llama / SmolLM2 / Qwen / openPangu
 # use mlp.{gate,up,down}_proj and self_attn.{q,k,v,o}_proj; a few other common spellings are accepted).
@@ -58,29 +70,33 @@ _ATTN_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", 
 # --------------------------------------------------------------------------------------------------
 class _HiF8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module):
-        qa = module.scaler_a.quantize(x)
-        qw = module.scaler_w.quantize(weight)
+    def forward(ctx, x, weight, bias, bank_id, rows, mode):
+        qa = bank_qdq(x, bank_id, rows[0], mode)
+        qw = bank_qdq(weight, bank_id, rows[1], mode)
         dev = x.device.type
-        if torch.is_autocast_enabled(dev):
-            cdt = torch.get_autocast_dtype(dev)
+        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        if cdt is not None:
             qa, qw = qa.to(cdt), qw.to(cdt)
             b = bias.to(cdt) if bias is not None else None
             with torch.autocast(dev, enabled=False):
                 out = F.linear(qa, qw, b)
         else:
             out = F.linear(qa, qw, bias)
-        ctx.save_for_backward(qa, qw)
-        ctx.module = module
+        ctx.save_for_backward(qa, weight)
+        ctx.quant = (bank_id, rows, cdt)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        qa, qw = ctx.saved_tensors
+        qa, weight = ctx.saved_tensors
+        bank_id, rows, cdt = ctx.quant
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        qg = ctx.module.scaler_g.quantize(grad_out)
+        qg = bank_qdq(grad_out, bank_id, rows[2], RECORD)
+        qw = bank_qdq(weight, bank_id, rows[1], REPLAY)  # the forward's Q(W), recomputed
+        if cdt is not None:
+            qw = qw.to(cdt)
         if qg.dtype != qw.dtype:
             qg = qg.to(qw.dtype)
         dx = dw = db = None
@@ -90,15 +106,7 @@ class _HiF8LinearFn(torch.autograd.Function):
             dw = qg.reshape(-1, qg.shape[-1]).t().matmul(qa.reshape(-1, qa.shape[-1])).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = qg.reshape(-1, qg.shape[-1]).sum(0).to(b_dtype)
-        return dx, dw, db, None
-
-
-@torch.compiler.disable
-def _quantized_linear(x, weight, bias, module):
-    # The scalers keep Python-side bookkeeping (call counters, schedules) that a traced graph would bake
-    # in as constants: under torch.compile the quantized linear is a graph break and runs eagerly (the
-    # HiF8 kernel inside formats is compiled on its own).
-    return _HiF8LinearFn.apply(x, weight, bias, module)
+        return dx, dw, db, None, None, None
 
 
 class HiF8Linear(nn.Linear):
@@ -111,12 +119,19 @@ class HiF8Linear(nn.Linear):
         self.config.validate()
         self.quant_name = name
         self.quant_enabled = bool(enabled)
-        self._build_scalers(device)
+        self._own_bank(device)
 
-    def _build_scalers(self, device) -> None:
-        self.scaler_a = DelayedScaler("A", self.config, device=device)
-        self.scaler_w = DelayedScaler("W", self.config, device=device)
-        self.scaler_g = DelayedScaler("G", self.config, device=device)
+    def _own_bank(self, device) -> None:
+        bank = ScalerBank(self.config, ROLES, device=device)
+        bank.set_row_names([f"{self.quant_name or 'HiF8Linear'}.{r}" for r in ROLES])
+        self.hif8_bank = bank  # registered: follows the layer's device moves
+        self._attach(bank, (0, 1, 2))
+
+    def _attach(self, bank: ScalerBank, rows: tuple[int, int, int]) -> None:
+        object.__setattr__(self, "_bank", bank)  # not a submodule: the model's bank is registered once
+        self._rows = tuple(rows)
+        if "hif8_bank" in self._modules and self._modules["hif8_bank"] is not bank:
+            del self._modules["hif8_bank"]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: ScalingConfig | None = None, name: str = "",
@@ -126,19 +141,30 @@ class HiF8Linear(nn.Linear):
                   config=config, name=name, enabled=enabled)
         new.weight = linear.weight
         new.bias = linear.bias
-        new._build_scalers(linear.weight.device)
+        new._own_bank(linear.weight.device)
         new.train(linear.training)
         return new
 
-    def scalers(self) -> Iterator[tuple[str, DelayedScaler]]:
-        yield "A", self.scaler_a
-        yield "W", self.scaler_w
-        yield "G", self.scaler_g
+    @property
+    def bank(self) -> ScalerBank:
+        return self._bank
+
+    def scalers(self) -> Iterator[tuple[str, BankedScaler]]:
+        for role, row in zip(ROLES, self._rows):
+            yield role, BankedScaler(self._bank, row)
+
+    scaler_a = property(lambda self: BankedScaler(self._bank, self._rows[0]))
+    scaler_w = property(lambda self: BankedScaler(self._bank, self._rows[1]))
+    scaler_g = property(lambda self: BankedScaler(self._bank, self._rows[2]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quant_enabled:
             return F.linear(x, self.weight, self.bias)
-        return _quantized_linear(x, self.weight, self.bias, self)
+        # a pass without gradients ends its micro-batch at the next call (no backward will)
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
+                                            or (self.bias is not None and self.bias.requires_grad))
+        return _HiF8LinearFn.apply(x, self.weight, self.bias, self._bank.bank_id, self._rows,
+                                   RECORD if grad else RECORD_NO_GRAD)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, hif8={'on' if self.quant_enabled else 'off'}"
@@ -233,9 +259,24 @@ def convert_model(model: nn.Module, scope: str = "mlp", high_precision_blocks: A
         converted.append(full)
     if not converted:
         warnings.warn(f"convert_model: every block is high precision ({hp}); nothing converted", stacklevel=2)
+    else:
+        _build_bank(model, config)
     model._hif8qat_conversion = {"scope": scope, "high_precision_blocks": hp, "config": config.to_dict(),
                                  "converted": list(converted)}
     return converted
+
+
+def _build_bank(model: nn.Module, config: ScalingConfig) -> ScalerBank:
+    """One bank for every HiF8Linear of the model (rows in module order: A, W, G of each layer)."""
+    layers = list(hif8_linears(model))
+    device = layers[0][1].weight.device
+    bank = ScalerBank(config, [r for _ in layers for r in ROLES], device=device)
+    bank.set_row_names([f"{name}.{r}" for name, _ in layers for r in ROLES])
+    for i, (_, layer) in enumerate(layers):
+        layer._attach(bank, (3 * i, 3 * i + 1, 3 * i + 2))
+    if not isinstance(model, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):  # their children are entries
+        setattr(model, BANK_ATTR, bank)  # registered once: follows the model's device moves
+    return bank
 
 
 def hif8_linears(model: nn.Module) -> Iterator[tuple[str, HiF8Linear]]:
@@ -244,7 +285,14 @@ def hif8_linears(model: nn.Module) -> Iterator[tuple[str, HiF8Linear]]:
             yield name, mod
 
 
-def _scalers(model: nn.Module) -> Iterator[tuple[str, str, DelayedScaler]]:
+def _banks(model: nn.Module) -> list[ScalerBank]:
+    out: dict[int, ScalerBank] = {}
+    for _, mod in hif8_linears(model):
+        out.setdefault(id(mod.bank), mod.bank)
+    return list(out.values())
+
+
+def _scalers(model: nn.Module) -> Iterator[tuple[str, str, BankedScaler]]:
     for name, mod in hif8_linears(model):
         for role, sc in mod.scalers():
             yield name, role, sc
@@ -252,35 +300,54 @@ def _scalers(model: nn.Module) -> Iterator[tuple[str, str, DelayedScaler]]:
 
 def set_quantization(model: nn.Module, enabled: bool) -> None:
     """Switch HiF8 on/off; a layer switched from off to on resets its scalers (cold start)."""
+    resets: dict[int, tuple[ScalerBank, list[int]]] = {}
     for _, mod in hif8_linears(model):
         if enabled and not mod.quant_enabled:
-            for _, sc in mod.scalers():
-                sc.reset()
+            resets.setdefault(id(mod.bank), (mod.bank, []))[1].extend(mod._rows)
         mod.quant_enabled = bool(enabled)
+    for bank, rows in resets.values():
+        bank.reset(rows)
 
 
 def set_step(model: nn.Module, step: int) -> None:
     """Current optimizer step (drives schedules, history_unit=step and telemetry dump steps)."""
-    for _, _, sc in _scalers(model):
-        sc.set_step(step)
+    for bank in _banks(model):
+        bank.set_step(step)
 
 
 def freeze_scales(model: nn.Module, frozen: bool = True) -> None:
-    """Frozen: quantize with the current scales, no history update (hif8-mode evaluation)."""
-    for _, _, sc in _scalers(model):
-        sc.freeze(frozen)
+    """Frozen: quantize with the current scales, record nothing and never communicate (evaluation)."""
+    for bank in _banks(model):
+        bank.freeze(frozen)
+
+
+def update_scales(model: nn.Module) -> None:
+    """End the current micro-batch now: record the amaxes of the quantizers that ran since the last update.
+
+    A backward pass does this by itself when it ends; call it after a forward whose backward never runs.
+    """
+    for bank in _banks(model):
+        bank.update()
 
 
 # --------------------------------------------------------------------------------------------------
 # state
 # --------------------------------------------------------------------------------------------------
 def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Everything needed to resume the quantizers exactly: ``{layer}.{A|W|G}.{key}`` and ``{layer}.enabled``."""
+    """Everything needed to resume the quantizers exactly: ``{layer}.{A|W|G}.{key}`` and ``{layer}.enabled``.
+
+    Per-quantizer tensors in the reference scaler's format (exports written before the bank load as is).
+    """
     sd: dict[str, torch.Tensor] = {}
+    hosts: dict[int, dict[str, torch.Tensor]] = {}
     for name, mod in hif8_linears(model):
+        bank = mod.bank
+        if id(bank) not in hosts:
+            bank.update()
+            hosts[id(bank)] = bank._host()  # one device-to-host copy per table
         sd[f"{name}.enabled"] = torch.tensor(int(mod.quant_enabled), dtype=torch.int64)
-        for role, sc in mod.scalers():
-            for k, v in sc.state_dict().items():
+        for role, row in zip(ROLES, mod._rows):
+            for k, v in bank.row_state_dict(row, hosts[id(bank)]).items():
                 sd[f"{name}.{role}.{k}"] = v
     return sd
 
@@ -303,8 +370,12 @@ def load_quant_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], stri
     if strict and (missing or unexpected):
         raise KeyError(f"load_quant_state_dict: missing scalers {missing[:6]}{'...' if len(missing) > 6 else ''}"
                        f", unexpected keys {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}")
+    per_bank: dict[int, tuple[ScalerBank, dict[int, Mapping[str, torch.Tensor]]]] = {}
     for (name, role), state in grouped.items():
-        dict(layers[name].scalers())[role].load_state_dict(state)
+        layer = layers[name]
+        per_bank.setdefault(id(layer.bank), (layer.bank, {}))[1][layer._rows[ROLES.index(role)]] = state
+    for bank, states in per_bank.values():
+        bank.load_row_state_dicts(states)
     for name, v in enabled.items():
         layers[name].quant_enabled = bool(int(v))
 
@@ -321,28 +392,31 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
     overflow_count (elements with |x*s| >= 40960, on statistics calls), nonfinite_count (calls with a
     non-finite amax), amax_max, calls, stats_calls.
     """
-    by_role: dict[str, list[DelayedScaler]] = {}
-    for _, role, sc in _scalers(model):
-        by_role.setdefault(role, []).append(sc)
-    if not by_role:
+    banks = _banks(model)
+    if not banks:
         return {}
-    roles = sorted(by_role)
-    maxes = torch.stack([torch.stack([sc.tel_max for sc in by_role[r]]).amax(0) for r in roles])
-    cnts = torch.stack([torch.stack([sc.tel_cnt for sc in by_role[r]]).sum(0) for r in roles])
-    maxes_l, cnts_l = maxes.tolist(), cnts.tolist()
+    for bank in banks:
+        bank.update()
+    roles = sorted({r for bank in banks for r in bank.roles})
+    maxes, cnts = [], []
+    for r in roles:
+        rows = [(bank, torch.tensor([i for i, x in enumerate(bank.roles) if x == r], device=bank.device))
+                for bank in banks]
+        maxes.append(torch.stack([b.tel_max.index_select(0, ix).amax(0) for b, ix in rows]).amax(0))
+        cnts.append(torch.stack([b.tel_cnt.index_select(0, ix).sum(0) for b, ix in rows]).sum(0))
+    maxes_l, cnts_l = torch.stack(maxes).tolist(), torch.stack(cnts).tolist()
     out: dict[str, float] = {}
     for ri, r in enumerate(roles):
         for k, v in zip(_TEL_MAX, maxes_l[ri]):
             out[f"tel/{r}/{k}"] = float(v)
         for k, v in zip(_TEL_CNT, cnts_l[ri]):
             out[f"tel/{r}/{k}"] = float(v)
-        calls = [sc.telemetry_calls() for sc in by_role[r]]
-        out[f"tel/{r}/calls"] = float(sum(c for c, _ in calls))
-        out[f"tel/{r}/stats_calls"] = float(sum(s for _, s in calls))
+        out[f"tel/{r}/calls"] = float(sum(int(b.tel_calls[[x == r for x in b.roles]].sum()) for b in banks))
+        out[f"tel/{r}/stats_calls"] = float(sum(int(b.tel_stat_calls[[x == r for x in b.roles]].sum())
+                                                for b in banks))
     if reset:
-        for scs in by_role.values():
-            for sc in scs:
-                sc.reset_telemetry()
+        for bank in banks:
+            bank.reset_telemetry()
     return out
 
 
@@ -361,10 +435,12 @@ def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | Non
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
-    for name, role, sc in _scalers(model):
-        rec = {"step": sc._step if step is None else int(step), "layer": name, "role": role}
-        rec.update(sc.telemetry_record())
-        lines.append(json.dumps({k: _json_value(v) for k, v in rec.items()}))
+    records = {id(bank): bank.telemetry_records() for bank in _banks(model)}
+    for name, mod in hif8_linears(model):
+        for role, row in zip(ROLES, mod._rows):
+            rec = {"step": mod.bank.step if step is None else int(step), "layer": name, "role": role}
+            rec.update(records[id(mod.bank)][row])
+            lines.append(json.dumps({k: _json_value(v) for k, v in rec.items()}))
     with open(path, "a", encoding="utf-8") as fh:
         for line in lines:
             fh.write(line + "\n")
@@ -415,5 +491,5 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
 __all__ = [
     "SCOPES", "HiF8Linear", "convert_model", "dump_telemetry", "find_transformer_blocks", "freeze_scales",
     "hif8_linears", "load_quant_export", "load_quant_state_dict", "parse_high_precision_blocks",
-    "quant_state_dict", "save_quant_export", "set_quantization", "set_step", "step_telemetry",
+    "quant_state_dict", "save_quant_export", "set_quantization", "set_step", "step_telemetry", "update_scales",
 ]

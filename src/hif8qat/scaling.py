@@ -453,6 +453,33 @@ class ExpSmoothForecaster:
                        if not math.isnan(v)}
 
 
+def _exp_smooth_block(forecaster: ExpSmoothForecaster, window: list[float], new: int, cur_est: float,
+                      target: float, k: int) -> tuple[list[float], list[float]]:
+    """Estimates and scales (python floats) of one exp_smooth refresh of horizon ``k``.
+
+    ``window``: the scaler's history (oldest first); ``new``: entries appended since the last refresh
+    (fed to the forecaster); ``cur_est``: the current estimate, kept while the history has nothing usable.
+    """
+    new = min(new, len(window))
+    if new > 0:
+        forecaster.observe(window[len(window) - new:])
+    if not window or max(window) <= 0:  # nothing usable yet: keep the previous estimate
+        est = [cur_est] * k
+        return est, [target / (e + EPS) for e in est]
+    est = forecaster.forecast(window, k)
+    med = float(np.median(np.asarray(window)))
+    if med <= 0:
+        med = max(window)
+    s_med = target / (med + EPS)
+    lo, hi = 0.01 * s_med, min(100.0 * s_med, 1e8)
+    scales = []
+    for i, e in enumerate(est):
+        if not math.isfinite(e) or e <= 0:
+            est[i] = e = med
+        scales.append(min(max(target / (e + EPS), lo), hi))
+    return est, scales
+
+
 # --------------------------------------------------------------------------------------------------
 # the scaler
 # --------------------------------------------------------------------------------------------------
@@ -656,25 +683,9 @@ class DelayedScaler(nn.Module):
         total = int(self.total.item())
         if self._forecaster is None:
             self._forecaster = ExpSmoothForecaster(self._es_params)
-        new = min(total - self._seen_total, len(window))
-        if new > 0:
-            self._forecaster.observe(window[len(window) - new:])
+        est, scales = _exp_smooth_block(self._forecaster, window, total - self._seen_total,
+                                        float(self._cur_est.item()), self.target, k)
         self._seen_total = total
-        if not window or max(window) <= 0:  # nothing usable yet: keep the previous estimate
-            est = [float(self._cur_est.item())] * k
-            scales = [self.target / (e + EPS) for e in est]
-        else:
-            est = self._forecaster.forecast(window, k)
-            med = float(np.median(np.asarray(window)))
-            if med <= 0:
-                med = max(window)
-            s_med = self.target / (med + EPS)
-            lo, hi = 0.01 * s_med, min(100.0 * s_med, 1e8)
-            scales = []
-            for i, e in enumerate(est):
-                if not math.isfinite(e) or e <= 0:
-                    est[i] = e = med
-                scales.append(min(max(self.target / (e + EPS), lo), hi))
         self._set_block(torch.tensor(est, dtype=torch.float64, device=dev),
                         torch.tensor(scales, dtype=torch.float32, device=dev))
 
@@ -696,8 +707,8 @@ class DelayedScaler(nn.Module):
     def _begin_call(self, cold_amax: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick (scale, estimate) for this call, before its amax is known."""
         if self._frozen:
-            if not self._initialized:  # never ran: cold start from this tensor, no state change
-                est = self._cold_estimate(self._reduce(cold_amax()))
+            if not self._initialized:  # never ran: cold start from this tensor (local: frozen never communicates)
+                est = self._cold_estimate(cold_amax().to(torch.float32))
                 return self._scale_of(est), est
             return self._cur_scale, self._cur_est
         step = self._step
@@ -731,8 +742,9 @@ class DelayedScaler(nn.Module):
 
     def _end_call(self, amax: torch.Tensor, est: torch.Tensor, scale: torch.Tensor,
                   x: torch.Tensor | None) -> None:
-        """Record this call's amax (history + telemetry)."""
-        amax = self._reduce(amax)
+        """Record this call's amax (history + telemetry). Frozen scalers do not all-reduce: evaluation may run
+        on one rank only."""
+        amax = amax.to(torch.float32) if self._frozen else self._reduce(amax)
         finite = amax < math.inf  # amax >= 0 or NaN: false for NaN and inf
         if not self._frozen:
             if self._step_mode:

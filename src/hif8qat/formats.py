@@ -516,9 +516,11 @@ def _dispatch(x, scale, rounding, generator, out, *, scaled, saturate, want_amax
         y = out if out is not None else torch.empty_like(x)
         amax = torch.zeros((), dtype=torch.float32, device=x.device) if want_amax else None
         return y, amax
-    xf = x.contiguous().view(-1)
+    # detached flat tensors without a view base: the compiled kernels' guards then see neither the caller's
+    # shape nor its requires_grad (a weight, an activation and a gradient share one compiled variant)
+    xf = x.contiguous().view(-1).detach()
     direct = out is not None and out.is_contiguous()
-    of = out.view(-1) if direct else None
+    of = out.view(-1).detach() if direct else None
     if direct and out.data_ptr() == x.data_ptr() and x.is_contiguous():
         of = xf  # in place: one tensor object, which the compiler handles as an input mutation
     rand = _random_bits(xf.numel(), x.device, generator) if rounding == "stochastic" else None
@@ -802,9 +804,11 @@ def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool, site: st
     if x.numel() == 0:
         y = out if out is not None else torch.empty_like(x)
         return y, (torch.zeros((), dtype=torch.float32, device=x.device) if want_amax else None)
-    xf = x.contiguous().view(-1)
+    # detached flat tensors without a view base: the compiled kernels' guards then see neither the caller's
+    # shape nor its requires_grad (a weight, an activation and a gradient share one compiled variant)
+    xf = x.contiguous().view(-1).detach()
     direct = out is not None and out.is_contiguous()
-    of = out.view(-1) if direct else None
+    of = out.view(-1).detach() if direct else None
     if direct and out.data_ptr() == x.data_ptr() and x.is_contiguous():
         of = xf
     y, amax = _fp8_run(flags, xf, scale, of, site)

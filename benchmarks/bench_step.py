@@ -15,6 +15,7 @@ by side in this run:
     python benchmarks/bench_step.py --threads 1                      # ~20M-parameter Llama, fp32 eager
     python benchmarks/bench_step.py --model smollm2 --compile --threads 1
     python benchmarks/bench_step.py --model llama1b --device cuda --autocast bf16 --compile --json
+    python benchmarks/bench_step.py --threads 1 --format hybrid --algo current   # FP8, just-in-time scales
 
 ``--model llama1b`` is a randomly initialised Llama with openPangu-Embedded-1B-like shapes (26 blocks,
 hidden 1536, GQA 12 q / 6 kv heads, intermediate 6144, vocabulary 153,376). On a machine shared with other
@@ -87,7 +88,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--autocast", default="none", choices=("none", "bf16"))
     ap.add_argument("--compile", action="store_true", help="torch.compile both whole models")
-    ap.add_argument("--algo", default="max")
+    ap.add_argument("--algo", default="max", help="quant.algo, e.g. max or current (just-in-time scaling)")
+    ap.add_argument("--format", default="hif8", choices=("hif8", "e4m3", "e5m2", "hybrid"), help="quant.format")
     ap.add_argument("--scope", default="mlp", choices=("mlp", "attn_mlp"))
     ap.add_argument("--no-counts", action="store_true", help="skip the aten-op and graph-break counts")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave torch's default)")
@@ -104,7 +106,8 @@ def main(argv=None) -> dict:
 
     base = build_model(args.model).float().train().to(dev)
     quant = copy.deepcopy(base)
-    converted = convert_model(quant, args.scope, None, ScalingConfig(algo=args.algo, history_len=64))
+    converted = convert_model(quant, args.scope, None,
+                              ScalingConfig(algo=args.algo, history_len=64, format=args.format))
     n_params = sum(p.numel() for p in base.parameters())
     eager = {"plain": base, "qat": quant}
     vocab = base.config.vocab_size
@@ -152,6 +155,7 @@ def main(argv=None) -> dict:
         "model": args.model, "device": args.device, "params_M": round(n_params / 1e6, 1),
         "converted": len(converted), "scope": args.scope, "batch": args.batch, "seq": args.seq,
         "autocast": args.autocast, "compile": args.compile, "threads": torch.get_num_threads(),
+        "format": args.format, "algo": args.algo,
         "repeats": args.repeats, "torch": torch.__version__,
         "plain_s": round(med["plain"], 4), "qat_s": round(med["qat"], 4), "hif8_s": round(med["qat"], 4),
         "ratio": round(med["qat"] / med["plain"], 3),
@@ -163,7 +167,8 @@ def main(argv=None) -> dict:
     if args.json:
         print(json.dumps(result))
         return result
-    print(f"{args.model} ({result['params_M']}M params, {len(converted)} {args.scope} linears converted) on "
+    print(f"{args.model} ({result['params_M']}M params, {len(converted)} {args.scope} linears converted, "
+          f"{args.format} {args.algo}) on "
           f"{args.device}, batch {args.batch} x {args.seq}, autocast={args.autocast}, compile={args.compile}, "
           f"{result['threads']} threads, median of {args.repeats}")
     print(f"  step time       plain {med['plain'] * 1e3:8.1f} ms   qat {med['qat'] * 1e3:8.1f} ms   "

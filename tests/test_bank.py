@@ -97,10 +97,18 @@ CONFIGS = [
     ScalingConfig(algo={0: "most_recent", 2: "exp_smooth"}, history_len=30, interval={0: 1, 2: 3}),
     ScalingConfig(algo="mean", history_len=3, interval=2, history_unit="step"),
     ScalingConfig(algo={0: "most_recent", 3: "max"}, history_len=5, history_unit="step", grad_rounding="stochastic"),
+    # FP8 (E4M3 for A/W, E5M2 for G; a margin) and just-in-time scaling, alone and as a phase of a schedule
+    ScalingConfig(format="hybrid", algo="max", history_len=4),
+    ScalingConfig(format="e5m2", margin=2, algo={0: "most_recent", 2: "exp_smooth"}, history_len=30,
+                  interval={0: 1, 2: 3}),
+    ScalingConfig(algo="current", history_len=4),
+    ScalingConfig(format="hybrid", algo={0: "max", 2: "current", 4: "most_recent"}, history_len=5,
+                  history_unit="step", interval=2),
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["max", "mr_es_interval", "mean_step", "step_stochastic"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["max", "mr_es_interval", "mean_step", "step_stochastic", "hybrid_max",
+                                              "e5m2_margin_es", "current", "hybrid_current_phase_step"])
 def test_model_training_matches_reference_scalers_bitwise(cfg):
     """Losses, gradients and every scaler's state equal the per-scaler reference, with gradient
     accumulation, a BF16 warmup step (QAT switched on at step 1), schedules and a state round trip."""
@@ -145,10 +153,14 @@ def test_model_training_matches_reference_scalers_bitwise(cfg):
                     assert same(v, qsd[f"{name}.{role}.{k}"]), (name, role, k)
 
 
-def test_many_rows_with_uneven_calls_match_one_reference_scaler_each():
+@pytest.mark.parametrize("cfg", [
+    ScalingConfig(algo={0: "max", 4: "exp_smooth", 9: "mean"}, history_len=6, interval={0: 1, 4: 3}),
+    ScalingConfig(format="hybrid", algo={0: "max", 4: "current", 9: "exp_smooth", 15: "current"}, history_len=6,
+                  interval={0: 1, 9: 2}),
+], ids=["hif8", "hybrid_current"])
+def test_many_rows_with_uneven_calls_match_one_reference_scaler_each(cfg):
     """Rows that skip micro-batches (disabled layers, no backward) keep their own timeline exactly."""
     rng = random.Random(5)
-    cfg = ScalingConfig(algo={0: "max", 4: "exp_smooth", 9: "mean"}, history_len=6, interval={0: 1, 4: 3})
     roles = ["A", "W", "G", "A", "G", "W"]
     bank = ScalerBank(cfg, roles)
     refs = [DelayedScaler(r, cfg) for r in roles]
@@ -178,9 +190,11 @@ def test_many_rows_with_uneven_calls_match_one_reference_scaler_each():
 
 
 # ------------------------------------------------------------------------------------------------ traceability
-def test_whole_model_compile_has_no_graph_break_from_quantized_linears():
+@pytest.mark.parametrize("cfg", [ScalingConfig(), ScalingConfig(format="hybrid"), ScalingConfig(algo="current")],
+                         ids=["hif8", "hybrid", "current"])
+def test_whole_model_compile_has_no_graph_break_from_quantized_linears(cfg):
     m = tiny_llama()
-    convert_model(m, "attn_mlp", None, ScalingConfig())
+    convert_model(m, "attn_mlp", None, cfg)
     ids = torch.randint(0, 96, (2, 8))
 
     def train_forward(ids):

@@ -253,7 +253,7 @@ def test_step_telemetry_and_dump(tmp_path):
     for role in "AWG":
         assert tel[f"tel/{role}/calls"] == 2 * len(names)
         assert tel[f"tel/{role}/amax_ratio_max"] >= 1.0  # cold start = exactly 1 on the first call
-        assert tel[f"tel/{role}/overflow_count"] == 0
+        assert tel[f"tel/{role}/clipped_count"] == 0
     assert step_telemetry(m)["tel/A/calls"] == 0  # reset by the previous call
 
 

@@ -1,5 +1,5 @@
 """quant.format / quant.margin / quant.algo=current: validation, the beyond-the-paper experiments, and the
-guard that keeps the delayed scaler from running settings it does not implement."""
+delayed scaler running every format and ``current``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hif8qat.config import ConfigError, RunConfig
-from hif8qat.errors import RunError
-from hif8qat.formats import target_for
+from hif8qat.formats import current_scale, qdq_scaled_amax, target_for
 from hif8qat.scaling import DelayedScaler, ScalingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,12 +79,13 @@ def test_beyond_the_paper_experiments(exp, parent, baseline, format_, algo):
     assert targets == ([448.0, 448.0, 57344.0] if format_ == "hybrid" else [15.0, 15.0, 15.0])
 
 
-@pytest.mark.parametrize("kw", [{"format": "e4m3"}, {"format": "hybrid"}, {"algo": "current"},
-                                {"algo": {0: "max", 10: "current"}}])
-def test_delayed_scaler_refuses_what_it_does_not_implement(kw):
-    with pytest.raises(RunError, match="quant.format=hif8"):
-        DelayedScaler("A", ScalingConfig(**kw))
-    DelayedScaler("A", ScalingConfig()).quantize(torch.ones(4))  # the HiF8 delayed path is unchanged
+@pytest.mark.parametrize("kw,fmt,target", [({"format": "e4m3"}, "e4m3", 448.0), ({"format": "hybrid"}, "e4m3", 448.0),
+                                           ({"algo": "current"}, "hif8", 15.0),
+                                           ({"algo": {0: "max", 10: "current"}}, "hif8", 15.0)])
+def test_the_delayed_scaler_runs_every_format_and_current(kw, fmt, target):
+    x = torch.randn(64) * 3
+    y = DelayedScaler("A", ScalingConfig(**kw)).quantize(x)  # the first call: a cold start from x's own amax
+    assert torch.equal(y, qdq_scaled_amax(x, current_scale(x.abs().max(), target), fmt)[0])
 
 
 def test_old_configs_without_the_new_fields_load_as_hif8():

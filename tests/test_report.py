@@ -99,7 +99,7 @@ def test_telemetry_summary():
     assert ts.loc["A", "frac_steps_ratio_gt1"] == pytest.approx(0.5)
     assert ts.loc["A", "max_ratio"] == pytest.approx(2.0)
     assert ts.loc["A", "frac_calls_ratio_gt1"] == pytest.approx(5 / 40)
-    assert ts.loc["A", "overflow_total"] == 5
+    assert ts.loc["A", "clipped_total"] == 5  # a log written before FP8: its overflow_count
     assert ts.loc["G", "frac_steps_ratio_gt1"] == 0.0
 
 
@@ -220,8 +220,8 @@ def test_build_report_structure(tmp_path):
     rep = report.build_report(runs, "smoke", tmp_path / "tables", tmp_path / "figures", n_boot=1000)
     t = rep["tables"]
     assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke", "replay_smoke",
-                      "ablations_smoke", "vs_base_smoke", "seeds_smoke", "seed_null_smoke", "claims_smoke",
-                      "mde_smoke", "anchor"}
+                      "ablations_smoke", "scaling_pairs_smoke", "vs_base_smoke", "seeds_smoke", "seed_null_smoke",
+                      "claims_smoke", "mde_smoke", "anchor"}
     assert t["replay_smoke"].empty  # no exported scaler state in these fake runs
     # exp8 derives from exp7: the ablation is the bf16-mode drop, and against the base model exp7 is unchanged.
     abl = t["ablations_smoke"].iloc[0]

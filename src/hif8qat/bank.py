@@ -1,4 +1,4 @@
-"""Scaler bank: the delayed-scaling state of every HiF8 quantizer of a model in one table.
+"""Scaler bank: the delayed-scaling state of every 8-bit quantizer of a model in one table.
 
 Same semantics as :class:`hif8qat.scaling.DelayedScaler` (the reference kept for tests; see its module
 docstring for the rules), organised for speed and for ``torch.compile``:
@@ -25,6 +25,17 @@ the forward's scale and records nothing. Any other second call in one micro-batc
 (``record=False``) instead of keeping the quantized weight alive from forward to backward.
 
 Frozen (evaluation) banks read their scales and record nothing, so they never communicate.
+
+Formats. Each row quantizes to the element format of its role under ``config.format``
+(:func:`hif8qat.formats.element_format`: ``hybrid`` is E4M3 for A and W, E5M2 for G) with that format's
+target (:func:`hif8qat.formats.target_for`: HiF8 15, FP8 max / 2^margin) and clipped-value count (HiF8:
+``|x*s| >= 40960``, FP8: ``|x*s| > max``).
+
+Just-in-time scaling (``algo="current"``, also as a phase of a schedule): every call is a cold start, the
+scale comes from the tensor's own amax (one amax pass, then the cast), computed locally (no collective per
+call; the history still receives the amaxes, all-reduced by ``amax_reduce`` at the end of the micro-batch, so
+telemetry and a later switch to a delayed estimator work). Frozen banks keep doing so: an evaluation of a
+``current`` run scales every tensor from its own amax.
 """
 
 from __future__ import annotations
@@ -48,10 +59,9 @@ from hif8qat.scaling import (
     _META,
     _TEL_CNT,
     _TEL_MAX,
+    ALGOS,
     EPS,
-    ESTIMATORS,
     EXP_SMOOTH_PARAMS,
-    OVERFLOW_THRESHOLD,
     ROLES,
     ExpSmoothForecaster,
     ExpSmoothParams,
@@ -72,9 +82,25 @@ def _hif8_kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: 
                              site="bank")
 
 
-# Quantize kernels by format: ``kernel(x, scale, rounding, saturate, want_amax) -> (y, amax or None)`` with
-# ``scale`` a 0-d float32 tensor (x's device). Another 8-bit format plugs in here with its own target.
-FORMATS = {"hif8": _hif8_kernel}
+def _fp8_kernel(fmt: str):
+    def kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: bool, want_amax: bool):
+        """Fused saturating FP8 ``qdq(x * scale) / scale`` (+ ``max|x|``); rounding is always nearest-even
+        (the config refuses another one for FP8) and the cast always saturates."""
+        return formats._fp8_dispatch(x, scale, fmt, None, scaled=True, want_amax=want_amax, site="bank")
+    return kernel
+
+
+# Quantize kernels by element format: ``kernel(x, scale, rounding, saturate, want_amax) -> (y, amax or None)``
+# with ``scale`` a 0-d float32 tensor (x's device). Targets and clip thresholds come from formats.FORMATS.
+FORMATS = {"hif8": _hif8_kernel, "e4m3": _fp8_kernel("e4m3"), "e5m2": _fp8_kernel("e5m2")}
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as a 0-d float32 tensor in one pass (aminmax: |x| is never materialised); 0 for an empty x."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    mn, mx = torch.aminmax(x.detach())
+    return torch.maximum(mx.float(), -mn.float())
 
 
 class QuantizerCalledTwice(RunError):
@@ -124,12 +150,8 @@ class ScalerBank(nn.Module):
     """
 
     def __init__(self, config: ScalingConfig | None = None, roles: Sequence[str] = ROLES, *,
-                 device: torch.device | str | None = None, fmt: str = "hif8"):
+                 device: torch.device | str | None = None):
         super().__init__()
-        if fmt not in FORMATS:
-            raise ValueError(f"ScalerBank: fmt={fmt!r} is invalid; allowed: {sorted(FORMATS)}")
-        self.fmt = fmt
-        self._kernel = FORMATS[fmt]
         config = config if config is not None else ScalingConfig()
         config.validate()
         bad = [r for r in roles if r not in ROLES]
@@ -143,7 +165,12 @@ class ScalerBank(nn.Module):
         self._interval_sched = config.interval_schedule()
         self._step_mode = config.history_unit == "step"
         self._kmax = max(k for _, k in self._interval_sched) if config.uses("exp_smooth") else 1
-        self._targets = [float(config.target_bwd if r == "G" else config.target_fwd) for r in self.roles]
+        self._uses_current = config.uses("current")
+        self.formats = [formats.element_format(config.format, r) for r in self.roles]  # element format per row
+        self._kernels = [FORMATS[f] for f in self.formats]
+        specs = [formats.format_spec(f) for f in self.formats]
+        self._clip = [(s.clip_threshold, s.clip_inclusive) for s in specs]
+        self._targets = [formats.target_for(config, r) for r in self.roles]
         self._rounding = [config.grad_rounding if r == "G" else "ta" for r in self.roles]
         self._is_g = np.array([r == "G" for r in self.roles])
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -162,7 +189,7 @@ class ScalerBank(nn.Module):
         self.tel_max = torch.zeros(n, 3, dtype=f64, device=dev)
         self.tel_cnt = torch.zeros(n, 3, dtype=i64, device=dev)
         self.last_vals = torch.full((n, 4), math.nan, dtype=f64, device=dev)  # amax, estimate, ratio, scale
-        self.last_stats = torch.full((n, 2), math.nan, dtype=f64, device=dev)  # exceed_frac, overflow
+        self.last_stats = torch.full((n, 2), math.nan, dtype=f64, device=dev)  # exceed_frac, clipped
         self._views()
         self.step = 0
         self.frozen = False
@@ -288,20 +315,25 @@ class ScalerBank(nn.Module):
     def observe(self, row: int, amax: torch.Tensor) -> torch.Tensor:
         """A call with a known amax and no tensor (replay); returns the scale it used."""
         a = amax.to(device=self.device, dtype=torch.float32).reshape(())
-        self._begin(row, RECORD_NO_GRAD, lambda: a)
+        self._begin(row, RECORD_NO_GRAD, lambda: a, self._current_now())
         scale = self._scale_rows[row].clone()
         self._amax_rows[row].copy_(a)
         self._mb_calls[row] += 1
         return scale
 
     def _record_call(self, x: torch.Tensor, row: int, mode: int) -> torch.Tensor:
-        self._begin(row, mode, lambda: x.detach().abs().amax().to(torch.float32))
+        own = None
+        if self._current_now():  # just in time: the amax pass first, then the cast with the scale from it
+            own = _amax(x)
+            self._begin(row, mode, lambda: own, True)
+        else:
+            self._begin(row, mode, lambda: x.detach().abs().amax().to(torch.float32))
         c = self.config
         stats = ((c.telemetry_stats_every > 0 and self.calls[row] % c.telemetry_stats_every == 0)
                  or (c.telemetry_dump_every > 0 and self.step % c.telemetry_dump_every == 0))
         scale = self._scale_rows[row]
-        y, amax = self._kernel(x, scale, self._rounding[row], c.saturate, True)
-        self._amax_rows[row].copy_(amax)
+        y, amax = self._kernels[row](x, scale, self._rounding[row], c.saturate, own is None)
+        self._amax_rows[row].copy_(amax if own is None else own)
         self._mb_calls[row] += 1
         if stats:
             self._stats(x, row, scale)
@@ -311,13 +343,20 @@ class ScalerBank(nn.Module):
         return y
 
     def _qdq(self, x, row, scale):
-        return self._kernel(x, scale, self._rounding[row], self.config.saturate, False)[0]
+        return self._kernels[row](x, scale, self._rounding[row], self.config.saturate, False)[0]
+
+    def _current_now(self) -> bool:
+        """Whether the algorithm at the current step is just-in-time scaling."""
+        return self._uses_current and _lookup(self._algo_sched, self.step) == "current"
+
+    just_in_time = property(_current_now, doc="Whether calls at the current step scale from their own amax.")
 
     def _call_scale(self, x, row) -> torch.Tensor:
-        """Frozen: the row's scale; a row that never ran takes a cold scale from this tensor (local amax)."""
-        if self.initialized[row]:
+        """Frozen: the row's scale; a row that never ran, or any row under ``current``, takes the scale from
+        this tensor's own amax (local)."""
+        if self.initialized[row] and not self._current_now():
             return self._scale_rows[row]
-        est = self._cold_estimate(x.detach().abs().amax().to(torch.float32))
+        est = self._cold_estimate(_amax(x))
         return torch.div(self._targets[row], est + EPS).to(torch.float32)
 
     @staticmethod
@@ -331,19 +370,24 @@ class ScalerBank(nn.Module):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         return amax
 
-    def _begin(self, row: int, mode: int, cold_amax) -> None:
-        """Pick the row's scale for this call (before its amax is known)."""
+    def _begin(self, row: int, mode: int, cold_amax, current: bool = False) -> None:
+        """Pick the row's scale for this call (before its amax is known; ``current``: from ``cold_amax``)."""
         if not self._mb_open:
             self._mb_open = True
             self._mb_grad = mode == RECORD
         if not self._prepared[row]:  # a training micro-batch prepares the gradient rows too (one pass)
             self._prepare(row, both=mode == RECORD)
-        if not self.initialized[row]:  # cold start from this call's own (reduced) amax; opens a block
-            est = self._cold_estimate(self._reduce_(cold_amax().reshape(1)).reshape(()))
+        if current or not self.initialized[row]:
+            # cold start from this call's own amax (reduced across ranks; opens a block), or just-in-time
+            # scaling: a cold start on every call, from the local amax (no collective per call)
+            a = cold_amax().reshape(())
+            est = self._cold_estimate(a if current else self._reduce_(a.reshape(1)).reshape(()))
             self.est[row] = est
             self._scale_rows[row].copy_(torch.div(self._targets[row], est + EPS).to(torch.float32))
+            if current and self.initialized[row]:
+                return
             self.initialized[row] = True
-            self.block_algo[row] = ESTIMATORS.index(_lookup(self._algo_sched, self.step))
+            self.block_algo[row] = ALGOS.index(_lookup(self._algo_sched, self.step))
             self.block_len[row] = _lookup(self._interval_sched, self.step)
             self.block_j[row] = 0
             self.blk_size[row] = 1
@@ -368,7 +412,7 @@ class ScalerBank(nn.Module):
                           "fc": None}
         step = self.step
         algo = _lookup(self._algo_sched, step)
-        ai, k = ESTIMATORS.index(algo), _lookup(self._interval_sched, step)
+        ai, k = ALGOS.index(algo), _lookup(self._interval_sched, step)
         init = group & self.initialized
         new_unit = np.ones(self.n, dtype=bool)
         if self._step_mode:
@@ -381,7 +425,8 @@ class ScalerBank(nn.Module):
                 self.pending_valid = self.pending_valid & ~m
             self.pending_step[group] = step
         live = init & new_unit
-        refresh = live & ((self.block_algo != ai) | (self.block_len != k) | (self.block_j + 1 >= self.block_len))
+        refresh = live & ((self.block_algo != ai) | (self.block_len != k) | (self.block_j + 1 >= self.block_len)
+                          | (algo == "current"))  # under current every unit opens a block: the call sets the scale
         advance = live & ~refresh
         self.block_j[advance] += 1
         self.block_j[refresh] = 0
@@ -391,6 +436,8 @@ class ScalerBank(nn.Module):
         if refresh.any():
             if algo == "exp_smooth":
                 self._refresh_exp_smooth(refresh, k)
+            elif algo == "current":
+                self.blk_size[refresh] = 1
             else:
                 self.blk_size[refresh] = 1
                 est = self._history_estimate(algo)
@@ -505,10 +552,11 @@ class ScalerBank(nn.Module):
     def _stats(self, x: torch.Tensor, row: int, scale: torch.Tensor) -> None:
         ax = x.detach().abs().to(torch.float32).mul_(scale)
         exceed = (ax > self._targets[row]).to(torch.float32).mean().to(torch.float64)
-        overflow = (ax >= OVERFLOW_THRESHOLD).sum()
+        threshold, inclusive = self._clip[row]  # formats.clipped_count's rule, on the |x*s| computed here
+        clipped = (ax >= threshold if inclusive else ax > threshold).sum()
         self.tel_max[row, 1] = torch.fmax(self.tel_max[row, 1], exceed)
-        self.tel_cnt[row, 1] += overflow
-        self.last_stats[row] = torch.stack((exceed, overflow.to(torch.float64)))
+        self.tel_cnt[row, 1] += clipped
+        self.last_stats[row] = torch.stack((exceed, clipped.to(torch.float64)))
         self.tel_stat_calls[row] += 1
 
     # -- telemetry -----------------------------------------------------------------------------------
@@ -534,12 +582,12 @@ class ScalerBank(nn.Module):
         out = []
         for r, v in enumerate(host):
             rec: dict[str, Any] = {k: (None if math.isnan(x) else x) for k, x in
-                                   zip(("amax", "estimate", "ratio", "scale", "exceed_frac", "overflow"), v[:6])}
+                                   zip(("amax", "estimate", "ratio", "scale", "exceed_frac", "clipped"), v[:6])}
             rec.update({k: float(x) for k, x in zip(_TEL_MAX, v[6:9])})
             rec.update({k: int(x) for k, x in zip(_TEL_CNT, v[9:12])})
             rec.update(calls=int(self.tel_calls[r]), stats_calls=int(self.tel_stat_calls[r]),
                        history_count=min(int(v[12]), L),
-                       algo=ESTIMATORS[self.block_algo[r]] if self.block_algo[r] >= 0 else "",
+                       algo=ALGOS[self.block_algo[r]] if self.block_algo[r] >= 0 else "", format=self.formats[r],
                        interval=int(self.block_len[r]))
             out.append(rec)
         return out
@@ -627,8 +675,8 @@ class ScalerBank(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"quantizers={self.n}, algo={c.algo}, history_len={c.history_len}, interval={c.interval}, "
-                f"unit={c.history_unit}, amax_reduce={c.amax_reduce}")
+        return (f"quantizers={self.n}, format={c.format}, algo={c.algo}, history_len={c.history_len}, "
+                f"interval={c.interval}, unit={c.history_unit}, amax_reduce={c.amax_reduce}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -662,6 +710,7 @@ class BankedScaler:
     role = property(lambda self: self.bank.roles[self.row])
     config = property(lambda self: self.bank.config)
     target = property(lambda self: self.bank._targets[self.row])
+    fmt = property(lambda self: self.bank.formats[self.row])
     history = property(lambda self: self.bank.history[self.row])
     total = property(lambda self: self.bank.total[self.row])
     tel_max = property(lambda self: self.bank.tel_max[self.row])
@@ -676,7 +725,7 @@ class BankedScaler:
     @property
     def last(self) -> dict[str, torch.Tensor]:
         v = torch.cat((self.bank.last_vals[self.row], self.bank.last_stats[self.row]))
-        return dict(zip(("amax", "estimate", "ratio", "scale", "exceed_frac", "overflow"), v.unbind()))
+        return dict(zip(("amax", "estimate", "ratio", "scale", "exceed_frac", "clipped"), v.unbind()))
 
     def set_step(self, step: int) -> None:
         self.bank.set_step(step)

@@ -3,10 +3,14 @@
 Modes
 -----
 ``bf16``  the saved weights without quantization, as the authors evaluated (their vLLM run used BF16).
-``hif8``  HiF8 W8A8 simulated inference: the plain model is re-converted from ``hif8qat_quant.json`` by
-          :func:`hif8qat.qlinear.load_quant_export`, which restores the scalers' final state, and the scales
-          are frozen (:func:`hif8qat.qlinear.freeze_scales`): every quantized linear uses the last scales
-          of training, with no history update during evaluation.
+``hif8``  W8A8 simulated inference in the run's 8-bit format: the plain model is re-converted from
+          ``hif8qat_quant.json`` by :func:`hif8qat.qlinear.load_quant_export`, which restores the scalers'
+          final state, and the scales are frozen (:func:`hif8qat.qlinear.freeze_scales`): every quantized
+          linear uses the last scales of training, with no history update during evaluation. The mode keeps
+          its name for every format: an FP8 run (``quant.format`` e4m3 / e5m2 / hybrid) is evaluated in FP8
+          (exports written before FP8 are HiF8). A run whose final algorithm is ``current`` keeps
+          just-in-time scaling: each tensor is scaled from its own amax, as in training. ``results.json``
+          records what ran under ``_meta.quant`` (format, element format per role, algo, scales).
 
 Device and numerics
 -------------------
@@ -730,11 +734,25 @@ def load_eval_results(path: str | Path) -> dict[str, dict]:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
+def quant_eval_meta(model, export_dir: str | Path) -> dict:
+    """What a quantized evaluation of ``export_dir`` runs: the format per role and how scales are chosen."""
+    from .qlinear import hif8_linears, read_quant_export
+
+    doc = read_quant_export(export_dir)
+    cfg = doc["config"]
+    jit = any(layer.bank.just_in_time for _, layer in hif8_linears(model))
+    return {"format": cfg["format"], "element_formats": doc["element_formats"], "margin": cfg["margin"],
+            "algo": cfg["algo"],
+            "scales": "just-in-time (each tensor's own amax)" if jit else "frozen (final training scales)"}
+
+
 def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=None, dtype="auto",
                     device: str = "auto", **kwargs) -> dict:
     device, dtype = resolve_numerics(device, dtype)
     model, tok = load_for_eval(export_dir, mode, device=device)
     meta = {"export_dir": str(Path(export_dir).resolve()), **kwargs.pop("extra_meta", {})}
+    if mode == "hif8":
+        meta["quant"] = quant_eval_meta(model, export_dir)
     return evaluate_model(model, tok, tasks, out_dir=out_dir, mode=mode, device=device, dtype=dtype,
                           extra_meta=meta, **kwargs)
 

@@ -516,9 +516,11 @@ def _dispatch(x, scale, rounding, generator, out, *, scaled, saturate, want_amax
         y = out if out is not None else torch.empty_like(x)
         amax = torch.zeros((), dtype=torch.float32, device=x.device) if want_amax else None
         return y, amax
-    xf = x.contiguous().view(-1)
+    # detached flat tensors without a view base: the compiled kernels' guards then see neither the caller's
+    # shape nor its requires_grad (a weight, an activation and a gradient share one compiled variant)
+    xf = x.contiguous().view(-1).detach()
     direct = out is not None and out.is_contiguous()
-    of = out.view(-1) if direct else None
+    of = out.view(-1).detach() if direct else None
     if direct and out.data_ptr() == x.data_ptr() and x.is_contiguous():
         of = xf  # in place: one tensor object, which the compiler handles as an input mutation
     rand = _random_bits(xf.numel(), x.device, generator) if rounding == "stochastic" else None
@@ -765,8 +767,8 @@ def _fp8_variant_function(key: tuple, flags: dict):
 _fp8_compile_failed: str | None = None
 
 
-def _fp8_run(flags: dict, x, scale, out):
-    """Compiled variant when enabled, else eager.
+def _fp8_run(flags: dict, x, scale, out, site: str = ""):
+    """Compiled variant when enabled, else eager (``site`` as in ``_run_compiled``).
 
     A compiler failure (e.g. a GPU whose compiler backend has no float8 conversion) turns the compiled
     FP8 path off for the process with one warning; unlike the HiF8 path's failure it leaves HiF8's
@@ -776,7 +778,7 @@ def _fp8_run(flags: dict, x, scale, out):
     if (_compile_enabled() and _fp8_compile_failed is None and x.numel() >= _MIN_COMPILED_NUMEL
             and not torch.compiler.is_compiling()):
         out_mode = "none" if out is None else ("alias" if out.data_ptr() == x.data_ptr() else "out")
-        key = ("fp8", *sorted(flags.items()), x.dtype, x.device.type, out_mode)
+        key = ("fp8", *sorted(flags.items()), x.dtype, x.device.type, out_mode, *((site,) if site else ()))
         try:
             c = _compiled.get(key)
             if c is None:
@@ -785,7 +787,8 @@ def _fp8_run(flags: dict, x, scale, out):
                     if c is None:
                         c = torch.compile(_fp8_variant_function(key, flags), dynamic=True, fullgraph=True)
                         _compiled[key] = c
-            return c(x, scale, out)
+            with torch.no_grad():  # one grad mode for every caller, as the HiF8 path
+                return c(x, scale, out)
         except Exception as err:  # noqa: BLE001 - any compiler failure means: fall back to eager
             _fp8_compile_failed = " ".join(f"{type(err).__name__}: {err}".split())[:500]
             warnings.warn(f"hif8qat: torch.compile of the FP8 quantizer failed ({_fp8_compile_failed}); "
@@ -793,7 +796,7 @@ def _fp8_run(flags: dict, x, scale, out):
     return _fp8_body(x, scale, out, **flags)
 
 
-def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool):
+def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool, site: str = ""):
     spec = format_spec(fmt)
     if not spec.is_fp8:
         raise ValueError(f"fmt must be one of {FP8_FORMATS} (use the hif8_* functions for HiF8); got {fmt!r}")
@@ -801,12 +804,14 @@ def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool):
     if x.numel() == 0:
         y = out if out is not None else torch.empty_like(x)
         return y, (torch.zeros((), dtype=torch.float32, device=x.device) if want_amax else None)
-    xf = x.contiguous().view(-1)
+    # detached flat tensors without a view base: the compiled kernels' guards then see neither the caller's
+    # shape nor its requires_grad (a weight, an activation and a gradient share one compiled variant)
+    xf = x.contiguous().view(-1).detach()
     direct = out is not None and out.is_contiguous()
-    of = out.view(-1) if direct else None
+    of = out.view(-1).detach() if direct else None
     if direct and out.data_ptr() == x.data_ptr() and x.is_contiguous():
         of = xf
-    y, amax = _fp8_run(flags, xf, scale, of)
+    y, amax = _fp8_run(flags, xf, scale, of, site)
     if direct:
         y = out
     elif out is not None:

@@ -17,7 +17,9 @@ With quantization on, a custom autograd function computes::
 
 Each Q is one call of the custom op ``hif8qat::bank_qdq`` (traceable: a whole-model ``torch.compile`` has
 no graph break from these layers). Q_A / Q_W use round-half-away (``ta``) and ``target_fwd``; Q_G uses
-``grad_rounding`` and ``target_bwd``. With quantization off the forward is exactly ``F.linear`` (identical
+``grad_rounding`` and ``target_bwd``. With ``ScalingConfig.format`` an FP8 format (``e4m3``, ``e5m2``, or
+``hybrid``: E4M3 for A and W, E5M2 for G) the same layer quantizes with saturating FP8 casts and the FP8
+targets instead (see :mod:`hif8qat.bank`); the name stays HiF8Linear. With quantization off the forward is exactly ``F.linear`` (identical
 outputs and gradients to ``nn.Linear``).
 
 Micro-batches: every quantizer runs once per forward/backward; the bank records the amaxes when the
@@ -389,8 +391,9 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
 
     Keys ``tel/<role>/<stat>``: amax_ratio_max (max amax/estimate), amax_ratio_gt1 (calls whose amax
     outgrew the estimate), exceed_frac_max (max fraction of |x*s| > target, on statistics calls),
-    overflow_count (elements with |x*s| >= 40960, on statistics calls), nonfinite_count (calls with a
-    non-finite amax), amax_max, calls, stats_calls.
+    clipped_count (elements beyond the format's range, on statistics calls: for HiF8 the overflow
+    |x*s| >= 40960, for FP8 |x*s| > max; logs written before FP8 call it overflow_count), nonfinite_count
+    (calls with a non-finite amax), amax_max, calls, stats_calls.
     """
     banks = _banks(model)
     if not banks:
@@ -459,7 +462,8 @@ def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapp
         raise ValueError("save_quant_export: the model was not converted with convert_model")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    doc = {"format": "hif8qat-quant", "version": 1, **record, "meta": dict(meta or {})}
+    doc = {"format": "hif8qat-quant", "version": 1, **record, "meta": dict(meta or {}),
+           "element_formats": element_formats(ScalingConfig.from_dict(record["config"]))}
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in quant_state_dict(model).items()}
     tmp = directory / (SCALERS_FILE + ".tmp")
     save_file(tensors, str(tmp))
@@ -469,15 +473,33 @@ def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapp
     os.replace(tmpj, directory / QUANT_JSON)
 
 
+def element_formats(config: ScalingConfig) -> dict[str, str]:
+    """Element format per role under ``config`` (what an export records and an evaluation quantizes to)."""
+    from hif8qat.formats import element_format
+
+    return {r: element_format(config.format, r) for r in ROLES}
+
+
+def read_quant_export(directory: str | os.PathLike) -> dict[str, Any]:
+    """``hif8qat_quant.json`` of an export, with its scaling config completed: an export written before FP8
+    (no ``format`` in its config) is HiF8, and ``element_formats`` is filled in when absent."""
+    doc = json.loads((Path(directory) / QUANT_JSON).read_text(encoding="utf-8"))
+    config = ScalingConfig.from_dict(doc["config"])
+    doc["config"] = config.to_dict()
+    doc.setdefault("element_formats", element_formats(config))
+    return doc
+
+
 def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[str, Any]:
     """Convert a plain HF model as recorded in ``directory`` (if not yet converted), restore the scalers.
 
-    Returns the ``meta`` dict given to :func:`save_quant_export`.
+    The model quantizes in the export's format (HiF8 for exports written before FP8). Returns the ``meta``
+    dict given to :func:`save_quant_export`.
     """
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    doc = json.loads((directory / QUANT_JSON).read_text(encoding="utf-8"))
+    doc = read_quant_export(directory)
     config = ScalingConfig.from_dict(doc["config"])
     if not any(True for _ in hif8_linears(model)):
         converted = convert_model(model, doc["scope"], doc["high_precision_blocks"], config)
@@ -489,7 +511,8 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
 
 
 __all__ = [
-    "SCOPES", "HiF8Linear", "convert_model", "dump_telemetry", "find_transformer_blocks", "freeze_scales",
-    "hif8_linears", "load_quant_export", "load_quant_state_dict", "parse_high_precision_blocks",
-    "quant_state_dict", "save_quant_export", "set_quantization", "set_step", "step_telemetry", "update_scales",
+    "SCOPES", "HiF8Linear", "convert_model", "dump_telemetry", "element_formats", "find_transformer_blocks",
+    "freeze_scales", "hif8_linears", "load_quant_export", "load_quant_state_dict", "parse_high_precision_blocks",
+    "quant_state_dict", "read_quant_export", "save_quant_export", "set_quantization", "set_step", "step_telemetry",
+    "update_scales",
 ]

@@ -188,11 +188,24 @@ def align_samples(base: pd.DataFrame, quant: pd.DataFrame) -> tuple[np.ndarray, 
     return m["correct_b"].to_numpy(float), m["correct_q"].to_numpy(float)
 
 
+def _clipped_column(metrics: pd.DataFrame, role: str) -> pd.Series:
+    """Per-step clipped-value counts of ``role``: ``clipped_count`` (HiF8 overflow or FP8 clipping), or
+    ``overflow_count`` in logs written before FP8 (the same HiF8 count)."""
+    out = pd.Series(np.nan, index=metrics.index, dtype=float)
+    for name in ("overflow_count", "clipped_count"):  # the newer name wins where both exist
+        c = f"tel/{role}/{name}"
+        if c in metrics:
+            out = pd.to_numeric(metrics[c], errors="coerce").combine_first(out)
+    return out
+
+
 def telemetry_summary(metrics: pd.DataFrame) -> pd.DataFrame:
     """Per role, from the ``tel/<role>/<stat>`` columns of metrics.jsonl (steps with telemetry only).
 
     Columns: steps, frac_steps_ratio_gt1 (steps whose max amax/estimate > 1), max_ratio, frac_calls_ratio_gt1
-    (calls with amax > estimate over all calls), overflow_total, max_exceed_frac, nonfinite_total, max_amax.
+    (calls with amax > estimate over all calls), clipped_total (values beyond the format's range on statistics
+    calls: HiF8 overflow, FP8 clipping), stats_calls, clipped_per_stats_call, max_exceed_frac, nonfinite_total,
+    max_amax.
     """
     roles = sorted({c.split("/")[1] for c in metrics.columns if c.startswith("tel/") and c.count("/") == 2})
     rows = []
@@ -204,13 +217,17 @@ def telemetry_summary(metrics: pd.DataFrame) -> pd.DataFrame:
         ratio = col("amax_ratio_max")
         valid = ratio.notna() & (ratio > 0)
         calls, gt1 = col("calls"), col("amax_ratio_gt1")
+        clipped, stats = _clipped_column(metrics, r), col("stats_calls")
         rows.append({
             "role": r,
             "steps": int(valid.sum()),
             "frac_steps_ratio_gt1": float((ratio[valid] > 1).mean()) if valid.any() else float("nan"),
             "max_ratio": float(ratio[valid].max()) if valid.any() else float("nan"),
             "frac_calls_ratio_gt1": float(gt1.sum() / calls.sum()) if len(calls) and calls.sum() > 0 else float("nan"),
-            "overflow_total": float(col("overflow_count").sum()) if len(col("overflow_count")) else float("nan"),
+            "clipped_total": float(clipped.sum()) if clipped.notna().any() else float("nan"),
+            "stats_calls": float(stats.sum()) if len(stats) else float("nan"),
+            "clipped_per_stats_call": float(clipped.sum() / stats.sum())
+            if clipped.notna().any() and len(stats) and stats.sum() > 0 else float("nan"),
             "max_exceed_frac": float(col("exceed_frac_max").max()) if len(col("exceed_frac_max")) else float("nan"),
             "nonfinite_total": float(col("nonfinite_count").sum()) if len(col("nonfinite_count")) else float("nan"),
             "max_amax": float(col("amax_max").max()) if len(col("amax_max")) else float("nan"),
@@ -641,6 +658,44 @@ def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int
     return rows
 
 
+# Settings whose one-factor pairs the scaling-pairs table compares (element format, scale algorithm).
+SCALING_FACTORS = {"quant.format", "quant.margin", "quant.algo"}
+
+
+def _format_of(run: RunInfo) -> str:
+    """The run's ``quant.format`` (runs from before FP8 are HiF8; BF16 runs: bf16)."""
+    return str(_get(run.config, "quant.format", "hif8") or "hif8") if run.quant else "bf16"
+
+
+def scaling_outcome(metrics: pd.DataFrame) -> dict[str, float]:
+    """All roles pooled: share of calls whose amax outgrew the estimate, clipped values per statistics call."""
+    roles = sorted({c.split("/")[1] for c in metrics.columns if c.startswith("tel/") and c.count("/") == 2})
+
+    def total(stat):
+        cols = [f"tel/{r}/{stat}" for r in roles if f"tel/{r}/{stat}" in metrics]
+        return float(sum(pd.to_numeric(metrics[c], errors="coerce").sum() for c in cols)) if cols else float("nan")
+
+    calls, gt1, stats = total("calls"), total("amax_ratio_gt1"), total("stats_calls")
+    clipped = float(sum(_clipped_column(metrics, r).sum() for r in roles)) if roles else float("nan")
+    return {"calls_exceeded": gt1 / calls if calls > 0 else float("nan"),
+            "clipped_per_stats_call": clipped / stats if stats > 0 else float("nan")}
+
+
+def _scaling_pair(run: RunInfo, other: RunInfo, changes: Sequence[str], metrics_cache: Mapping[str, pd.DataFrame],
+                  ape_of: Mapping[tuple, Mapping[str, Any]]) -> dict[str, Any]:
+    """One row of the scaling-pairs table: ``run`` and the run it derives from, side by side."""
+    row: dict[str, Any] = {"experiment": run.experiment, "counterpart": other.experiment,
+                           "changes": ",".join(changes), "seed": run.seed}
+    for side, r in (("", run), ("cp_", other)):
+        m = metrics_cache[str(r.path)]
+        ape = ape_of.get((r.experiment, r.seed), {})
+        row.update({f"{side}format": _format_of(r), f"{side}algo": r.estimator,
+                    **{f"{side}{k}": v for k, v in (scaling_outcome(m) if len(m) else {}).items()},
+                    f"{side}ape_qat_pct": ape.get("ape_qat_pct", float("nan")),
+                    f"{side}final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan")})
+    return row
+
+
 def _discordant(a: np.ndarray, b: np.ndarray) -> float:
     """Share of items two evaluations score differently (the variance of a paired difference)."""
     return float(np.mean((np.asarray(a) > 0.5) != (np.asarray(b) > 0.5))) if len(a) else float("nan")
@@ -877,22 +932,32 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
             continue
         ts = telemetry_summary(m)
         for _, t in ts.iterrows():
-            tel_rows.append({"experiment": r.experiment, "seed": r.seed, "estimator": r.estimator, **t.to_dict()})
+            tel_rows.append({"experiment": r.experiment, "seed": r.seed, "format": _format_of(r),
+                             "estimator": r.estimator, **t.to_dict()})
     tel_df = pd.DataFrame(tel_rows)
 
     # ---- one-factor ablations: each run against the experiment it derives from (e.g. exp7 vs exp1 = the
-    # learning rate alone, both BF16: the forgetting comparison; exp9 vs exp8 = the BF16 warmup alone)
-    abl_rows = []
+    # learning rate alone, both BF16: the forgetting comparison; exp9 vs exp8 = the BF16 warmup alone), in bf16
+    # mode and, when both runs are quantized, in the quantized mode too (exp11 vs exp8: FP8 vs HiF8 inference)
+    abl_rows, pair_rows = [], []
+    ape_of = {(a["experiment"], a["seed"]): a for a in ape_rows}
     for r in runs:
         parent_name = _get(r.config, "experiment.derived_from")
         parent = _find_run(parent_name, r.seed, runs)
         if parent is None:
             continue
-        head = {"experiment": r.experiment, "derived_from": parent.experiment,
-                "changes": ",".join(_get(r.config, "experiment.changes", []) or []), "seed": r.seed}
-        abl_rows += [{**head, **row} for row in _paired_comparison(parent.path / "eval" / "bf16",
-                                                                   r.path / "eval" / "bf16", n_boot, seed)]
+        changes = list(_get(r.config, "experiment.changes", []) or [])
+        head = {"experiment": r.experiment, "derived_from": parent.experiment, "changes": ",".join(changes),
+                "seed": r.seed}
+        for mode in ("bf16", "hif8"):
+            if mode != "bf16" and not (r.quant and parent.quant):
+                continue
+            abl_rows += [{**head, "mode": mode, **row} for row in _paired_comparison(
+                parent.path / "eval" / mode, r.path / "eval" / mode, n_boot, seed)]
+        if r.quant and parent.quant and changes and set(changes) <= SCALING_FACTORS:
+            pair_rows.append(_scaling_pair(r, parent, changes, metrics_cache, ape_of))
     abl_df = pd.DataFrame(abl_rows)
+    pairs_df = pd.DataFrame(pair_rows)
 
     # ---- every run against the untrained base model, when its evaluation is on file (forgetting)
     base_model_dir = runs_root.parent / "base_model" / profile
@@ -927,6 +992,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
 
     tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": ape_df,
               f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,
+              f"scaling_pairs_{profile}": pairs_df,
               f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df}
     multiple = (f"Multiple comparisons: {n_tests} paired tests in drops_{profile} (runs x modes x tasks); p_holm "
@@ -956,12 +1022,26 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                           "approximation) at each task's item count, in points and in % of the baseline score, "
                           "from the measured discordance of quantized-vs-baseline and seed-null pairs. The "
                           "paper's drops are 0.2-0.6 % of the score.",
-        f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl: share of steps whose max amax/estimate > 1 "
-                                "(the tensor outgrew its delayed estimate), the largest ratio, overflow counts.",
-        f"ablations_{profile}": "Each run against the experiment it derives from (bf16 evaluations, same seed): "
-                                "relative drop (%) with a paired bootstrap 95 % CI; `changes` lists the settings "
-                                "that differ. exp7 vs exp1 isolates the learning rate (forgetting), exp9 vs exp8 "
-                                "the BF16 warmup.",
+        f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl, per run and role: share of steps and of "
+                                "calls whose amax outgrew the delayed estimate (amax/estimate > 1), the largest "
+                                "ratio, and the clipped values on statistics calls (clipped_total, "
+                                "clipped_per_stats_call): for HiF8 the overflow |x*s| >= 40960 (at target 15 only "
+                                "a tensor 2731x its estimate overflows), for FP8 |x*s| > max (at margin 0 every "
+                                "call with amax/estimate > 1 clips its largest values).",
+        f"ablations_{profile}": "Each run against the experiment it derives from (same seed): relative drop (%) with "
+                                "a paired bootstrap 95 % CI, in bf16 mode and, when both are quantized, in the "
+                                "quantized mode (`mode` hif8: each run in its own format); `changes` lists the "
+                                "settings that differ. exp7 vs exp1 isolates the learning rate (forgetting), "
+                                "exp9 vs exp8 the BF16 warmup, exp10/exp11 the FP8 format (vs exp2/exp8), "
+                                "exp12/exp13 just-in-time scaling (vs exp8/exp2): a positive drop there is what the "
+                                "oracle loses against the delayed estimator, a negative one how far the delayed "
+                                "estimator is from the oracle.",
+        f"scaling_pairs_{profile}": "One-factor pairs that change only the element format or the scale algorithm "
+                                    "(quant.format / quant.margin / quant.algo), side by side: format and "
+                                    "algorithm, share of quantizer calls whose amax outgrew the estimate, clipped "
+                                    "values per statistics call (HiF8 overflow, FP8 clipping; all roles pooled), "
+                                    "QAT-phase loss APE against the common baseline and the final loss. Accuracy "
+                                    f"differences with CIs: ablations_{profile}.",
         f"vs_base_{profile}": "Each run's bf16 evaluation against the untrained base model's "
                               f"(results/base_model/{profile}/): relative drop (%) with a paired bootstrap 95 % CI. "
                               "Drops common to quantized and BF16 runs at one learning rate are forgetting, not "

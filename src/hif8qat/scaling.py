@@ -1,4 +1,4 @@
-"""Delayed tensor scaling for HiF8 fake quantization (contract: docs/design.md).
+"""Delayed tensor scaling for 8-bit (HiF8, FP8) fake quantization (contract: docs/design.md).
 
 One :class:`DelayedScaler` per quantized tensor role (activation input ``A``, weight ``W``, output
 gradient ``G`` of every converted linear). Semantics follow the authors' ``pangu_hif8_pretrain/hif8.py``
@@ -23,8 +23,16 @@ Per quantizer call
      the two agree when that previous estimate is the cold-start fallback).
    * ``algo`` and ``interval`` may be step schedules ``{0: "most_recent", 1000: "exp_smooth"}``: the
      value for a call is the one of the largest key <= the step given by :meth:`set_step`.
-2. Quantize with the fused ``formats.hif8_qdq_scaled_amax`` (one pass: qdq + amax of the unscaled
-   tensor). Rounding: ``ta`` for A and W, ``grad_rounding`` for G. ``saturate`` clamps at HIF8_MAX.
+   * ``current`` (also as a phase of a schedule): just-in-time scaling, every call a cold start from
+     its own amax (``formats.current_scale``), local (no all-reduce before the cast); the amax still
+     enters the history, so telemetry and a switch to a history estimator work. The block bookkeeping
+     restarts on every call (interval has no effect). A frozen scaler under ``current`` keeps scaling
+     each tensor from its own amax.
+2. Quantize with the fused ``formats.qdq_scaled_amax`` (one pass: qdq + amax of the unscaled tensor) in
+   the role's element format (``formats.element_format``: ``hybrid`` is E4M3 for A/W, E5M2 for G) with
+   its target (``formats.target_for``: HiF8 ``target_fwd`` / ``target_bwd``, FP8 max / 2^margin).
+   Rounding: ``ta`` for A and W, ``grad_rounding`` for G. ``saturate`` clamps at HIF8_MAX (HiF8; FP8
+   casts always saturate).
 3. ``amax_reduce="max"``: all-reduce (MAX) of the amax over the default process group when
    ``torch.distributed`` is initialised (NaN is mapped to +inf first so that every rank sees the same
    non-finite value and skips it). One tiny collective per call: all ranks must call their
@@ -86,9 +94,11 @@ Telemetry
 Per call (always, cheap, on device): amax, estimate, ``ratio = amax / estimate`` (> 1: the tensor
 outgrew its delayed estimate), non-finite flag. Every ``telemetry_stats_every`` calls (0 = never) and
 on every call of a dump step (``step % telemetry_dump_every == 0``): the fraction of elements with
-``|x * scale| > target`` (above the 3-bit-mantissa tier) and the overflow count ``|x * scale| >= 40960``
-(values that become inf, or are clamped when ``saturate``). Accumulated on device in two sets: since
-the last :func:`step_telemetry` (``hif8qat.qlinear.step_telemetry``) and since the last dump.
+``|x * scale| > target`` (for HiF8 above the 3-bit-mantissa tier) and the clipped-value count
+(``formats.clipped_count``'s rule: HiF8 overflow ``|x * scale| >= 40960``, values that become inf or are
+clamped when ``saturate``; FP8 ``|x * scale| > max``, values the saturating cast clips). Accumulated on
+device in two sets: since the last :func:`step_telemetry` (``hif8qat.qlinear.step_telemetry``) and since
+the last dump.
 Telemetry is not part of the scaler state dict.
 """
 
@@ -106,8 +116,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import RunError
-
 ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
 # Allowed ``algo`` values: the history estimators, and "current", the just-in-time scale from the tensor's
 # own amax (Transformer Engine's current scaling; formats.current_scale), the bound no estimator can beat.
@@ -117,7 +125,6 @@ AMAX_REDUCES = ("none", "max")
 GRAD_ROUNDINGS = ("ta", "stochastic")
 ROLES = ("A", "W", "G")
 EPS = 1e-12
-OVERFLOW_THRESHOLD = 40960.0  # formats.HIF8_OVERFLOW; |x * scale| >= this becomes inf (or saturates)
 _FALLBACK_ESTIMATE = 1.0  # authors: a non-finite or non-positive estimate is replaced by 1.0
 
 
@@ -483,16 +490,20 @@ def _exp_smooth_block(forecaster: ExpSmoothForecaster, window: list[float], new:
 # --------------------------------------------------------------------------------------------------
 # the scaler
 # --------------------------------------------------------------------------------------------------
-_qdq_amax_fn = None
+def _formats():
+    from hif8qat import formats  # lazily: formats is heavy and scaling is imported by the config
+
+    return formats
 
 
-def _qdq_amax(x, scale, rounding, saturate):
+_qdq_amax_fn = None  # formats.qdq_scaled_amax, bound on first use (a seam tests wrap)
+
+
+def _qdq_amax(x, scale, fmt, rounding, saturate):
     global _qdq_amax_fn
     if _qdq_amax_fn is None:
-        from hif8qat.formats import hif8_qdq_scaled_amax
-
-        _qdq_amax_fn = hif8_qdq_scaled_amax
-    return _qdq_amax_fn(x, scale, rounding, saturate=saturate)
+        _qdq_amax_fn = _formats().qdq_scaled_amax
+    return _qdq_amax_fn(x, scale, fmt, rounding, saturate=saturate)
 
 
 def _dist_active() -> bool:
@@ -503,11 +514,7 @@ def _dist_active() -> bool:
 _META = ("initialized", "block_j", "block_len", "block_algo", "step", "pending_step", "frozen", "calls",
          "seen_total")
 _TEL_MAX = ("amax_ratio_max", "exceed_frac_max", "amax_max")
-_TEL_CNT = ("amax_ratio_gt1", "overflow_count", "nonfinite_count")
-
-
-class UnsupportedScalingError(RunError):
-    """A valid scaling setting that the DelayedScaler does not implement."""
+_TEL_CNT = ("amax_ratio_gt1", "clipped_count", "nonfinite_count")
 
 
 class DelayedScaler(nn.Module):
@@ -527,16 +534,14 @@ class DelayedScaler(nn.Module):
         super().__init__()
         config = config if config is not None else ScalingConfig()
         config.validate()
-        if config.format != "hif8" or config.uses("current"):
-            # Refuse rather than silently quantize to HiF8 from a history estimate.
-            raise UnsupportedScalingError(
-                f"quant.format={config.format}, quant.algo={config.algo}: the DelayedScaler quantizes to HiF8 "
-                "from a history estimate only; use quant.format=hif8 and quant.algo one of "
-                + ", ".join(ESTIMATORS))
+        fm = _formats()
         self.role = role
         self.config = config
+        self.fmt = fm.element_format(config.format, role)
+        spec = fm.format_spec(self.fmt)
+        self._clip = (spec.clip_threshold, spec.clip_inclusive)
         if target is None:
-            target = config.target_bwd if role == "G" else config.target_fwd
+            target = fm.target_for(config, role)
         if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
             raise ValueError(f"DelayedScaler target={target!r} is invalid; allowed: a finite number > 0")
         self.target = float(target)
@@ -544,6 +549,7 @@ class DelayedScaler(nn.Module):
         self._algo_sched = config.algo_schedule()
         self._interval_sched = config.interval_schedule()
         self._step_mode = config.history_unit == "step"
+        self._uses_current = config.uses("current")
         self._es_params = EXP_SMOOTH_PARAMS.get(role, ExpSmoothParams())
         L = int(config.history_len)
         self.register_buffer("history", torch.zeros(L, dtype=torch.float32, device=device), persistent=False)
@@ -585,7 +591,7 @@ class DelayedScaler(nn.Module):
         self._tel_stat_calls = 0
         self.last: dict[str, torch.Tensor | None] = {
             "amax": None, "estimate": None, "ratio": None, "scale": None, "exceed_frac": None,
-            "overflow": None}
+            "clipped": None}
         self._select_block(0)
 
     def _select_block(self, j: int) -> None:
@@ -706,13 +712,14 @@ class DelayedScaler(nn.Module):
 
     def _begin_call(self, cold_amax: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick (scale, estimate) for this call, before its amax is known."""
+        step = self._step
+        algo = _lookup(self._algo_sched, step) if self._uses_current or not self._frozen else ""
         if self._frozen:
-            if not self._initialized:  # never ran: cold start from this tensor (local: frozen never communicates)
+            # never ran, or just-in-time: scale from this tensor (local: frozen never communicates)
+            if not self._initialized or algo == "current":
                 est = self._cold_estimate(cold_amax().to(torch.float32))
                 return self._scale_of(est), est
             return self._cur_scale, self._cur_est
-        step = self._step
-        algo = _lookup(self._algo_sched, step)
         k = _lookup(self._interval_sched, step)
         new_unit = True
         if self._step_mode:
@@ -722,7 +729,12 @@ class DelayedScaler(nn.Module):
                 self.pending.zero_()
                 self.pending_valid.zero_()
             self._pending_step = step
-        if not self._initialized:
+        if algo == "current":  # a cold start on every call, from the local amax
+            est = self._cold_estimate(cold_amax().to(torch.float32))
+            self._set_block(est, self._scale_of(est))
+            self._block_len, self._block_algo = k, algo
+            self._initialized = True
+        elif not self._initialized:
             est = self._cold_estimate(self._reduce(cold_amax()))
             self._set_block(est, self._scale_of(est))
             self._block_len, self._block_algo = k, algo
@@ -761,19 +773,19 @@ class DelayedScaler(nn.Module):
         if x is not None and self._want_stats():
             ax = x.detach().abs().to(torch.float32).mul_(scale)
             exceed = (ax > self.target).to(torch.float32).mean()
-            overflow = (ax >= OVERFLOW_THRESHOLD).sum()
+            clipped = _formats().clipped_count(x, scale, self.fmt)
             self.tel_max[1:2].copy_(torch.fmax(self.tel_max[1:2], exceed.reshape(1)))
-            self.tel_cnt[1:2].add_(overflow.reshape(1))
-            self.last["exceed_frac"], self.last["overflow"] = exceed, overflow
+            self.tel_cnt[1:2].add_(clipped.reshape(1))
+            self.last["exceed_frac"], self.last["clipped"] = exceed, clipped
             self._tel_stat_calls += 1
         self._calls += 1
         self._tel_calls += 1
 
     @torch.no_grad()
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """Fake-quantize ``x`` with the delayed scale; record its amax."""
+        """Fake-quantize ``x`` with the delayed (or just-in-time) scale; record its amax."""
         scale, est = self._begin_call(lambda: x.abs().amax().to(torch.float32))
-        y, amax = _qdq_amax(x, scale, self.rounding, self.config.saturate)
+        y, amax = _qdq_amax(x, scale, self.fmt, self.rounding, self.config.saturate)
         self._end_call(amax, est, scale, x)
         return y
 
@@ -792,7 +804,7 @@ class DelayedScaler(nn.Module):
         return self.tel_max, self.tel_cnt
 
     def telemetry_calls(self) -> tuple[int, int]:
-        """(calls, calls with exceed/overflow statistics) since the last reset_telemetry."""
+        """(calls, calls with exceed/clipped statistics) since the last reset_telemetry."""
         return self._tel_calls, self._tel_stat_calls
 
     @torch.no_grad()
@@ -821,7 +833,7 @@ class DelayedScaler(nn.Module):
             # called by an enclosing module: scaler state is not part of the model's weights
             return destination
         meta = [int(self._initialized), self._block_j, self._block_len,
-                ESTIMATORS.index(self._block_algo) if self._block_algo else -1, self._step,
+                ALGOS.index(self._block_algo) if self._block_algo else -1, self._step,
                 -1 if self._pending_step is None else self._pending_step, int(self._frozen), self._calls,
                 self._seen_total]
         sd = {
@@ -857,7 +869,7 @@ class DelayedScaler(nn.Module):
         m = dict(zip(_META, (int(v) for v in state_dict["meta"].tolist())))
         self._initialized = bool(m["initialized"])
         self._block_len = m["block_len"]
-        self._block_algo = ESTIMATORS[m["block_algo"]] if m["block_algo"] >= 0 else ""
+        self._block_algo = ALGOS[m["block_algo"]] if m["block_algo"] >= 0 else ""
         self._step = m["step"]
         self._pending_step = None if m["pending_step"] < 0 else m["pending_step"]
         self._frozen = bool(m["frozen"])
@@ -871,7 +883,7 @@ class DelayedScaler(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"role={self.role}, target={self.target}, algo={c.algo}, history_len={c.history_len}, "
+        return (f"role={self.role}, format={self.fmt}, target={self.target}, algo={c.algo}, history_len={c.history_len}, "
                 f"interval={c.interval}, unit={c.history_unit}")
 
 

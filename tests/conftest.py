@@ -18,3 +18,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(request):
+    """Modules of tiny-tensor tests set ONE_THREAD = True: one intra-op thread is faster for them and immune
+    to a loaded machine's thread contention."""
+    if not getattr(request.module, "ONE_THREAD", False):
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(params=["bank", "oracle"])
+def impl(request):
+    """The reference scaler or the scaler bank, behind the same constructor and replay function."""
+    import types
+
+    from hif8qat.bank import BankedScaler, bank_replay
+    from hif8qat.scaling import DelayedScaler, replay
+
+    scaler, replay_fn = {"oracle": (DelayedScaler, replay), "bank": (BankedScaler.standalone, bank_replay)}[request.param]
+    return types.SimpleNamespace(name=request.param, Scaler=scaler, replay=replay_fn)

@@ -26,14 +26,7 @@ from hif8qat.qlinear import (
 )
 from hif8qat.scaling import ScalingConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a loaded machine's thread contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+ONE_THREAD = True  # conftest._one_thread
 
 
 def tiny_llama(num_layers=4, seed=0):

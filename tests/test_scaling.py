@@ -6,39 +6,23 @@ Every behavioural test runs twice: on the reference DelayedScaler and on a one-r
 
 import math
 import random
-import types
 
 import pytest
 import torch
 
 from hif8qat import scaling
-from hif8qat.bank import BankedScaler, ScalerBank, bank_replay
+from hif8qat.bank import ScalerBank
 from hif8qat.scaling import (
     DelayedScaler,
     ExpSmoothForecaster,
     ExpSmoothParams,
     ScalingConfig,
-    replay,
 )
 
 NAN, INF = float("nan"), float("inf")
-IMPLS = {"oracle": (DelayedScaler, replay), "bank": (BankedScaler.standalone, bank_replay)}
 
 
-@pytest.fixture(params=sorted(IMPLS))
-def impl(request):
-    """The reference scaler or the bank, behind the same constructor and replay function."""
-    scaler, replay_fn = IMPLS[request.param]
-    return types.SimpleNamespace(name=request.param, Scaler=scaler, replay=replay_fn)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a loaded machine's thread contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+ONE_THREAD = True  # conftest._one_thread
 
 
 def s(*amaxes, target=15.0):

@@ -6,14 +6,12 @@ keeps recording; telemetry counts the values each format clips. Exports and eval
 
 import json
 import math
-import types
 
 import pytest
 import torch
 from test_bank import tiny_llama
 from test_scaling import _NoSync
 
-from hif8qat.bank import BankedScaler, bank_replay
 from hif8qat.evaluate import quant_eval_meta
 from hif8qat.formats import (
     FORMATS,
@@ -33,23 +31,9 @@ from hif8qat.qlinear import (
     set_step,
     step_telemetry,
 )
-from hif8qat.scaling import DelayedScaler, ScalingConfig, replay
+from hif8qat.scaling import ScalingConfig
 
-IMPLS = {"oracle": (DelayedScaler, replay), "bank": (BankedScaler.standalone, bank_replay)}
-
-
-@pytest.fixture(params=sorted(IMPLS))
-def impl(request):
-    scaler, replay_fn = IMPLS[request.param]
-    return types.SimpleNamespace(name=request.param, Scaler=scaler, replay=replay_fn)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+ONE_THREAD = True  # conftest._one_thread
 
 
 def jit(amax: float, target: float) -> float:

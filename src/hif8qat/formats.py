@@ -527,15 +527,17 @@ def _dispatch(x, scale, rounding, generator, out, *, scaled, saturate, want_amax
     r = _run_compiled(flags, xf, scale, rand, of, site)
     if r is None:
         r = _eager(flags, xf, scale, rand, of)
-    y, amax = r
+    return _shaped_result(r[0], r[1], x, out, direct)
+
+
+def _shaped_result(y, amax, x, out, direct):
+    """A kernel's flat result back in x's shape, in ``out`` when one was given (``direct``: written in place)."""
     if direct:
-        y = out
-    elif out is not None:
+        return out, amax
+    if out is not None:
         out.copy_(y.view(x.shape))
-        y = out
-    else:
-        y = y.view(x.shape)
-    return y, amax
+        return out, amax
+    return y.view(x.shape), amax
 
 
 _UNSCALED = object()  # marks the unscaled qdq (a scale of None is a caller's error, checked as such)
@@ -812,14 +814,7 @@ def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool, site: st
     if direct and out.data_ptr() == x.data_ptr() and x.is_contiguous():
         of = xf
     y, amax = _fp8_run(flags, xf, scale, of, site)
-    if direct:
-        y = out
-    elif out is not None:
-        out.copy_(y.view(x.shape))
-        y = out
-    else:
-        y = y.view(x.shape)
-    return y, amax
+    return _shaped_result(y, amax, x, out, direct)
 
 
 def fp8_qdq(x: torch.Tensor, fmt: str = "e4m3", *, out: torch.Tensor | None = None) -> torch.Tensor:

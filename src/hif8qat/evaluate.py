@@ -721,8 +721,12 @@ def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict
             for _, _, compact in rows:
                 fh.write(json.dumps(compact) + "\n")
     if raw is not None:
+        from .models import cache_root
+
         lm_json = {k: v for k, v in raw.items() if k != "samples"}
-        (out / "lm_eval_results.json").write_text(json.dumps(_jsonable(lm_json), indent=1) + "\n")
+        # lm-eval records the offline copies' machine paths: name them relative to the cache root instead
+        text = json.dumps(_jsonable(lm_json), indent=1).replace(str(cache_root()), "$HIF8QAT_CACHE")
+        (out / "lm_eval_results.json").write_text(text + "\n")
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(_jsonable(results), indent=1) + "\n")
     os.replace(tmp, out / "results.json")

@@ -68,6 +68,7 @@ from hif8qat.scaling import (
     ScalingConfig,
     _exp_smooth_block,
     _lookup,
+    check_state_keys,
 )
 
 # op modes
@@ -625,17 +626,11 @@ class ScalerBank(nn.Module):
     def load_row_state_dicts(self, states: Mapping[int, Mapping[str, torch.Tensor]], strict: bool = True) -> None:
         """Restore rows from per-quantizer state dicts (this bank's or the reference scaler's)."""
         self.update()
-        required = ("history", "total", "pending", "pending_valid", "scale_block", "est_block", "meta")
         host = self._host()
         L = self.history.shape[1]
         for row, sd in states.items():
             name = self.row_name(row)
-            missing = [k for k in required if k not in sd]
-            if missing:
-                raise KeyError(f"scaler {name}: state is missing {missing}")
-            extra = set(sd) - set(required) - {"es_obs", "es_meta", "es_scores"}
-            if strict and extra:
-                raise KeyError(f"scaler {name}: unexpected state keys {sorted(extra)}")
+            check_state_keys(sd, strict, f"scaler {name}")
             if tuple(sd["history"].shape) != (L,):
                 raise ValueError(f"scaler {name}: history_len mismatch: saved {tuple(sd['history'].shape)} vs "
                                  f"({L},) configured")

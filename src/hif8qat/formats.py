@@ -341,13 +341,14 @@ def _variant_function(key: tuple, flags: dict):
     return types.FunctionType(code, kernel.__globals__, name, kernel.__defaults__, kernel.__closure__)
 
 
-def _get_compiled(key: tuple, flags: dict):
+def _get_compiled(key: tuple, flags: dict, variant=None):
+    """The compiled kernel for ``key``, built once (thread-safe) from ``variant`` (default: the HiF8 one)."""
     c = _compiled.get(key)
     if c is None:
         with _COMPILE_LOCK:
             c = _compiled.get(key)
             if c is None:
-                c = torch.compile(_variant_function(key, flags), dynamic=True, fullgraph=True)
+                c = torch.compile((variant or _variant_function)(key, flags), dynamic=True, fullgraph=True)
                 _compiled[key] = c
     return c
 
@@ -782,13 +783,7 @@ def _fp8_run(flags: dict, x, scale, out, site: str = ""):
         out_mode = "none" if out is None else ("alias" if out.data_ptr() == x.data_ptr() else "out")
         key = ("fp8", *sorted(flags.items()), x.dtype, x.device.type, out_mode, *((site,) if site else ()))
         try:
-            c = _compiled.get(key)
-            if c is None:
-                with _COMPILE_LOCK:
-                    c = _compiled.get(key)
-                    if c is None:
-                        c = torch.compile(_fp8_variant_function(key, flags), dynamic=True, fullgraph=True)
-                        _compiled[key] = c
+            c = _get_compiled(key, flags, _fp8_variant_function)
             with torch.no_grad():  # one grad mode for every caller, as the HiF8 path
                 return c(x, scale, out)
         except Exception as err:  # noqa: BLE001 - any compiler failure means: fall back to eager

@@ -517,6 +517,22 @@ _TEL_MAX = ("amax_ratio_max", "exceed_frac_max", "amax_max")
 _TEL_CNT = ("amax_ratio_gt1", "clipped_count", "nonfinite_count")
 
 
+# One scaler's saved state: the same keys for the reference scaler and each row of the bank (checkpoints and
+# exports load in either).
+STATE_KEYS = ("history", "total", "pending", "pending_valid", "scale_block", "est_block", "meta")
+OPTIONAL_STATE_KEYS = ("es_obs", "es_meta", "es_scores")
+
+
+def check_state_keys(state: Mapping, strict: bool, who: str) -> None:
+    """KeyError naming ``who`` when a saved scaler state lacks a key, or (strict) has an unknown one."""
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise KeyError(f"{who}: state is missing {missing}")
+    extra = set(state) - set(STATE_KEYS) - set(OPTIONAL_STATE_KEYS)
+    if strict and extra:
+        raise KeyError(f"{who}: unexpected state keys {sorted(extra)}")
+
+
 class DelayedScaler(nn.Module):
     """Delayed per-tensor scaling for one tensor role (see the module docstring).
 
@@ -850,13 +866,7 @@ class DelayedScaler(nn.Module):
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
-        required = ("history", "total", "pending", "pending_valid", "scale_block", "est_block", "meta")
-        missing = [k for k in required if k not in state_dict]
-        if missing:
-            raise KeyError(f"DelayedScaler({self.role}).load_state_dict: missing {missing}")
-        extra = set(state_dict) - set(required) - {"es_obs", "es_meta", "es_scores"}
-        if strict and extra:
-            raise KeyError(f"DelayedScaler({self.role}).load_state_dict: unexpected {sorted(extra)}")
+        check_state_keys(state_dict, strict, f"DelayedScaler({self.role}).load_state_dict")
         if state_dict["history"].shape != self.history.shape:
             raise ValueError(f"DelayedScaler({self.role}): history_len mismatch: checkpoint "
                              f"{tuple(state_dict['history'].shape)} vs {tuple(self.history.shape)}")

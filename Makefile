@@ -26,13 +26,15 @@ BEYOND := exp10 exp11 exp12 exp13
 # The comparisons the claims rest on, repeated at more seeds by `make seeds` (seed 0 comes from `make all`).
 SEED_EXPERIMENTS := exp1 exp7 exp8 exp6 exp3
 SEEDS ?= 1 2
+# The same for the beyond-the-paper pairs: the four runs, the runs they derive from, and their baselines.
+BEYOND_SEED_EXPERIMENTS := exp1 exp7 exp2 exp8 $(BEYOND)
 # The external anchor: the base model on every item of the real benchmarks (results/anchor/, hours on 2 cores).
 ANCHOR_TASKS := mmlu_continuation,mmlu,hellaswag,arc_challenge,arc_easy
 ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check verify-hif8 clean-venv
+.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -85,6 +87,9 @@ beyond: $(STAMP) ## exp10-exp13 after the runs they compare with (exp1, exp7 bas
 seeds: $(STAMP) ## exp1 exp7 exp8 exp6 exp3 at seeds 1 and 2 (bf16 evaluation), then the report with the seed spread and null
 	for s in $(SEEDS); do for e in $(SEED_EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$$s stage=all 'eval.modes=[bf16]' $(ARGS) || exit 1; done; done
 	$(PY) run.py stage=report profile=$(PROFILE)
+
+beyond-seeds: $(STAMP) ## exp10-exp13, exp2, exp8 and their baselines at seeds 1 and 2 (finished runs are skipped), then the report
+	$(MAKE) seeds SEED_EXPERIMENTS="$(BEYOND_SEED_EXPERIMENTS)"
 
 # The base model is evaluated with the numerics the runs are evaluated with (the profile's train.autocast), so the
 # forgetting table compares like with like.

@@ -164,6 +164,19 @@ def test_finished_run_with_other_settings_is_refused_not_skipped(tmp_path):
     assert "force=true" in str(err.value)
 
 
+def test_run_saved_before_a_setting_existed_matches_only_the_setting_old_behaviour(tmp_path):
+    cfg = _smoke_cfg(tmp_path, "run_tag=old")
+    run_dir = _prepared(cfg)
+    runs.mark_done(run_dir)
+    saved = yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text())
+    del saved["train"]["activation_checkpointing"]  # as written by the code before the setting was added
+    (run_dir / runs.CONFIG_FILE).write_text(yaml.safe_dump(saved))
+    assert runs.prepare_run_dir(cfg)[1] == "done"
+    runs.release_run_dir(run_dir)
+    with pytest.raises(runs.SettingsDiffer, match=r"train\.activation_checkpointing"):
+        runs.prepare_run_dir(_smoke_cfg(tmp_path, "run_tag=old", "train.activation_checkpointing=true"))
+
+
 @pytest.mark.parametrize("name,text", [("config_resolved.yaml", "train: [unclosed\n"),
                                        ("config_resolved.yaml", "just a string\n"),
                                        ("run_info.json", '{"status": "new", "hist')])

@@ -43,6 +43,9 @@ METRICS_FILE = "metrics.jsonl"
 _RESUME_FREE_KEYS = {"stage", "force", "train.resume", "train.num_threads", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.log_every", "train.val_every", "data.eval_windows", "quant.telemetry_dump_every", "quant.telemetry_stats_every",
                      "logger", "eval", "results_root", "run_tag"}
+# Settings added after runs were already saved, with the value that does what the code did before they existed.
+# A saved config without the key ran with that value, so it still matches a rerun that leaves the default.
+_ADDED_SETTINGS = {"train.activation_checkpointing": False}
 _TRACKED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "en_dtypes", "numpy", "hif8qat")
 
 
@@ -222,8 +225,13 @@ def _check_same_settings(run_dir: Path, cfg: RunConfig, what: str) -> None:
     config_path = run_dir / CONFIG_FILE
     if not config_path.exists():
         return
-    diff = [k for k in config_differences(_read_saved_config(config_path), cfg.to_dict())
-            if not any(k == p or k.startswith(p + ".") for p in _RESUME_FREE_KEYS)]
+    saved = _read_saved_config(config_path)
+    flat_saved = _flatten(saved)
+    current = cfg.to_dict()
+    flat_current = _flatten(current)
+    diff = [k for k in config_differences(saved, current)
+            if not (k in _ADDED_SETTINGS and k not in flat_saved and flat_current.get(k) == _ADDED_SETTINGS[k])
+            and not any(k == p or k.startswith(p + ".") for p in _RESUME_FREE_KEYS)]
     if diff:
         raise SettingsDiffer(f"cannot {what} {run_dir}: settings differ from the saved run in {config_path.name} "
                              f"({', '.join(diff)}); use force=true to start again (the folder is kept, renamed) "

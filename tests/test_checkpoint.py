@@ -47,6 +47,21 @@ def _loaded_seed(path: Path) -> int:
     return rank_state["seed"]
 
 
+def test_pruning_keeps_the_newest_and_quarantined_folders(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        _save(root, step, seed=step)
+    ckpt.prune_checkpoints(root, 1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000006"]
+    assert _loaded_seed(ckpt.checkpoint_path(root, 6)) == 6
+    ckpt.prune_checkpoints(root, 0)
+    assert not root.exists()  # nothing left: the folder goes too
+    _save(root, 2, seed=2)
+    kept = ckpt.quarantine(_save(root, 4, seed=4))
+    ckpt.prune_checkpoints(root, 0)
+    assert sorted(p.name for p in root.iterdir()) == [kept.name]
+
+
 def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
@@ -311,8 +326,9 @@ def test_an_explicitly_named_damaged_checkpoint_is_refused_not_replaced(tmp_path
     assert named.exists()  # the user's checkpoint stays where it is
 
 
-def test_max_consecutive_skips_must_be_a_count(tmp_path):
+@pytest.mark.parametrize("setting", ["train.max_consecutive_skips", "train.keep_checkpoints_when_done"])
+def test_checkpoint_counts_must_be_counts(tmp_path, setting):
     from hif8qat.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"train.max_consecutive_skips=-1"):
-        _smoke(tmp_path, "train.max_consecutive_skips=-1")
+    with pytest.raises(ConfigError, match=rf"{setting}=-1.*integer >= 0"):
+        _smoke(tmp_path, f"{setting}=-1")

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hif8qat import checkpoint as ckpt
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ["experiment=exp8", "profile=smoke", "stage=train", "logger.progress_bar=false",
          "train.checkpoint_every=3", "train.num_threads=1"]
@@ -37,7 +39,9 @@ def losses(folder: Path) -> list[tuple[int, float]]:
 @pytest.mark.slow
 def test_sigkill_then_resume_continues_the_loss_series_bit_for_bit(tmp_path):
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
-    run(SMOKE + [f"results_root={whole}"])
+    run(SMOKE + [f"results_root={whole}", "train.keep_checkpoints_when_done=0"])
+    assert (run_folder(whole) / "export" / "model.safetensors").exists()
+    assert not (run_folder(whole) / "checkpoints").exists()  # freed once the run is done
     # Killed at the start of step 5: the last checkpoint is step 3, after the BF16 warmup switched QAT on.
     out = run(SMOKE + [f"results_root={crashed}"], env_extra={"HIF8QAT_TEST_KILL_AT_STEP": "5"}, check=False)
     assert out.returncode != 0
@@ -48,6 +52,7 @@ def test_sigkill_then_resume_continues_the_loss_series_bit_for_bit(tmp_path):
     expected, got = losses(run_folder(whole)), losses(folder)
     assert [s for s, _ in got] == list(range(8))
     assert got == expected  # exact float equality, quantizer histories included
+    assert [p.name for p in ckpt.list_checkpoints(folder / "checkpoints")] == ["step_0000006", "step_0000008"]
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["converted_linears"] > 0
 

@@ -87,6 +87,18 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints; with none left, the empty folder too.
+    Quarantined (``*.corrupt-*``) folders stay for inspection."""
+    found = list_checkpoints(root)
+    for stale in found[:max(len(found) - keep, 0)]:
+        trash = stale.with_name(stale.name + _TRASH)  # renamed first: a half-deleted folder never looks complete
+        _rename(stale, trash)
+        _remove_tree(trash)
+    if keep == 0 and root.exists() and not any(root.iterdir()):
+        root.rmdir()
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -303,10 +315,7 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer,
             _remove_tree(old)
         else:
             _rename(tmp, final)
-        for stale in list_checkpoints(root)[:-keep]:
-            trash = stale.with_name(stale.name + _TRASH)  # renamed first: a half-deleted folder never looks complete
-            _rename(stale, trash)
-            _remove_tree(trash)
+        prune_checkpoints(root, keep)
     if barrier:
         barrier()
     return final

@@ -141,6 +141,9 @@ class TrainConfig:
     activation_checkpointing: bool = False
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
+    # After the run is done (export written): None keeps keep_checkpoints, 0 frees their disk (the export holds
+    # the final weights; only extending the training needs the optimizer state).
+    keep_checkpoints_when_done: int | None = None
     # Optimizer steps with a non-finite gradient norm are skipped; one more in a row than this stops the run.
     max_consecutive_skips: int = 3
     resume: str = "auto"
@@ -287,6 +290,9 @@ class RunConfig:
             _fail("train.global_batch_size", t.global_batch_size,
                   f"a multiple of train.micro_batch_size={t.micro_batch_size}")
         _check_positive("train.keep_checkpoints", t.keep_checkpoints, integer=True)
+        if t.keep_checkpoints_when_done is not None:
+            _check_positive("train.keep_checkpoints_when_done", t.keep_checkpoints_when_done, integer=True,
+                            allow_zero=True)
         _check_positive("train.max_consecutive_skips", t.max_consecutive_skips, integer=True, allow_zero=True)
         _check_positive("train.val_every", t.val_every, integer=True, allow_zero=True)
         _check_positive("train.num_threads", t.num_threads, integer=True, allow_zero=True)

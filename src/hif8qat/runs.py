@@ -41,7 +41,7 @@ SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
 # Settings that may differ between an interrupted run and its resumption without changing the result.
 _RESUME_FREE_KEYS = {"stage", "force", "train.resume", "train.num_threads", "train.checkpoint_every",
-                     "train.keep_checkpoints", "train.log_every", "train.val_every", "data.eval_windows", "quant.telemetry_dump_every", "quant.telemetry_stats_every",
+                     "train.keep_checkpoints", "train.keep_checkpoints_when_done", "train.log_every", "train.val_every", "data.eval_windows", "quant.telemetry_dump_every", "quant.telemetry_stats_every",
                      "logger", "eval", "results_root", "run_tag"}
 # Settings added after runs were already saved, with the value that does what the code did before they existed.
 # A saved config without the key ran with that value, so it still matches a rerun that leaves the default.

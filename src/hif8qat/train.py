@@ -419,6 +419,8 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
                                  skipped_steps=skips["skipped_steps"])
         mark_done(run_dir)
     ctx.barrier()
+    if ctx.is_main and cfg.train.keep_checkpoints_when_done is not None:
+        ckpt.prune_checkpoints(ckpt_root, cfg.train.keep_checkpoints_when_done)
     return summary
 
 

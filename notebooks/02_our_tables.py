@@ -64,6 +64,42 @@ tables.get(f"ape_{profile}", pd.DataFrame())
 # %%
 tables.get(f"telemetry_{profile}", pd.DataFrame())
 
+# %% [markdown]
+# ## Seeds: the spread, the BF16-vs-BF16 seed null, and which claims survive it
+# A claim (quantized experiment vs its baseline) survives seed noise when its drop exceeds the largest drop
+# between two seeds of the baseline itself and is significant after Holm in every seed.
+
+# %%
+tables.get(f"seed_null_{profile}", pd.DataFrame())
+
+# %%
+tables.get(f"claims_{profile}", pd.DataFrame())
+
+# %% [markdown]
+# ## Minimum detectable paired difference per task at the evaluated item counts
+
+# %%
+tables.get(f"mde_{profile}", pd.DataFrame())
+
+# %% [markdown]
+# ## Beyond the paper: HiF8 vs FP8 HYBRID, delayed vs just-in-time scaling
+# One-factor pairs (exp10/exp11 change the element format of exp2/exp8, exp13/exp12 their scale algorithm):
+# exceeded calls, clipped values per statistics call, QAT-phase APE. Their accuracy against each other, with
+# paired CIs, is in the ablations table below.
+
+# %%
+tables.get(f"scaling_pairs_{profile}", pd.DataFrame())
+
+# %%
+abl = tables.get(f"ablations_{profile}", pd.DataFrame())
+abl[abl["experiment"].isin(["exp10", "exp11", "exp12", "exp13"])] if not abl.empty else abl
+
+# %% [markdown]
+# ## External anchor: the base model on the full benchmarks vs its published scores
+
+# %%
+tables.get("anchor", pd.DataFrame())
+
 # %%
 from IPython.display import Image, display  # noqa: E402
 

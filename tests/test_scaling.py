@@ -395,13 +395,18 @@ class _NoSync:
 @pytest.mark.parametrize("unit", ["call", "step"])
 def test_no_host_sync_per_call(algo, unit, impl):
     cfg = ScalingConfig(algo=algo, history_len=4, interval={0: 1, 2: 2}, history_unit=unit)
-    sc = impl.Scaler("A", cfg)
+    assert_no_host_sync(impl.Scaler("A", cfg), steps=6, observe=True)
+
+
+def assert_no_host_sync(sc, steps: int, observe: bool = False) -> None:
+    """Steps of quantize calls (after one warm-up call, outside the guard) never copy to the host."""
     x = torch.randn(32, 32)
     sc.quantize(x)  # warm up lazy imports / compiled kernels outside the guard
     with _NoSync():
-        for step in range(6):
+        for step in range(steps):
             sc.set_step(step)
-            sc.observe_amax(torch.tensor(float(step + 1)))
+            if observe:
+                sc.observe_amax(torch.tensor(float(step + 1)))
             sc.quantize(x * (step + 1))
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from test_bank import tiny_llama
-from test_scaling import _NoSync
+from test_scaling import assert_no_host_sync
 
 from hif8qat.evaluate import quant_eval_meta
 from hif8qat.formats import (
@@ -132,13 +132,7 @@ def test_frozen_current_keeps_scaling_from_own_amax_and_records_nothing(impl):
                                  ScalingConfig(format="e4m3", algo="current", history_unit="step")],
                          ids=["hybrid", "current_phase", "fp8_current_step"])
 def test_no_host_sync_per_call(cfg, impl):
-    sc = impl.Scaler("A", cfg)
-    x = torch.randn(32, 32)
-    sc.quantize(x)  # warm up lazy imports / compiled kernels outside the guard
-    with _NoSync():
-        for step in range(5):
-            sc.set_step(step)
-            sc.quantize(x * (step + 1))
+    assert_no_host_sync(impl.Scaler("A", cfg), steps=5)
 
 
 def test_state_round_trip_under_current(impl):

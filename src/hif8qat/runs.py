@@ -124,9 +124,12 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    fa, fb = _flatten(a), _flatten(b)
+def _flat_differences(fa: dict[str, Any], fb: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
+
+
+def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    return _flat_differences(_flatten(a), _flatten(b))
 
 
 # ------------------------------------------------------------------------------------------- one writer
@@ -225,13 +228,12 @@ def _check_same_settings(run_dir: Path, cfg: RunConfig, what: str) -> None:
     config_path = run_dir / CONFIG_FILE
     if not config_path.exists():
         return
-    saved = _read_saved_config(config_path)
-    flat_saved = _flatten(saved)
-    current = cfg.to_dict()
-    flat_current = _flatten(current)
-    diff = [k for k in config_differences(saved, current)
-            if not (k in _ADDED_SETTINGS and k not in flat_saved and flat_current.get(k) == _ADDED_SETTINGS[k])
-            and not any(k == p or k.startswith(p + ".") for p in _RESUME_FREE_KEYS)]
+    saved = _flatten(_read_saved_config(config_path))
+    for key, old_behaviour in _ADDED_SETTINGS.items():
+        saved.setdefault(key, old_behaviour)
+    current = _flatten(cfg.to_dict())
+    diff = [k for k in _flat_differences(saved, current)
+            if not any(k == p or k.startswith(p + ".") for p in _RESUME_FREE_KEYS)]
     if diff:
         raise SettingsDiffer(f"cannot {what} {run_dir}: settings differ from the saved run in {config_path.name} "
                              f"({', '.join(diff)}); use force=true to start again (the folder is kept, renamed) "

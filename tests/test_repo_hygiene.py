@@ -1,0 +1,34 @@
+"""What a fresh clone holds: nothing a user's run would mistake for its own."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tracked(path: str) -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "--", path], cwd=REPO, capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("not a git checkout")
+    return out.split()
+
+
+def test_default_results_root_is_untracked():
+    # A tracked run folder makes a fresh clone's `make exp3` take the committed baseline as finished.
+    default_root = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())["results_root"]
+    tracked = _tracked(default_root)
+    assert tracked == [], f"{len(tracked)} files under {default_root} are tracked, e.g. {tracked[:3]}"
+
+
+def test_default_results_root_is_ignored():
+    default_root = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())["results_root"]
+    probe = f"{default_root}/mini/exp1/seed0/summary.json"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", probe], cwd=REPO, timeout=30)
+    if ignored.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert ignored.returncode == 0, f"{probe} is not ignored: a user's results could be committed"

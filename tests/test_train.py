@@ -36,25 +36,50 @@ def losses(folder: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
+def _tagged_folder(root: Path, experiment: str) -> Path:
+    """The one run folder of the experiment (command-line settings tag its name)."""
+    (folder,) = (root / "smoke" / experiment).glob("seed0*")
+    return folder
+
+
+def _file_bytes(folder: Path, *names: str) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in names}
+
+
+EXPORTED = ("export/model.safetensors", "export/hif8qat_scalers.safetensors", "export/hif8qat_quant.json")
+# (experiment, numerics): the smoke default (fp32, max estimator), and the mini profile's default numerics,
+# native and emulated BF16, with exp4's exp_smooth forecaster (its state is the hardest to restore).
+RESUME_CASES = [("exp8", "none"), ("exp4", "bf16"), ("exp4", "bf16_emulated")]
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_continues_the_loss_series_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("experiment,numerics", RESUME_CASES, ids=[f"{e}-{n}" for e, n in RESUME_CASES])
+def test_sigkill_then_resume_continues_the_loss_series_bit_for_bit(tmp_path, experiment, numerics):
+    args = [a for a in SMOKE if not a.startswith("experiment=")] + [f"experiment={experiment}",
+                                                                    f"train.autocast={numerics}"]
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
-    run(SMOKE + [f"results_root={whole}", "train.keep_checkpoints_when_done=0"])
-    assert (run_folder(whole) / "export" / "model.safetensors").exists()
-    assert not (run_folder(whole) / "checkpoints").exists()  # freed once the run is done
-    # Killed at the start of step 5: the last checkpoint is step 3, after the BF16 warmup switched QAT on.
-    out = run(SMOKE + [f"results_root={crashed}"], env_extra={"HIF8QAT_TEST_KILL_AT_STEP": "5"}, check=False)
+    run(args + [f"results_root={whole}", "train.keep_checkpoints_when_done=0"])
+    assert (_tagged_folder(whole, experiment) / "export" / "model.safetensors").exists()
+    assert not (_tagged_folder(whole, experiment) / "checkpoints").exists()  # freed once the run is done
+    # Killed at the start of step 5: the last checkpoint is step 3 (exp8: after the BF16 warmup switched QAT on).
+    out = run(args + [f"results_root={crashed}"], env_extra={"HIF8QAT_TEST_KILL_AT_STEP": "5"}, check=False)
     assert out.returncode != 0
-    folder = run_folder(crashed)
+    folder = _tagged_folder(crashed, experiment)
     assert not (folder / "DONE").exists()
     assert [p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_0000003"]
-    run(SMOKE + [f"results_root={crashed}", "train.resume=auto"])
-    expected, got = losses(run_folder(whole)), losses(folder)
+    run(args + [f"results_root={crashed}", "train.resume=auto"])
+    expected, got = losses(_tagged_folder(whole, experiment)), losses(folder)
     assert [s for s, _ in got] == list(range(8))
     assert got == expected  # exact float equality, quantizer histories included
+    # the final weights and scaler state too, byte for byte
+    assert _file_bytes(folder, *EXPORTED) == _file_bytes(_tagged_folder(whole, experiment), *EXPORTED)
     assert [p.name for p in ckpt.list_checkpoints(folder / "checkpoints")] == ["step_0000006", "step_0000008"]
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["converted_linears"] > 0
+    assert summary["numerics"]["numerics"] == numerics
+    import yaml
+
+    assert yaml.safe_load((folder / "config_resolved.yaml").read_text())["train"]["autocast"] == numerics
 
 
 @pytest.mark.slow

@@ -26,7 +26,9 @@ SCOPES = ("mlp", "attn_mlp")
 ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
 EVAL_MODES = ("bf16", "hif8")
 EVAL_DEVICES = ("auto", "cpu", "cuda")
-EVAL_DTYPES = ("auto", "fp32", "bf16")
+# train.autocast: auto = native BF16 autocast where the device has it, else BF16 emulated (see numerics.py).
+NUMERICS = ("auto", "bf16", "bf16_emulated", "none")
+EVAL_DTYPES = ("auto", "fp32", "bf16", "bf16_emulated")
 NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
 KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
@@ -134,7 +136,7 @@ class TrainConfig:
     global_batch_size: int = 1024
     micro_batch_size: int = 16
     seq_len: int = 1024
-    autocast: str = "bf16"
+    autocast: str = "auto"
     device: str = "auto"
     distributed: str = "ddp"
     compile: bool = False
@@ -296,7 +298,7 @@ class RunConfig:
         _check_positive("train.max_consecutive_skips", t.max_consecutive_skips, integer=True, allow_zero=True)
         _check_positive("train.val_every", t.val_every, integer=True, allow_zero=True)
         _check_positive("train.num_threads", t.num_threads, integer=True, allow_zero=True)
-        _check_choice("train.autocast", t.autocast, ("bf16", "none"))
+        _check_choice("train.autocast", t.autocast, NUMERICS)
         _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
         _check_choice("train.distributed", t.distributed, ("ddp", "fsdp"))
         if t.resume not in ("auto", "never") and not Path(t.resume).exists():

@@ -87,7 +87,7 @@ log = logging.getLogger(__name__)
 MINITASK_DIR = Path(__file__).resolve().parent / "minitasks"
 MODES = ("bf16", "hif8")
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16", "bf16_emulated")
 LOCAL_DATA_ENV = "HIF8QAT_LM_EVAL_DATA"
 
 
@@ -361,10 +361,12 @@ def prepare_paper_tasks(
 # ---------------------------------------------------------------------------------------- model loading
 def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device: str | None = None,
                      train_autocast: str | None = None) -> tuple[str, str]:
-    """Concrete ``(device, dtype)`` for an evaluation (``dtype``: ``fp32`` or ``bf16``, see the module doc).
+    """Concrete ``(device, dtype)`` for an evaluation (``dtype``: ``fp32``, ``bf16`` or ``bf16_emulated``, see
+    the module doc and :mod:`hif8qat.numerics`).
 
     ``auto`` follows the training settings when given: device as ``train.device`` resolves (CUDA unless it
-    is ``cpu`` or there is no GPU), dtype ``bf16`` when ``train.autocast=bf16``, else ``fp32``.
+    is ``cpu`` or there is no GPU), dtype the training numerics (``train.autocast``, ``auto`` resolved for
+    this machine; ``none`` is ``fp32``). Without them: native bf16 where the device has it (CUDA), else fp32.
     Raises :class:`EvalSettingError` for an unknown value or ``cuda`` on a machine without a GPU.
     """
     import torch
@@ -380,7 +382,10 @@ def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device:
                                "(or auto: the training device)")
     if dtype == "auto":
         if train_autocast is not None:
-            dtype = "bf16" if train_autocast == "bf16" else "fp32"
+            from .numerics import resolve
+
+            compute = resolve(train_autocast, torch.device(device).type)
+            dtype = "fp32" if compute == "none" else compute
         else:
             dtype = "bf16" if device.startswith("cuda") else "fp32"
     return device, dtype

@@ -272,7 +272,10 @@ def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]
         run_dir.mkdir(parents=True, exist_ok=True)
         if status == "new" or not config_path.exists():
             write_yaml_atomic(config_path, cfg.to_dict())
-        info = {"status": status, "argv": sys.argv, **provenance()}
+        from .numerics import describe, training_device_type
+
+        info = {"status": status, "argv": sys.argv, **provenance(),
+                "numerics": describe(cfg.train.autocast, training_device_type(cfg.train.device))}
         history = _read_run_info(info_path).get("history", [])
         history.append(info)
         write_json_atomic(info_path, {**info, "history": history})

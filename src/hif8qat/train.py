@@ -15,7 +15,6 @@ import random
 import signal
 import statistics
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from transformers import get_cosine_schedule_with_warmup
 
 from . import checkpoint as ckpt
+from . import numerics
 from .config import RunConfig
 from .data import build_eval_windows, build_train_stream
 from .distributed import grad_sync
@@ -120,10 +120,8 @@ def lm_loss(model: torch.nn.Module, tokens: torch.Tensor, *, double_label_shift:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
-def _autocast(cfg: RunConfig, device: torch.device):
-    if cfg.train.autocast == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return nullcontext()
+def _numerics(cfg: RunConfig, device: torch.device) -> str:
+    return numerics.resolve(cfg.train.autocast, device.type)
 
 
 @torch.no_grad()
@@ -136,7 +134,7 @@ def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.de
         losses = []
         for start in range(0, len(windows), batch):
             chunk = windows[start:start + batch].to(device)
-            with _autocast(cfg, device):
+            with numerics.forward_context(_numerics(cfg, device), device.type):
                 losses.append(lm_loss(model, chunk, double_label_shift=cfg.quirks.double_label_shift).item())
     finally:
         freeze_scales(model, False)
@@ -262,6 +260,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
                                 micro_batch_size=cfg.train.micro_batch_size, rank=ctx.rank,
                                 world_size=ctx.world_size, seed=cfg.seed, cache_dir=cfg.data.cache_dir)
     accum = cfg.grad_accum_steps(ctx.world_size)
+    compute = _numerics(cfg, ctx.device)  # bf16 | bf16_emulated | none (the run's config has it resolved already)
 
     ckpt_root = run_dir / "checkpoints"
     # Optimizer steps skipped for a non-finite gradient norm: in total, and in the current streak.
@@ -350,9 +349,10 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         for micro in range(accum):
             tokens = next(stream).to(ctx.device, non_blocking=True)
             with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
-                with _autocast(cfg, ctx.device):
+                with numerics.forward_context(compute, ctx.device.type):
                     loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
-                (loss / accum).backward()
+                with numerics.backward_context(compute, ctx.device.type):
+                    (loss / accum).backward()
             loss_sum += loss.detach().float()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
         loss_value = _reduce_mean(float(loss_sum / accum), ctx)
@@ -416,7 +416,8 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted, state_dict=full_state)
         summary = update_summary(run_dir, **_train_summary(metrics_path, step_times, val_loss, converted,
                                                            time.perf_counter() - wall_start),
-                                 skipped_steps=skips["skipped_steps"])
+                                 skipped_steps=skips["skipped_steps"],
+                                 numerics=numerics.describe(compute, ctx.device.type))
         mark_done(run_dir)
     ctx.barrier()
     if ctx.is_main and cfg.train.keep_checkpoints_when_done is not None:

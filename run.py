@@ -116,9 +116,12 @@ def eval_numerics(cfg: RunConfig) -> tuple[str, str]:
 def evaluate(cfg: RunConfig, run_dir: Path) -> None:
     """Evaluate the run's export in each configured mode that has no results yet (force=true redoes them)."""
     from hif8qat.evaluate import evaluate_run
-    from hif8qat.runs import lock_run_dir
+    from hif8qat.runs import has_export, is_done, lock_run_dir
 
-    if not (run_dir / "export").exists():
+    if not has_export(run_dir):
+        if is_done(run_dir):
+            raise RunError(f"{run_dir} is marked finished but has no export/ to evaluate: run stage=all, which "
+                           "writes it again from the run's final checkpoint (or says how to retrain it)")
         raise RunError(f"{run_dir} has no export/ to evaluate; train it first (stage=train or all)")
     lock_run_dir(run_dir)  # eval/ is written into the run folder: one writer at a time
     modes = [m for m in cfg.eval.modes if cfg.force or not (run_dir / "eval" / m / "results.json").exists()]

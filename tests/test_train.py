@@ -145,3 +145,25 @@ def test_corrupt_latest_checkpoint_and_torn_metrics_still_resume_bit_for_bit(tmp
     assert "unparsable line" in out.stdout
     assert losses(folder) == losses(run_folder(whole))  # redone from step 3, bit for bit
     assert len(list((folder / "checkpoints").glob("step_0000006.corrupt-*"))) == 1
+
+
+@pytest.mark.slow
+def test_finished_run_without_its_export_is_finished_again_not_a_dead_end(tmp_path):
+    import shutil
+
+    args = SMOKE + [f"results_root={tmp_path}", "train.checkpoint_every=100"]
+    run(args)
+    folder = run_folder(tmp_path)
+    series = losses(folder)
+    weights = (folder / "export" / "model.safetensors").read_bytes()
+    shutil.rmtree(folder / "export")
+    evaluated = run([a.replace("stage=train", "stage=eval") for a in args], check=False)
+    assert evaluated.returncode == 2 and "stage=all" in evaluated.stderr
+    out = run(args)  # re-exports from the final checkpoint, trains nothing
+    assert "writing it again from the checkpoint of step 8" in out.stdout
+    assert (folder / "export" / "model.safetensors").read_bytes() == weights
+    assert losses(folder) == series
+    shutil.rmtree(folder / "export")
+    shutil.rmtree(folder / "checkpoints")
+    refused = run(args, check=False)
+    assert refused.returncode == 2 and "force=true" in refused.stderr and "Traceback" not in refused.stderr

@@ -39,6 +39,7 @@ CONFIG_FILE = "config_resolved.yaml"
 INFO_FILE = "run_info.json"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
+EXPORT_DIR = "export"
 # Settings that may differ between an interrupted run and its resumption without changing the result.
 _RESUME_FREE_KEYS = {"stage", "force", "train.resume", "train.num_threads", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.keep_checkpoints_when_done", "train.log_every", "train.val_every", "data.eval_windows", "quant.telemetry_dump_every", "quant.telemetry_stats_every",
@@ -184,6 +185,26 @@ def release_run_dir(run_dir: Path) -> None:
         fh.close()  # the lock file stays: removing it could let two processes lock two different files
 
 
+def has_export(run_dir: Path) -> bool:
+    """A finished run's trained weights, which evaluation reads (export/ is written last, atomically)."""
+    return (run_dir / EXPORT_DIR / "config.json").exists()
+
+
+def _reexport_or_refuse(run_dir: Path, resume: str) -> str:
+    """A folder marked finished whose export/ is gone is not finished: finish it again from its final
+    checkpoint (the trainer resumes at the last step, trains nothing, and exports), or say what to run."""
+    from .checkpoint import checkpoint_step, latest_checkpoint
+
+    last = latest_checkpoint(run_dir / "checkpoints")
+    if last is not None and resume != "never":
+        print(f"{run_dir} is marked finished but has no {EXPORT_DIR}/: writing it again from the checkpoint of "
+              f"step {checkpoint_step(last)}")
+        return "resume"
+    raise RunFolderError(f"{run_dir} is marked finished but has no {EXPORT_DIR}/ (the trained weights that "
+                         "evaluation reads) and no checkpoint to write it from; train it again with force=true "
+                         "(the old folder is kept, renamed)")
+
+
 def _has_run_files(run_dir: Path) -> bool:
     return run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
 
@@ -260,7 +281,9 @@ def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]
                 print(f"force=true: keeping the previous run as {_archive(run_dir)}")
         elif is_done(run_dir):
             _check_same_settings(run_dir, cfg, "skip the finished run in")
-            return run_dir, "done"
+            if has_export(run_dir):
+                return run_dir, "done"
+            status = _reexport_or_refuse(run_dir, cfg.train.resume)
         elif cfg.train.resume == "never":
             raise RunFolderError(f"run folder {run_dir} holds an unfinished run: set train.resume=auto to "
                                  "continue it, or force=true to start again (the old folder is kept)")

@@ -42,10 +42,9 @@ from .qlinear import (
     set_step,
     step_telemetry,
 )
-from .runs import METRICS_FILE, mark_done, update_summary
+from .runs import EXPORT_DIR, METRICS_FILE, mark_done, update_summary
 from .scaling import ScalingConfig
 
-EXPORT_DIR = "export"
 # Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
 _KILL_AT_STEP_ENV = "HIF8QAT_TEST_KILL_AT_STEP"
 

@@ -332,3 +332,16 @@ def test_checkpoint_counts_must_be_counts(tmp_path, setting):
 
     with pytest.raises(ConfigError, match=rf"{setting}=-1.*integer >= 0"):
         _smoke(tmp_path, f"{setting}=-1")
+
+
+def test_checkpoints_save_and_verify_without_hashlib_file_digest(tmp_path, monkeypatch):
+    # Python 3.10 (the oldest the project supports) has no hashlib.file_digest.
+    import hashlib
+
+    monkeypatch.delattr(hashlib, "file_digest", raising=False)
+    path = _save(tmp_path, 3, seed=1)
+    ckpt.verify_checkpoint(path)
+    manifest = json.loads((path / ckpt.COMPLETE_MARKER).read_text())
+    for name, entry in manifest["files"].items():
+        assert entry["sha256"] == hashlib.sha256((path / name).read_bytes()).hexdigest()
+    assert _loaded_seed(path) == 1

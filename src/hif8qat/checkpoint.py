@@ -22,7 +22,6 @@ checkpoint resumes with or without FSDP (same world size); the model file loads 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -38,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from .errors import RunError
+from .files import sha256_file
 
 COMPLETE_MARKER = "COMPLETE"
 _PREFIX = "step_"
@@ -139,13 +139,8 @@ def _load_full_model(model: torch.nn.Module, filename: str, rank: int) -> None:
     load_full_model_state_dict(model, state_dict)
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _write_manifest(folder: Path, step: int) -> None:
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
     (folder / COMPLETE_MARKER).write_text(json.dumps({"format": _MANIFEST_FORMAT, "step": step, "files": files},
                                                      indent=1) + "\n")
@@ -205,7 +200,7 @@ def verify_checkpoint(path: Path) -> None:
         if size != entry["bytes"]:
             raise CheckpointError(f"checkpoint {path}: {name} has {size} bytes, {entry['bytes']} were written "
                                   "(truncated or replaced)")
-        if _sha256(file) != entry["sha256"]:
+        if sha256_file(file) != entry["sha256"]:
             raise CheckpointError(f"checkpoint {path}: {name} fails its sha256 check (the file changed after "
                                   "it was written)")
 

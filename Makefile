@@ -7,9 +7,10 @@ STAMP := $(VENV)/.installed
 PROFILE ?= mini
 SEED ?= 0
 ARGS ?=
-# What an experiment's baseline run gets from the command line: by default only where results go, so that
-# `make exp6 ARGS="quant.history_len=16"` reuses exp1's one run instead of training a tagged copy.
-BASELINE_ARGS ?= $(filter results_root=%,$(ARGS))
+# What an experiment's baseline run gets from the command line: every setting but the quantization ones, so
+# that `make exp6 ARGS="quant.history_len=16"` reuses exp1's one run while `ARGS="train.autocast=none"` trains
+# (or finds) the baseline with the same numerics: a run is only ever compared with a same-settings baseline.
+BASELINE_ARGS ?= $(filter-out quant.% +quant.% ++quant.% run_tag=%,$(ARGS))
 comma := ,
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 # Paper-scale runs use every local GPU through torchrun; the mini profile runs in one process.

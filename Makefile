@@ -77,15 +77,21 @@ baseline: exp1 ## the BF16 baseline at lr 1e-4 (exp1)
 smoke: $(STAMP) ## a seconds-long end-to-end run of exp8 on the tiny model
 	$(PY) run.py experiment=exp8 profile=smoke stage=all $(ARGS)
 
+# Before a long target: how long its unfinished runs will take here, from a training step measured just now.
+ESTIMATE = -$(OFFLINE) $(PY) -m hif8qat.estimate --profile $(PROFILE)
+
 all: $(STAMP) ## all experiments without a finished run, their evaluations, then the report
+	$(ESTIMATE) --experiments $(EXPERIMENTS) --seeds $(SEED) --label "make all"
 	for e in $(EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
 	$(PY) run.py stage=report profile=$(PROFILE)
 
 beyond: $(STAMP) ## exp10-exp13 after the runs they compare with (exp1, exp7 baselines; exp2, exp8), then the report
+	$(ESTIMATE) --experiments exp1 exp7 exp2 exp8 $(BEYOND) --seeds $(SEED) --label "make beyond"
 	for e in exp1 exp7 exp2 exp8 $(BEYOND); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
 	$(PY) run.py stage=report profile=$(PROFILE)
 
 seeds: $(STAMP) ## exp1 exp7 exp8 exp6 exp3 at seeds 1 and 2 (bf16 evaluation), then the report with the seed spread and null
+	$(ESTIMATE) --experiments $(SEED_EXPERIMENTS) --seeds $(SEEDS) --label "make seeds"
 	for s in $(SEEDS); do for e in $(SEED_EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$$s stage=all 'eval.modes=[bf16]' $(ARGS) || exit 1; done; done
 	$(PY) run.py stage=report profile=$(PROFILE)
 
@@ -94,7 +100,7 @@ beyond-seeds: $(STAMP) ## exp10-exp13, exp2, exp8 and their baselines at seeds 1
 
 # The base model is evaluated with the numerics the runs are evaluated with (the profile's train.autocast), so the
 # forgetting table compares like with like.
-BASE_DTYPE = $(if $(filter smoke,$(PROFILE)),fp32,bf16)
+BASE_DTYPE = $(if $(filter smoke,$(PROFILE)),fp32,$(shell $(PY) -m hif8qat.numerics 2>/dev/null | sed 's/^none$$/fp32/' || echo bf16))
 base-model: $(STAMP) ## the untrained base model on the profile's evaluation (results/base_model/PROFILE/, the forgetting table)
 	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --dtype $(BASE_DTYPE) --eval-config conf/eval/$(PROFILE).yaml --out results/base_model/$(PROFILE) $(ARGS)
 

@@ -224,3 +224,17 @@ def resolve_run(cfg):
     if numerics == cfg.train.autocast:
         return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, autocast=numerics))
+
+
+def main() -> int:
+    """``python -m hif8qat.numerics``: what ``train.autocast=auto`` means on this machine."""
+    device_type = training_device_type("auto")
+    info = describe(resolve("auto", device_type), device_type)
+    print(info["numerics"])
+    note = "native BF16" if info["native_bf16"] else "no native BF16: BF16 is emulated at about FP32 speed"
+    print(f"# {device_type}, {info.get('cpu_capability', '')}: {note}", file=__import__("sys").stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

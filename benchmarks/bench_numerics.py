@@ -1,0 +1,129 @@
+"""Training-step time under each compute numerics (fp32, emulated BF16, native BF16), side by side in one run,
+and the same on this CPU limited to AVX2, the class of CPU without native BF16 (most laptops).
+
+    python benchmarks/bench_numerics.py                        # SmolLM2-135M, 4 x 128 tokens, this CPU
+    python benchmarks/bench_numerics.py --classes              # also limited to AVX2, plus the FP32 GEMM ratio
+    python benchmarks/bench_numerics.py --model small --repeats 3
+
+Printed, measured in this run: the median step (forward + backward + AdamW) under ``none`` (FP32),
+``bf16_emulated`` and ``bf16`` (native autocast), and the ratios to FP32 (target: emulated <= 1.3x FP32).
+``--classes`` reruns it in a child process with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2``: torch then reports no native BF16 and runs BF16 GEMMs through its slow path,
+as on an AVX2-only CPU, and the FP32 GEMM throughput of both classes gives the factor by which times measured
+on one class scale to the other. Steps alternate between numerics every repeat; use a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+NUMERICS = ("none", "bf16_emulated", "bf16")
+
+
+def gemm_gflops(repeats: int = 20) -> float:
+    """FP32 GEMM throughput at a SmolLM2 MLP shape (4 x 128 tokens, 576 -> 1536)."""
+    a, w = torch.randn(512, 576), torch.randn(1536, 576)
+    torch.nn.functional.linear(a, w)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        times.append(time.perf_counter() - t0)
+    return 2 * 512 * 576 * 1536 / statistics.median(times) / 1e9
+
+
+def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_list: list[str]) -> dict[str, float]:
+    from bench_step import build_model
+
+    from hif8qat import numerics
+
+    model = build_model(model_name).float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def step(mode: str) -> float:
+        t0 = time.perf_counter()
+        with numerics.forward_context(mode, "cpu"):
+            logits = model(input_ids=ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        with numerics.backward_context(mode, "cpu"):
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    for mode in numerics_list:
+        step(mode)  # warm-up
+    times: dict[str, list[float]] = {m: [] for m in numerics_list}
+    for r in range(repeats):
+        for mode in (numerics_list if r % 2 == 0 else list(reversed(numerics_list))):
+            times[mode].append(step(mode))
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def measure(args) -> dict:
+    from hif8qat import numerics
+
+    modes = [m for m in NUMERICS if m != "bf16" or numerics.native_bf16_supported("cpu") or args.slow_native]
+    result = {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "native_bf16": numerics.native_bf16_supported("cpu"), "threads": torch.get_num_threads(),
+              "fp32_gemm_gflops": round(gemm_gflops(), 2),
+              "step_s": {m: round(t, 3) for m, t in step_times(args.model, args.batch, args.seq, args.repeats,
+                                                               modes).items()}}
+    base = result["step_s"]["none"]
+    result["ratio_to_fp32"] = {m: round(t / base, 3) for m, t in result["step_s"].items()}
+    return result
+
+
+def show(label: str, r: dict) -> None:
+    print(f"{label}: cpu {r['cpu_capability']}, native BF16 {r['native_bf16']}, {r['threads']} threads, "
+          f"FP32 GEMM {r['fp32_gemm_gflops']} GFLOP/s")
+    for mode, t in r["step_s"].items():
+        print(f"  {mode:14s} step {t:7.3f} s   {r['ratio_to_fp32'][mode]:6.2f}x fp32")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", choices=("small", "smollm2"))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--classes", action="store_true", help="also measure this CPU limited to AVX2 (a child process)")
+    ap.add_argument("--slow-native", action="store_true", help="time native BF16 autocast even without native BF16")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    out = {"this_cpu": measure(args)}
+    if args.classes:
+        cmd = [sys.executable, __file__, "--json", "--model", args.model, "--batch", str(args.batch), "--seq",
+               str(args.seq), "--repeats", str(args.repeats)] + (["--slow-native"] if args.slow_native else [])
+        child = subprocess.run(cmd, env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, check=True)
+        out["avx2"] = json.loads(child.stdout.strip().splitlines()[-1])["this_cpu"]
+        out["fp32_gemm_speed_this_over_avx2"] = round(out["this_cpu"]["fp32_gemm_gflops"]
+                                                      / out["avx2"]["fp32_gemm_gflops"], 3)
+    if args.json:
+        print(json.dumps(out))
+        return out
+    show("this CPU", out["this_cpu"])
+    if "avx2" in out:
+        show("limited to AVX2", out["avx2"])
+        print(f"FP32 GEMM speed, this CPU / AVX2-limited: {out['fp32_gemm_speed_this_over_avx2']}x "
+              "(times measured here scale to an AVX2 machine by this factor, for GEMM-bound work)")
+    return out
+
+
+if __name__ == "__main__":
+    main()

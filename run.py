@@ -86,7 +86,7 @@ def _unknown_setting_message(key: str, override: str) -> str:
                 f"{parent}={{{entry}: {override.split('=', 1)[-1]}}} (it replaces the configured value)")
     section = key.split(".", 1)[0]
     close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    hint = f"; did you mean {' or '.join(close)}?" if close else "."
     same = [n for n in names if n.startswith(section + ".")]
     known = (f" The settings of {section}: " + ", ".join(n.split(".", 1)[1] for n in same) + ".") if same else (
         " Sections and top-level settings: " + ", ".join(sorted({n.split(".", 1)[0] for n in names})) + ".")

@@ -104,7 +104,7 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1) -> dict[str, i
 
     weights, gradients and the two AdamW moments (4 copies of the parameters); the activations autograd keeps
     per block (the residual stream, q/k/v, the attention output and the MLP's gate, up and product at the
-    autocast width; eager attention adds its score and probability matrices), only each block's input under
+    autocast width; eager attention adds its probability matrix), only each block's input under
     activation checkpointing; the logits and their fp32 copy for the loss. Counted low on purpose (no
     temporaries, no allocator slack, no quantizer buffers), so a step it says will not fit cannot fit.
     """
@@ -119,7 +119,7 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1) -> dict[str, i
     tokens = t.micro_batch_size * t.seq_len
     block = tokens * (4 * h + 3 * inter) * width
     if facts.get("attn_implementation") == "eager":
-        block += 2 * t.micro_batch_size * heads * t.seq_len ** 2 * width
+        block += t.micro_batch_size * heads * t.seq_len ** 2 * width  # the softmax output, kept for backward
     kept = tokens * h * width if t.activation_checkpointing else block
     activations = (layers - 1) * kept + block
     logits = tokens * vocab * (width + 4)

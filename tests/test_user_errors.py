@@ -61,9 +61,8 @@ def test_every_setting_exists_under_every_profile_and_experiment(profile):
     from omegaconf import OmegaConf
 
     for experiment in EXPERIMENTS:
-        composed = OmegaConf.to_container(compose_cfg([f"experiment={experiment}", f"profile={profile}"]))
-        missing = sorted(n for n in _setting_names()
-                         if OmegaConf.select(OmegaConf.create(composed), n, default="<absent>") == "<absent>")
+        composed = compose_cfg([f"experiment={experiment}", f"profile={profile}"])
+        missing = sorted(n for n in _setting_names() if OmegaConf.select(composed, n, default="<absent>") == "<absent>")
         assert not missing, (experiment, profile, missing)  # each would need a `+` to be set
 
 

@@ -64,6 +64,110 @@ def force_add_dict_overrides(argv: list[str]) -> list[str]:
     return out
 
 
+def _setting_names() -> list[str]:
+    """Every setting RunConfig knows, dotted as on the command line."""
+    from dataclasses import fields, is_dataclass
+
+    names = []
+    for f in fields(RunConfig):
+        section = f.default_factory() if callable(f.default_factory) else None
+        names += [f"{f.name}.{g.name}" for g in fields(section)] if is_dataclass(section) else [f.name]
+    return names
+
+
+def _unknown_setting_message(key: str, override: str) -> str:
+    import difflib
+
+    names = _setting_names()
+    parent = next((n for n in names if key.startswith(n + ".")), None)
+    if parent:  # an entry below a setting that holds a mapping (eval.subset, quant.interval, ...)
+        entry = key[len(parent) + 1:]
+        return (f"cannot set {key} ({override}): {parent} is one setting holding a mapping; write it whole, e.g. "
+                f"{parent}={{{entry}: {override.split('=', 1)[-1]}}} (it replaces the configured value)")
+    section = key.split(".", 1)[0]
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else "."
+    same = [n for n in names if n.startswith(section + ".")]
+    known = (f" The settings of {section}: " + ", ".join(n.split(".", 1)[1] for n in same) + ".") if same else (
+        " Sections and top-level settings: " + ", ".join(sorted({n.split(".", 1)[0] for n in names})) + ".")
+    return f"unknown setting {key} ({override}){hint}{known}"
+
+
+def _hydra_error_message(err: Exception, combo: list[str], typed_overrides: list[str]) -> str:
+    """One line naming what is wrong with the command line, for Hydra's composition failures."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    if isinstance(err, MissingConfigException) and getattr(err, "options", None) is not None:
+        group, _, choice = str(err.missing_cfg_file).rpartition("/")
+        return f"invalid setting {group}={choice!r}: allowed one of " + ", ".join(sorted(err.options, key=_natural))
+    if isinstance(err, OverrideParseException):
+        typed = err.override[2:] if err.override.startswith("++") and err.override[2:] in typed_overrides else err.override
+        return (f"cannot parse the command-line override {typed!r}: {str(err).splitlines()[0]}. "
+                "Lists are written key=[a,b], mappings key={a: 1, b: 2} (quoted for the shell: "
+                "'quant.interval={0: 1, 1000: 10}'), a value with a comma or brace in quotes: key='a,b'")
+    key = getattr(err.__cause__, "full_key", None)
+    if key and "not in struct" in str(err.__cause__):
+        override = next((o for o in combo if o.split("=", 1)[0].lstrip("+~") == key), key)
+        return _unknown_setting_message(key, override)
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return "; ".join(lines)
+
+
+def _natural(name: str) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def override_combinations(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The override lists to compose to check a command line: the line itself, and under multirun one list per
+    swept value (the other sweeps at their first value), so a bad value anywhere in a sweep is found."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)  # raises OverrideParseException
+    if not multirun:
+        return [list(overrides)]
+    choices: list[list[str]] = []
+    for override in parsed:
+        if override.is_sweep_override():
+            try:
+                values = list(override.sweep_string_iterator())
+            except Exception:  # noqa: BLE001 - glob sweeps need Hydra's loader: left to Hydra to check
+                continue
+            choices.append([f"{override.get_key_element()}={v}" for v in values])
+        else:
+            choices.append([override.input_line])
+    first = [c[0] for c in choices]
+    combos = [first]
+    for i, values in enumerate(choices):
+        combos += [first[:i] + [v] + first[i + 1:] for v in values[1:]]
+    return combos
+
+
+def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str | None:
+    """Compose the config as Hydra will, before Hydra does: its own failures (unknown experiment or setting,
+    an override it cannot parse) end its process with exit 1 and a message that names no alternative. Returns
+    the error message, or None when the line composes (or is not a plain run: --help, another config, ...).
+    typed_overrides: the line as the user typed it, before force_add_dict_overrides, for the messages."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.errors import HydraException
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:
+        return None  # Hydra reports its own usage errors
+    if (args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun
+            or args.config_path or args.config_name or args.config_dir):
+        return None
+    combo: list[str] = list(args.overrides)
+    try:
+        for combo in override_combinations(args.overrides, args.multirun):
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                compose(config_name="config", overrides=combo)
+    except HydraException as err:
+        return _hydra_error_message(err, combo, typed_overrides)
+    return None
+
+
 def replace_typed_dicts(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """A dict typed on the command line replaces the configured one: Hydra would merge them, so exp3's
     ``quant.interval={0: 1, 1000: 10}`` overridden by ``{0: 5}`` would silently run ``{0: 5, 1000: 10}``."""
@@ -240,5 +344,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    typed = sys.argv[1:]
     sys.argv = force_add_dict_overrides(sys.argv)
+    problem = check_command_line(sys.argv[1:], typed)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()

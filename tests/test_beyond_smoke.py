@@ -28,9 +28,11 @@ def test_fp8_and_current_experiments_log_clipping_and_own_amax_scales(tmp_path):
         assert q11[f"tel/{role}/clipped_count"].notna().all() and "tel/A/overflow_count" not in m11
     stats = q11[q11["tel/A/stats_calls"] > 0]
     assert len(stats) > 0 and (stats["tel/A/stats_calls"] == stats["tel/A/calls"]).all()  # dump steps: every call
-    gt1 = sum(stats[f"tel/{r}/amax_ratio_gt1"].sum() for r in "AWG")
-    clipped = sum(stats[f"tel/{r}/clipped_count"].sum() for r in "AWG")
-    assert gt1 == 0 or clipped > 0  # at margin 0 an FP8 tensor that outgrew its estimate clips its top values
+    # At margin 0 an FP8 tensor that outgrew its estimate clips its top values: on every statistics step, a role
+    # with a call whose amax exceeded the estimate has clipped values (and the run has such calls to check).
+    exceeded = [(r, s) for r in "AWG" for s in stats.index if stats.at[s, f"tel/{r}/amax_ratio_gt1"] > 0]
+    assert exceeded, "no call outgrew its estimate on a statistics step: nothing to check"
+    assert all(stats.at[s, f"tel/{r}/clipped_count"] > 0 for r, s in exceeded), exceeded
     doc = json.loads((d11 / "export" / "hif8qat_quant.json").read_text())
     assert doc["element_formats"] == {"A": "e4m3", "W": "e4m3", "G": "e5m2"}
     meta = json.loads((d11 / "eval" / "hif8" / "results.json").read_text())["_meta"]["quant"]

@@ -240,9 +240,14 @@ def test_subset_indices_stratified_seeded_nested():
     assert ev.subset_indices(sizes, 50, seed=1) != sub  # the seed matters
     big = ev.subset_indices(sizes, 200, seed=0)
     assert all(set(sub[k]) <= set(big[k]) for k in sizes)  # a larger subset contains the smaller one
-    # a subtask's pick does not depend on which other subtasks exist
-    assert ev.subset_indices({"mmlu_d": 389}, 50, seed=0)["mmlu_d"][:5] != [] and \
-        set(ev.subset_indices({"x": 389}, 46, seed=0)["x"]) != set(sub["mmlu_d"])
+    # a subtask's pick does not depend on which other subtasks exist: alone, with the same allocation, it picks
+    # the same documents; it depends on its own name (a subtask of the same size under another name differs)
+    n_d = len(sub["mmlu_d"])
+    assert n_d < 389 and ev.subset_indices({"mmlu_d": 389}, n_d, seed=0)["mmlu_d"] == sub["mmlu_d"]
+    # beside other subtasks its allocation differs, but the documents come from the same seeded order (nested)
+    other = set(ev.subset_indices({"mmlu_d": 389, "mmlu_e": 40}, 30, seed=0)["mmlu_d"])
+    assert len(other) < n_d and other <= set(sub["mmlu_d"])
+    assert set(ev.subset_indices({"x": 389}, n_d, seed=0)["x"]) != set(sub["mmlu_d"])
     assert ev.subset_indices({"t": 5}, 9, seed=0) == {"t": [0, 1, 2, 3, 4]}  # more than there is: all
     with pytest.raises(ValueError, match="cannot cover 4 subtasks"):
         ev.subset_indices(sizes, 3, seed=0)

@@ -96,11 +96,17 @@ def test_finished_run_is_skipped_and_force_keeps_the_old_folder(tmp_path):
     assert len(archived) == 1 and (archived[0] / "metrics.jsonl").read_text() == first
     export = folder / "export"
     assert (export / "config.json").exists() and (export / "hif8qat_quant.json").exists()
-    # The export loads in plain transformers with the same weights.
+    # The export loads in plain transformers with the same weights as the run's final checkpoint (step 8).
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(export)
-    assert sum(p.numel() for p in model.parameters()) > 0
+    final = load_file(ckpt.latest_checkpoint(folder / "checkpoints") / "model.safetensors")
+    assert ckpt.checkpoint_step(ckpt.latest_checkpoint(folder / "checkpoints")) == 8
+    loaded = dict(model.named_parameters())
+    assert loaded and set(loaded) <= set(final)
+    for name, param in loaded.items():
+        assert torch.equal(param.detach(), final[name]), name
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +52,67 @@ _LOAD_ERRORS = (SafetensorError, RuntimeError, EOFError, OSError, pickle.Unpickl
 
 class CheckpointError(RunError):
     """A checkpoint that cannot be used: incomplete, truncated, corrupt or written for another setup."""
+
+
+class DiskFull(RunError):
+    """The disk holding the run folder filled up while a checkpoint or the export was written."""
+
+
+def state_bytes(model: torch.nn.Module, optimizer=None) -> int:
+    """Bytes of the model's parameters and buffers plus the optimizer's tensors: what a checkpoint stores (an
+    optimizer with no state yet counts as AdamW's two moments per parameter)."""
+    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    states = [v for st in (optimizer.state.values() if optimizer is not None else []) for v in st.values()
+              if torch.is_tensor(v)]
+    return params + (sum(v.numel() * v.element_size() for v in states) if states else 2 * params)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def free_bytes(path: Path) -> int:
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
+    """Whether a failed write ran out of disk: ENOSPC/EDQUOT, safetensors' and torch.save's wording of it, or
+    (torch.save's "file write failed" names no cause) less free space left than the write needed."""
+    import errno
+
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    if any(s in text for s in ("No space left", "StorageFull", "Disk quota exceeded", "os error 28")):
+        return True
+    if isinstance(err, RuntimeError) and "write failed" in text:
+        return free_bytes(where) < need
+    return False
+
+
+def disk_full_message(what: str, where: Path, need: int, after: str) -> str:
+    return (f"no space left on the disk holding {where} while writing {what}: {_human(free_bytes(where))} free, "
+            f"a checkpoint of this run takes about {_human(need)}. {after}")
+
+
+def check_free_space(root: Path, need: int, keep: int) -> None:
+    """Before the first save: one checkpoint must fit, or the run would train until it fails to save."""
+    free = free_bytes(root)
+    if free < need:
+        raise DiskFull(f"not enough free space for a checkpoint in {root}: {_human(free)} free, a checkpoint of "
+                       f"this run takes about {_human(need)} (up to train.keep_checkpoints + 1 = {keep + 1} of "
+                       "them at once, plus the export). Free space there, or point results_root at a larger disk")
+    if free < need * (keep + 2):
+        print(f"warning: {root} has {_human(free)} free; the run keeps up to {keep + 1} checkpoints of about "
+              f"{_human(need)} at once plus the export ({_human(need * (keep + 2))}): it may fill the disk",
+              file=sys.stderr)
 
 
 def _rename(src: Path, dst: Path) -> None:  # one place for every rename: tests interrupt saves here
@@ -275,11 +337,45 @@ def select_checkpoint(root: Path, log: Callable[[str], None] = print) -> Path | 
 
 def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer, scheduler, rank_state: dict,
                     rank: int = 0, world_size: int = 1, barrier=None, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically. Every rank calls this (rank_state is per rank)."""
-    from .distributed import full_model_state_dict, full_optimizer_state_dict, is_fsdp
-
+    """Write checkpoint `step` atomically. Every rank calls this (rank_state is per rank). A full disk is a
+    DiskFull error naming the folder, the free space and the checkpoint's size; earlier checkpoints stay."""
     final = checkpoint_path(root, step)
     tmp, old = final.with_name(final.name + _TMP), final.with_name(final.name + _OLD)
+    try:
+        _write(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler, rank_state=rank_state, rank=rank,
+               world_size=world_size, barrier=barrier)
+    except (OSError, RuntimeError, SafetensorError) as err:
+        need = state_bytes(model, optimizer)
+        if not is_disk_full(err, root, need):
+            raise
+        if rank == 0:  # the unfinished copy only takes space; the checkpoints before it are untouched
+            shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(root)
+        kept = f"the last checkpoint {last.name} is intact" if last else "no earlier checkpoint was written"
+        raise DiskFull(disk_full_message(f"checkpoint step {step}", root, need,
+                                         f"Nothing was lost: {kept} and the unfinished write was removed. Free "
+                                         "space there (or lower train.keep_checkpoints), then rerun the same "
+                                         "command: it resumes from the last checkpoint.")) from None
+    if rank == 0:
+        if final.exists():  # re-save: one complete copy of this step on disk at every instant
+            if old.exists():
+                _remove_tree(old)
+            _rename(final, old)
+            _rename(tmp, final)
+            _remove_tree(old)
+        else:
+            _rename(tmp, final)
+        prune_checkpoints(root, keep)
+    if barrier:
+        barrier()
+    return final
+
+
+def _write(tmp: Path, step: int, *, model, optimizer, scheduler, rank_state: dict, rank: int, world_size: int,
+           barrier) -> None:
+    """Every file of checkpoint `step` into `tmp`, manifest last (not yet published)."""
+    from .distributed import full_model_state_dict, full_optimizer_state_dict, is_fsdp
+
     if rank == 0:
         if tmp.exists():
             _remove_tree(tmp)
@@ -302,18 +398,6 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer,
         barrier()
     if rank == 0:
         _write_manifest(tmp, step)  # every rank's file is in place (barrier above)
-        if final.exists():  # re-save: one complete copy of this step on disk at every instant
-            if old.exists():
-                _remove_tree(old)
-            _rename(final, old)
-            _rename(tmp, final)
-            _remove_tree(old)
-        else:
-            _rename(tmp, final)
-        prune_checkpoints(root, keep)
-    if barrier:
-        barrier()
-    return final
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler, rank: int = 0,

@@ -233,6 +233,7 @@ class RunConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self, *, known_experiments: list[str] | None = None, check_paths: bool = True) -> None:
+        self._validate_booleans()
         _check_choice("stage", self.stage, STAGES)
         if not isinstance(self.seed, int) or self.seed < 0:
             _fail("seed", self.seed, "an integer >= 0")
@@ -247,6 +248,19 @@ class RunConfig:
         self._validate_eval(check_paths)
         if self.profile.steps is not None:
             _check_positive("profile.steps", self.profile.steps, integer=True)
+
+    def _validate_booleans(self) -> None:
+        """Every setting typed bool takes true or false only: Python's truthiness would read force=maybe or
+        train.compile=0 as a decision the user never made."""
+        for section in fields(self):
+            value = getattr(self, section.name)
+            pairs = ([(f"{section.name}.{f.name}", f.type, getattr(value, f.name)) for f in fields(value)]
+                     if dataclasses.is_dataclass(value) else [(section.name, section.type, value)])
+            for setting, annotation, v in pairs:
+                if annotation == "bool" and not isinstance(v, bool):
+                    _fail(setting, v, "true or false")
+                if annotation == "bool | None" and v is not None and not isinstance(v, bool):
+                    _fail(setting, v, "true, false or null")
 
     def _validate_model(self, check_paths: bool) -> None:
         name = self.model.name

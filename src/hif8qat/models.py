@@ -166,6 +166,44 @@ def build_tiny_llama(
     return model, tok
 
 
+def model_config_facts(name: str, *, revision: str | None = None) -> dict | None:
+    """The model's config.json (or, for tiny, the config it is built from), read without loading weights or
+    using the network; None when it cannot be had that way (a hub id that is not cached yet)."""
+    import inspect
+
+    if name == "tiny" or name.startswith("tiny:"):
+        args = {k: p.default for k, p in inspect.signature(build_tiny_llama).parameters.items()}
+        layers = int(name[5:]) if name.startswith("tiny:") and name[5:].isdigit() else args["num_layers"]
+        return {"hidden_size": args["hidden_size"], "intermediate_size": args["intermediate_size"],
+                "num_hidden_layers": layers, "num_attention_heads": args["num_heads"],
+                "num_key_value_heads": args["num_kv_heads"], "vocab_size": 256 + len(_TINY_SPECIALS),
+                "max_position_embeddings": args["max_position_embeddings"], "tie_word_embeddings": False,
+                "attn_implementation": "eager"}
+    candidates: list[Path] = []
+    hub_id = {"smollm2_135m": SMOLLM2_HUB_ID, "smollm2_135m_offline": SMOLLM2_HUB_ID,
+              "openpangu_embedded_1b": OPENPANGU_EMBEDDED_1B["hub_id"]}.get(name, name)
+    if name.startswith("smollm2_135m"):
+        candidates.append(cache_root() / SMOLLM2_CACHE_SUBDIR / "config.json")
+    local = Path(name).expanduser()
+    if local.is_dir():
+        candidates.append(local / "config.json")
+    elif not _looks_like_path(name):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(hub_id, "config.json", revision=revision)
+            if isinstance(hit, str):
+                candidates.append(Path(hit))
+        except Exception:  # noqa: BLE001 - no cache entry is the same as not cached
+            pass
+    for path in candidates:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # SmolLM2 offline weights
 # ----------------------------------------------------------------------------------------------------------

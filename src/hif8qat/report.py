@@ -265,6 +265,21 @@ def read_metrics(path: str | Path) -> pd.DataFrame:
     return df
 
 
+class UnreadableResultFile(RunError):
+    """A run's result file (results.json, summary.json) that does not parse: a truncated or edited file."""
+
+
+def _read_json(path: Path) -> Any:
+    """json.loads of a result file, naming the file and the way out when it does not parse."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UnreadableResultFile(f"{path} is unreadable ({type(err).__name__}: {err}); it was truncated or "
+                                   "edited. Write it again (for eval/<mode>/results.json: run.py ... stage=eval "
+                                   "force=true; for summary.json: retrain with force=true) or move the run out of "
+                                   "the results folder") from None
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
@@ -475,7 +490,8 @@ def _get(d: Mapping, dotted: str, default=None):
     return cur
 
 
-def discover_runs(runs_root: Path, profile: str) -> list[RunInfo]:
+def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = None) -> list[RunInfo]:
+    """The runs under runs_root/profile; a folder that cannot be used is appended to `skipped` with why."""
     import yaml
 
     from .runs import is_archive
@@ -490,7 +506,10 @@ def discover_runs(runs_root: Path, profile: str) -> list[RunInfo]:
             continue
         try:
             cfg = yaml.safe_load(cfg_p.read_text()) or {}
-        except yaml.YAMLError:
+        except yaml.YAMLError as err:
+            if skipped is not None:
+                skipped.append({"run_dir": str(d), "reason": f"config_resolved.yaml does not parse ({str(err)[:120]})"
+                                                             ": left out of every table"})
             continue
         info = {}
         if (d / "run_info.json").exists():
@@ -560,7 +579,7 @@ def _eval_results(run: RunInfo, mode: str) -> dict:
     p = run.path / "eval" / mode / "results.json"
     if not p.exists():
         return {}
-    data = json.loads(p.read_text())
+    data = _read_json(p)
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
@@ -639,7 +658,7 @@ def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int
         path = folder / "results.json"
         if not path.exists():
             return {}
-        return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+        return {k: v for k, v in _read_json(path).items() if not k.startswith("_")}
 
     base, other = scores(base_eval), scores(other_eval)
     rows = []
@@ -839,9 +858,11 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
     "message": str}``; with no runs, writes nothing and says so in ``message``."""
     runs_root, out_tables, out_figures = Path(runs_root), Path(out_tables), Path(out_figures)
-    runs = discover_runs(runs_root, profile)
+    skipped: list[dict] = []  # runs (or parts of them) the tables could not use, and why
+    runs = discover_runs(runs_root, profile, skipped)
     if not runs:
         msg = f"no runs under {runs_root / profile} (train some first, e.g. `make exp8 PROFILE={profile}`)"
+        msg += "".join(f"\n  not used: {s['run_dir']}: {s['reason']}" for s in skipped)
         return {"tables": {}, "files": [], "message": msg}
     used: dict[str, set] = {}
 
@@ -855,7 +876,14 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         mp = r.path / "metrics.jsonl"
         m = read_metrics(mp) if mp.exists() else pd.DataFrame()
         metrics_cache[str(r.path)] = m
-        summ = json.loads((r.path / "summary.json").read_text()) if (r.path / "summary.json").exists() else {}
+        summ = _read_json(r.path / "summary.json") if (r.path / "summary.json").exists() else {}
+        if "loss" not in m or not len(m):
+            skipped.append({"run_dir": str(r.path), "reason": f"{mp.name} {'holds no loss' if mp.exists() else 'is missing'}"
+                            + (" although the run is finished" if r.done else " (unfinished run)")
+                            + ": no loss curve, left out of the APE, telemetry and scaling-pair tables"})
+        elif not r.done:
+            skipped.append({"run_dir": str(r.path), "reason": "unfinished (no DONE marker): its losses so far are "
+                            "in the runs table, its curve is partial"})
         row = {"experiment": r.experiment, "seed": r.seed, "paper_run": r.paper_run, "quant": r.quant,
                "estimator": r.estimator, "baseline": r.baseline, "done": r.done,
                "steps": int(m["step"].max()) + 1 if "step" in m and len(m) else 0,
@@ -1051,7 +1079,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                              "and the share beyond the 2-bit-mantissa tier (ratio > 128/15).",
     }
     sources = {"files": [{"path": p, "git_commits": sorted(c for c in g if c)} for p, g in sorted(used.items())],
-               "runs_root": str(runs_root), "profile": profile}
+               "runs_root": str(runs_root), "profile": profile, "runs_not_used": skipped}
     files = []
     for name, df in tables.items():
         files += list(write_table(df, out_tables, name, title=name.replace("_", " "),
@@ -1061,6 +1089,9 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     msg = f"{len(runs)} runs, {len(drops_df)} drop rows, {len(ape_df)} APE rows"
     if unpaired:
         msg += "; not compared: " + ", ".join(sorted(set(unpaired)))
+    if skipped:
+        msg += "\nruns not used, or used in part (also in each table's .sources.json, runs_not_used):" + "".join(
+            f"\n  {s['run_dir']}: {s['reason']}" for s in skipped)
     if n_tests:
         msg += "\n" + multiple
     return {"tables": tables, "files": files, "message": msg}

@@ -333,6 +333,8 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
                              rank_state=rank_state, rank=ctx.rank, world_size=ctx.world_size,
                              barrier=ctx.barrier if ctx.world_size > 1 else None, keep=cfg.train.keep_checkpoints)
 
+    if ctx.is_main:  # before the first step, not when the first save fails after hours of training
+        ckpt.check_free_space(run_dir, ckpt.state_bytes(model, optimizer), cfg.train.keep_checkpoints)
     quant_active = cfg.quant.enabled and start_step >= (quant_on_step or 0)
     kill_at = int(os.environ.get(_KILL_AT_STEP_ENV, "-1"))
     for step in range(start_step, cfg.train.steps):
@@ -412,7 +414,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
 
     full_state = full_model_state_dict(model) if is_fsdp(model) else None  # FSDP: every rank gathers
     if ctx.is_main:
-        export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted, state_dict=full_state)
+        _export_or_explain(model, tokenizer, run_dir, cfg, converted, full_state, optimizer)
         summary = update_summary(run_dir, **_train_summary(metrics_path, step_times, val_loss, converted,
                                                            time.perf_counter() - wall_start),
                                  skipped_steps=skips["skipped_steps"],
@@ -470,6 +472,28 @@ def _train_summary(metrics_path: Path, step_times: dict[bool, list[float]], val_
         "train_wall_s_this_session": wall_s, "median_step_s_bf16": med(bf16_t), "median_step_s_qat": med(qat_t),
         "qat_to_bf16_step_time_ratio": ratio, "converted_linears": len(converted),
     }
+
+
+def _export_or_explain(model, tokenizer, run_dir: Path, cfg: RunConfig, converted: list[str], full_state,
+                       optimizer) -> None:
+    """export_model, with a full disk reported as what filled and how to finish (the final checkpoint holds
+    every trained step, so a rerun only writes the export)."""
+    from safetensors import SafetensorError
+
+    try:
+        export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted, state_dict=full_state)
+    except (OSError, RuntimeError, SafetensorError) as err:
+        need = ckpt.state_bytes(model, optimizer)
+        if not ckpt.is_disk_full(err, run_dir, need):
+            raise
+        import shutil
+
+        shutil.rmtree(run_dir / (EXPORT_DIR + ".tmp"), ignore_errors=True)
+        last = ckpt.latest_checkpoint(run_dir / "checkpoints")
+        raise ckpt.DiskFull(ckpt.disk_full_message(
+            f"the export ({EXPORT_DIR}/, about a third of a checkpoint)", run_dir, need,
+            f"Training is complete in {last}; the unfinished export was removed. Free space there, then rerun the "
+            "same command: it resumes from that checkpoint and writes only the export.")) from None
 
 
 def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: list[str],

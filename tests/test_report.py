@@ -221,7 +221,7 @@ def test_build_report_structure(tmp_path):
     t = rep["tables"]
     assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke", "replay_smoke",
                       "ablations_smoke", "scaling_pairs_smoke", "vs_base_smoke", "seeds_smoke", "seed_null_smoke",
-                      "claims_smoke", "mde_smoke", "anchor"}
+                      "claims_smoke", "mde_smoke", "anchor", "pairing_smoke"}
     assert t["replay_smoke"].empty  # no exported scaler state in these fake runs
     # exp8 derives from exp7: the ablation is the bf16-mode drop, and against the base model exp7 is unchanged.
     abl = t["ablations_smoke"].iloc[0]
@@ -315,18 +315,42 @@ def test_anchor_table_puts_ours_next_to_published(tmp_path):
     assert pd.isna(t.loc["mmlu_continuation", "ours smollm2_135m/0shot"])  # not evaluated: published alone
 
 
-def test_baseline_with_another_seed_or_tag_is_an_error(tmp_path):
+def _set_config(run_dir: Path, **dotted) -> None:
+    cfg = yaml.safe_load((run_dir / "config_resolved.yaml").read_text())
+    for key, value in dotted.items():
+        sect, name = key.split("__")
+        cfg.setdefault(sect, {})[name] = value
+    (run_dir / "config_resolved.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_a_baseline_of_another_seed_or_settings_is_no_pair_and_the_report_says_why(tmp_path):
     runs = make_fake_runs(tmp_path / "a", seeds=(0,), exps=("exp7",))
     make_fake_runs(tmp_path / "a", seeds=(1,), exps=("exp8",))
-    with pytest.raises(report.BaselineMismatchError, match=r"baseline exp7 has no run with seed 1.*found seed 0"):
-        report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
+    rep = report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
+    assert rep["tables"]["drops_smoke"].empty  # never exp8 seed 1 against exp7 seed 0
+    pairing = rep["tables"]["pairing_smoke"].set_index("experiment").loc["exp8"]
+    assert pairing["baseline_run"] == "" and "no run with seed 1" in pairing["baseline_unpaired"]
+    assert "exp8/seed1 vs exp7 has no run with seed 1" in rep["message"]
+    # a tagged baseline trained at another learning rate is no pair either
     runs = make_fake_runs(tmp_path / "b", tags={"exp7": "train.lr=1e-3", "exp8": "quant.history_len=16"})
-    with pytest.raises(report.BaselineMismatchError, match="train.lr=1e-3"):
-        report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
+    _set_config(runs / "smoke" / "exp7" / "seed0-train.lr=1e-3", train__lr=1e-3)
+    rep = report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
+    assert rep["tables"]["drops_smoke"].empty and "differs in train.lr" in rep["message"]
     # a tagged sweep point against the untagged baseline of its seed is the normal case
     runs = make_fake_runs(tmp_path / "c", tags={"exp8": "quant.history_len=16"})
     rep = report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
-    assert (rep["tables"]["drops_smoke"].baseline == "exp7").all()
+    drops = rep["tables"]["drops_smoke"]
+    assert (drops.baseline == "exp7").all() and (drops.run_tag == "quant.history_len=16").all()
+
+
+def test_seed_spread_groups_by_experiment_and_run_tag(tmp_path):
+    # seed 0 untagged and seed 0 of a sweep point are two experiments, not two seeds of one
+    runs = make_fake_runs(tmp_path / "runs", seeds=(0, 1))
+    make_fake_runs(tmp_path / "runs", seeds=(0,), exps=("exp8",), tags={"exp8": "quant.history_len=16"})
+    rep = report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
+    spread = rep["tables"]["seeds_smoke"]
+    s8 = spread[(spread.experiment == "exp8") & (spread.what == "score") & (spread["mode"] == "bf16")]
+    assert dict(zip(s8.run_tag, s8.n_seeds, strict=True)) == {"": 2, "quant.history_len=16": 1}
 
 
 def test_build_report_without_runs(tmp_path):

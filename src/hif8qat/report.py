@@ -42,8 +42,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .errors import RunError
-
 REPO = Path(__file__).resolve().parents[2]
 PAPER_DIR = REPO / "results" / "paper"
 TABLES_DIR = REPO / "results" / "tables"
@@ -510,41 +508,27 @@ def discover_runs(runs_root: Path, profile: str) -> list[RunInfo]:
     return runs
 
 
-class BaselineMismatchError(RunError):
-    """A run's baseline exists only with another seed or another run tag: comparing them would mix effects."""
-
-
 def _tag(run: RunInfo) -> str:
     return str(_get(run.config, "run_tag", "") or "")
 
 
-def _pick_baseline(run: RunInfo, runs: list[RunInfo]) -> RunInfo | None:
-    """The baseline run with the same seed and the same (or no) run tag; None when the baseline experiment has
-    no run at all. A baseline that exists only with other seeds or tags is an error, never a fallback."""
-    if not run.baseline:
-        return None
-    cands = [r for r in runs if r.experiment == str(run.baseline)]
-    if not cands:
-        return None
-    ok = [r for r in cands if r.seed == run.seed and _tag(r) in (_tag(run), "")]
-    if not ok:
-        found = ", ".join(sorted(f"seed {r.seed}" + (f" tag {_tag(r)!r}" if _tag(r) else "") for r in cands))
-        raise BaselineMismatchError(
-            f"{run.path}: baseline {run.baseline} has no run with seed {run.seed} and run tag "
-            f"{_tag(run)!r} (or none); found {found}. Run it (make {run.baseline} SEED={run.seed}) or move the "
-            "unmatched run out of the results folder.")
-    return sorted(ok, key=lambda r: (_tag(r) != _tag(run), not r.done, str(r.path)))[0]
+def _pair(run: RunInfo, experiment: str | None, runs: list[RunInfo], runs_root: Path, profile: str,
+          may_differ: Sequence[str]) -> tuple[RunInfo | None, str]:
+    """The run of ``experiment`` that ``run`` is compared with (same seed, same training settings apart from
+    ``may_differ``; :func:`hif8qat.runs.find_baseline_run`), or None and the reason."""
+    from .runs import find_baseline_run
 
-
-def _find_run(experiment: str | None, seed, runs: list[RunInfo]) -> RunInfo | None:
-    """The run of `experiment`, preferring the same seed and finished runs."""
     if not experiment:
-        return None
-    cands = [r for r in runs if r.experiment == str(experiment)]
-    same_seed = [r for r in cands if r.seed == seed]
-    pool = same_seed or cands
-    pool = sorted(pool, key=lambda r: (not r.done, str(r.path)))
-    return pool[0] if pool else None
+        return None, ""
+    path, why = find_baseline_run(runs_root, profile, str(experiment), run.path, may_differ=may_differ)
+    if path is None:
+        return None, why
+    found = {r.path.resolve(): r for r in runs}.get(path.resolve())
+    return (found, "") if found else (None, f"{path} is not a run the report could read")
+
+
+def _run_label(run: RunInfo | None) -> str:
+    return f"{run.path.parent.name}/{run.path.name}" if run is not None else ""
 
 
 def _git_of(run: RunInfo):
@@ -688,7 +672,7 @@ def _scaling_pair(run: RunInfo, other: RunInfo, changes: Sequence[str], metrics_
                            "changes": ",".join(changes), "seed": run.seed}
     for side, r in (("", run), ("cp_", other)):
         m = metrics_cache[str(r.path)]
-        ape = ape_of.get((r.experiment, r.seed), {})
+        ape = ape_of.get((r.experiment, _tag(r), r.seed), {})
         row.update({f"{side}format": _format_of(r), f"{side}algo": r.estimator,
                     **{f"{side}{k}": v for k, v in (scaling_outcome(m) if len(m) else {}).items()},
                     f"{side}ape_qat_pct": ape.get("ape_qat_pct", float("nan")),
@@ -715,17 +699,18 @@ def seed_spread(runs_df: pd.DataFrame, drops_df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for col in [c for c in runs_df.columns if ":" in c]:
         mode, task = col.split(":", 1)
-        for exp, g in runs_df.groupby("experiment"):
+        for (exp, tag), g in runs_df.groupby(["experiment", "run_tag"]):
             v = g[col].dropna()
             if len(v):
-                rows.append({"experiment": exp, "what": "score", "mode": mode, "task": task, "n_seeds": len(v),
+                rows.append({"experiment": exp, "run_tag": tag, "what": "score", "mode": mode, "task": task, "n_seeds": len(v),
                              "mean_pct": v.mean(), "sd_pct": v.std(ddof=1) if len(v) > 1 else float("nan"),
                              "min_pct": v.min(), "max_pct": v.max()})
     if len(drops_df):
-        for (exp, base, mode, task), g in drops_df.groupby(["experiment", "baseline", "quant_mode", "task"]):
+        for (exp, tag, base, mode, task), g in drops_df.groupby(["experiment", "run_tag", "baseline", "quant_mode",
+                                                                 "task"]):
             v = g["drop_pct"].dropna()
             if len(v):
-                rows.append({"experiment": exp, "what": f"drop vs {base}", "mode": mode, "task": task,
+                rows.append({"experiment": exp, "run_tag": tag, "what": f"drop vs {base}", "mode": mode, "task": task,
                              "n_seeds": len(v), "mean_pct": v.mean(),
                              "sd_pct": v.std(ddof=1) if len(v) > 1 else float("nan"), "min_pct": v.min(),
                              "max_pct": v.max()})
@@ -761,7 +746,8 @@ def claims_table(drops_df: pd.DataFrame, null_df: pd.DataFrame) -> pd.DataFrame:
     if drops_df.empty:
         return pd.DataFrame()
     rows = []
-    for (exp, base, mode, task), g in drops_df.groupby(["experiment", "baseline", "quant_mode", "task"]):
+    for (exp, tag, base, mode, task), g in drops_df.groupby(["experiment", "run_tag", "baseline", "quant_mode",
+                                                             "task"]):
         null = null_df[(null_df["task"] == task) & (null_df["experiment"] == base)] if len(null_df) else null_df
         source = base
         if null is None or null.empty:
@@ -774,7 +760,8 @@ def claims_table(drops_df: pd.DataFrame, null_df: pd.DataFrame) -> pd.DataFrame:
         verdict = ("no seed null (one seed of every BF16 run)" if not np.isfinite(floor) else
                    "beyond seed noise" if exceeds and all_sig else
                    "beyond the seed null, not significant in every seed" if exceeds else "within seed noise")
-        rows.append({"experiment": exp, "baseline": base, "quant_mode": mode, "task": task, "n_seeds": len(g),
+        rows.append({"experiment": exp, "run_tag": tag, "baseline": base, "quant_mode": mode, "task": task,
+                     "n_seeds": len(g),
                      "mean_drop_pct": mean, "sd_drop_pct": float(g["drop_pct"].std(ddof=1)) if len(g) > 1
                      else float("nan"), "null_max_abs_drop_pct": floor, "null_pairs": len(null),
                      "null_source": source, "significant_holm_all_seeds": all_sig,
@@ -856,7 +843,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         m = read_metrics(mp) if mp.exists() else pd.DataFrame()
         metrics_cache[str(r.path)] = m
         summ = json.loads((r.path / "summary.json").read_text()) if (r.path / "summary.json").exists() else {}
-        row = {"experiment": r.experiment, "seed": r.seed, "paper_run": r.paper_run, "quant": r.quant,
+        row = {"experiment": r.experiment, "run_tag": _tag(r), "seed": r.seed, "paper_run": r.paper_run,
+               "quant": r.quant,
                "estimator": r.estimator, "baseline": r.baseline, "done": r.done,
                "steps": int(m["step"].max()) + 1 if "step" in m and len(m) else 0,
                "final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan"),
@@ -870,15 +858,29 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         if mp.exists():
             use(r, mp)
         run_rows.append(row)
-    runs_df = pd.DataFrame(run_rows).sort_values(["experiment", "seed"]).reset_index(drop=True)
+    runs_df = pd.DataFrame(run_rows).sort_values(["experiment", "run_tag", "seed"]).reset_index(drop=True)
+
+    # ---- pairing: each run against its BF16 baseline (quant.* may differ) and against the experiment it
+    # derives from (its declared changes may differ); same seed and training settings, else no pair and why
+    baseline_of, parent_of, pairing_rows, unpaired = {}, {}, [], []
+    for r in runs:
+        b, why_b = _pair(r, r.baseline, runs, runs_root, profile, ("quant",))
+        parent_name = _get(r.config, "experiment.derived_from")
+        p, why_p = _pair(r, parent_name, runs, runs_root, profile,
+                         list(_get(r.config, "experiment.changes", []) or []))
+        baseline_of[str(r.path)], parent_of[str(r.path)] = b, p
+        pairing_rows.append({"experiment": r.experiment, "run_tag": _tag(r), "seed": r.seed, "run": _run_label(r),
+                             "baseline": r.baseline, "baseline_run": _run_label(b), "baseline_unpaired": why_b,
+                             "derived_from": parent_name, "derived_from_run": _run_label(p),
+                             "derived_from_unpaired": why_p})
+        unpaired += [f"{_run_label(r)} vs {why}" for why in (why_b, why_p) if why]
+    pairing_df = pd.DataFrame(pairing_rows)
 
     # ---- drops and APE per (run, baseline)
-    drop_rows, ape_rows, curves, unpaired = [], [], [], []
+    drop_rows, ape_rows, curves = [], [], []
     for r in runs:
-        b = _pick_baseline(r, runs)
+        b = baseline_of[str(r.path)]
         if b is None:
-            if r.baseline:
-                unpaired.append(f"{r.experiment} (baseline {r.baseline} has no run)")
             continue
         mq, mb = metrics_cache[str(r.path)], metrics_cache[str(b.path)]
         if "loss" in mq and "loss" in mb and len(mq) and len(mb):
@@ -886,7 +888,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
             qat_from = _qat_start(r, mq)
             qat = mq[mq["step"] >= qat_from] if qat_from is not None else mq.iloc[:0]
             aq = loss_ape(qat["step"], qat["loss"], mb["step"], mb["loss"], last_frac=last_frac)
-            ape_rows.append({"experiment": r.experiment, "baseline": b.experiment, "seed": r.seed,
+            ape_rows.append({"experiment": r.experiment, "run_tag": _tag(r), "baseline": b.experiment,
+                             "seed": r.seed,
                              "n_common": a["n_common"], "ape_all_pct": a["ape_all"], "ape_last_pct": a["ape_last"],
                              "last_n": a["last_n"], "last_frac": last_frac, "qat_from_step": qat_from,
                              "n_qat": aq["n_common"], "ape_qat_pct": aq["ape_all"],
@@ -900,7 +903,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                     continue
                 bs = _read_samples(b.path / "eval" / "bf16" / f"samples_{task}.csv")
                 qs = _read_samples(r.path / "eval" / qmode / f"samples_{task}.csv")
-                row = {"experiment": r.experiment, "baseline": b.experiment, "seed": r.seed, "quant_mode": qmode,
+                row = {"experiment": r.experiment, "run_tag": _tag(r), "baseline": b.experiment, "seed": r.seed,
+                       "quant_mode": qmode,
                        "task": task, "metric": qr.get("metric"), "base_pct": base_res[task]["value"] * 100.0,
                        "quant_pct": qr["value"] * 100.0,
                        "drop_pct": relative_drop(base_res[task]["value"], qr["value"])}
@@ -940,15 +944,14 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     # learning rate alone, both BF16: the forgetting comparison; exp9 vs exp8 = the BF16 warmup alone), in bf16
     # mode and, when both runs are quantized, in the quantized mode too (exp11 vs exp8: FP8 vs HiF8 inference)
     abl_rows, pair_rows = [], []
-    ape_of = {(a["experiment"], a["seed"]): a for a in ape_rows}
+    ape_of = {(a["experiment"], a["run_tag"], a["seed"]): a for a in ape_rows}
     for r in runs:
-        parent_name = _get(r.config, "experiment.derived_from")
-        parent = _find_run(parent_name, r.seed, runs)
+        parent = parent_of[str(r.path)]
         if parent is None:
             continue
         changes = list(_get(r.config, "experiment.changes", []) or [])
-        head = {"experiment": r.experiment, "derived_from": parent.experiment, "changes": ",".join(changes),
-                "seed": r.seed}
+        head = {"experiment": r.experiment, "run_tag": _tag(r), "derived_from": parent.experiment,
+                "changes": ",".join(changes), "seed": r.seed}
         for mode in ("bf16", "hif8"):
             if mode != "bf16" and not (r.quant and parent.quant):
                 continue
@@ -994,7 +997,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,
               f"scaling_pairs_{profile}": pairs_df,
               f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
-              f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df}
+              f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df,
+              f"pairing_{profile}": pairing_df}
     multiple = (f"Multiple comparisons: {n_tests} paired tests in drops_{profile} (runs x modes x tasks); p_holm "
                 "is the exact McNemar p-value Holm-adjusted over all of them (significant_holm: p_holm < 0.05); "
                 "the bootstrap CIs and `significant` are per comparison, unadjusted.")
@@ -1007,6 +1011,11 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         f"ape_{profile}": f"Training-loss APE (%) over all common steps, the last {last_frac:.0%} of them, and the "
                           "QAT phase (ape_qat_pct: steps from qat_from_step, the first step the quantized run "
                           "logged as quantized, i.e. after its BF16 warmup).",
+        f"pairing_{profile}": "Every run's pairs: its BF16 baseline (same seed, same training settings apart "
+                              "from quant.*) and the experiment it derives from (same seed, same training "
+                              "settings apart from its declared changes). Logging, evaluation and checkpoint "
+                              "cadence and run_tag do not count. An empty *_run names no pair; *_unpaired says "
+                              "why, and the run is left out of that comparison.",
         f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
         f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
                                 "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
@@ -1060,7 +1069,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         files += make_figures(curves, runs, metrics_cache, tel_df, out_figures, profile)
     msg = f"{len(runs)} runs, {len(drops_df)} drop rows, {len(ape_df)} APE rows"
     if unpaired:
-        msg += "; not compared: " + ", ".join(sorted(set(unpaired)))
+        msg += f"\nnot paired ({len(unpaired)}; pairing_{profile}):\n  " + "\n  ".join(unpaired)
     if n_tests:
         msg += "\n" + multiple
     return {"tables": tables, "files": files, "message": msg}

@@ -3,18 +3,19 @@
 Definitions (the paper's, as in the authors' log_visualizer and evaluation summary):
 
 * relative drop per task  ``(base - quant) / base * 100`` (percent of the baseline score; positive = worse);
-* paired bootstrap CI of that drop: documents present in both per-sample files are resampled jointly
-  (the same resampled doc ids for baseline and quantized model), ``n_boot`` times with a fixed seed, and
-  the percentile interval is reported; a drop whose interval contains 0 is marked not significant;
+* per seed, the drop's paired 95 % interval: exact (conditional McNemar) when few items differ, else a paired
+  percentile bootstrap (the same resampled doc ids for baseline and run, ``n_boot`` times, fixed seed);
 * training-loss APE: for every step logged by both runs, ``|L_q - L_b| / |L_b| * 100``; plain mean over all
   common steps, over the last ``last_frac`` of them (the paper: last 1,000 of 10,000 = 10 %) and over the QAT
-  phase (the steps after the BF16 warmup, where the quantized run's log says ``quant``); no smoothing;
-* multiple comparisons: every drop row also gets an exact McNemar p-value (discordant pairs) and its Holm
-  adjustment over all rows of the table; the bootstrap CIs are per comparison;
-* seeds: the spread (mean, sd) of each score and drop over seeds, a seed null (a BF16 experiment against
-  itself at another seed: the noise floor of a drop) and, per claim (quantized run vs its baseline), whether
-  its mean drop exceeds that floor; the minimum detectable paired difference of each task at its item count
-  (:func:`min_detectable_difference`).
+  phase (the steps after the BF16 warmup, where the quantized run's log says ``quant``); no smoothing. APE is
+  unsigned: it measures noise and a systematic gap alike, so the claims use the signed difference instead;
+* claims: every run against its same-seed baseline and the experiment it derives from (one pairing rule,
+  :func:`hif8qat.runs.find_baseline_run`), pooled over seeds per mode, task and metric (accuracy, the per-item
+  gold log-likelihood and margin when recorded, the signed training-loss difference), with an interval from
+  between- and within-seed variance, an equivalence verdict against a stated margin, one test per row with
+  the seeds pooled, Holm within the claim, and the minimum detectable cost of that test (``hif8qat.stats``);
+* seeds: the spread (mean, sd) of each score and drop over seeds and a descriptive seed null (a BF16
+  experiment against itself at another seed).
 
 ``build_report(runs_root, profile, out_tables, out_figures)`` reads the run folders of docs/design.md
 (``results/runs/<profile>/<experiment>/seed<k>/``) and writes ``results/tables/*.csv|md`` and
@@ -41,6 +42,19 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from .stats import (
+    block_variance_of_mean,
+    equivalence_verdict,
+    exact_difference_ci,
+    exact_mcnemar_p,
+    item_pair,
+    mde_exact_mcnemar,
+    mde_from_se,
+    mean_variance,
+    min_one_way_flips,
+    pool_seeds,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PAPER_DIR = REPO / "results" / "paper"
@@ -88,30 +102,6 @@ def loss_ape(steps_q: Sequence[int], loss_q: Sequence[float], steps_b: Sequence[
     n_last = min(n_last, len(common))
     return {"n_common": int(len(common)), "ape_all": float(err.mean()), "ape_last": float(err.iloc[-n_last:].mean()),
             "last_n": n_last, "first_step": int(common[0]), "last_step": int(common[-1])}
-
-
-def min_detectable_difference(n: int, discordant: float, *, alpha: float = 0.05, power: float = 0.8) -> float:
-    """Smallest true difference in accuracy (percentage points) a paired test on ``n`` items detects.
-
-    Normal approximation of McNemar's test: the paired difference of two proportions has variance
-    ``discordant / n`` near zero difference (``discordant``: share of items the two models answer
-    differently), so MDE = (z_{1-alpha/2} + z_{power}) * sqrt(discordant / n). Two-sided.
-    """
-    from scipy.stats import norm
-
-    if n <= 0 or not np.isfinite(discordant) or discordant < 0:
-        return float("nan")
-    return float((norm.ppf(1 - alpha / 2) + norm.ppf(power)) * math.sqrt(discordant / n) * 100.0)
-
-
-def mcnemar_p(base_correct: Sequence[float], quant_correct: Sequence[float]) -> float:
-    """Exact two-sided McNemar p-value (binomial test on the discordant pairs); 1.0 without any."""
-    from scipy.stats import binomtest
-
-    b = np.asarray(base_correct) > 0.5
-    q = np.asarray(quant_correct) > 0.5
-    lost, gained = int((b & ~q).sum()), int((~b & q).sum())
-    return 1.0 if lost + gained == 0 else float(binomtest(lost, lost + gained, 0.5).pvalue)
 
 
 def holm(pvalues: Sequence[float]) -> np.ndarray:
@@ -531,6 +521,12 @@ def _run_label(run: RunInfo | None) -> str:
     return f"{run.path.parent.name}/{run.path.name}" if run is not None else ""
 
 
+def _dirty_of(run: RunInfo) -> bool | None:
+    """Whether the run was made from a tree with uncommitted changes (its exact code is not in the commit)."""
+    g = run.info.get("git") or _get(run.info, "provenance.git") or {}
+    return g.get("dirty") if isinstance(g, Mapping) else None
+
+
 def _git_of(run: RunInfo):
     g = run.info.get("git") or _get(run.info, "provenance.git") or {}
     return g.get("commit") if isinstance(g, Mapping) else g
@@ -617,6 +613,29 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
     return pd.DataFrame(rows)
 
 
+# Below this many discordant items the percentile bootstrap is anti-conservative: the exact test decides.
+EXACT_BELOW_DISCORDANT = 25
+
+
+def _item_stats(xb: np.ndarray, xq: np.ndarray, n_boot: int, seed: int) -> dict[str, Any]:
+    """One seed's paired 0/1 items: the relative drop's 95 % interval and significance, from the exact
+    conditional McNemar interval and test when fewer than EXACT_BELOW_DISCORDANT items differ, else from the
+    paired percentile bootstrap; flips both ways and the exact p-value in every case."""
+    ip = item_pair(xb, xq)
+    p = exact_mcnemar_p(ip.lost, ip.gained)
+    row = {"n_paired": ip.n, "n_lost": ip.lost, "n_gained": ip.gained, "discordant": _discordant(xb, xq),
+           "p_mcnemar": p}
+    base = float(np.mean(xb)) if len(xb) else float("nan")
+    if ip.discordant < EXACT_BELOW_DISCORDANT:
+        lo, hi = exact_difference_ci(ip.lost, ip.gained, ip.n)
+        rel = (lambda d: -d / base * 100.0) if base > 0 else (lambda d: float("nan"))
+        row.update(ci_lo=rel(hi), ci_hi=rel(lo), ci_method="exact", significant=bool(p < 0.05))
+    else:
+        ci = paired_bootstrap_drop(xb, xq, n_boot=n_boot, seed=seed)
+        row.update(ci_lo=ci.lo, ci_hi=ci.hi, ci_method="bootstrap", significant=ci.significant)
+    return row
+
+
 def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int) -> list[dict]:
     """Per task: both scores, the relative drop and its paired bootstrap CI, from two eval folders."""
     def scores(folder: Path) -> dict:
@@ -635,9 +654,7 @@ def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int
         bs, rs = _read_samples(base_eval / f"samples_{task}.csv"), _read_samples(other_eval / f"samples_{task}.csv")
         if bs is not None and rs is not None:
             xb, xr = align_samples(bs, rs)
-            ci = paired_bootstrap_drop(xb, xr, n_boot=n_boot, seed=seed)
-            row.update(n_paired=ci.n, ci_lo=ci.lo, ci_hi=ci.hi, significant=ci.significant,
-                       discordant=_discordant(xb, xr))
+            row.update(_item_stats(xb, xr, n_boot, seed))
         rows.append(row)
     return rows
 
@@ -736,58 +753,161 @@ def seed_null_table(runs: list[RunInfo], n_boot: int, seed: int) -> pd.DataFrame
     return pd.DataFrame(rows)
 
 
-def claims_table(drops_df: pd.DataFrame, null_df: pd.DataFrame) -> pd.DataFrame:
-    """Per claim (quantized experiment vs its baseline, mode, task): the drop over seeds against the seed null.
+# ======================================================================================= claims
+# Equivalence margins (two one-sided tests), in the unit of each metric's cost; positive cost = the run is worse.
+# accuracy: % of the baseline score (the paper's drops are 0.2-0.6 %); train_loss: % of the baseline's loss
+# (the paper's APE is 0.11 %); gold_ll / gold_margin: nats per item.
+DEFAULT_MARGINS = {"accuracy": 1.0, "train_loss": 0.25, "gold_ll": 0.02, "gold_margin": 0.02}
+METRIC_UNITS = {"accuracy": "% of score", "train_loss": "% of loss", "gold_ll": "nats", "gold_margin": "nats"}
+ITEM_METRICS = ("gold_ll", "gold_margin")  # per-item columns of samples_<task>.csv, when the run recorded them
+NOT_RECORDED = "not recorded in this run"
+LOSS_BLOCK = 5  # consecutive steps per block for the within-seed variance of the loss difference
 
-    null_max_abs_drop_pct: the largest |relative drop| between two seeds of the baseline experiment (of any
-    BF16 experiment when the baseline has a single seed; null_source says which). A claim survives seed noise
-    when its mean drop is further from 0 than that, and it is significant after Holm in every seed.
+
+def _signed_loss_difference(mq: pd.DataFrame, mb: pd.DataFrame, from_step: int | None) -> tuple[float, float, int]:
+    """Mean over common steps (from ``from_step``) of ``(Lq - Lb) / Lb * 100``, the variance of that mean from
+    blocks of LOSS_BLOCK steps, and the number of steps."""
+    if "loss" not in mq or "loss" not in mb or not len(mq) or not len(mb):
+        return float("nan"), float("nan"), 0
+    q = mq.set_index("step")["loss"].astype(float)
+    b = mb.set_index("step")["loss"].astype(float)
+    common = q.index.intersection(b.index).sort_values()
+    if from_step is not None:
+        common = common[common >= from_step]
+    if not len(common):
+        return float("nan"), float("nan"), 0
+    rel = ((q[common] - b[common]) / b[common] * 100.0).to_numpy()
+    return float(rel.mean()), block_variance_of_mean(rel, LOSS_BLOCK), int(len(rel))
+
+
+def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Mapping[str, pd.DataFrame]
+                   ) -> list[dict[str, Any]]:
+    """One seed's paired contrasts of ``run`` against ``other``: per evaluation mode and task the accuracy
+    (points, run minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), and
+    the signed training-loss difference (% of other's loss, from the run's QAT phase).
+
+    ``against``: "baseline" (every mode of the run against the baseline's bf16 evaluation) or "derived_from"
+    (bf16 against bf16, and the quantized mode against the other's when both are quantized)."""
+    head = {"experiment": run.experiment, "run_tag": _tag(run), "against": against, "counterpart": other.experiment,
+            "seed": run.seed, "run": _run_label(run), "counterpart_run": _run_label(other),
+            "dirty": bool(_dirty_of(run) or _dirty_of(other))}
+    rows = []
+    mq, mb = metrics_cache[str(run.path)], metrics_cache[str(other.path)]
+    d, v, n = _signed_loss_difference(mq, mb, _qat_start(run, mq) if run.quant else None)
+    rows.append({**head, "mode": "train", "task": "loss", "metric": "train_loss", "n": n, "recorded": n > 0,
+                 "diff": d, "var": v, "base": float("nan"), "lost": 0, "gained": 0})
+    modes = [("bf16", "bf16"), ("hif8", "bf16" if against == "baseline" else "hif8")]
+    for mode, other_mode in modes:
+        if mode == "hif8" and not (run.quant and (against == "baseline" or other.quant)):
+            continue
+        base_res = _eval_results(other, other_mode)
+        for task in _eval_results(run, mode):
+            if task not in base_res:
+                continue
+            bs = _read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")
+            qs = _read_samples(run.path / "eval" / mode / f"samples_{task}.csv")
+            if bs is None or qs is None:
+                continue
+            m = bs.drop_duplicates("doc_id").merge(qs.drop_duplicates("doc_id"), on="doc_id", suffixes=("_b", "_q"))
+            ip = item_pair(m["correct_b"].to_numpy(float), m["correct_q"].to_numpy(float))
+            at = {**head, "mode": mode, "task": task}
+            rows.append({**at, "metric": "accuracy", "n": ip.n, "recorded": ip.n > 0, "diff": ip.diff * 100.0,
+                         "var": ip.var * 1e4, "base": float(m["correct_b"].mean()) * 100.0, "lost": ip.lost,
+                         "gained": ip.gained})
+            for col in ITEM_METRICS:
+                cb, cq = f"{col}_b", f"{col}_q"
+                ok = cb in m and cq in m and bool(np.isfinite(m[[cb, cq]].to_numpy(float)).all()) and len(m) > 1
+                cost = (m[cb].to_numpy(float) - m[cq].to_numpy(float)) if ok else np.array([])
+                rows.append({**at, "metric": col, "n": len(cost), "recorded": ok,
+                             "diff": float(cost.mean()) if ok else float("nan"),
+                             "var": mean_variance(cost) if ok else float("nan"),
+                             "base": float(m[cb].mean()) if ok else float("nan"),
+                             "lost": int((cost > 0).sum()), "gained": int((cost < 0).sum())})
+    return rows
+
+
+CLAIM_KEYS = ["experiment", "run_tag", "against", "counterpart"]
+
+
+def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = None, *, alpha: float = 0.05,
+                 power: float = 0.8) -> pd.DataFrame:
+    """Per claim (a run against its baseline or the experiment it derives from), mode, task and metric: the
+    mean over seeds of the same-seed paired cost with a 95 % interval (between- and within-seed variance,
+    :func:`hif8qat.stats.pool_seeds`), the equivalence verdict against the metric's margin (two one-sided
+    tests), one test of a difference with the seeds pooled (accuracy: exact McNemar over all seeds' discordant
+    items), Holm-adjusted within the claim, and the minimum detectable cost of that same test.
+
+    cost > 0: the run is worse (accuracy: relative drop, % of the baseline score; train_loss: relative loss
+    increase, % of the baseline loss; gold_ll / gold_margin: nats lost per item).
     """
-    if drops_df.empty:
+    margins = {**DEFAULT_MARGINS, **(margins or {})}
+    if contrasts.empty:
         return pd.DataFrame()
     rows = []
-    for (exp, tag, base, mode, task), g in drops_df.groupby(["experiment", "run_tag", "baseline", "quant_mode",
-                                                             "task"]):
-        null = null_df[(null_df["task"] == task) & (null_df["experiment"] == base)] if len(null_df) else null_df
-        source = base
-        if null is None or null.empty:
-            null = null_df[null_df["task"] == task] if len(null_df) else pd.DataFrame()
-            source = ",".join(sorted(null["experiment"].unique())) if len(null) else ""
-        floor = float(null["drop_pct"].abs().max()) if len(null) else float("nan")
-        mean = float(g["drop_pct"].mean())
-        all_sig = bool(g.get("significant_holm", pd.Series([False])).fillna(False).all())
-        exceeds = bool(np.isfinite(floor) and abs(mean) > floor)
-        verdict = ("no seed null (one seed of every BF16 run)" if not np.isfinite(floor) else
-                   "beyond seed noise" if exceeds and all_sig else
-                   "beyond the seed null, not significant in every seed" if exceeds else "within seed noise")
-        rows.append({"experiment": exp, "run_tag": tag, "baseline": base, "quant_mode": mode, "task": task,
-                     "n_seeds": len(g),
-                     "mean_drop_pct": mean, "sd_drop_pct": float(g["drop_pct"].std(ddof=1)) if len(g) > 1
-                     else float("nan"), "null_max_abs_drop_pct": floor, "null_pairs": len(null),
-                     "null_source": source, "significant_holm_all_seeds": all_sig,
-                     "exceeds_seed_null": exceeds, "verdict": verdict})
-    return pd.DataFrame(rows)
+    keys = CLAIM_KEYS + ["mode", "task", "metric"]
+    for key, g in contrasts.groupby(keys, sort=False):
+        head = dict(zip(keys, key, strict=True))
+        metric, margin, unit = head["metric"], margins.get(head["metric"], float("nan")), METRIC_UNITS[head["metric"]]
+        g = g.sort_values("seed")
+        row = {**head, "unit": unit, "n_seeds": len(g), "seeds": ",".join(str(x) for x in g["seed"]),
+               "n_items": int(g["n"].sum()), "dirty_runs": int(g["dirty"].sum()), "margin": margin}
+        if not g["recorded"].all():
+            rows.append({**row, "equivalence": NOT_RECORDED, "difference": NOT_RECORDED})
+            continue
+        # a loss variance comes from a few blocks of steps per seed: t with their degrees of freedom
+        within_df = float((g["n"] // LOSS_BLOCK - 1).sum()) if metric == "train_loss" else math.inf
+        pooled = pool_seeds(g["diff"], g["var"], within_df)
+        if metric == "accuracy":
+            base = float(g["base"].mean())
+            lost, gained, n = int(g["lost"].sum()), int(g["gained"].sum()), int(g["n"].sum())
+            m = lost + gained
+
+            def rel(points, _b=base):
+                return -points / _b * 100.0 if _b > 0 else float("nan")
+
+            lo95, hi95, lo90, hi90 = pooled.lo, pooled.hi, pooled.lo90, pooled.hi90
+            method = f"seeds pooled ({pooled.variance_from})"
+            if m < EXACT_BELOW_DISCORDANT:  # few flips: widen to the exact interval of all seeds' items
+                e95, e90 = (exact_difference_ci(lost, gained, n, c) for c in (0.95, 0.90))
+                lo95, hi95 = min(lo95, e95[0] * 100), max(hi95, e95[1] * 100)
+                lo90, hi90 = min(lo90, e90[0] * 100), max(hi90, e90[1] * 100)
+                method += " and exact"
+            mde_pts = mde_exact_mcnemar(n, m, alpha=alpha, power=power) * 100.0
+            row.update(base=base, cost=rel(pooled.mean), ci_lo=rel(hi95), ci_hi=rel(lo95), ci90_lo=rel(hi90),
+                       ci90_hi=rel(lo90), diff_points=pooled.mean, lost=lost, gained=gained,
+                       p=exact_mcnemar_p(lost, gained), test="exact McNemar, seeds pooled", ci_method=method,
+                       mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts)
+        else:
+            row.update(base=float(g["base"].mean()), cost=pooled.mean, ci_lo=pooled.lo, ci_hi=pooled.hi,
+                       ci90_lo=pooled.lo90, ci90_hi=pooled.hi90, p=pooled.p,
+                       test="t over seeds" if pooled.variance_from == "between seeds" else
+                       "t over step blocks" if metric == "train_loss" else "normal, within-seed item variance",
+                       ci_method=f"seeds pooled ({pooled.variance_from})",
+                       mde=mde_from_se(pooled.se, pooled.df, alpha=alpha, power=power))
+            if metric != "train_loss":
+                row.update(lost=int(g["lost"].sum()), gained=int(g["gained"].sum()))
+        row.update(between_seed_sd=pooled.between_sd, equivalence=equivalence_verdict(
+            row["ci90_lo"], row["ci90_hi"], margin, "" if unit == "nats" else " %"))
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    df["p_holm"] = np.nan
+    for _, idx in df.groupby(CLAIM_KEYS, sort=False).groups.items():
+        df.loc[idx, "p_holm"] = holm(df.loc[idx, "p"].to_numpy(float)) if "p" in df else np.nan
+    recorded = df["equivalence"] != NOT_RECORDED
+    df.loc[recorded, "difference"] = np.where(
+        df.loc[recorded, "p_holm"] < alpha, np.where(df.loc[recorded, "cost"] > 0, "worse", "better"),
+        "not detected")
+    return df
 
 
-def mde_table(drops_df: pd.DataFrame, null_df: pd.DataFrame, *, alpha: float = 0.05,
-              power: float = 0.8) -> pd.DataFrame:
-    """Minimum detectable paired difference per task at its item count, from the measured discordance of the
-    quantized-vs-baseline pairs (bf16 mode, median over comparisons) and of the seed-null pairs."""
-    if drops_df.empty:
+def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
+    """What each claim's own test can detect: its minimum detectable cost next to the paper's effect sizes.
+    Depends only on the claim's own runs, never on others in the folder."""
+    if claims.empty or "mde" not in claims:
         return pd.DataFrame()
-    rows = []
-    for task, g in drops_df[drops_df["quant_mode"] == "bf16"].groupby("task"):
-        n = int(g["n_paired"].median())
-        base = float(g["base_pct"].median())
-        d_q = float(g["discordant"].median())
-        nul = null_df[null_df["task"] == task] if len(null_df) else pd.DataFrame()
-        d_s = float(nul["discordant"].median()) if len(nul) and "discordant" in nul else float("nan")
-        mde_q, mde_s = (min_detectable_difference(n, d, alpha=alpha, power=power) for d in (d_q, d_s))
-        rows.append({"task": task, "n_items": n, "base_pct": base, "discordant_quant_vs_base": d_q,
-                     "mde_pp": mde_q, "mde_rel_pct": mde_q / base * 100 if base else float("nan"),
-                     "discordant_seed_null": d_s, "mde_seed_null_pp": mde_s,
-                     "mde_seed_null_rel_pct": mde_s / base * 100 if base else float("nan")})
-    return pd.DataFrame(rows)
+    cols = [c for c in ["experiment", "run_tag", "against", "counterpart", "mode", "task", "metric", "unit",
+                        "n_seeds", "n_items", "lost", "gained", "mde", "mde_points", "test"] if c in claims]
+    return claims[claims["equivalence"] != NOT_RECORDED][cols].reset_index(drop=True)
 
 
 ANCHOR_DIR = REPO / "results" / "anchor"
@@ -822,9 +942,11 @@ def anchor_table(anchor_dir: Path = ANCHOR_DIR, published: Path = ANCHOR_PUBLISH
 
 
 def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
-                 seed: int = 0, last_frac: float = 0.1, figures: bool = True, replay: bool | None = None) -> dict:
+                 seed: int = 0, last_frac: float = 0.1, figures: bool = True, replay: bool | None = None,
+                 margins: Mapping[str, float] | None = None) -> dict:
     """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
-    "message": str}``; with no runs, writes nothing and says so in ``message``."""
+    "message": str, "claims_section": markdown}``; with no runs, writes nothing and says so in ``message``.
+    ``margins``: equivalence margins per metric (default DEFAULT_MARGINS)."""
     runs_root, out_tables, out_figures = Path(runs_root), Path(out_tables), Path(out_figures)
     runs = discover_runs(runs_root, profile)
     if not runs:
@@ -850,7 +972,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                "final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan"),
                "wall_time_s": next((summ[k] for k in ("wall_time_s", "train_wall_s", "train_wall_s_this_session")
                                     if k in summ), float("nan")),
-               "git": _git_of(r), "run_dir": str(r.path)}
+               "git": _git_of(r), "dirty": _dirty_of(r), "run_dir": str(r.path)}
         for mode in ("bf16", "hif8"):
             for task, res in _eval_results(r, mode).items():
                 row[f"{mode}:{task}"] = res.get("value", float("nan")) * 100.0
@@ -910,22 +1032,16 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                        "drop_pct": relative_drop(base_res[task]["value"], qr["value"])}
                 if bs is not None and qs is not None:
                     xb, xq = align_samples(bs, qs)
-                    ci = paired_bootstrap_drop(xb, xq, n_boot=n_boot, seed=seed)
-                    row.update(n_paired=ci.n, drop_paired_pct=ci.drop, ci_lo=ci.lo, ci_hi=ci.hi,
-                               significant=ci.significant, discordant=_discordant(xb, xq),
-                               p_mcnemar=mcnemar_p(xb, xq))
+                    row.update(drop_paired_pct=relative_drop(float(xb.mean()), float(xq.mean()))
+                               if len(xb) else float("nan"), **_item_stats(xb, xq, n_boot, seed))
                     use(b, b.path / "eval" / "bf16" / f"samples_{task}.csv")
                     use(r, r.path / "eval" / qmode / f"samples_{task}.csv")
                 else:
                     row.update(n_paired=0, drop_paired_pct=float("nan"), ci_lo=float("nan"), ci_hi=float("nan"),
-                               significant=False, discordant=float("nan"), p_mcnemar=float("nan"))
+                               significant=False, discordant=float("nan"), p_mcnemar=float("nan"),
+                               ci_method="")
                 drop_rows.append(row)
     drops_df = pd.DataFrame(drop_rows)
-    n_tests = 0
-    if len(drops_df):
-        drops_df["p_holm"] = holm(drops_df["p_mcnemar"])
-        drops_df["significant_holm"] = drops_df["p_holm"] < 0.05
-        n_tests = int(drops_df["p_mcnemar"].notna().sum())
     ape_df = pd.DataFrame(ape_rows)
 
     # ---- telemetry
@@ -986,8 +1102,17 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     # ---- seeds: spread, the BF16-vs-BF16 seed null, which claims survive it; detectable effect sizes
     seeds_df = seed_spread(runs_df, drops_df)
     null_df = seed_null_table(runs, n_boot, seed)
-    claims_df = claims_table(drops_df, null_df)
-    mde_df = mde_table(drops_df, null_df)
+    contrast_rows = []
+    for r in runs:
+        b, p = baseline_of[str(r.path)], parent_of[str(r.path)]
+        for against, other in (("baseline", b), ("derived_from", p if p is not b else None)):
+            if other is not None:
+                contrast_rows += seed_contrasts(r, other, against, metrics_cache)
+    contrasts_df = pd.DataFrame(contrast_rows)
+    claims_df = claims_table(contrasts_df, margins)
+    mde_df = mde_table(claims_df)
+    n_tests = int(claims_df["p"].notna().sum()) if "p" in claims_df else 0
+    n_claims = int(claims_df.groupby(CLAIM_KEYS).ngroups) if len(claims_df) else 0
 
     anchor_df = anchor_table(runs_root.parent / "anchor", runs_root.parent / "anchor" / ANCHOR_PUBLISHED.name)
     if anchor_df.empty and ANCHOR_PUBLISHED.exists():
@@ -999,15 +1124,20 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df,
               f"pairing_{profile}": pairing_df}
-    multiple = (f"Multiple comparisons: {n_tests} paired tests in drops_{profile} (runs x modes x tasks); p_holm "
-                "is the exact McNemar p-value Holm-adjusted over all of them (significant_holm: p_holm < 0.05); "
-                "the bootstrap CIs and `significant` are per comparison, unadjusted.")
+    multiple = (f"Multiple comparisons: one family per claim ({n_claims} claims, {n_tests} tests in "
+                f"claims_{profile}), seeds pooled into one test per task and metric; p_holm is Holm-adjusted "
+                "within the claim. Per-seed rows (drops, ablations) are descriptive and unadjusted.")
+    margins_text = ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in {**DEFAULT_MARGINS, **(margins or {})}.items())
     notes = {
-        f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %.",
+        f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %. dirty: made from a tree "
+                           "with uncommitted changes (run_info.json), so its commit does not hold its exact code.",
         f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
-                            f"evaluation; paired bootstrap 95 % CI ({n_boot} resamples of the common documents, "
-                            f"seed {seed}); significant = CI excludes 0. discordant: share of items the two "
-                            "evaluations score differently. " + multiple,
+                            "evaluation, one row per seed. 95 % CI: exact (conditional McNemar, Clopper-Pearson) "
+                            f"when fewer than {EXACT_BELOW_DISCORDANT} items differ (ci_method exact; significant: "
+                            "exact p_mcnemar < 0.05), else a paired percentile bootstrap "
+                            f"({n_boot} resamples of the common documents, seed {seed}; significant: CI excludes "
+                            "0). n_lost / n_gained: items right in the baseline and wrong in the run, and the "
+                            "reverse; discordant: their share. " + multiple,
         f"ape_{profile}": f"Training-loss APE (%) over all common steps, the last {last_frac:.0%} of them, and the "
                           "QAT phase (ape_qat_pct: steps from qat_from_step, the first step the quantized run "
                           "logged as quantized, i.e. after its BF16 warmup).",
@@ -1020,17 +1150,27 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
                                 "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
                                 "these drops are the noise floor of any claim.",
-        f"claims_{profile}": "Each quantized experiment against its baseline over seeds: mean drop vs the largest "
-                             "|drop| of the baseline's seed null; a claim survives seed noise when it exceeds the "
-                             "null and is significant after Holm in every seed.",
+        f"claims_{profile}": "Each run against its baseline and against the experiment it derives from, pooled "
+                             "over same-seed pairs: cost (positive = the run is worse; accuracy: relative drop, % "
+                             "of the baseline score; train_loss: signed per-step loss difference over the QAT "
+                             "phase, % of the baseline loss; gold_ll / gold_margin: nats per item) with a 95 % CI "
+                             "whose variance is the larger of the between-seed spread and the within-seed item or "
+                             "step-block variance (t over seeds when the spread dominates), widened to the exact "
+                             f"interval when fewer than {EXACT_BELOW_DISCORDANT} items flip. equivalence: two "
+                             "one-sided tests (90 % CI) against `margin`; difference: one test with the seeds "
+                             "pooled (accuracy: exact McNemar over every seed's flips), Holm within the claim. "
+                             f"mde: the cost that test detects with 80 % power. Margins: {margins_text}. Runs "
+                             "made from a tree with uncommitted changes count in dirty_runs.",
         "anchor": "The base SmolLM2-135M on the full real benchmarks (make anchor; our weights: the Instruct model "
                   "dequantized from Q4_1, lm-eval's prompts) next to the scores HuggingFace published (lighteval, "
                   "0-shot; results/anchor/published_smollm2_135m.csv names the source). ARC (Average) = mean of "
                   "ARC-Easy and ARC-Challenge.",
-        f"mde_{profile}": "Minimum detectable paired difference (80 % power, two-sided alpha 0.05, McNemar normal "
-                          "approximation) at each task's item count, in points and in % of the baseline score, "
-                          "from the measured discordance of quantized-vs-baseline and seed-null pairs. The "
-                          "paper's drops are 0.2-0.6 % of the score.",
+        f"mde_{profile}": "Minimum detectable cost per claim (80 % power, two-sided alpha 0.05) under the test "
+                          "the claim uses: accuracy, the exact McNemar test on the claim's own pooled flips "
+                          f"(it needs at least {min_one_way_flips()} flips all one way; empty: fewer flips than "
+                          "that), in % of the baseline score and in points; train_loss, the t (or normal) test "
+                          "on the seeds' mean. Only the claim's own runs enter. The paper's drops are 0.2-0.6 % "
+                          "of the score, its loss APE 0.11 %.",
         f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl, per run and role: share of steps and of "
                                 "calls whose amax outgrew the delayed estimate (amax/estimate > 1), the largest "
                                 "ratio, and the clipped values on statistics calls (clipped_total, "

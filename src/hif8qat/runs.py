@@ -157,7 +157,8 @@ def training_differences(a: dict[str, Any], b: dict[str, Any], *, may_differ: An
 
 def _load_config(path: Path) -> dict[str, Any] | None:
     try:
-        cfg = yaml.safe_load(path.read_text())
+        # libyaml's loader when built: the pure-Python one dominates a report over dozens of runs
+        cfg = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     return cfg if isinstance(cfg, dict) else None

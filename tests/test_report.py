@@ -221,7 +221,7 @@ def test_build_report_structure(tmp_path):
     t = rep["tables"]
     assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke", "replay_smoke",
                       "ablations_smoke", "scaling_pairs_smoke", "vs_base_smoke", "seeds_smoke", "seed_null_smoke",
-                      "claims_smoke", "mde_smoke", "anchor", "pairing_smoke"}
+                      "claims_smoke", "mde_smoke", "anchor", "pairing_smoke", "paired_smoke", "sweeps_smoke"}
     assert t["replay_smoke"].empty  # no exported scaler state in these fake runs
     # exp8 derives from exp7: the ablation is the bf16-mode drop, and against the base model exp7 is unchanged.
     abl = t["ablations_smoke"].iloc[0]
@@ -250,6 +250,8 @@ def test_build_report_structure(tmp_path):
     assert tel.loc["W", "max_ratio"] == pytest.approx(0.9)
     for name in t:
         assert (tmp_path / "tables" / f"{name}.csv").exists() and (tmp_path / "tables" / f"{name}.md").exists()
+    section = (tmp_path / "tables" / "claims_section_smoke.md").read_text()
+    assert section.strip() == rep["claims_section"].strip() and "exp8 vs exp7" in section
     src = json.loads((tmp_path / "tables" / "drops_smoke.sources.json").read_text())
     commits = {c for f in src["files"] for c in f["git_commits"]}
     assert commits == {"abcexp7", "abcexp8"}
@@ -398,3 +400,26 @@ def test_build_report_without_runs(tmp_path):
     rep = report.build_report(tmp_path / "nothing", "mini", tmp_path / "t", tmp_path / "f")
     assert rep["tables"] == {} and "no runs" in rep["message"]
     assert not (tmp_path / "t").exists()
+
+
+def test_sweep_table_reads_the_knob_from_the_configs(tmp_path):
+    runs = make_fake_runs(tmp_path / "runs", seeds=(0, 1))
+    make_fake_runs(runs, seeds=(0, 1), exps=("exp8",), tags={"exp8": "quant.history_len=16"})
+    for sd in (0, 1):  # the sweep point: history 16, and 10 more answers lost in hif8 mode
+        d = runs / "smoke" / "exp8" / f"seed{sd}-quant.history_len=16"
+        _set_config(d, quant__history_len=16)
+        f = d / "eval" / "hif8" / "samples_mini_arc.csv"
+        s = pd.read_csv(f)
+        s.loc[np.flatnonzero(s["correct"] == 1)[:10], "correct"] = 0
+        s.to_csv(f, index=False)
+    rep = report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
+    sw = rep["tables"]["sweeps_smoke"]
+    assert set(sw["knob"]) == {"quant.history_len"} and set(sw["value_num"]) == {16.0, 64.0}
+    acc = sw[(sw.metric == "accuracy") & (sw["mode"] == "hif8")].set_index("value_num")
+    # cost from the files: mean over seeds of the lost points, in % of the baseline's mean score
+    base = [pd.read_csv(runs / "smoke" / "exp7" / f"seed{k}" / "eval" / "bf16" / "samples_mini_arc.csv")
+            ["correct"].mean() * 100 for k in (0, 1)]
+    assert acc.loc[64.0, "cost"] == pytest.approx(20 / 120 * 100 / np.mean(base) * 100)
+    assert acc.loc[16.0, "cost"] == pytest.approx(30 / 120 * 100 / np.mean(base) * 100)
+    assert acc.loc[16.0, "baseline_seed_sd_pct"] == pytest.approx(np.std(base, ddof=1) / np.mean(base) * 100)
+    assert report.plot_sweeps(sw, tmp_path / "f", "smoke") == [str(tmp_path / "f" / "sweep_smoke_exp8.png")]

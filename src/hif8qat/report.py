@@ -910,6 +910,86 @@ def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
     return claims[claims["equivalence"] != NOT_RECORDED][cols].reset_index(drop=True)
 
 
+def _value(v: Any) -> str:
+    return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
+
+
+def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
+    """Sweeps: for each experiment with runs under more than one run tag, the training settings that differ
+    between its tags (the knobs, read from the saved configs) and each claim metric against the knob's value:
+    the cost against the baseline with its 95 % CI over seeds (the claims table's rows), beside the baseline's
+    own seed spread (sd over its seeds of the score, or of the final loss, in % of its mean)."""
+    from .runs import training_differences
+
+    if claims.empty:
+        return pd.DataFrame()
+    by_exp: dict[str, dict[str, dict]] = {}
+    for r in sorted(runs, key=lambda r: (r.experiment, _tag(r), r.seed if r.seed is not None else -1)):
+        by_exp.setdefault(r.experiment, {}).setdefault(_tag(r), r.config)
+    rows = []
+    for exp, tags in sorted(by_exp.items()):
+        if len(tags) < 2:
+            continue
+        ref = next(iter(tags.values()))
+        knobs = sorted(set().union(*(training_differences(ref, c, may_differ=()) for c in tags.values())))
+        if not knobs:
+            continue
+        for tag, cfg in tags.items():
+            values = [_get(cfg, k) for k in knobs]
+            sub = claims[(claims.experiment == exp) & (claims.run_tag == tag) & (claims.against == "baseline")
+                         & (claims.equivalence != NOT_RECORDED)]
+            for _, c in sub.iterrows():
+                base = runs_df[(runs_df.experiment == c["counterpart"]) & (runs_df.run_tag == "")]
+                col = "final_loss" if c["metric"] == "train_loss" else f"bf16:{c['task']}"
+                v = base[col].dropna() if col in base else pd.Series(dtype=float)
+                spread = float(v.std(ddof=1) / v.mean() * 100) if len(v) > 1 and v.mean() else float("nan")
+                num = pd.to_numeric(pd.Series(values), errors="coerce")
+                rows.append({"experiment": exp, "knob": ",".join(knobs), "value": ",".join(map(_value, values)),
+                             "value_num": float(num.iloc[0]) if len(knobs) == 1 and num.notna().all() else np.nan,
+                             "run_tag": tag, "baseline": c["counterpart"], "mode": c["mode"], "task": c["task"],
+                             "metric": c["metric"], "unit": c["unit"], "n_seeds": c["n_seeds"], "cost": c["cost"],
+                             "ci_lo": c["ci_lo"], "ci_hi": c["ci_hi"], "baseline_seed_sd_pct": spread,
+                             "baseline_seeds": len(v)})
+    return pd.DataFrame(rows)
+
+
+def plot_sweeps(sweeps: pd.DataFrame, out: Path, profile: str) -> list[str]:
+    """One figure per swept experiment: each metric's cost against the knob's value (95 % CI over seeds), with
+    the baseline's seed spread as a band around 0."""
+    if sweeps.empty:
+        return []
+    plt = _plt()
+    files = []
+    for (exp, knob), g in sweeps.groupby(["experiment", "knob"]):
+        panels = list(g.groupby(["mode", "task", "metric"], sort=False))
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.2), squeeze=False)
+        for ax, ((mode, task, metric), p) in zip(axes[0], panels, strict=True):
+            numeric = p["value_num"].notna().all()
+            p = p.sort_values("value_num" if numeric else "value")
+            x = p["value_num"].to_numpy() if numeric else np.arange(len(p))
+            y = p["cost"].to_numpy(float)
+            err = np.vstack([y - p["ci_lo"].to_numpy(float), p["ci_hi"].to_numpy(float) - y])
+            ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, lw=0.9)
+            sd = p["baseline_seed_sd_pct"].dropna()
+            if len(sd) and metric in ("accuracy", "train_loss"):
+                ax.axhspan(-sd.iloc[0], sd.iloc[0], color="0.85", label="baseline seed sd")
+                ax.legend(fontsize=6)
+            ax.axhline(0, color="k", lw=0.6)
+            if not numeric:
+                ax.set_xticks(x, p["value"], fontsize=6, rotation=20)
+            ax.set_title(f"{metric} {task} ({mode})", fontsize=8)
+            ax.set_xlabel(knob, fontsize=7)
+            ax.set_ylabel(f"cost ({p['unit'].iloc[0]})", fontsize=7)
+        fig.suptitle(f"{exp}: cost vs its baseline against {knob}", fontsize=9)
+        fig.tight_layout()
+        path = out / f"sweep_{profile}_{exp}.png"
+        out.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path))
+    return files
+
+
 # The paper's claims and ours, each answered by one comparison of the claims table:
 # (title, experiment, against, counterpart, what a cost > 0 means).
 PAPER_CLAIMS = [
@@ -1264,6 +1344,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     claims_df = claims_table(contrasts_df, margins)
     section = claims_section(claims_df, runs_df, profile, margins)
     mde_df = mde_table(claims_df)
+    sweeps_df = sweep_table(runs, claims_df, runs_df)
     n_tests = int(claims_df["p"].notna().sum()) if "p" in claims_df else 0
     n_claims = int(claims_df.groupby(CLAIM_KEYS).ngroups) if len(claims_df) else 0
 
@@ -1276,7 +1357,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"scaling_pairs_{profile}": pairs_df,
               f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df,
-              f"pairing_{profile}": pairing_df, f"paired_{profile}": contrasts_df}
+              f"pairing_{profile}": pairing_df, f"paired_{profile}": contrasts_df,
+              f"sweeps_{profile}": sweeps_df}
     multiple = (f"Multiple comparisons: one family per claim ({n_claims} claims, {n_tests} tests in "
                 f"claims_{profile}), seeds pooled into one test per task and metric; p_holm is Holm-adjusted "
                 "within the claim. Per-seed rows (drops, ablations) are descriptive and unadjusted.")
@@ -1305,6 +1387,11 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                              "within-seed variance: items, or blocks of 5 steps), lost / gained (items right only "
                              "in the counterpart / only in the run; for the per-item metrics, items worse / "
                              "better), recorded (false: the run files lack the metric).",
+        f"sweeps_{profile}": "Sweeps: each experiment run under several run tags (e.g. a Hydra multirun over a "
+                             "knob), the knobs that differ between them (from the saved configs), and each claim "
+                             "metric's cost against the baseline per knob value, 95 % CI over seeds as in "
+                             "claims; baseline_seed_sd_pct: the baseline's own sd over seeds (score, or final "
+                             "loss) in % of its mean. Figures: sweep_<profile>_<experiment>.png.",
         f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
         f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
                                 "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
@@ -1369,6 +1456,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     files.append(str(section_p))
     if figures:
         files += make_figures(curves, runs, metrics_cache, tel_df, out_figures, profile)
+        files += plot_sweeps(sweeps_df, out_figures, profile)
     msg = f"{len(runs)} runs, {len(drops_df)} drop rows, {len(ape_df)} APE rows"
     n_dirty = int(runs_df["dirty"].fillna(False).astype(bool).sum())
     if n_dirty:

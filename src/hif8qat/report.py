@@ -628,7 +628,7 @@ def _item_stats(xb: np.ndarray, xq: np.ndarray, n_boot: int, seed: int) -> dict[
     base = float(np.mean(xb)) if len(xb) else float("nan")
     if ip.discordant < EXACT_BELOW_DISCORDANT:
         lo, hi = exact_difference_ci(ip.lost, ip.gained, ip.n)
-        rel = (lambda d: -d / base * 100.0) if base > 0 else (lambda d: float("nan"))
+        rel = (lambda d: -d / base * 100.0 + 0.0) if base > 0 else (lambda d: float("nan"))
         row.update(ci_lo=rel(hi), ci_hi=rel(lo), ci_method="exact", significant=bool(p < 0.05))
     else:
         ci = paired_bootstrap_drop(xb, xq, n_boot=n_boot, seed=seed)

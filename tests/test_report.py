@@ -304,6 +304,10 @@ def test_claims_pool_seeds_into_one_exact_test(tmp_path):
     loss = _claim(claims, mode="train", metric="train_loss")
     signed = np.mean([0.01 * (s % 3) / (5.0 - 0.02 * s) * 100 for s in range(6, 41)])
     assert loss["cost"] == pytest.approx(signed) and loss["n_seeds"] == 3
+    # quantized inference against the run's own bf16 evaluation: the 20 lost in hif8 minus the 6 lost in bf16
+    own = _claim(claims, against="bf16_mode")
+    assert (own["lost"], own["gained"], own["n_seeds"]) == (42, 0, 3) and own["counterpart"] == "exp8"
+    assert not ((claims.against == "bf16_mode") & (claims.metric == "train_loss")).any()
     # per-item log-likelihoods are not in these files: said so, not guessed
     assert _claim(claims, metric="gold_ll")["equivalence"] == "not recorded in this run"
     # the minimum detectable cost depends on the claim's own runs only: an unrelated run changes nothing

@@ -786,19 +786,24 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
     (points, run minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), and
     the signed training-loss difference (% of other's loss, from the run's QAT phase).
 
-    ``against``: "baseline" (every mode of the run against the baseline's bf16 evaluation) or "derived_from"
-    (bf16 against bf16, and the quantized mode against the other's when both are quantized)."""
+    ``against``: "baseline" (every mode of the run against the baseline's bf16 evaluation), "derived_from"
+    (bf16 against bf16, and the quantized mode against the other's when both are quantized) or "bf16_mode"
+    (``other`` is ``run``: its quantized evaluation against its own bf16 one, the cost of quantized inference;
+    no training-loss row)."""
     head = {"experiment": run.experiment, "run_tag": _tag(run), "against": against, "counterpart": other.experiment,
             "seed": run.seed, "run": _run_label(run), "counterpart_run": _run_label(other),
             "dirty": bool(_dirty_of(run) or _dirty_of(other))}
     rows = []
-    mq, mb = metrics_cache[str(run.path)], metrics_cache[str(other.path)]
-    d, v, n = _signed_loss_difference(mq, mb, _qat_start(run, mq) if run.quant else None)
-    rows.append({**head, "mode": "train", "task": "loss", "metric": "train_loss", "n": n, "recorded": n > 0,
-                 "diff": d, "var": v, "base": float("nan"), "lost": 0, "gained": 0})
+    if against != "bf16_mode":
+        mq, mb = metrics_cache[str(run.path)], metrics_cache[str(other.path)]
+        d, v, n = _signed_loss_difference(mq, mb, _qat_start(run, mq) if run.quant else None)
+        rows.append({**head, "mode": "train", "task": "loss", "metric": "train_loss", "n": n, "recorded": n > 0,
+                     "diff": d, "var": v, "base": float("nan"), "lost": 0, "gained": 0})
     modes = [("bf16", "bf16"), ("hif8", "bf16" if against == "baseline" else "hif8")]
+    if against == "bf16_mode":
+        modes = [("hif8", "bf16")]
     for mode, other_mode in modes:
-        if mode == "hif8" and not (run.quant and (against == "baseline" or other.quant)):
+        if mode == "hif8" and not (run.quant and (against != "derived_from" or other.quant)):
             continue
         base_res = _eval_results(other, other_mode)
         for task in _eval_results(run, mode):
@@ -1008,6 +1013,8 @@ PAPER_CLAIMS = [
     ("FP8 HYBRID vs HiF8, most_recent(30)", "exp10", "derived_from", "exp2", "FP8 is worse than HiF8"),
     ("The BF16 warmup alone (ours)", "exp9", "derived_from", "exp8", "QAT from step 0 is worse than after the "
      "BF16 warmup"),
+    ("Quantized inference of the final recipe", "exp8", "bf16_mode", "exp8", "exp8 evaluated in HiF8 (W8A8, "
+     "final frozen scales) is worse than its own weights evaluated in BF16"),
 ]
 CLAIMS_BEGIN, CLAIMS_END = "<!-- claims:begin -->", "<!-- claims:end -->"
 
@@ -1086,7 +1093,8 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
         g = claims[(claims.experiment == exp) & (claims.run_tag == "") & (claims.against == against)
                    & (claims.counterpart == counterpart)]
         seeds = ", ".join(sorted({x for s in g["seeds"] for x in str(s).split(",")})) if len(g) else ""
-        lines += [f"#### {title}: {exp} vs {counterpart}" + (f" (seeds {seeds})" if seeds else ""), ""]
+        pair = f"{exp} in hif8 vs bf16 mode" if against == "bf16_mode" else f"{exp} vs {counterpart}"
+        lines += [f"#### {title}: {pair}" + (f" (seeds {seeds})" if seeds else ""), ""]
         if g.empty:
             lines += [f"No paired runs of {exp} and {counterpart} (see `pairing_{profile}`).", ""]
             continue
@@ -1174,7 +1182,8 @@ def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
     rows = []
     for r in runs:
         b, p = baseline_of[str(r.path)], parent_of[str(r.path)]
-        for against, other in (("baseline", b), ("derived_from", p if p is not b else None)):
+        for against, other in (("baseline", b), ("derived_from", p if p is not b else None),
+                               ("bf16_mode", r if r.quant else None)):
             if other is not None:
                 rows += seed_contrasts(r, other, against, metrics_cache)
     return pd.DataFrame(rows)
@@ -1397,7 +1406,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                                 "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
                                 "these drops are the noise floor of any claim.",
         f"claims_{profile}": "Each run against its baseline and against the experiment it derives from, pooled "
-                             "over same-seed pairs: cost (positive = the run is worse; accuracy: relative drop, % "
+                             "over same-seed pairs, and a quantized run's quantized evaluation against its own "
+                             "bf16 one (against = bf16_mode): cost (positive = the run is worse; accuracy: relative drop, % "
                              "of the baseline score; train_loss: signed per-step loss difference over the QAT "
                              "phase, % of the baseline loss; gold_ll / gold_margin: nats per item) with a 95 % CI "
                              "whose variance is the larger of the between-seed spread and the within-seed item or "

@@ -65,21 +65,44 @@ tables.get(f"ape_{profile}", pd.DataFrame())
 tables.get(f"telemetry_{profile}", pd.DataFrame())
 
 # %% [markdown]
-# ## Seeds: the spread, the BF16-vs-BF16 seed null, and which claims survive it
-# A claim (quantized experiment vs its baseline) survives seed noise when its drop exceeds the largest drop
-# between two seeds of the baseline itself and is significant after Holm in every seed.
+# ## Claims: same-seed pairs pooled over seeds, equivalence against stated margins
+# Each run against its baseline and the experiment it derives from (pairs: same seed, same training settings;
+# `pairing` lists every run left without a pair and why). Cost > 0: the run is worse. Per mode, task and metric
+# (accuracy, the signed training-loss difference, per-item gold log-likelihood and margin where recorded): the
+# mean cost with a 95 % CI from between- and within-seed variance, the equivalence verdict (two one-sided
+# tests against the margin), one test with the seeds pooled (Holm within the claim), and what that test can
+# detect (MDE). The section below is what experiments/README.md includes.
 
 # %%
-tables.get(f"seed_null_{profile}", pd.DataFrame())
+from IPython.display import Markdown  # noqa: E402
+
+Markdown(rep.get("claims_section", ""))
 
 # %%
 tables.get(f"claims_{profile}", pd.DataFrame())
 
+# %%
+tables.get(f"pairing_{profile}", pd.DataFrame())
+
 # %% [markdown]
-# ## Minimum detectable paired difference per task at the evaluated item counts
+# ## What each claim's test can detect, and the seeds' spread
+# The minimum detectable cost under the test the claim uses (exact McNemar for accuracy: at least 6 flips one
+# way), from the claim's own runs; then the spread over seeds and the descriptive BF16-vs-BF16 seed null.
 
 # %%
 tables.get(f"mde_{profile}", pd.DataFrame())
+
+# %%
+tables.get(f"seeds_{profile}", pd.DataFrame())
+
+# %%
+tables.get(f"seed_null_{profile}", pd.DataFrame())
+
+# %% [markdown]
+# ## Sweeps: each metric against the swept knob (empty without tagged runs)
+
+# %%
+tables.get(f"sweeps_{profile}", pd.DataFrame())
 
 # %% [markdown]
 # ## Beyond the paper: HiF8 vs FP8 HYBRID, delayed vs just-in-time scaling

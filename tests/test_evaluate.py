@@ -54,6 +54,13 @@ def test_evaluate_mini_tasks_writes_contract_layout(tiny_model, tmp_path):
         with gzip.open(out / f"samples_{name}.jsonl.gz", "rt") as fh:
             compact = [json.loads(line) for line in fh]
         assert len(compact) == 3 and r["metric"] in compact[0] and "arguments" not in compact[0]
+        # per item: the gold choice's log-likelihood (lm-eval's, by the target index) and its lead over the rest
+        for row, c in zip(rows, compact, strict=True):
+            lls = [resp[0] for resp in c["filtered_resps"]]
+            gold = lls.pop(int(c["target"]))
+            assert float(row["gold_ll"]) == gold and float(row["gold_margin"]) == gold - max(lls)
+            if r["metric"] == "acc":  # acc picks the largest raw log-likelihood: right iff the margin is positive
+                assert int(row["correct"]) == int(float(row["gold_margin"]) > 0)
     assert tasks["mini_mmlu"]["metric"] == "acc" and tasks["mini_arc"]["metric"] == "acc_norm"
     assert tasks["mini_mmlu"]["num_fewshot"] == 2 and tasks["mini_hellaswag"]["num_fewshot"] == 1
     assert tasks["mini_arc"]["num_fewshot"] == 1
@@ -336,3 +343,15 @@ def test_base_model_on_a_fixed_arc_challenge_slice(tmp_path):
     assert [r["doc_id"] for r in rows] == [str(i) for i in expected]
     assert res["arc_challenge"]["value"] == pytest.approx(sum(int(r["correct"]) for r in rows) / 16)
     assert 0.125 <= res["arc_challenge"]["value"] <= 0.75
+
+
+def test_samples_csv_records_gold_log_likelihood_and_margin(tmp_path):
+    rows = [("0", 1, {"target": 1, "filtered_resps": [[-2.5, False], [-1.0, True], [-3.0, False]]}),
+            ("1", 0, {"target": "2", "filtered_resps": [[-0.5, True], [-4.0, False], [-1.25, False]]}),
+            ("2", 0, {"target": "a gold string", "filtered_resps": [[-1.0, True], [-2.0, False]]}),
+            ("3", 1, {"target": 0, "filtered_resps": [[-1.0, True]]})]
+    ev.write_eval_dir(tmp_path, {"t": {}}, {"t": rows}, None)
+    got = _read_csv(tmp_path / "samples_t.csv")
+    assert [r["gold_ll"] for r in got] == ["-1.0", "-1.25", "", ""]  # no integer gold, or one choice: empty
+    assert [r["gold_margin"] for r in got] == ["1.5", "-0.75", "", ""]
+    assert [r["correct"] for r in got] == ["1", "0", "0", "1"]

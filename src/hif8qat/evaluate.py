@@ -56,7 +56,9 @@ probes the hub with one 3-second connection and then loads strictly offline).
 
 Outputs (run-folder layout of docs/design.md), for each mode in ``<run>/eval/<mode>/``:
 ``results.json`` ``{task: {metric, value, stderr, n, num_fewshot}, "_meta": {...}}`` (keys starting with
-``_`` are not tasks; :func:`load_eval_results` drops them), ``samples_<task>.csv`` (``doc_id,correct``),
+``_`` are not tasks; :func:`load_eval_results` drops them), ``samples_<task>.csv``
+(``doc_id,correct,gold_ll,gold_margin``: the gold choice's log-likelihood and its lead over the best wrong
+choice, raw and unnormalized, empty where the task has no single gold index),
 ``lm_eval_results.json`` (lm-eval's own output without the samples) and ``samples_<task>.jsonl.gz``
 (per sample: doc id, target, per-choice log-likelihoods and metrics; no prompts).
 """
@@ -714,14 +716,40 @@ def _merge_lm_eval(a: dict, b: dict) -> dict:
     return out
 
 
+def gold_scores(compact: Mapping[str, Any]) -> tuple[float, float]:
+    """(log-likelihood of the gold choice, its margin over the best wrong choice) of one logged sample.
+
+    From lm-eval's per-choice ``filtered_resps`` (``[log-likelihood, is_greedy]`` per choice) and the gold
+    index ``target``. Raw log-likelihoods: a continuous, paired per-item measure that moves before the item's
+    0/1 score does (acc_norm decides on length-normalized ones, so a margin's sign can differ from ``correct``).
+    NaN where there is no single integer gold index within the choices or fewer than two choices.
+    """
+    nan = float("nan")
+    target, resps = compact.get("target"), compact.get("filtered_resps")
+    if isinstance(target, str) and target.strip().isdigit():
+        target = int(target)
+    if isinstance(target, bool) or not isinstance(target, int) or not isinstance(resps, list) or len(resps) < 2:
+        return nan, nan
+    try:
+        lls = [float(r[0] if isinstance(r, (list, tuple)) else r) for r in resps]
+    except (TypeError, ValueError, IndexError):
+        return nan, nan
+    if not 0 <= target < len(lls):
+        return nan, nan
+    wrong = lls[:target] + lls[target + 1:]
+    return lls[target], lls[target] - max(wrong)
+
+
 def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for task, rows in samples.items():
         with (out / f"samples_{task}.csv").open("w", newline="") as fh:
             w = csv.writer(fh)
-            w.writerow(["doc_id", "correct"])
-            for doc_id, correct, _ in rows:
-                w.writerow([doc_id, correct])
+            w.writerow(["doc_id", "correct", "gold_ll", "gold_margin"])
+            for doc_id, correct, compact in rows:
+                ll, margin = gold_scores(compact)
+                # repr keeps every digit, so paired differences are recomputable exactly; NaN as empty
+                w.writerow([doc_id, correct, *("" if math.isnan(v) else repr(v) for v in (ll, margin))])
         with gzip.open(out / f"samples_{task}.jsonl.gz", "wt", encoding="utf-8") as fh:
             for _, _, compact in rows:
                 fh.write(json.dumps(compact) + "\n")

@@ -3,18 +3,19 @@
 Definitions (the paper's, as in the authors' log_visualizer and evaluation summary):
 
 * relative drop per task  ``(base - quant) / base * 100`` (percent of the baseline score; positive = worse);
-* paired bootstrap CI of that drop: documents present in both per-sample files are resampled jointly
-  (the same resampled doc ids for baseline and quantized model), ``n_boot`` times with a fixed seed, and
-  the percentile interval is reported; a drop whose interval contains 0 is marked not significant;
+* per seed, the drop's paired 95 % interval: exact (conditional McNemar) when few items differ, else a paired
+  percentile bootstrap (the same resampled doc ids for baseline and run, ``n_boot`` times, fixed seed);
 * training-loss APE: for every step logged by both runs, ``|L_q - L_b| / |L_b| * 100``; plain mean over all
   common steps, over the last ``last_frac`` of them (the paper: last 1,000 of 10,000 = 10 %) and over the QAT
-  phase (the steps after the BF16 warmup, where the quantized run's log says ``quant``); no smoothing;
-* multiple comparisons: every drop row also gets an exact McNemar p-value (discordant pairs) and its Holm
-  adjustment over all rows of the table; the bootstrap CIs are per comparison;
-* seeds: the spread (mean, sd) of each score and drop over seeds, a seed null (a BF16 experiment against
-  itself at another seed: the noise floor of a drop) and, per claim (quantized run vs its baseline), whether
-  its mean drop exceeds that floor; the minimum detectable paired difference of each task at its item count
-  (:func:`min_detectable_difference`).
+  phase (the steps after the BF16 warmup, where the quantized run's log says ``quant``); no smoothing. APE is
+  unsigned: it measures noise and a systematic gap alike, so the claims use the signed difference instead;
+* claims: every run against its same-seed baseline and the experiment it derives from (one pairing rule,
+  :func:`hif8qat.runs.find_baseline_run`), pooled over seeds per mode, task and metric (accuracy, the per-item
+  gold log-likelihood and margin when recorded, the signed training-loss difference), with an interval from
+  between- and within-seed variance, an equivalence verdict against a stated margin, one test per row with
+  the seeds pooled, Holm within the claim, and the minimum detectable cost of that test (``hif8qat.stats``);
+* seeds: the spread (mean, sd) of each score and drop over seeds and a descriptive seed null (a BF16
+  experiment against itself at another seed).
 
 ``build_report(runs_root, profile, out_tables, out_figures)`` reads the run folders of docs/design.md
 (``results/runs/<profile>/<experiment>/seed<k>/``) and writes ``results/tables/*.csv|md`` and
@@ -43,6 +44,18 @@ import numpy as np
 import pandas as pd
 
 from .errors import RunError
+from .stats import (
+    block_variance_of_mean,
+    equivalence_verdict,
+    exact_difference_ci,
+    exact_mcnemar_p,
+    item_pair,
+    mde_exact_mcnemar,
+    mde_from_se,
+    mean_variance,
+    min_one_way_flips,
+    pool_seeds,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PAPER_DIR = REPO / "results" / "paper"
@@ -90,30 +103,6 @@ def loss_ape(steps_q: Sequence[int], loss_q: Sequence[float], steps_b: Sequence[
     n_last = min(n_last, len(common))
     return {"n_common": int(len(common)), "ape_all": float(err.mean()), "ape_last": float(err.iloc[-n_last:].mean()),
             "last_n": n_last, "first_step": int(common[0]), "last_step": int(common[-1])}
-
-
-def min_detectable_difference(n: int, discordant: float, *, alpha: float = 0.05, power: float = 0.8) -> float:
-    """Smallest true difference in accuracy (percentage points) a paired test on ``n`` items detects.
-
-    Normal approximation of McNemar's test: the paired difference of two proportions has variance
-    ``discordant / n`` near zero difference (``discordant``: share of items the two models answer
-    differently), so MDE = (z_{1-alpha/2} + z_{power}) * sqrt(discordant / n). Two-sided.
-    """
-    from scipy.stats import norm
-
-    if n <= 0 or not np.isfinite(discordant) or discordant < 0:
-        return float("nan")
-    return float((norm.ppf(1 - alpha / 2) + norm.ppf(power)) * math.sqrt(discordant / n) * 100.0)
-
-
-def mcnemar_p(base_correct: Sequence[float], quant_correct: Sequence[float]) -> float:
-    """Exact two-sided McNemar p-value (binomial test on the discordant pairs); 1.0 without any."""
-    from scipy.stats import binomtest
-
-    b = np.asarray(base_correct) > 0.5
-    q = np.asarray(quant_correct) > 0.5
-    lost, gained = int((b & ~q).sum()), int((~b & q).sum())
-    return 1.0 if lost + gained == 0 else float(binomtest(lost, lost + gained, 0.5).pvalue)
 
 
 def holm(pvalues: Sequence[float]) -> np.ndarray:
@@ -505,7 +494,7 @@ def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = No
         if is_archive(d):  # set aside by force=true: its rerun is the run
             continue
         try:
-            cfg = yaml.safe_load(cfg_p.read_text()) or {}
+            cfg = yaml.load(cfg_p.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
         except yaml.YAMLError as err:
             if skipped is not None:
                 skipped.append({"run_dir": str(d), "reason": f"config_resolved.yaml does not parse ({str(err)[:120]})"
@@ -529,41 +518,33 @@ def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = No
     return runs
 
 
-class BaselineMismatchError(RunError):
-    """A run's baseline exists only with another seed or another run tag: comparing them would mix effects."""
-
-
 def _tag(run: RunInfo) -> str:
     return str(_get(run.config, "run_tag", "") or "")
 
 
-def _pick_baseline(run: RunInfo, runs: list[RunInfo]) -> RunInfo | None:
-    """The baseline run with the same seed and the same (or no) run tag; None when the baseline experiment has
-    no run at all. A baseline that exists only with other seeds or tags is an error, never a fallback."""
-    if not run.baseline:
-        return None
-    cands = [r for r in runs if r.experiment == str(run.baseline)]
-    if not cands:
-        return None
-    ok = [r for r in cands if r.seed == run.seed and _tag(r) in (_tag(run), "")]
-    if not ok:
-        found = ", ".join(sorted(f"seed {r.seed}" + (f" tag {_tag(r)!r}" if _tag(r) else "") for r in cands))
-        raise BaselineMismatchError(
-            f"{run.path}: baseline {run.baseline} has no run with seed {run.seed} and run tag "
-            f"{_tag(run)!r} (or none); found {found}. Run it (make {run.baseline} SEED={run.seed}) or move the "
-            "unmatched run out of the results folder.")
-    return sorted(ok, key=lambda r: (_tag(r) != _tag(run), not r.done, str(r.path)))[0]
+def _pair(run: RunInfo, experiment: str | None, runs: list[RunInfo], runs_root: Path, profile: str,
+          may_differ: Sequence[str]) -> tuple[RunInfo | None, str]:
+    """The run of ``experiment`` that ``run`` is compared with (same seed, same training settings apart from
+    ``may_differ``; :func:`hif8qat.runs.find_baseline_run`), or None and the reason."""
+    from .runs import find_baseline_run
 
-
-def _find_run(experiment: str | None, seed, runs: list[RunInfo]) -> RunInfo | None:
-    """The run of `experiment`, preferring the same seed and finished runs."""
     if not experiment:
-        return None
-    cands = [r for r in runs if r.experiment == str(experiment)]
-    same_seed = [r for r in cands if r.seed == seed]
-    pool = same_seed or cands
-    pool = sorted(pool, key=lambda r: (not r.done, str(r.path)))
-    return pool[0] if pool else None
+        return None, ""
+    path, why = find_baseline_run(runs_root, profile, str(experiment), run.path, may_differ=may_differ)
+    if path is None:
+        return None, why
+    found = {r.path.resolve(): r for r in runs}.get(path.resolve())
+    return (found, "") if found else (None, f"{path} is not a run the report could read")
+
+
+def _run_label(run: RunInfo | None) -> str:
+    return f"{run.path.parent.name}/{run.path.name}" if run is not None else ""
+
+
+def _dirty_of(run: RunInfo) -> bool | None:
+    """Whether the run was made from a tree with uncommitted changes (its exact code is not in the commit)."""
+    g = run.info.get("git") or _get(run.info, "provenance.git") or {}
+    return g.get("dirty") if isinstance(g, Mapping) else None
 
 
 def _git_of(run: RunInfo):
@@ -652,6 +633,29 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
     return pd.DataFrame(rows)
 
 
+# Below this many discordant items the percentile bootstrap is anti-conservative: the exact test decides.
+EXACT_BELOW_DISCORDANT = 25
+
+
+def _item_stats(xb: np.ndarray, xq: np.ndarray, n_boot: int, seed: int) -> dict[str, Any]:
+    """One seed's paired 0/1 items: the relative drop's 95 % interval and significance, from the exact
+    conditional McNemar interval and test when fewer than EXACT_BELOW_DISCORDANT items differ, else from the
+    paired percentile bootstrap; flips both ways and the exact p-value in every case."""
+    ip = item_pair(xb, xq)
+    p = exact_mcnemar_p(ip.lost, ip.gained)
+    row = {"n_paired": ip.n, "n_lost": ip.lost, "n_gained": ip.gained, "discordant": _discordant(xb, xq),
+           "p_mcnemar": p}
+    base = float(np.mean(xb)) if len(xb) else float("nan")
+    if ip.discordant < EXACT_BELOW_DISCORDANT:
+        lo, hi = exact_difference_ci(ip.lost, ip.gained, ip.n)
+        rel = (lambda d: -d / base * 100.0 + 0.0) if base > 0 else (lambda d: float("nan"))
+        row.update(ci_lo=rel(hi), ci_hi=rel(lo), ci_method="exact", significant=bool(p < 0.05))
+    else:
+        ci = paired_bootstrap_drop(xb, xq, n_boot=n_boot, seed=seed)
+        row.update(ci_lo=ci.lo, ci_hi=ci.hi, ci_method="bootstrap", significant=ci.significant)
+    return row
+
+
 def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int) -> list[dict]:
     """Per task: both scores, the relative drop and its paired bootstrap CI, from two eval folders."""
     def scores(folder: Path) -> dict:
@@ -670,9 +674,7 @@ def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int
         bs, rs = _read_samples(base_eval / f"samples_{task}.csv"), _read_samples(other_eval / f"samples_{task}.csv")
         if bs is not None and rs is not None:
             xb, xr = align_samples(bs, rs)
-            ci = paired_bootstrap_drop(xb, xr, n_boot=n_boot, seed=seed)
-            row.update(n_paired=ci.n, ci_lo=ci.lo, ci_hi=ci.hi, significant=ci.significant,
-                       discordant=_discordant(xb, xr))
+            row.update(_item_stats(xb, xr, n_boot, seed))
         rows.append(row)
     return rows
 
@@ -707,7 +709,7 @@ def _scaling_pair(run: RunInfo, other: RunInfo, changes: Sequence[str], metrics_
                            "changes": ",".join(changes), "seed": run.seed}
     for side, r in (("", run), ("cp_", other)):
         m = metrics_cache[str(r.path)]
-        ape = ape_of.get((r.experiment, r.seed), {})
+        ape = ape_of.get((r.experiment, _tag(r), r.seed), {})
         row.update({f"{side}format": _format_of(r), f"{side}algo": r.estimator,
                     **{f"{side}{k}": v for k, v in (scaling_outcome(m) if len(m) else {}).items()},
                     f"{side}ape_qat_pct": ape.get("ape_qat_pct", float("nan")),
@@ -734,17 +736,18 @@ def seed_spread(runs_df: pd.DataFrame, drops_df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for col in [c for c in runs_df.columns if ":" in c]:
         mode, task = col.split(":", 1)
-        for exp, g in runs_df.groupby("experiment"):
+        for (exp, tag), g in runs_df.groupby(["experiment", "run_tag"]):
             v = g[col].dropna()
             if len(v):
-                rows.append({"experiment": exp, "what": "score", "mode": mode, "task": task, "n_seeds": len(v),
+                rows.append({"experiment": exp, "run_tag": tag, "what": "score", "mode": mode, "task": task, "n_seeds": len(v),
                              "mean_pct": v.mean(), "sd_pct": v.std(ddof=1) if len(v) > 1 else float("nan"),
                              "min_pct": v.min(), "max_pct": v.max()})
     if len(drops_df):
-        for (exp, base, mode, task), g in drops_df.groupby(["experiment", "baseline", "quant_mode", "task"]):
+        for (exp, tag, base, mode, task), g in drops_df.groupby(["experiment", "run_tag", "baseline", "quant_mode",
+                                                                 "task"]):
             v = g["drop_pct"].dropna()
             if len(v):
-                rows.append({"experiment": exp, "what": f"drop vs {base}", "mode": mode, "task": task,
+                rows.append({"experiment": exp, "run_tag": tag, "what": f"drop vs {base}", "mode": mode, "task": task,
                              "n_seeds": len(v), "mean_pct": v.mean(),
                              "sd_pct": v.std(ddof=1) if len(v) > 1 else float("nan"), "min_pct": v.min(),
                              "max_pct": v.max()})
@@ -770,56 +773,378 @@ def seed_null_table(runs: list[RunInfo], n_boot: int, seed: int) -> pd.DataFrame
     return pd.DataFrame(rows)
 
 
-def claims_table(drops_df: pd.DataFrame, null_df: pd.DataFrame) -> pd.DataFrame:
-    """Per claim (quantized experiment vs its baseline, mode, task): the drop over seeds against the seed null.
+# ======================================================================================= claims
+# Equivalence margins (two one-sided tests), in the unit of each metric's cost; positive cost = the run is worse.
+# accuracy: % of the baseline score (the paper's drops are 0.2-0.6 %); train_loss: % of the baseline's loss
+# (the paper's APE is 0.11 %); gold_ll / gold_margin: nats per item.
+DEFAULT_MARGINS = {"accuracy": 1.0, "train_loss": 0.25, "gold_ll": 0.02, "gold_margin": 0.02}
+METRIC_UNITS = {"accuracy": "% of score", "train_loss": "% of loss", "gold_ll": "nats", "gold_margin": "nats"}
+ITEM_METRICS = ("gold_ll", "gold_margin")  # per-item columns of samples_<task>.csv, when the run recorded them
+NOT_RECORDED = "not recorded in this run"
+LOSS_BLOCK = 5  # consecutive steps per block for the within-seed variance of the loss difference
 
-    null_max_abs_drop_pct: the largest |relative drop| between two seeds of the baseline experiment (of any
-    BF16 experiment when the baseline has a single seed; null_source says which). A claim survives seed noise
-    when its mean drop is further from 0 than that, and it is significant after Holm in every seed.
+
+def _signed_loss_difference(mq: pd.DataFrame, mb: pd.DataFrame, from_step: int | None) -> tuple[float, float, int]:
+    """Mean over common steps (from ``from_step``) of ``(Lq - Lb) / Lb * 100``, the variance of that mean from
+    blocks of LOSS_BLOCK steps, and the number of steps."""
+    if "loss" not in mq or "loss" not in mb or not len(mq) or not len(mb):
+        return float("nan"), float("nan"), 0
+    q = mq.set_index("step")["loss"].astype(float)
+    b = mb.set_index("step")["loss"].astype(float)
+    common = q.index.intersection(b.index).sort_values()
+    if from_step is not None:
+        common = common[common >= from_step]
+    if not len(common):
+        return float("nan"), float("nan"), 0
+    rel = ((q[common] - b[common]) / b[common] * 100.0).to_numpy()
+    return float(rel.mean()), block_variance_of_mean(rel, LOSS_BLOCK), int(len(rel))
+
+
+def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Mapping[str, pd.DataFrame]
+                   ) -> list[dict[str, Any]]:
+    """One seed's paired contrasts of ``run`` against ``other``: per evaluation mode and task the accuracy
+    (points, run minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), and
+    the signed training-loss difference (% of other's loss, from the run's QAT phase).
+
+    ``against``: "baseline" (every mode of the run against the baseline's bf16 evaluation), "derived_from"
+    (bf16 against bf16, and the quantized mode against the other's when both are quantized) or "bf16_mode"
+    (``other`` is ``run``: its quantized evaluation against its own bf16 one, the cost of quantized inference;
+    no training-loss row)."""
+    head = {"experiment": run.experiment, "run_tag": _tag(run), "against": against, "counterpart": other.experiment,
+            "seed": run.seed, "run": _run_label(run), "counterpart_run": _run_label(other),
+            "dirty": bool(_dirty_of(run) or _dirty_of(other))}
+    rows = []
+    if against != "bf16_mode":
+        mq, mb = metrics_cache[str(run.path)], metrics_cache[str(other.path)]
+        d, v, n = _signed_loss_difference(mq, mb, _qat_start(run, mq) if run.quant else None)
+        rows.append({**head, "mode": "train", "task": "loss", "metric": "train_loss", "n": n, "recorded": n > 0,
+                     "diff": d, "var": v, "base": float("nan"), "lost": 0, "gained": 0})
+    modes = [("bf16", "bf16"), ("hif8", "bf16" if against == "baseline" else "hif8")]
+    if against == "bf16_mode":
+        modes = [("hif8", "bf16")]
+    for mode, other_mode in modes:
+        if mode == "hif8" and not (run.quant and (against != "derived_from" or other.quant)):
+            continue
+        base_res = _eval_results(other, other_mode)
+        for task in _eval_results(run, mode):
+            if task not in base_res:
+                continue
+            bs = _read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")
+            qs = _read_samples(run.path / "eval" / mode / f"samples_{task}.csv")
+            if bs is None or qs is None:
+                continue
+            m = bs.drop_duplicates("doc_id").merge(qs.drop_duplicates("doc_id"), on="doc_id", suffixes=("_b", "_q"))
+            ip = item_pair(m["correct_b"].to_numpy(float), m["correct_q"].to_numpy(float))
+            at = {**head, "mode": mode, "task": task}
+            rows.append({**at, "metric": "accuracy", "n": ip.n, "recorded": ip.n > 0, "diff": ip.diff * 100.0,
+                         "var": ip.var * 1e4, "base": float(m["correct_b"].mean()) * 100.0, "lost": ip.lost,
+                         "gained": ip.gained})
+            for col in ITEM_METRICS:
+                cb, cq = f"{col}_b", f"{col}_q"
+                ok = cb in m and cq in m and bool(np.isfinite(m[[cb, cq]].to_numpy(float)).all()) and len(m) > 1
+                cost = (m[cb].to_numpy(float) - m[cq].to_numpy(float)) if ok else np.array([])
+                rows.append({**at, "metric": col, "n": len(cost), "recorded": ok,
+                             "diff": float(cost.mean()) if ok else float("nan"),
+                             "var": mean_variance(cost) if ok else float("nan"),
+                             "base": float(m[cb].mean()) if ok else float("nan"),
+                             "lost": int((cost > 0).sum()), "gained": int((cost < 0).sum())})
+    return rows
+
+
+CLAIM_KEYS = ["experiment", "run_tag", "against", "counterpart"]
+
+
+def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = None, *, alpha: float = 0.05,
+                 power: float = 0.8) -> pd.DataFrame:
+    """Per claim (a run against its baseline or the experiment it derives from), mode, task and metric: the
+    mean over seeds of the same-seed paired cost with a 95 % interval (between- and within-seed variance,
+    :func:`hif8qat.stats.pool_seeds`), the equivalence verdict against the metric's margin (two one-sided
+    tests), one test of a difference with the seeds pooled (accuracy: exact McNemar over all seeds' discordant
+    items), Holm-adjusted within the claim, and the minimum detectable cost of that same test.
+
+    cost > 0: the run is worse (accuracy: relative drop, % of the baseline score; train_loss: relative loss
+    increase, % of the baseline loss; gold_ll / gold_margin: nats lost per item).
     """
-    if drops_df.empty:
+    margins = {**DEFAULT_MARGINS, **(margins or {})}
+    if contrasts.empty:
         return pd.DataFrame()
     rows = []
-    for (exp, base, mode, task), g in drops_df.groupby(["experiment", "baseline", "quant_mode", "task"]):
-        null = null_df[(null_df["task"] == task) & (null_df["experiment"] == base)] if len(null_df) else null_df
-        source = base
-        if null is None or null.empty:
-            null = null_df[null_df["task"] == task] if len(null_df) else pd.DataFrame()
-            source = ",".join(sorted(null["experiment"].unique())) if len(null) else ""
-        floor = float(null["drop_pct"].abs().max()) if len(null) else float("nan")
-        mean = float(g["drop_pct"].mean())
-        all_sig = bool(g.get("significant_holm", pd.Series([False])).fillna(False).all())
-        exceeds = bool(np.isfinite(floor) and abs(mean) > floor)
-        verdict = ("no seed null (one seed of every BF16 run)" if not np.isfinite(floor) else
-                   "beyond seed noise" if exceeds and all_sig else
-                   "beyond the seed null, not significant in every seed" if exceeds else "within seed noise")
-        rows.append({"experiment": exp, "baseline": base, "quant_mode": mode, "task": task, "n_seeds": len(g),
-                     "mean_drop_pct": mean, "sd_drop_pct": float(g["drop_pct"].std(ddof=1)) if len(g) > 1
-                     else float("nan"), "null_max_abs_drop_pct": floor, "null_pairs": len(null),
-                     "null_source": source, "significant_holm_all_seeds": all_sig,
-                     "exceeds_seed_null": exceeds, "verdict": verdict})
+    keys = CLAIM_KEYS + ["mode", "task", "metric"]
+    for key, g in contrasts.groupby(keys, sort=False):
+        head = dict(zip(keys, key, strict=True))
+        metric, margin, unit = head["metric"], margins.get(head["metric"], float("nan")), METRIC_UNITS[head["metric"]]
+        g = g.sort_values("seed")
+        row = {**head, "unit": unit, "n_seeds": len(g), "seeds": ",".join(str(x) for x in g["seed"]),
+               "n_items": int(g["n"].sum()), "dirty_runs": int(g["dirty"].sum()), "margin": margin}
+        if not g["recorded"].all():
+            rows.append({**row, "equivalence": NOT_RECORDED, "difference": NOT_RECORDED})
+            continue
+        # a loss variance comes from a few blocks of steps per seed: t with their degrees of freedom
+        within_df = float((g["n"] // LOSS_BLOCK - 1).sum()) if metric == "train_loss" else math.inf
+        pooled = pool_seeds(g["diff"], g["var"], within_df)
+        if metric == "accuracy":
+            base = float(g["base"].mean())
+            lost, gained, n = int(g["lost"].sum()), int(g["gained"].sum()), int(g["n"].sum())
+            m = lost + gained
+
+            def rel(points, _b=base):
+                return -points / _b * 100.0 if _b > 0 else float("nan")
+
+            lo95, hi95, lo90, hi90 = pooled.lo, pooled.hi, pooled.lo90, pooled.hi90
+            method = f"seeds pooled ({pooled.variance_from})"
+            if m < EXACT_BELOW_DISCORDANT:  # few flips: widen to the exact interval of all seeds' items
+                e95, e90 = (exact_difference_ci(lost, gained, n, c) for c in (0.95, 0.90))
+                lo95, hi95 = min(lo95, e95[0] * 100), max(hi95, e95[1] * 100)
+                lo90, hi90 = min(lo90, e90[0] * 100), max(hi90, e90[1] * 100)
+                method += " and exact"
+            mde_pts = mde_exact_mcnemar(n, m, alpha=alpha, power=power) * 100.0
+            row.update(base=base, cost=rel(pooled.mean), ci_lo=rel(hi95), ci_hi=rel(lo95), ci90_lo=rel(hi90),
+                       ci90_hi=rel(lo90), diff_points=pooled.mean, lost=lost, gained=gained,
+                       p=exact_mcnemar_p(lost, gained), test="exact McNemar, seeds pooled", ci_method=method,
+                       mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts)
+        else:
+            row.update(base=float(g["base"].mean()), cost=pooled.mean, ci_lo=pooled.lo, ci_hi=pooled.hi,
+                       ci90_lo=pooled.lo90, ci90_hi=pooled.hi90, p=pooled.p,
+                       test="t over seeds" if pooled.variance_from == "between seeds" else
+                       "t over step blocks" if metric == "train_loss" else "normal, within-seed item variance",
+                       ci_method=f"seeds pooled ({pooled.variance_from})",
+                       mde=mde_from_se(pooled.se, pooled.df, alpha=alpha, power=power))
+            if metric != "train_loss":
+                row.update(lost=int(g["lost"].sum()), gained=int(g["gained"].sum()))
+        row.update(between_seed_sd=pooled.between_sd, equivalence=equivalence_verdict(
+            row["ci90_lo"], row["ci90_hi"], margin, "" if unit == "nats" else " %"))
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    df["p_holm"] = np.nan
+    for _, idx in df.groupby(CLAIM_KEYS, sort=False).groups.items():
+        df.loc[idx, "p_holm"] = holm(df.loc[idx, "p"].to_numpy(float)) if "p" in df else np.nan
+    recorded = df["equivalence"] != NOT_RECORDED
+    df.loc[recorded, "difference"] = np.where(
+        df.loc[recorded, "p_holm"] < alpha, np.where(df.loc[recorded, "cost"] > 0, "worse", "better"),
+        "not detected")
+    return df
+
+
+def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
+    """What each claim's own test can detect: its minimum detectable cost next to the paper's effect sizes.
+    Depends only on the claim's own runs, never on others in the folder."""
+    if claims.empty or "mde" not in claims:
+        return pd.DataFrame()
+    cols = [c for c in ["experiment", "run_tag", "against", "counterpart", "mode", "task", "metric", "unit",
+                        "n_seeds", "n_items", "lost", "gained", "mde", "mde_points", "test"] if c in claims]
+    return claims[claims["equivalence"] != NOT_RECORDED][cols].reset_index(drop=True)
+
+
+def _value(v: Any) -> str:
+    return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
+
+
+def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
+    """Sweeps: for each experiment with runs under more than one run tag, the training settings that differ
+    between its tags (the knobs, read from the saved configs) and each claim metric against the knob's value:
+    the cost against the baseline with its 95 % CI over seeds (the claims table's rows), beside the baseline's
+    own seed spread (sd over its seeds of the score, or of the final loss, in % of its mean)."""
+    from .runs import training_differences
+
+    if claims.empty:
+        return pd.DataFrame()
+    by_exp: dict[str, dict[str, dict]] = {}
+    for r in sorted(runs, key=lambda r: (r.experiment, _tag(r), r.seed if r.seed is not None else -1)):
+        by_exp.setdefault(r.experiment, {}).setdefault(_tag(r), r.config)
+    rows = []
+    for exp, tags in sorted(by_exp.items()):
+        if len(tags) < 2:
+            continue
+        ref = next(iter(tags.values()))
+        knobs = sorted(set().union(*(training_differences(ref, c, may_differ=()) for c in tags.values())))
+        if not knobs:
+            continue
+        for tag, cfg in tags.items():
+            values = [_get(cfg, k) for k in knobs]
+            sub = claims[(claims.experiment == exp) & (claims.run_tag == tag) & (claims.against == "baseline")
+                         & (claims.equivalence != NOT_RECORDED)]
+            for _, c in sub.iterrows():
+                base = runs_df[(runs_df.experiment == c["counterpart"]) & (runs_df.run_tag == "")]
+                col = "final_loss" if c["metric"] == "train_loss" else f"bf16:{c['task']}"
+                v = base[col].dropna() if col in base else pd.Series(dtype=float)
+                spread = float(v.std(ddof=1) / v.mean() * 100) if len(v) > 1 and v.mean() else float("nan")
+                num = pd.to_numeric(pd.Series(values), errors="coerce")
+                rows.append({"experiment": exp, "knob": ",".join(knobs), "value": ",".join(map(_value, values)),
+                             "value_num": float(num.iloc[0]) if len(knobs) == 1 and num.notna().all() else np.nan,
+                             "run_tag": tag, "baseline": c["counterpart"], "mode": c["mode"], "task": c["task"],
+                             "metric": c["metric"], "unit": c["unit"], "n_seeds": c["n_seeds"], "cost": c["cost"],
+                             "ci_lo": c["ci_lo"], "ci_hi": c["ci_hi"], "baseline_seed_sd_pct": spread,
+                             "baseline_seeds": len(v)})
     return pd.DataFrame(rows)
 
 
-def mde_table(drops_df: pd.DataFrame, null_df: pd.DataFrame, *, alpha: float = 0.05,
-              power: float = 0.8) -> pd.DataFrame:
-    """Minimum detectable paired difference per task at its item count, from the measured discordance of the
-    quantized-vs-baseline pairs (bf16 mode, median over comparisons) and of the seed-null pairs."""
-    if drops_df.empty:
-        return pd.DataFrame()
-    rows = []
-    for task, g in drops_df[drops_df["quant_mode"] == "bf16"].groupby("task"):
-        n = int(g["n_paired"].median())
-        base = float(g["base_pct"].median())
-        d_q = float(g["discordant"].median())
-        nul = null_df[null_df["task"] == task] if len(null_df) else pd.DataFrame()
-        d_s = float(nul["discordant"].median()) if len(nul) and "discordant" in nul else float("nan")
-        mde_q, mde_s = (min_detectable_difference(n, d, alpha=alpha, power=power) for d in (d_q, d_s))
-        rows.append({"task": task, "n_items": n, "base_pct": base, "discordant_quant_vs_base": d_q,
-                     "mde_pp": mde_q, "mde_rel_pct": mde_q / base * 100 if base else float("nan"),
-                     "discordant_seed_null": d_s, "mde_seed_null_pp": mde_s,
-                     "mde_seed_null_rel_pct": mde_s / base * 100 if base else float("nan")})
-    return pd.DataFrame(rows)
+def plot_sweeps(sweeps: pd.DataFrame, out: Path, profile: str) -> list[str]:
+    """One figure per swept experiment: each metric's cost against the knob's value (95 % CI over seeds), with
+    the baseline's seed spread as a band around 0."""
+    if sweeps.empty:
+        return []
+    plt = _plt()
+    files = []
+    for (exp, knob), g in sweeps.groupby(["experiment", "knob"]):
+        panels = list(g.groupby(["mode", "task", "metric"], sort=False))
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.2), squeeze=False)
+        for ax, ((mode, task, metric), p) in zip(axes[0], panels, strict=True):
+            numeric = p["value_num"].notna().all()
+            p = p.sort_values("value_num" if numeric else "value")
+            x = p["value_num"].to_numpy() if numeric else np.arange(len(p))
+            y = p["cost"].to_numpy(float)
+            err = np.vstack([y - p["ci_lo"].to_numpy(float), p["ci_hi"].to_numpy(float) - y])
+            ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, lw=0.9)
+            sd = p["baseline_seed_sd_pct"].dropna()
+            if len(sd) and metric in ("accuracy", "train_loss"):
+                ax.axhspan(-sd.iloc[0], sd.iloc[0], color="0.85", label="baseline seed sd")
+                ax.legend(fontsize=6)
+            ax.axhline(0, color="k", lw=0.6)
+            if not numeric:
+                ax.set_xticks(x, p["value"], fontsize=6, rotation=20)
+            ax.set_title(f"{metric} {task} ({mode})", fontsize=8)
+            ax.set_xlabel(knob, fontsize=7)
+            ax.set_ylabel(f"cost ({p['unit'].iloc[0]})", fontsize=7)
+        fig.suptitle(f"{exp}: cost vs its baseline against {knob}", fontsize=9)
+        fig.tight_layout()
+        path = out / f"sweep_{profile}_{exp}.png"
+        out.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path))
+    return files
+
+
+# The paper's claims and ours, each answered by one comparison of the claims table:
+# (title, experiment, against, counterpart, what a cost > 0 means).
+PAPER_CLAIMS = [
+    ("Near-lossless final recipe", "exp8", "baseline", "exp7", "the HiF8 recipe is worse than BF16 at LR 1e-5"),
+    ("Saturation cost, most_recent(30) at LR 1e-4", "exp3", "baseline", "exp1", "QAT with the lagging estimator "
+     "is worse than BF16"),
+    ("Saturation cost, max(64) recipe at LR 1e-4", "exp6", "baseline", "exp1", "the recipe at LR 1e-4 is worse "
+     "than BF16"),
+    ("Forgetting at LR 1e-4", "exp7", "derived_from", "exp1", "LR 1e-5 is worse than LR 1e-4 (forgetting at "
+     "1e-4 shows as a negative cost)"),
+    ("Delayed estimator vs the just-in-time oracle, max(64)", "exp12", "derived_from", "exp8", "the oracle is "
+     "worse than the delayed estimate"),
+    ("Delayed estimator vs the just-in-time oracle, most_recent(30)", "exp13", "derived_from", "exp2", "the "
+     "oracle is worse than the delayed estimate"),
+    ("FP8 HYBRID vs HiF8, max(64)", "exp11", "derived_from", "exp8", "FP8 is worse than HiF8"),
+    ("FP8 HYBRID vs HiF8, most_recent(30)", "exp10", "derived_from", "exp2", "FP8 is worse than HiF8"),
+    ("The BF16 warmup alone (ours)", "exp9", "derived_from", "exp8", "QAT from step 0 is worse than after the "
+     "BF16 warmup"),
+    ("Quantized inference of the final recipe", "exp8", "bf16_mode", "exp8", "exp8 evaluated in HiF8 (W8A8, "
+     "final frozen scales) is worse than its own weights evaluated in BF16"),
+]
+CLAIMS_BEGIN, CLAIMS_END = "<!-- claims:begin -->", "<!-- claims:end -->"
+
+
+def _num(v: float, nd: int = 2, sign: bool = True) -> str:
+    if v is None or not np.isfinite(v):
+        return "-"
+    v = round(float(v), nd) + 0.0  # no "-0.00"
+    return f"{v:+.{nd}f}" if sign else f"{v:.{nd}f}"
+
+
+def _claim_words(g: pd.DataFrame) -> list[str]:
+    """Sentences for one claim from its rows: the loss difference, then accuracy and per-item metrics by verdict."""
+    out = []
+    loss = g[g.metric == "train_loss"]
+    for _, r in loss.iterrows():
+        if r["equivalence"] == NOT_RECORDED:
+            continue
+        out.append(f"Training loss: {_num(r['cost'], 3)} % of the counterpart's loss (95 % CI {_num(r['ci_lo'], 3)} to "
+                   f"{_num(r['ci_hi'], 3)}, {r['n_seeds']} seed(s)): {r['equivalence']}; difference "
+                   f"{r['difference']} (p Holm {_num(r['p_holm'], 3, False)}; detectable: "
+                   f"{_num(r['mde'], 3, False)} %).")
+    for metric, label in (("accuracy", "Accuracy"), ("gold_ll", "Gold log-likelihood"),
+                          ("gold_margin", "Gold margin")):
+        rows = g[g.metric == metric]
+        if rows.empty:
+            continue
+        if (rows["equivalence"] == NOT_RECORDED).all():
+            out.append(f"{label}: {NOT_RECORDED}.")
+            continue
+        rows = rows[rows["equivalence"] != NOT_RECORDED]
+        verdicts = rows["equivalence"].value_counts()
+        parts = [f"{v} on {n} of {len(rows)}" for v, n in verdicts.items()]
+        diff = rows[rows["difference"] != "not detected"]
+        found = ("; a difference after Holm on " + ", ".join(f"{r['mode']} {r['task']} ({r['difference']})"
+                                                          for _, r in diff.iterrows())) if len(diff) else \
+            "; no difference detected after Holm"
+        text = f"{label} (mode x task): " + ", ".join(parts) + found + "."
+        if metric == "accuracy":
+            flips = int(rows["lost"].sum() + rows["gained"].sum())
+            mde = rows["mde"].dropna()
+            text += (f" {flips} items flipped in all ({int(rows['lost'].sum())} lost, {int(rows['gained'].sum())} "
+                     f"gained); the exact test needs {min_one_way_flips()} one way per row, and "
+                     + (f"where the flips allow it, it detects {mde.min():.1f} % of the score or more"
+                        if len(mde) else "no row has flips enough to detect any drop") + ".")
+        out.append(text)
+    return out
+
+
+def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
+                   margins: Mapping[str, float] | None = None) -> str:
+    """The claims, numbers and verdicts in words, as markdown built from the claims table alone (the README
+    includes it between CLAIMS_BEGIN and CLAIMS_END; ``python -m hif8qat.report --readme`` updates it)."""
+    margins = {**DEFAULT_MARGINS, **(margins or {})}
+    lines = [f"_Generated by the report from the run files (`claims_{profile}`); do not edit by hand._", ""]
+    if len(runs_df) and "dirty" in runs_df:
+        dirty = runs_df[runs_df["dirty"].fillna(False).astype(bool)]
+        commits = runs_df.groupby("experiment")["git"].agg(lambda c: ", ".join(sorted({str(x)[:7] for x in c})))
+        lines += [f"**Provenance.** {len(runs_df)} runs; **{len(dirty)} of them were made from a tree with "
+                  "uncommitted changes** (`git.dirty` in their run_info.json): their commit does not hold their "
+                  "exact code. Commits per experiment: "
+                  + "; ".join(f"{e} {c}" for e, c in commits.items()) + ".", ""]
+    lines += ["**Reading.** cost > 0: the run is worse than its counterpart (accuracy: relative drop in % of the "
+              "counterpart's score; training loss: signed per-step difference over the QAT phase in % of the "
+              "counterpart's loss; gold log-likelihood and margin: nats per item). Each row pools the same-seed "
+              "pairs; its 95 % CI combines between-seed spread and within-seed item (or step-block) variance. "
+              "Equivalence: two one-sided tests against the margin ("
+              + ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in margins.items())
+              + "): \"equivalent within M\", \"not equivalent\" or \"inconclusive at this size\"; a "
+              "non-significant difference is never read as no effect. Difference: one test per row with the "
+              "seeds pooled (accuracy: exact McNemar on every seed's flips), Holm within the claim. MDE: the cost "
+              "that test detects with 80 % power.", ""]
+    if claims.empty:
+        return "\n".join(lines + ["_(no claims: no paired runs)_", ""])
+    for title, exp, against, counterpart, meaning in PAPER_CLAIMS:
+        g = claims[(claims.experiment == exp) & (claims.run_tag == "") & (claims.against == against)
+                   & (claims.counterpart == counterpart)]
+        seeds = ", ".join(sorted({x for s in g["seeds"] for x in str(s).split(",")})) if len(g) else ""
+        pair = f"{exp} in hif8 vs bf16 mode" if against == "bf16_mode" else f"{exp} vs {counterpart}"
+        lines += [f"#### {title}: {pair}" + (f" (seeds {seeds})" if seeds else ""), ""]
+        if g.empty:
+            lines += [f"No paired runs of {exp} and {counterpart} (see `pairing_{profile}`).", ""]
+            continue
+        lines += [f"cost > 0: {meaning}.", ""]
+        lines += ["| mode | task | metric | seeds | cost (95 % CI) | lost / gained | p Holm | MDE | margin | "
+                  "equivalence | difference |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for _, r in g.iterrows():
+            if r["equivalence"] == NOT_RECORDED:
+                continue
+            flips = f"{int(r['lost'])} / {int(r['gained'])}" if r["metric"] != "train_loss" and \
+                np.isfinite(r.get("lost", np.nan)) else "-"
+            lines.append(f"| {r['mode']} | {r['task']} | {r['metric']} | {r['n_seeds']} | {_num(r['cost'])} "
+                         f"({_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {flips} | {_num(r['p_holm'], 3, False)} | "
+                         f"{_num(r['mde'], 2, False)} | {r['margin']:g} | {r['equivalence']} | "
+                         f"{r['difference']} |")
+        lines += [""] + [f"- {w}" for w in _claim_words(g)] + [""]
+    return "\n".join(lines)
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    """``text`` with what lies between CLAIMS_BEGIN and CLAIMS_END replaced by ``block``."""
+    i, j = text.find(CLAIMS_BEGIN), text.find(CLAIMS_END)
+    if i < 0 or j < i:
+        raise ValueError(f"no {CLAIMS_BEGIN} ... {CLAIMS_END} block")
+    return text[: i + len(CLAIMS_BEGIN)] + "\n" + block.strip() + "\n" + text[j:]
+
+
+def between_markers(text: str) -> str | None:
+    i, j = text.find(CLAIMS_BEGIN), text.find(CLAIMS_END)
+    return text[i + len(CLAIMS_BEGIN): j].strip() if 0 <= i < j else None
 
 
 ANCHOR_DIR = REPO / "results" / "anchor"
@@ -853,10 +1178,55 @@ def anchor_table(anchor_dir: Path = ANCHOR_DIR, published: Path = ANCHOR_PUBLISH
     return pd.DataFrame(rows)
 
 
+def pair_runs(runs: list[RunInfo], runs_root: Path, profile: str):
+    """Each run's BF16 baseline (quant.* may differ) and the run of the experiment it derives from (its declared
+    changes may differ): same seed and training settings, else None. Returns (baseline_of, parent_of, the
+    pairing table, the unpaired runs with their reasons); the dicts are keyed by run folder."""
+    baseline_of, parent_of, rows, unpaired = {}, {}, [], []
+    for r in runs:
+        b, why_b = _pair(r, r.baseline, runs, runs_root, profile, ("quant",))
+        parent_name = _get(r.config, "experiment.derived_from")
+        p, why_p = _pair(r, parent_name, runs, runs_root, profile,
+                         list(_get(r.config, "experiment.changes", []) or []))
+        baseline_of[str(r.path)], parent_of[str(r.path)] = b, p
+        rows.append({"experiment": r.experiment, "run_tag": _tag(r), "seed": r.seed, "run": _run_label(r),
+                     "baseline": r.baseline, "baseline_run": _run_label(b), "baseline_unpaired": why_b,
+                     "derived_from": parent_name, "derived_from_run": _run_label(p), "derived_from_unpaired": why_p})
+        unpaired += [f"{_run_label(r)} vs {why}" for why in (why_b, why_p) if why]
+    return baseline_of, parent_of, pd.DataFrame(rows), unpaired
+
+
+def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
+                  metrics_cache: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    """Every seed's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the same)."""
+    rows = []
+    for r in runs:
+        b, p = baseline_of[str(r.path)], parent_of[str(r.path)]
+        for against, other in (("baseline", b), ("derived_from", p if p is not b else None),
+                               ("bf16_mode", r if r.quant else None)):
+            if other is not None:
+                rows += seed_contrasts(r, other, against, metrics_cache)
+    return pd.DataFrame(rows)
+
+
+def build_claims(runs_root: Path, profile: str, margins: Mapping[str, float] | None = None) -> str:
+    """The claims section alone, from the run folders (what the README includes): no bootstrap, no figures."""
+    runs_root = Path(runs_root)
+    runs = discover_runs(runs_root, profile)
+    metrics_cache = {str(r.path): read_metrics(r.path / "metrics.jsonl") if (r.path / "metrics.jsonl").exists()
+                     else pd.DataFrame() for r in runs}
+    baseline_of, parent_of, _, _ = pair_runs(runs, runs_root, profile)
+    claims = claims_table(all_contrasts(runs, baseline_of, parent_of, metrics_cache), margins)
+    runs_df = pd.DataFrame([{"experiment": r.experiment, "git": _git_of(r), "dirty": _dirty_of(r)} for r in runs])
+    return claims_section(claims, runs_df, profile, margins)
+
+
 def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
-                 seed: int = 0, last_frac: float = 0.1, figures: bool = True, replay: bool | None = None) -> dict:
+                 seed: int = 0, last_frac: float = 0.1, figures: bool = True, replay: bool | None = None,
+                 margins: Mapping[str, float] | None = None) -> dict:
     """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
-    "message": str}``; with no runs, writes nothing and says so in ``message``."""
+    "message": str, "claims_section": markdown}``; with no runs, writes nothing and says so in ``message``.
+    ``margins``: equivalence margins per metric (default DEFAULT_MARGINS)."""
     runs_root, out_tables, out_figures = Path(runs_root), Path(out_tables), Path(out_figures)
     skipped: list[dict] = []  # runs (or parts of them) the tables could not use, and why
     runs = discover_runs(runs_root, profile, skipped)
@@ -884,13 +1254,14 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         elif not r.done:
             skipped.append({"run_dir": str(r.path), "reason": "unfinished (no DONE marker): its losses so far are "
                             "in the runs table, its curve is partial"})
-        row = {"experiment": r.experiment, "seed": r.seed, "paper_run": r.paper_run, "quant": r.quant,
+        row = {"experiment": r.experiment, "run_tag": _tag(r), "seed": r.seed, "paper_run": r.paper_run,
+               "quant": r.quant,
                "estimator": r.estimator, "baseline": r.baseline, "done": r.done,
                "steps": int(m["step"].max()) + 1 if "step" in m and len(m) else 0,
                "final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan"),
                "wall_time_s": next((summ[k] for k in ("wall_time_s", "train_wall_s", "train_wall_s_this_session")
                                     if k in summ), float("nan")),
-               "git": _git_of(r), "run_dir": str(r.path)}
+               "git": _git_of(r), "dirty": _dirty_of(r), "run_dir": str(r.path)}
         for mode in ("bf16", "hif8"):
             for task, res in _eval_results(r, mode).items():
                 row[f"{mode}:{task}"] = res.get("value", float("nan")) * 100.0
@@ -898,15 +1269,16 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         if mp.exists():
             use(r, mp)
         run_rows.append(row)
-    runs_df = pd.DataFrame(run_rows).sort_values(["experiment", "seed"]).reset_index(drop=True)
+    runs_df = pd.DataFrame(run_rows).sort_values(["experiment", "run_tag", "seed"]).reset_index(drop=True)
+
+    # ---- pairing: each run against its BF16 baseline and the experiment it derives from, or no pair and why
+    baseline_of, parent_of, pairing_df, unpaired = pair_runs(runs, runs_root, profile)
 
     # ---- drops and APE per (run, baseline)
-    drop_rows, ape_rows, curves, unpaired = [], [], [], []
+    drop_rows, ape_rows, curves = [], [], []
     for r in runs:
-        b = _pick_baseline(r, runs)
+        b = baseline_of[str(r.path)]
         if b is None:
-            if r.baseline:
-                unpaired.append(f"{r.experiment} (baseline {r.baseline} has no run)")
             continue
         mq, mb = metrics_cache[str(r.path)], metrics_cache[str(b.path)]
         if "loss" in mq and "loss" in mb and len(mq) and len(mb):
@@ -914,7 +1286,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
             qat_from = _qat_start(r, mq)
             qat = mq[mq["step"] >= qat_from] if qat_from is not None else mq.iloc[:0]
             aq = loss_ape(qat["step"], qat["loss"], mb["step"], mb["loss"], last_frac=last_frac)
-            ape_rows.append({"experiment": r.experiment, "baseline": b.experiment, "seed": r.seed,
+            ape_rows.append({"experiment": r.experiment, "run_tag": _tag(r), "baseline": b.experiment,
+                             "seed": r.seed,
                              "n_common": a["n_common"], "ape_all_pct": a["ape_all"], "ape_last_pct": a["ape_last"],
                              "last_n": a["last_n"], "last_frac": last_frac, "qat_from_step": qat_from,
                              "n_qat": aq["n_common"], "ape_qat_pct": aq["ape_all"],
@@ -928,28 +1301,23 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                     continue
                 bs = _read_samples(b.path / "eval" / "bf16" / f"samples_{task}.csv")
                 qs = _read_samples(r.path / "eval" / qmode / f"samples_{task}.csv")
-                row = {"experiment": r.experiment, "baseline": b.experiment, "seed": r.seed, "quant_mode": qmode,
+                row = {"experiment": r.experiment, "run_tag": _tag(r), "baseline": b.experiment, "seed": r.seed,
+                       "quant_mode": qmode,
                        "task": task, "metric": qr.get("metric"), "base_pct": base_res[task]["value"] * 100.0,
                        "quant_pct": qr["value"] * 100.0,
                        "drop_pct": relative_drop(base_res[task]["value"], qr["value"])}
                 if bs is not None and qs is not None:
                     xb, xq = align_samples(bs, qs)
-                    ci = paired_bootstrap_drop(xb, xq, n_boot=n_boot, seed=seed)
-                    row.update(n_paired=ci.n, drop_paired_pct=ci.drop, ci_lo=ci.lo, ci_hi=ci.hi,
-                               significant=ci.significant, discordant=_discordant(xb, xq),
-                               p_mcnemar=mcnemar_p(xb, xq))
+                    row.update(drop_paired_pct=relative_drop(float(xb.mean()), float(xq.mean()))
+                               if len(xb) else float("nan"), **_item_stats(xb, xq, n_boot, seed))
                     use(b, b.path / "eval" / "bf16" / f"samples_{task}.csv")
                     use(r, r.path / "eval" / qmode / f"samples_{task}.csv")
                 else:
                     row.update(n_paired=0, drop_paired_pct=float("nan"), ci_lo=float("nan"), ci_hi=float("nan"),
-                               significant=False, discordant=float("nan"), p_mcnemar=float("nan"))
+                               significant=False, discordant=float("nan"), p_mcnemar=float("nan"),
+                               ci_method="")
                 drop_rows.append(row)
     drops_df = pd.DataFrame(drop_rows)
-    n_tests = 0
-    if len(drops_df):
-        drops_df["p_holm"] = holm(drops_df["p_mcnemar"])
-        drops_df["significant_holm"] = drops_df["p_holm"] < 0.05
-        n_tests = int(drops_df["p_mcnemar"].notna().sum())
     ape_df = pd.DataFrame(ape_rows)
 
     # ---- telemetry
@@ -968,15 +1336,14 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     # learning rate alone, both BF16: the forgetting comparison; exp9 vs exp8 = the BF16 warmup alone), in bf16
     # mode and, when both runs are quantized, in the quantized mode too (exp11 vs exp8: FP8 vs HiF8 inference)
     abl_rows, pair_rows = [], []
-    ape_of = {(a["experiment"], a["seed"]): a for a in ape_rows}
+    ape_of = {(a["experiment"], a["run_tag"], a["seed"]): a for a in ape_rows}
     for r in runs:
-        parent_name = _get(r.config, "experiment.derived_from")
-        parent = _find_run(parent_name, r.seed, runs)
+        parent = parent_of[str(r.path)]
         if parent is None:
             continue
         changes = list(_get(r.config, "experiment.changes", []) or [])
-        head = {"experiment": r.experiment, "derived_from": parent.experiment, "changes": ",".join(changes),
-                "seed": r.seed}
+        head = {"experiment": r.experiment, "run_tag": _tag(r), "derived_from": parent.experiment,
+                "changes": ",".join(changes), "seed": r.seed}
         for mode in ("bf16", "hif8"):
             if mode != "bf16" and not (r.quant and parent.quant):
                 continue
@@ -1011,8 +1378,13 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     # ---- seeds: spread, the BF16-vs-BF16 seed null, which claims survive it; detectable effect sizes
     seeds_df = seed_spread(runs_df, drops_df)
     null_df = seed_null_table(runs, n_boot, seed)
-    claims_df = claims_table(drops_df, null_df)
-    mde_df = mde_table(drops_df, null_df)
+    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache)
+    claims_df = claims_table(contrasts_df, margins)
+    section = claims_section(claims_df, runs_df, profile, margins)
+    mde_df = mde_table(claims_df)
+    sweeps_df = sweep_table(runs, claims_df, runs_df)
+    n_tests = int(claims_df["p"].notna().sum()) if "p" in claims_df else 0
+    n_claims = int(claims_df.groupby(CLAIM_KEYS).ngroups) if len(claims_df) else 0
 
     anchor_df = anchor_table(runs_root.parent / "anchor", runs_root.parent / "anchor" / ANCHOR_PUBLISHED.name)
     if anchor_df.empty and ANCHOR_PUBLISHED.exists():
@@ -1022,34 +1394,68 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,
               f"scaling_pairs_{profile}": pairs_df,
               f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
-              f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df}
-    multiple = (f"Multiple comparisons: {n_tests} paired tests in drops_{profile} (runs x modes x tasks); p_holm "
-                "is the exact McNemar p-value Holm-adjusted over all of them (significant_holm: p_holm < 0.05); "
-                "the bootstrap CIs and `significant` are per comparison, unadjusted.")
+              f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df,
+              f"pairing_{profile}": pairing_df, f"paired_{profile}": contrasts_df,
+              f"sweeps_{profile}": sweeps_df}
+    multiple = (f"Multiple comparisons: one family per claim ({n_claims} claims, {n_tests} tests in "
+                f"claims_{profile}), seeds pooled into one test per task and metric; p_holm is Holm-adjusted "
+                "within the claim. Per-seed rows (drops, ablations) are descriptive and unadjusted.")
+    margins_text = ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in {**DEFAULT_MARGINS, **(margins or {})}.items())
     notes = {
-        f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %.",
+        f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %. dirty: made from a tree "
+                           "with uncommitted changes (run_info.json), so its commit does not hold its exact code.",
         f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
-                            f"evaluation; paired bootstrap 95 % CI ({n_boot} resamples of the common documents, "
-                            f"seed {seed}); significant = CI excludes 0. discordant: share of items the two "
-                            "evaluations score differently. " + multiple,
+                            "evaluation, one row per seed. 95 % CI: exact (conditional McNemar, Clopper-Pearson) "
+                            f"when fewer than {EXACT_BELOW_DISCORDANT} items differ (ci_method exact; significant: "
+                            "exact p_mcnemar < 0.05), else a paired percentile bootstrap "
+                            f"({n_boot} resamples of the common documents, seed {seed}; significant: CI excludes "
+                            "0). n_lost / n_gained: items right in the baseline and wrong in the run, and the "
+                            "reverse; discordant: their share. " + multiple,
         f"ape_{profile}": f"Training-loss APE (%) over all common steps, the last {last_frac:.0%} of them, and the "
                           "QAT phase (ape_qat_pct: steps from qat_from_step, the first step the quantized run "
                           "logged as quantized, i.e. after its BF16 warmup).",
+        f"pairing_{profile}": "Every run's pairs: its BF16 baseline (same seed, same training settings apart "
+                              "from quant.*) and the experiment it derives from (same seed, same training "
+                              "settings apart from its declared changes). Logging, evaluation and checkpoint "
+                              "cadence and run_tag do not count. An empty *_run names no pair; *_unpaired says "
+                              "why, and the run is left out of that comparison.",
+        f"paired_{profile}": "Per seed, the paired contrasts the claims pool: diff (accuracy: run minus "
+                             "counterpart in points; train_loss: signed loss difference, % of the counterpart's "
+                             "loss; gold_ll / gold_margin: counterpart minus run, nats per item), var (its "
+                             "within-seed variance: items, or blocks of 5 steps), lost / gained (items right only "
+                             "in the counterpart / only in the run; for the per-item metrics, items worse / "
+                             "better), recorded (false: the run files lack the metric).",
+        f"sweeps_{profile}": "Sweeps: each experiment run under several run tags (e.g. a Hydra multirun over a "
+                             "knob), the knobs that differ between them (from the saved configs), and each claim "
+                             "metric's cost against the baseline per knob value, 95 % CI over seeds as in "
+                             "claims; baseline_seed_sd_pct: the baseline's own sd over seeds (score, or final "
+                             "loss) in % of its mean. Figures: sweep_<profile>_<experiment>.png.",
         f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
         f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
                                 "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
                                 "these drops are the noise floor of any claim.",
-        f"claims_{profile}": "Each quantized experiment against its baseline over seeds: mean drop vs the largest "
-                             "|drop| of the baseline's seed null; a claim survives seed noise when it exceeds the "
-                             "null and is significant after Holm in every seed.",
+        f"claims_{profile}": "Each run against its baseline and against the experiment it derives from, pooled "
+                             "over same-seed pairs, and a quantized run's quantized evaluation against its own "
+                             "bf16 one (against = bf16_mode): cost (positive = the run is worse; accuracy: relative drop, % "
+                             "of the baseline score; train_loss: signed per-step loss difference over the QAT "
+                             "phase, % of the baseline loss; gold_ll / gold_margin: nats per item) with a 95 % CI "
+                             "whose variance is the larger of the between-seed spread and the within-seed item or "
+                             "step-block variance (t over seeds when the spread dominates), widened to the exact "
+                             f"interval when fewer than {EXACT_BELOW_DISCORDANT} items flip. equivalence: two "
+                             "one-sided tests (90 % CI) against `margin`; difference: one test with the seeds "
+                             "pooled (accuracy: exact McNemar over every seed's flips), Holm within the claim. "
+                             f"mde: the cost that test detects with 80 % power. Margins: {margins_text}. Runs "
+                             "made from a tree with uncommitted changes count in dirty_runs.",
         "anchor": "The base SmolLM2-135M on the full real benchmarks (make anchor; our weights: the Instruct model "
                   "dequantized from Q4_1, lm-eval's prompts) next to the scores HuggingFace published (lighteval, "
                   "0-shot; results/anchor/published_smollm2_135m.csv names the source). ARC (Average) = mean of "
                   "ARC-Easy and ARC-Challenge.",
-        f"mde_{profile}": "Minimum detectable paired difference (80 % power, two-sided alpha 0.05, McNemar normal "
-                          "approximation) at each task's item count, in points and in % of the baseline score, "
-                          "from the measured discordance of quantized-vs-baseline and seed-null pairs. The "
-                          "paper's drops are 0.2-0.6 % of the score.",
+        f"mde_{profile}": "Minimum detectable cost per claim (80 % power, two-sided alpha 0.05) under the test "
+                          "the claim uses: accuracy, the exact McNemar test on the claim's own pooled flips "
+                          f"(it needs at least {min_one_way_flips()} flips all one way; empty: fewer flips than "
+                          "that), in % of the baseline score and in points; train_loss, the t (or normal) test "
+                          "on the seeds' mean. Only the claim's own runs enter. The paper's drops are 0.2-0.6 % "
+                          "of the score, its loss APE 0.11 %.",
         f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl, per run and role: share of steps and of "
                                 "calls whose amax outgrew the delayed estimate (amax/estimate > 1), the largest "
                                 "ratio, and the clipped values on statistics calls (clipped_total, "
@@ -1084,17 +1490,25 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     for name, df in tables.items():
         files += list(write_table(df, out_tables, name, title=name.replace("_", " "),
                                   sources={**sources, "note": notes[name]}).values())
+    section_p = out_tables / f"claims_section_{profile}.md"
+    section_p.write_text(section + "\n")
+    files.append(str(section_p))
     if figures:
         files += make_figures(curves, runs, metrics_cache, tel_df, out_figures, profile)
+        files += plot_sweeps(sweeps_df, out_figures, profile)
     msg = f"{len(runs)} runs, {len(drops_df)} drop rows, {len(ape_df)} APE rows"
+    n_dirty = int(runs_df["dirty"].fillna(False).astype(bool).sum())
+    if n_dirty:
+        msg += (f"\nwarning: {n_dirty} of {len(runs)} runs were made from a tree with uncommitted changes (runs_"
+                f"{profile} column dirty): their recorded commit does not hold their exact code")
     if unpaired:
-        msg += "; not compared: " + ", ".join(sorted(set(unpaired)))
+        msg += f"\nnot paired ({len(unpaired)}; pairing_{profile}):\n  " + "\n  ".join(unpaired)
     if skipped:
         msg += "\nruns not used, or used in part (also in each table's .sources.json, runs_not_used):" + "".join(
             f"\n  {s['run_dir']}: {s['reason']}" for s in skipped)
     if n_tests:
         msg += "\n" + multiple
-    return {"tables": tables, "files": files, "message": msg}
+    return {"tables": tables, "files": files, "message": msg, "claims_section": section}
 
 
 # ============================================================================================ figures
@@ -1217,13 +1631,33 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--tables", type=Path, default=TABLES_DIR)
     ap.add_argument("--figures", type=Path, default=FIGURES_DIR)
     ap.add_argument("--paper-dir", type=Path, default=PAPER_DIR)
+    ap.add_argument("--margin", action="append", default=[], metavar="METRIC=M",
+                    help=f"equivalence margin of a claim metric ({', '.join(DEFAULT_MARGINS)}); repeatable")
+    ap.add_argument("--readme", type=Path, help="write the claims section between the file's "
+                    f"{CLAIMS_BEGIN} / {CLAIMS_END} markers and stop")
     args = ap.parse_args(list(argv) if argv is not None else None)
+    margins = {}
+    for item in args.margin:
+        key, _, value = item.partition("=")
+        try:
+            if key not in DEFAULT_MARGINS:
+                raise ValueError
+            margins[key] = float(value)
+        except ValueError:
+            ap.error(f"--margin {item!r}: expected METRIC=number with METRIC one of {', '.join(DEFAULT_MARGINS)}")
+    if args.readme:
+        text = args.readme.read_text()
+        if between_markers(text) is None:
+            ap.error(f"{args.readme} has no {CLAIMS_BEGIN} ... {CLAIMS_END} block")
+        args.readme.write_text(replace_between_markers(text, build_claims(args.runs_root, args.profile, margins)))
+        print(f"claims section written to {args.readme} from {args.runs_root / args.profile}")
+        return 0
     if args.paper:
         tables = build_paper_tables(args.paper_dir, args.tables)
         print(format_paper_tables(tables))
         print(f"\nwritten: {args.tables}/paper_*.csv|md")
         return 0
-    rep = build_report(args.runs_root, args.profile, args.tables, args.figures)
+    rep = build_report(args.runs_root, args.profile, args.tables, args.figures, margins=margins)
     print(format_report(rep))
     return 0
 

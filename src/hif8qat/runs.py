@@ -133,6 +133,75 @@ def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return _flat_differences(_flatten(a), _flatten(b))
 
 
+# ------------------------------------------------------------------------------------------- pairing
+# Settings two runs may differ in and still be a fair pair: what names the run, and what never changes training.
+_PAIRING_FREE_KEYS = _RESUME_FREE_KEYS | {"experiment", "run_tag", "seed"}
+
+
+def _free(key: str, prefixes: Any) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def training_differences(a: dict[str, Any], b: dict[str, Any], *, may_differ: Any = ()) -> list[str]:
+    """Flattened settings that differ between two saved configs and change what training does.
+
+    Ignored: the experiment's name and description, run_tag, seed (checked on its own), logging, evaluation
+    and checkpoint cadence, and the prefixes in ``may_differ`` (``quant`` for a BF16 baseline).
+    """
+    fa, fb = _flatten(a), _flatten(b)
+    for key, old_behaviour in _ADDED_SETTINGS.items():
+        fa.setdefault(key, old_behaviour)
+        fb.setdefault(key, old_behaviour)
+    free = set(_PAIRING_FREE_KEYS) | set(may_differ)
+    return [k for k in _flat_differences(fa, fb) if not _free(k, free)]
+
+
+def _load_config(path: Path) -> dict[str, Any] | None:
+    try:
+        # libyaml's loader when built: the pure-Python one dominates a report over dozens of runs
+        cfg = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def find_baseline_run(results_root: Path, profile: str, baseline_experiment: str, run_dir: Path, *,
+                      may_differ: Any = ("quant",)) -> tuple[Path | None, str]:
+    """The run of ``baseline_experiment`` that ``run_dir`` is compared with, or None and why there is none.
+
+    The pair must share the seed and every training-relevant setting of ``config_resolved.yaml``
+    (see :func:`training_differences`; ``may_differ``: ``quant`` for a BF16 baseline, an experiment's declared
+    ``changes`` for the one it derives from). Candidates are ``<results_root>/<profile>/<baseline>/seed*``,
+    never an archived ``.old-`` folder; among equal matches a finished run wins, then an untagged one.
+    """
+    cfg = _load_config(Path(run_dir) / CONFIG_FILE)
+    if cfg is None:
+        return None, f"{run_dir} has no readable {CONFIG_FILE}"
+    folder = Path(results_root) / profile / str(baseline_experiment)
+    cands = sorted(d for d in folder.glob("seed*") if d.is_dir() and not is_archive(d))
+    if not cands:
+        return None, f"{baseline_experiment} has no run under {folder}"
+    matches, rejected, seeds = [], [], set()
+    for d in cands:
+        other = _load_config(d / CONFIG_FILE)
+        if other is None:
+            rejected.append(f"{d.name}: no readable {CONFIG_FILE}")
+            continue
+        seeds.add(other.get("seed"))
+        if other.get("seed") != cfg.get("seed"):
+            continue
+        diff = training_differences(cfg, other, may_differ=may_differ)
+        if diff:
+            rejected.append(f"{d.name} differs in {', '.join(diff)}")
+        else:
+            matches.append(d)
+    if matches:
+        return sorted(matches, key=lambda d: (not is_done(d), "-" in d.name, d.name))[0], ""
+    why = f"{baseline_experiment} has no run with seed {cfg.get('seed')} and the same training settings"
+    details = rejected or [f"its seeds: {', '.join(str(s) for s in sorted(seeds, key=str))}"]
+    return None, f"{why} ({'; '.join(details)})"
+
+
 # ------------------------------------------------------------------------------------------- one writer
 _HELD_LOCKS: dict[str, Any] = {}  # run folder (real path) -> open lock file, held until release or exit
 

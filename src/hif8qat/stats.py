@@ -1,0 +1,215 @@
+"""Paired statistics for run-vs-baseline claims: per-seed differences pooled over seeds, exact tests for few
+discordant items, equivalence (two one-sided tests) against a stated margin, and detectable effects.
+
+The unit of comparison is a seed: a run and its same-seed baseline share data order and initial weights, so each
+seed gives one paired difference. Its mean over seeds has two sources of noise: between seeds (the seed's
+effect on the difference) and within a seed (which items or steps happened to be measured). With k seeds,
+per-seed differences d_s and their within-seed variances v_s, the variance of the mean is estimated as
+``max(var(d_s), mean(v_s)) / k``: the sample variance over seeds already contains the within-seed noise, and
+when it is smaller than that noise (few seeds, or one) the within-seed variance is the floor. The interval uses
+Student's t with k - 1 degrees of freedom when the between-seed term is used, the normal quantile otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from scipy import stats as st
+
+EQUIVALENT = "equivalent within {m}"
+NOT_EQUIVALENT = "not equivalent"
+INCONCLUSIVE = "inconclusive at this size"
+
+
+@dataclass
+class Pooled:
+    """The mean over seeds of a per-seed paired difference, with its uncertainty."""
+
+    k: int
+    mean: float
+    se: float
+    df: float  # inf: normal quantile (within-seed variance used)
+    lo: float  # 95 % interval
+    hi: float
+    lo90: float  # 90 % interval: the two one-sided tests at 5 % each
+    hi90: float
+    p: float  # two-sided test of mean 0 on the same variance
+    between_sd: float
+    within_se: float
+    variance_from: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _quantile(q: float, df: float) -> float:
+    return float(st.norm.ppf(q)) if not np.isfinite(df) else float(st.t.ppf(q, df))
+
+
+def pool_seeds(diffs: Sequence[float], within_vars: Sequence[float], within_df: float = math.inf) -> Pooled:
+    """Mean of per-seed differences with a variance combining between-seed spread and within-seed variance.
+
+    ``within_df``: degrees of freedom of the within-seed variance (infinite for hundreds of items; the number
+    of blocks minus one, summed over seeds, for a variance from a few blocks of training steps)."""
+    d = np.asarray(diffs, float)
+    v = np.asarray(within_vars, float)
+    ok = np.isfinite(d)
+    d, v = d[ok], v[ok]
+    k = len(d)
+    nan = float("nan")
+    if k == 0:
+        return Pooled(0, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, "none")
+    within = float(np.mean(v)) if np.isfinite(v).all() and len(v) else nan
+    between = float(np.var(d, ddof=1)) if k > 1 else nan
+    if np.isfinite(between) and not (np.isfinite(within) and within >= between):
+        var, df, source = between / k, float(k - 1), "between seeds"
+    elif np.isfinite(within):
+        var, df, source = within / k, float(within_df), "within seeds"
+    else:
+        return Pooled(k, float(d.mean()), nan, nan, nan, nan, nan, nan, nan, nan, nan, "none")
+    se = math.sqrt(var)
+    mean = float(d.mean())
+    q95, q90 = _quantile(0.975, df), _quantile(0.95, df)
+    if se > 0:
+        tstat = abs(mean) / se
+        p = float(2 * (st.norm.sf(tstat) if not np.isfinite(df) else st.t.sf(tstat, df)))
+    else:
+        p = 1.0 if mean == 0 else 0.0
+    return Pooled(k, mean, se, df, mean - q95 * se, mean + q95 * se, mean - q90 * se, mean + q90 * se, p,
+                  math.sqrt(between) if np.isfinite(between) else nan,
+                  math.sqrt(within / k) if np.isfinite(within) else nan, source)
+
+
+def equivalence_verdict(lo90: float, hi90: float, margin: float, unit: str = "") -> str:
+    """Two one-sided tests at 5 % each against ``[-margin, margin]`` from the 90 % interval of the difference.
+
+    "equivalent within M": the interval lies inside the margin; "not equivalent": it lies wholly outside it
+    (the difference is beyond M at the same level); otherwise "inconclusive at this size". Never "no effect".
+    """
+    if not (np.isfinite(lo90) and np.isfinite(hi90) and np.isfinite(margin)):
+        return INCONCLUSIVE
+    if -margin < lo90 and hi90 < margin:
+        return EQUIVALENT.format(m=f"{margin:g}{unit}")
+    if lo90 > margin or hi90 < -margin:
+        return NOT_EQUIVALENT
+    return INCONCLUSIVE
+
+
+# ------------------------------------------------------------------------------------ paired 0/1 items
+@dataclass
+class ItemPair:
+    n: int
+    lost: int  # right in the baseline, wrong in the run
+    gained: int  # wrong in the baseline, right in the run
+    diff: float  # mean(run) - mean(base), a proportion
+    var: float  # variance of diff from the items
+
+    @property
+    def discordant(self) -> int:
+        return self.lost + self.gained
+
+
+def item_pair(base: Sequence[float], run: Sequence[float]) -> ItemPair:
+    """Paired 0/1 outcomes of one seed. The variance is that of a mean of per-item differences; with no
+    discordant item it would be 0, an interval of zero width from a finite sample, so one is assumed."""
+    b = np.asarray(base) > 0.5
+    r = np.asarray(run) > 0.5
+    n = int(len(b))
+    lost, gained = int((b & ~r).sum()), int((~b & r).sum())
+    if n < 2:
+        return ItemPair(n, lost, gained, float("nan"), float("nan"))
+    diff = (gained - lost) / n
+    m = max(lost + gained, 1)
+    var = max(m / n - diff**2, 0.0) * n / (n - 1) / n
+    return ItemPair(n, lost, gained, diff, var)
+
+
+def exact_mcnemar_p(lost: int, gained: int) -> float:
+    """Exact two-sided McNemar p-value: a binomial test of the discordant items; 1.0 without any."""
+    m = lost + gained
+    return 1.0 if m == 0 else float(st.binomtest(int(lost), int(m), 0.5).pvalue)
+
+
+def exact_difference_ci(lost: int, gained: int, n: int, conf: float = 0.95) -> tuple[float, float]:
+    """Interval of the paired difference ``(gained - lost) / n`` conditional on the discordant items: the
+    Clopper-Pearson interval of gained / (lost + gained), mapped to the difference. Exact for any count, where a
+    percentile bootstrap of a handful of discordant items is anti-conservative."""
+    m = lost + gained
+    if n <= 0:
+        return float("nan"), float("nan")
+    if m == 0:
+        return 0.0, 0.0
+    ci = st.binomtest(int(gained), int(m), 0.5).proportion_ci(confidence_level=conf, method="exact")
+    return (2 * ci.low - 1) * m / n, (2 * ci.high - 1) * m / n
+
+
+def min_one_way_flips(alpha: float = 0.05) -> int:
+    """Fewest discordant items, all the same way, that the exact two-sided McNemar test finds at ``alpha``."""
+    m = 1
+    while 2 * 0.5**m >= alpha:
+        m += 1
+    return m
+
+
+def _rejection_region(m: int, alpha: float) -> np.ndarray:
+    c = np.arange(m + 1)
+    p = np.minimum(1.0, 2 * np.minimum(st.binom.cdf(c, m, 0.5), st.binom.sf(c - 1, m, 0.5)))
+    return c[p < alpha]
+
+
+def mde_exact_mcnemar(n: int, discordant: int, *, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Smallest paired accuracy difference (a proportion) the exact McNemar test detects with ``power``, given
+    ``n`` items of which ``discordant`` are scored differently (the measured discordance, held fixed).
+
+    A true difference delta sends a share ``theta = (1 + delta * n / m) / 2`` of the m discordant items one way;
+    the test rejects when their count falls in its exact rejection region. NaN when even all m one way would not
+    be significant (m below :func:`min_one_way_flips`).
+    """
+    m = int(discordant)
+    if n <= 0 or m <= 0:
+        return float("nan")
+    region = _rejection_region(m, alpha)
+    upper = region[region > m / 2]
+    if len(upper) == 0:
+        return float("nan")
+
+    def pw(theta):
+        return float(st.binom.pmf(upper, m, theta).sum())
+
+    if pw(1.0) < power:
+        return float("nan")
+    lo, hi = 0.5, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if pw(mid) < power else (lo, mid)
+    return (2 * hi - 1) * m / n
+
+
+def mde_from_se(se: float, df: float, *, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Smallest difference a two-sided test at ``alpha`` on an estimate with standard error ``se`` detects with
+    ``power`` (t with ``df`` degrees of freedom, normal when df is infinite)."""
+    if not np.isfinite(se) or not df > 0:
+        return float("nan")
+    return (_quantile(1 - alpha / 2, df) + _quantile(power, df)) * se
+
+
+def block_variance_of_mean(x: Sequence[float], block: int = 5) -> float:
+    """Variance of the mean of a series with serial correlation (training steps), from means of consecutive
+    blocks of ``block`` values (``len(x) // block - 1`` degrees of freedom); NaN with fewer than two blocks."""
+    a = np.asarray(x, float)
+    a = a[np.isfinite(a)]
+    nb = len(a) // block
+    if nb < 2:
+        return float("nan")
+    means = a[: nb * block].reshape(nb, block).mean(1)
+    return float(np.var(means, ddof=1) / nb)
+
+
+def mean_variance(x: Sequence[float]) -> float:
+    """Variance of the mean of independent values (items)."""
+    a = np.asarray(x, float)
+    a = a[np.isfinite(a)]
+    return float(np.var(a, ddof=1) / len(a)) if len(a) > 1 else float("nan")

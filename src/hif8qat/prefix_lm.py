@@ -141,6 +141,7 @@ class SharedContextLM(HFLM):
         pbar = tqdm(total=len(requests) - len(truncated), disable=disable_tqdm or self.rank != 0,
                     desc="Running loglikelihood requests (shared contexts)")
         for batch, _ in batches:
+            self._count(batch, requests)
             for i, answer in self._score_batch(batch, requests):
                 res[i] = answer
                 if requests[i][0] is not None:
@@ -156,6 +157,14 @@ class SharedContextLM(HFLM):
             counts["forwarded"] += n
             counts["forwarded_padded"] += n
         return res
+
+    def _count(self, batch, requests) -> None:
+        """Add a batch's tokens: its prefix rows, then its continuations forwarded from cached contexts."""
+        lens = [len(p) for p, _ in batch]
+        conts = [len(requests[i][2]) - 1 for _, members in batch if len(members) > 1 for i in members
+                 if len(requests[i][2]) > 1]
+        self.token_counts["forwarded"] += sum(lens) + sum(conts)
+        self.token_counts["forwarded_padded"] += len(batch) * max(lens) + len(conts) * max(conts, default=0)
 
     @staticmethod
     def _suffix_rows(unit, requests) -> int:
@@ -179,8 +188,6 @@ class SharedContextLM(HFLM):
                 keep[b, len(prefix) - 1] = True
                 suffix.extend((b, i) for i in members if len(requests[i][2]) > 1)
         logits, out = self._scored_logits(keep.to(dev), input_ids=ids.to(dev), use_cache=bool(suffix))
-        self.token_counts["forwarded"] += sum(lens)
-        self.token_counts["forwarded_padded"] += len(batch) * width
 
         first = {}  # row of ``logits`` per batch row (its first scored position)
         pos = 0
@@ -206,8 +213,6 @@ class SharedContextLM(HFLM):
             positions = torch.tensor(lens)[rows].unsqueeze(1) + torch.arange(s_len)
             s_logits, _ = self._scored_logits(s_keep.to(dev), input_ids=s_ids.to(dev), attention_mask=mask.to(dev),
                                               position_ids=positions.to(dev), cache=cache, use_cache=True)
-            self.token_counts["forwarded"] += int(s_keep.sum())
-            self.token_counts["forwarded_padded"] += len(suffix) * s_len
             pos = 0
             for _, i in suffix:
                 n = len(requests[i][2]) - 1

@@ -9,13 +9,14 @@ tokenizes them (``context_enc`` and ``continuation_enc`` from lm-eval's ``_encod
 * requests are grouped by identical context tokens;
 * a group's context is forwarded once with the KV cache on; the logits of its last token score every
   continuation's first token;
-* the cache rows are then repeated for the group's continuations and ``continuation[:-1]`` of each is
-  forwarded from the cached prefix, all in one batch, scoring the remaining tokens;
+* the context's cache row is then copied for each of its continuations and ``continuation[:-1]`` is
+  forwarded from the cached prefix (padding of the batched prefixes masked out, positions continued),
+  scoring the remaining tokens;
 * a request whose context is shared with no other is forwarded whole (``context + continuation[:-1]``),
-  batched with the others, as HFLM does;
-* the units of work are sorted by length and packed into batches of at most ``batch_size`` rows, so
-  that rows of a batch have similar lengths (little padding); only the scored positions go through the
-  output projection (``logits_to_keep``), not the whole sequence;
+  batched with the contexts, as HFLM forwards every request;
+* contexts (and, per batch of contexts, continuations) are sorted by length and cut into batches of at
+  most ``batch_size`` rows in which no row is shorter than ``min_fill`` (0.8) of the longest, so padding
+  stays small; only the scored positions go through the output layer (``logits_to_keep``);
 * requests that HFLM would truncate to ``max_length`` (and every request when ``batch_size="auto"``)
   go through HFLM's own path unchanged.
 
@@ -30,7 +31,7 @@ where the evaluation's compute numerics (e.g. bf16 autocast) are applied.
 Token counts: :attr:`SharedContextLM.token_counts` accumulates, over every ``loglikelihood`` call, the
 tokens HFLM would forward (``per_request``: the sum of each request's input length) and the tokens this
 model forwards (``forwarded``: real tokens, padding excluded; ``forwarded_padded``: positions including
-padding).
+padding; ``forward_calls``: model calls of the shared-context path).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class SharedContextLM(HFLM):
                     return contextlib.nullcontext()
                 return torch.autocast(device_type=device_type, dtype=amp_dtype)
         self._numerics = numerics
-        self.token_counts = {"requests": 0, "per_request": 0, "forwarded": 0, "forwarded_padded": 0}
+        self.token_counts = {"requests": 0, "per_request": 0, "forwarded": 0, "forwarded_padded": 0,
+                             "forward_calls": 0}
         params = inspect.signature(self.model.forward).parameters.values()
         self._keeps_logits = any(p.name == "logits_to_keep" or p.kind is inspect.Parameter.VAR_KEYWORD
                                  for p in params)
@@ -116,33 +118,15 @@ class SharedContextLM(HFLM):
         # HFLM truncates from the left when context + continuation exceeds max_length + 1: its path
         truncated = [i for i, (_, c, k) in enumerate(requests) if len(c) + len(k) > self.max_length + 1]
         groups: dict[tuple[int, ...], list[int]] = {}
-        for i, (_, ctx, _) in enumerate(requests):
-            if len(ctx) + len(requests[i][2]) <= self.max_length + 1:
+        for i, (_, ctx, cont) in enumerate(requests):
+            if len(ctx) + len(cont) <= self.max_length + 1:
                 groups.setdefault(tuple(ctx), []).append(i)
-        units = []  # (prefix tokens, members): a shared context, or one request forwarded whole
-        for ctx, members in groups.items():
-            for s in range(0, len(members), bs):  # at most bs continuations share one cache copy
-                chunk = members[s:s + bs]
-                if len(chunk) == 1:
-                    _, c, k = requests[chunk[0]]
-                    units.append((c + k[:-1], chunk))
-                else:
-                    units.append((list(ctx), chunk))
-        units.sort(key=lambda u: (-len(u[0]), u[0]))  # longest first (as HFLM: memory errors show early)
-
-        batches: list[list] = []  # [units, continuation rows]
-        for unit in units:
-            rows = self._suffix_rows(unit, requests)
-            if batches and len(batches[-1][0]) < bs and batches[-1][1] + rows <= bs:
-                batches[-1][0].append(unit)
-                batches[-1][1] += rows
-            else:
-                batches.append([[unit], rows])
+        plan = self._plan(groups, requests, bs)
         pbar = tqdm(total=len(requests) - len(truncated), disable=disable_tqdm or self.rank != 0,
                     desc="Running loglikelihood requests (shared contexts)")
-        for batch, _ in batches:
-            self._count(batch, requests)
-            for i, answer in self._score_batch(batch, requests):
+        for batch, subs in plan:
+            self._count(batch, subs, requests)
+            for i, answer in self._score_batch(batch, subs, requests):
                 res[i] = answer
                 if requests[i][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
@@ -158,76 +142,114 @@ class SharedContextLM(HFLM):
             counts["forwarded_padded"] += n
         return res
 
-    def _count(self, batch, requests) -> None:
+    #: a row joins a batch only while it is at least this fraction of the batch's longest row, so padding
+    #: stays under 1 - min_fill of a batch (more, shorter forwards instead)
+    min_fill = 0.8
+
+    def _spans(self, lengths: list[int], bs: int) -> list[tuple[int, int]]:
+        """Batches ``[start, end)`` over rows sorted by decreasing length: at most ``bs`` rows, little padding."""
+        spans, start = [], 0
+        while start < len(lengths):
+            end = start + 1
+            while end < len(lengths) and end - start < bs and lengths[end] >= self.min_fill * lengths[start]:
+                end += 1
+            spans.append((start, end))
+            start = end
+        return spans
+
+    def _plan(self, groups: dict[tuple[int, ...], list[int]], requests, bs: int) -> list:
+        """Batches of units, each with the sub-batches of its continuations forwarded from cached contexts.
+
+        A unit is ``(prefix tokens, members, shared)``: a context shared by several requests (scored from its
+        last position, then its continuations from the cache), or one request forwarded whole. Units are
+        sorted longest first (as HFLM: a memory error shows at once), continuation rows likewise per batch.
+        """
+        units = []
+        for ctx, members in groups.items():
+            if len(members) == 1:
+                _, c, k = requests[members[0]]
+                units.append((c + k[:-1], members, False))
+            else:
+                units.append((list(ctx), members, True))
+        units.sort(key=lambda u: (-len(u[0]), u[0]))
+        plan = []
+        for s, e in self._spans([len(u[0]) for u in units], bs):
+            batch = units[s:e]
+            rows = sorted(((b, i) for b, (_, members, shared) in enumerate(batch) if shared
+                           for i in members if len(requests[i][2]) > 1),
+                          key=lambda r: -len(requests[r[1]][2]))
+            subs = [rows[a:z] for a, z in self._spans([len(requests[i][2]) - 1 for _, i in rows], bs)]
+            plan.append((batch, subs))
+        return plan
+
+    def _count(self, batch, subs, requests) -> None:
         """Add a batch's tokens: its prefix rows, then its continuations forwarded from cached contexts."""
-        lens = [len(p) for p, _ in batch]
-        conts = [len(requests[i][2]) - 1 for _, members in batch if len(members) > 1 for i in members
-                 if len(requests[i][2]) > 1]
-        self.token_counts["forwarded"] += sum(lens) + sum(conts)
-        self.token_counts["forwarded_padded"] += len(batch) * max(lens) + len(conts) * max(conts, default=0)
+        lens = [len(p) for p, _, _ in batch]
+        forwarded, padded = sum(lens), len(lens) * max(lens)
+        for sub in subs:
+            n = [len(requests[i][2]) - 1 for _, i in sub]
+            forwarded += sum(n)
+            padded += len(n) * max(n)
+        self.token_counts["forwarded"] += forwarded
+        self.token_counts["forwarded_padded"] += padded
+        self.token_counts["forward_calls"] += 1 + len(subs)
 
-    @staticmethod
-    def _suffix_rows(unit, requests) -> int:
-        """Rows a unit adds to the batch's continuation forward (multi-token continuations of a group)."""
-        _, members = unit
-        return 0 if len(members) == 1 else sum(len(requests[i][2]) > 1 for i in members)
-
-    def _score_batch(self, batch, requests):
-        """Forward a batch of units (prefix pass, then one pass for the shared contexts' continuations)."""
+    def _score_batch(self, batch, subs, requests):
+        """Forward a batch of units, then each sub-batch of continuations from the cached contexts."""
         dev = self.device
-        lens = [len(p) for p, _ in batch]
+        lens = [len(p) for p, _, _ in batch]
         width = max(lens)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         keep = torch.zeros(len(batch), width, dtype=torch.bool)
-        suffix = []  # (batch row, request index) of the continuations forwarded from a cached context
-        for b, (prefix, members) in enumerate(batch):
+        first = []  # row of ``logits`` holding each unit's first scored position
+        n_scored = 0
+        for b, (prefix, members, shared) in enumerate(batch):
             ids[b, :len(prefix)] = torch.tensor(prefix)
-            if len(members) == 1:  # whole request: score its continuation's positions
-                keep[b, len(prefix) - len(requests[members[0]][2]):len(prefix)] = True
-            else:  # shared context: its last position scores every continuation's first token
-                keep[b, len(prefix) - 1] = True
-                suffix.extend((b, i) for i in members if len(requests[i][2]) > 1)
-        logits, out = self._scored_logits(keep.to(dev), input_ids=ids.to(dev), use_cache=bool(suffix))
+            # a shared context's last position scores every continuation's first token; a whole request's
+            # last len(continuation) positions score its continuation
+            n = 1 if shared else len(requests[members[0]][2])
+            keep[b, len(prefix) - n:len(prefix)] = True
+            first.append(n_scored)
+            n_scored += n
+        logits, out = self._scored_logits(keep.to(dev), input_ids=ids.to(dev), use_cache=bool(subs))
 
-        first = {}  # row of ``logits`` per batch row (its first scored position)
-        pos = 0
-        for b, (_, members) in enumerate(batch):
-            first[b] = pos
-            pos += len(requests[members[0]][2]) if len(members) == 1 else 1
-        rest: dict[int, torch.Tensor] = {}  # request -> logits of continuation tokens 2..n
-        if suffix:
-            cache = out.cache if hasattr(out, "cache") else out.past_key_values
-            s_len = max(len(requests[i][2]) - 1 for _, i in suffix)
-            rows = torch.tensor([b for b, _ in suffix])
-            cache.batch_select_indices(rows.to(dev))  # one copy of its context's cache per continuation
-            s_ids = torch.zeros(len(suffix), s_len, dtype=torch.long)
-            s_keep = torch.zeros(len(suffix), s_len, dtype=torch.bool)
-            # the cache holds each context's tokens then right padding up to ``width``: mask the padding
-            mask = torch.zeros(len(suffix), width + s_len, dtype=torch.long)
-            mask[:, width:] = 1
-            for r, (b, i) in enumerate(suffix):
-                cont = requests[i][2][:-1]
-                s_ids[r, :len(cont)] = torch.tensor(cont)
-                s_keep[r, :len(cont)] = True
-                mask[r, :lens[b]] = 1
-            positions = torch.tensor(lens)[rows].unsqueeze(1) + torch.arange(s_len)
-            s_logits, _ = self._scored_logits(s_keep.to(dev), input_ids=s_ids.to(dev), attention_mask=mask.to(dev),
-                                              position_ids=positions.to(dev), cache=cache, use_cache=True)
-            pos = 0
-            for _, i in suffix:
-                n = len(requests[i][2]) - 1
-                rest[i] = s_logits[pos:pos + n]
-                pos += n
+        rest: dict[int, torch.Tensor] = {}  # request -> logits of its continuation tokens 2..n
+        if subs:
+            from transformers import DynamicCache
 
-        for b, (_, members) in enumerate(batch):
+            layers = list(out.cache if hasattr(out, "cache") else out.past_key_values)
+            for sub in subs:
+                rows = torch.tensor([b for b, _ in sub])
+                # each continuation gets a copy of its context's cache row
+                cache = DynamicCache([(k[rows.to(k.device)], v[rows.to(v.device)]) for k, v, *_ in layers],
+                                     config=self.model.config)
+                s_len = max(len(requests[i][2]) - 1 for _, i in sub)
+                s_ids = torch.zeros(len(sub), s_len, dtype=torch.long)
+                s_keep = torch.zeros(len(sub), s_len, dtype=torch.bool)
+                # the cache holds each context's tokens, then right padding up to ``width``: masked out
+                mask = torch.zeros(len(sub), width + s_len, dtype=torch.long)
+                mask[:, width:] = 1
+                for r, (b, i) in enumerate(sub):
+                    cont = requests[i][2][:-1]
+                    s_ids[r, :len(cont)] = torch.tensor(cont)
+                    s_keep[r, :len(cont)] = True
+                    mask[r, :lens[b]] = 1
+                positions = torch.tensor(lens)[rows].unsqueeze(1) + torch.arange(s_len)
+                s_logits, _ = self._scored_logits(s_keep.to(dev), input_ids=s_ids.to(dev),
+                                                  attention_mask=mask.to(dev), position_ids=positions.to(dev),
+                                                  cache=cache, use_cache=True)
+                pos = 0
+                for _, i in sub:
+                    n = len(requests[i][2]) - 1
+                    rest[i] = s_logits[pos:pos + n]
+                    pos += n
+
+        for b, (_, members, shared) in enumerate(batch):
             for i in members:
                 cont = requests[i][2]
-                if len(members) == 1:
-                    scored = logits[first[b]:first[b] + len(cont)]
-                else:
-                    scored = logits[first[b]:first[b] + 1]
-                    if i in rest:
-                        scored = torch.cat([scored, rest[i]])
+                scored = logits[first[b]:first[b] + (1 if shared else len(cont))]
+                if i in rest:
+                    scored = torch.cat([scored, rest[i]])
                 yield i, self._answer(scored, cont)
 
     def _answer(self, logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:

@@ -615,7 +615,7 @@ def evaluate_model(
                 raw = r if raw is None else _merge_lm_eval(raw, r)
     wall = time.time() - t0
     tokens = dict(lm.token_counts)
-    print(f"eval tokens ({mode}): {tokens['per_request']} as lm-eval's HFLM forwards them (one forward per "
+    print(f"eval tokens, {mode} mode: {tokens['per_request']} as lm-eval's HFLM forwards them (one forward per "
           f"request), {tokens['forwarded']} forwarded with shared contexts "
           f"({tokens['per_request'] / max(tokens['forwarded'], 1):.2f}x fewer; {tokens['requests']} requests)")
     results: dict[str, Any] = {}

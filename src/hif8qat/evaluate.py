@@ -20,7 +20,18 @@ quantized and the matmul runs in bf16 (casting the weights to bf16 first would r
 quantization). ``dtype="fp32"``: no autocast. :func:`resolve_numerics` turns ``auto`` into the training
 device and numerics (run.py's ``eval.device`` / ``eval.dtype``); without a training config, ``auto`` is
 CUDA when available and bf16 there, fp32 on CPU. ``results.json`` records ``device``, ``dtype`` (of the
-weights) and ``autocast`` (the matmul dtype, or null).
+weights) and ``autocast`` (the matmul dtype, or null). The numerics are applied in one place, around each
+model forward of :class:`hif8qat.prefix_lm.SharedContextLM` (:func:`eval_numerics`).
+
+Cost
+----
+lm-eval's HF model runs each request (context + continuation) as its own forward pass, so a
+multiple-choice item pays for its context once per choice. The evaluation runs
+:class:`hif8qat.prefix_lm.SharedContextLM` instead: each distinct context is forwarded once and its
+continuations are scored from the cached prefix (the same log-likelihoods up to float rounding, tested
+against lm-eval's model). ``results.json`` ``_meta.eval_tokens`` records the tokens lm-eval's model
+would forward (``per_request``) and those forwarded (``forwarded``; ``forwarded_padded`` with padding),
+and both are printed per evaluation.
 
 Tasks
 -----
@@ -28,8 +39,8 @@ Mini tasks (offline, generated from the fact tables in ``minitasks/``; registere
 ``TaskManager(include_path=minitasks/)``): ``mini_mmlu`` (MMLU questions, cloze formulation, 1-shot, acc),
 ``mini_hellaswag`` (1-shot, acc_norm), ``mini_arc`` (1-shot, acc_norm); ``mini_mmlu_letters`` (MMLU's
 lettered A-D format, 5-shot, acc) is registered but not in the ``mini`` suite: SmolLM2-135M scores at
-chance on lettered options. Shot counts are small because every choice is a separate forward pass over
-shots + question on CPU (see ``minitasks/README.md`` for the token counts). Paper tasks (lm-eval's own configs): ``mmlu`` 5-shot acc,
+chance on lettered options. Shot counts are small because every item's shots + question are forwarded
+once on CPU (see ``minitasks/README.md`` for the token counts). Paper tasks (lm-eval's own configs): ``mmlu`` 5-shot acc,
 ``hellaswag`` 10-shot acc_norm, ``arc_challenge`` 25-shot acc_norm, optional ``arc_easy`` 25-shot acc_norm
 and ``gsm8k`` 5-shot exact_match (flexible-extract); ``mmlu_continuation`` (MMLU's cloze form, acc) for small
 models. The mini profile runs the real ones 0-shot on the offline copies of :mod:`hif8qat.evaldata`
@@ -403,6 +414,21 @@ def _autocast_dtype(dtype: str | None):
     raise EvalSettingError(f"invalid setting eval.dtype={dtype!r}: allowed one of fp32, bf16 (or auto)")
 
 
+def eval_numerics(device: str, autocast):
+    """Factory of the context every model forward of an evaluation runs under (applied in one place,
+    :meth:`hif8qat.prefix_lm.SharedContextLM._forward`): bf16 autocast on ``device`` or nothing."""
+    import torch
+
+    device_type = torch.device(device).type
+
+    def numerics():
+        if autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=autocast)
+
+    return numerics
+
+
 def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu"):
     """Load an exported model folder for evaluation in ``mode``, FP32 weights on ``device`` (module doc)."""
     import torch
@@ -549,8 +575,9 @@ def evaluate_model(
     """
     import torch
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
+
+    from .prefix_lm import SharedContextLM
 
     specs = resolve_tasks(tasks)
     device = device or str(next(model.parameters()).device)
@@ -575,8 +602,8 @@ def evaluate_model(
             shots[s.name] = k
             task_cfgs.append(s.name)
         autocast = _autocast_dtype(dtype)
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-                  mixed_precision_dtype=autocast)
+        lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                             numerics=eval_numerics(device, autocast))
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
         per_task_shots = {s.name: shots[s.name] for s in specs}
         raw = None
@@ -594,6 +621,10 @@ def evaluate_model(
                 )
                 raw = r if raw is None else _merge_lm_eval(raw, r)
     wall = time.time() - t0
+    tokens = dict(lm.token_counts)
+    print(f"eval tokens, {mode} mode: {tokens['per_request']} as lm-eval's HFLM forwards them (one forward per "
+          f"request), {tokens['forwarded']} forwarded with shared contexts "
+          f"({tokens['per_request'] / max(tokens['forwarded'], 1):.2f}x fewer; {tokens['requests']} requests)")
     results: dict[str, Any] = {}
     samples: dict[str, list] = {}
     for s in specs:
@@ -610,6 +641,8 @@ def evaluate_model(
         # Named relative to the cache root: a machine path would not trace anything on another machine.
         "data_root": f"$HIF8QAT_CACHE/{CACHE_SUBDIR}" if data_root else None,
         "subset": subset_meta, "subset_seed": subset_seed,
+        # per_request: what lm-eval's HFLM would forward; forwarded: what ran (padding excluded)
+        "eval_tokens": tokens,
         "lm_eval_version": raw.get("lm_eval_version"), "provenance": _provenance(),
     }
     if extra_meta:

@@ -1,0 +1,165 @@
+"""SharedContextLM against lm-eval's own HFLM (the oracle): the same log-likelihoods up to float rounding,
+the same is_greedy and the same choice per item, on hand-made token requests (shared and unshared contexts,
+one-token and greedy continuations, groups larger than a batch, truncation to max_length) and on the smoke
+profile's evaluation (the mini tasks, 8 items each, batch 8) in fp32, bf16 autocast and the hif8 mode with
+frozen scales; the token counts against arithmetic on the requests' lengths.
+
+Tolerances (|delta| <= abs + rel |ll|). The two paths run the same model on the same tokens, but the
+matmuls have other shapes (a context once instead of once per choice, only the scored positions through
+the output layer, padding masked out of the cached prefix), so summation orders may differ. fp32: 1e-4 +
+1e-5 |ll|, FP32 rounding (~1e-7 relative) over a sum of at most a few hundred log-probabilities (measured
+on the smoke evaluation: at most 4e-6). bf16 autocast: 1e-3 + 4e-3 |ll|, one bf16 rounding step (2^-8
+relative) of each log-probability (measured: identical). hif8 with frozen scales quantizes every element
+with a scale fixed in advance, so the paths differ only where FP32 rounding moves an element across a HiF8
+rounding boundary: 1e-3 + 1e-4 |ll| (measured: at most 8e-6). Masking the prefix padding wrongly moves
+log-likelihoods by more than these bounds on this model.
+"""
+
+import random
+
+import pytest
+import torch
+from lm_eval.models.huggingface import HFLM
+
+from hif8qat import evaluate as ev
+from hif8qat.models import build_tiny_llama
+from hif8qat.prefix_lm import SharedContextLM
+
+TOL = {"fp32": (1e-4, 1e-5), "bf16": (1e-3, 4e-3), "hif8": (1e-3, 1e-4)}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_hif8(tmp_path_factory):
+    """The tiny model as the hif8 evaluation mode loads it: attention and MLP linears quantized, frozen scales."""
+    from hif8qat import qlinear
+    from hif8qat.scaling import ScalingConfig
+
+    model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=4)
+    export = tmp_path_factory.mktemp("export")
+    model.save_pretrained(export)
+    tok.save_pretrained(export)
+    qlinear.convert_model(model, "attn_mlp", "none", ScalingConfig(algo="max", history_len=4))
+    qlinear.set_quantization(model, True)
+    with torch.no_grad():
+        model(torch.randint(3, 200, (2, 32)))
+    qlinear.save_quant_export(model, export, {"step": 1})
+    loaded, tok = ev.load_for_eval(export, "hif8")
+    assert len(list(qlinear.hif8_linears(loaded))) == 14  # q/k/v/o + gate/up/down, 2 blocks
+    return loaded, tok
+
+
+def _pair(tok_model, numerics, **kw):
+    model, tok = tok_model
+    amp = torch.bfloat16 if numerics == "bf16" else None
+    stock = HFLM(pretrained=model, tokenizer=tok, device="cpu", mixed_precision_dtype=amp, **kw)
+    new = SharedContextLM(pretrained=model, tokenizer=tok, device="cpu", numerics=ev.eval_numerics("cpu", amp),
+                          **kw)
+    return stock, new
+
+
+def _assert_same(a, b, numerics):
+    abs_tol, rel_tol = TOL[numerics]
+    assert len(a) == len(b)
+    for i, ((la, ga), (lb, gb)) in enumerate(zip(a, b)):
+        assert abs(la - lb) <= abs_tol + rel_tol * abs(la), (i, la, lb)
+        assert ga == gb, i
+
+
+def _greedy(model, ctx, n):
+    """The model's greedy continuation of ``ctx`` (a plain full forward per token)."""
+    ids = list(ctx)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(ctx):]
+
+
+def _requests(model):
+    rng = random.Random(0)
+
+    def toks(n):
+        return [rng.randrange(3, 259) for _ in range(n)]
+
+    a, b, c, d, e = toks(40), toks(25), toks(60), toks(3), toks(90)
+    g = _greedy(model, a, 5)
+    groups = [
+        (a, [g, g[:-1] + [(g[-1] + 1) % 256 + 3], g[:1], toks(7), toks(1)]),  # 5 choices, greedy ones among them
+        (b, [toks(4), toks(9)]),
+        (c, [toks(4)]),  # a context shared with no other request
+        (d, [_greedy(model, d, 3)]),
+        (e, [toks(6), toks(2), toks(11)]),  # 96-106 tokens: truncated when max_length is 64
+    ]
+    reqs = [((None, None), ctx, cont) for ctx, conts in groups for cont in conts]
+    rng.shuffle(reqs)  # members of a group are not adjacent in lm-eval's request list either
+    return reqs
+
+
+@pytest.mark.parametrize("batch_size,max_length", [(16, None), (2, None), (4, 64)])
+def test_token_requests_match_hflm(tiny, batch_size, max_length):
+    model, _ = tiny
+    reqs = _requests(model)
+    stock, new = _pair(tiny, "fp32", batch_size=batch_size, max_length=max_length)
+    a, b = stock._loglikelihood_tokens(reqs), new._loglikelihood_tokens(reqs)
+    _assert_same(a, b, "fp32")
+    assert any(greedy for _, greedy in a) and not all(greedy for _, greedy in a)  # not a vacuous comparison
+    n = new.token_counts
+    assert n["requests"] == len(reqs)
+    limit = new.max_length
+    assert n["per_request"] == sum(min(len(c) + len(k) - 1, limit) for _, c, k in reqs)
+    if max_length is None:  # no truncation: every context once, every continuation but its last token
+        contexts = {}
+        for _, c, k in reqs:
+            contexts.setdefault(tuple(c), []).append(k)
+        expected = sum(len(c) + sum(len(k) - 1 for k in ks) if len(ks) > 1 else len(c) + len(ks[0]) - 1
+                       for c, ks in contexts.items())
+        assert n["forwarded"] == expected
+        assert n["forwarded_padded"] >= n["forwarded"]
+    assert n["forwarded"] < n["per_request"]
+
+
+def _mini_instances():
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=[str(ev.MINITASK_DIR)], include_defaults=False)
+    tasks = tm.load(["mini_mmlu", "mini_hellaswag", "mini_arc"])["tasks"]
+    out = []
+    for task in tasks.values():  # the smoke profile's evaluation: 8 items per task, the YAMLs' 1 shot
+        task.build_all_requests(limit=8)
+        out.extend(task.instances)
+    return out
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "bf16", "hif8"])
+def test_smoke_evaluation_matches_hflm(tiny, tiny_hif8, numerics):
+    lm_model = tiny_hif8 if numerics == "hif8" else tiny
+    instances = _mini_instances()
+    stock, new = _pair(lm_model, numerics, batch_size=8)
+    with torch.inference_mode():
+        a = stock.loglikelihood(instances, disable_tqdm=True)
+        b = new.loglikelihood(instances, disable_tqdm=True)
+    _assert_same(a, b, numerics)
+    items: dict[tuple, list] = {}
+    for inst, ra, rb in zip(instances, a, b):
+        items.setdefault((inst.task_name, inst.doc_id), []).append((ra[0], rb[0], len(inst.args[1])))
+    assert len(items) == 24 and all(len(v) >= 3 for v in items.values())
+    for key, choices in items.items():
+        for norm in (False, True):  # acc and acc_norm (log-likelihood per character) pick the same choice
+            def pick(j, choices=choices, norm=norm):
+                return max(range(len(choices)), key=lambda i: choices[i][j] / (choices[i][2] if norm else 1))
+            assert pick(0) == pick(1), (key, norm)
+    n = new.token_counts
+    assert n["forwarded"] < n["per_request"] / 2  # 1-shot contexts dominate: most of the work is shared
+
+
+def test_results_json_records_the_token_counts(tiny, tmp_path, capsys):
+    model, tok = tiny
+    res = ev.evaluate_model(model, tok, "mini_arc", out_dir=tmp_path / "out", limit=3, batch_size=4)
+    tokens = ev.json.loads((tmp_path / "out" / "results.json").read_text())["_meta"]["eval_tokens"]
+    assert tokens == res["_meta"]["eval_tokens"]
+    assert tokens["requests"] >= 9 and 0 < tokens["forwarded"] < tokens["per_request"]
+    assert f"{tokens['per_request']} as lm-eval's HFLM forwards them" in capsys.readouterr().out

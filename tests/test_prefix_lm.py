@@ -15,6 +15,7 @@ rounding boundary: 1e-3 + 1e-4 |ll| (measured: at most 8e-6). Masking the prefix
 log-likelihoods by more than these bounds on this model.
 """
 
+import functools
 import random
 
 import pytest
@@ -23,6 +24,7 @@ from lm_eval.models.huggingface import HFLM
 
 from hif8qat import evaluate as ev
 from hif8qat.models import build_tiny_llama
+from hif8qat.numerics import forward_context
 from hif8qat.prefix_lm import SharedContextLM
 
 TOL = {"fp32": (1e-4, 1e-5), "bf16": (1e-3, 4e-3), "hif8": (1e-3, 1e-4)}
@@ -57,8 +59,9 @@ def _pair(tok_model, numerics, **kw):
     model, tok = tok_model
     amp = torch.bfloat16 if numerics == "bf16" else None
     stock = HFLM(pretrained=model, tokenizer=tok, device="cpu", mixed_precision_dtype=amp, **kw)
-    new = SharedContextLM(pretrained=model, tokenizer=tok, device="cpu", numerics=ev.eval_numerics("cpu", amp),
-                          **kw)
+    compute = {"fp32": "none", "hif8": "none"}.get(numerics, numerics)  # hif8: the quantized model in fp32
+    new = SharedContextLM(pretrained=model, tokenizer=tok, device="cpu",
+                          numerics=functools.partial(forward_context, compute, "cpu"), **kw)
     return stock, new
 
 

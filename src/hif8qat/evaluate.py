@@ -21,7 +21,7 @@ quantization). ``dtype="fp32"``: no autocast. :func:`resolve_numerics` turns ``a
 device and numerics (run.py's ``eval.device`` / ``eval.dtype``); without a training config, ``auto`` is
 CUDA when available and bf16 there, fp32 on CPU. ``results.json`` records ``device``, ``dtype`` (of the
 weights) and ``autocast`` (the matmul dtype, or null). The numerics are applied in one place, around each
-model forward of :class:`hif8qat.prefix_lm.SharedContextLM` (:func:`eval_numerics`).
+model forward of :class:`hif8qat.prefix_lm.SharedContextLM` (:func:`hif8qat.numerics.forward_context`).
 
 Cost
 ----
@@ -79,6 +79,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import gzip
 import json
 import logging
@@ -404,29 +405,13 @@ def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device:
     return device, dtype
 
 
-def _autocast_dtype(dtype: str | None):
-    import torch
-
+def eval_compute(dtype: str | None) -> str:
+    """The compute numerics (hif8qat.numerics: none | bf16 | bf16_emulated) of an evaluation dtype."""
     if dtype in (None, "fp32"):
-        return None
-    if dtype == "bf16":
-        return torch.bfloat16
-    raise EvalSettingError(f"invalid setting eval.dtype={dtype!r}: allowed one of fp32, bf16 (or auto)")
-
-
-def eval_numerics(device: str, autocast):
-    """Factory of the context every model forward of an evaluation runs under (applied in one place,
-    :meth:`hif8qat.prefix_lm.SharedContextLM._forward`): bf16 autocast on ``device`` or nothing."""
-    import torch
-
-    device_type = torch.device(device).type
-
-    def numerics():
-        if autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device_type, dtype=autocast)
-
-    return numerics
+        return "none"
+    if dtype in ("bf16", "bf16_emulated"):
+        return dtype
+    raise EvalSettingError(f"invalid setting eval.dtype={dtype!r}: allowed one of fp32, bf16, bf16_emulated (or auto)")
 
 
 def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu"):
@@ -577,6 +562,7 @@ def evaluate_model(
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    from . import numerics
     from .prefix_lm import SharedContextLM
 
     specs = resolve_tasks(tasks)
@@ -601,9 +587,10 @@ def evaluate_model(
             k = int((num_fewshot or {}).get(s.name, s.num_fewshot))
             shots[s.name] = k
             task_cfgs.append(s.name)
-        autocast = _autocast_dtype(dtype)
+        compute = eval_compute(dtype)
+        device_type = torch.device(device).type
         lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-                             numerics=eval_numerics(device, autocast))
+                             numerics=functools.partial(numerics.forward_context, compute, device_type))
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
         per_task_shots = {s.name: shots[s.name] for s in specs}
         raw = None
@@ -633,7 +620,8 @@ def evaluate_model(
         results[s.name] = _task_result(raw["results"], s, len(rows), shots[s.name])
     meta = {
         "mode": mode, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
-        "autocast": None if autocast is None else str(autocast).replace("torch.", ""),
+        "autocast": None if compute == "none" else "bfloat16",
+        "numerics": numerics.describe(compute, device_type),
         "batch_size": batch_size, "limit": limit, "seed": seed, "wall_time_s": round(wall, 2),
         "tasks": {s.name: {"metric": s.metric, "filter": s.filter, "num_fewshot": shots[s.name],
                            "mini": s.mini} for s in specs},

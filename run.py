@@ -191,22 +191,23 @@ def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
     return resolve_run(resolve_profile(run_cfg))  # train.autocast=auto: the numerics this machine will use
 
 
-def baseline_note(cfg: RunConfig) -> None:
-    """stage=all does not start the baseline (`make expN` does, under any launcher): say how, when it is missing."""
-    from dataclasses import replace
-
-    from hif8qat.runs import is_done, run_dir_for
+def baseline_note(cfg: RunConfig, run_dir: Path) -> None:
+    """stage=all does not start the baseline (`make expN` does, under any launcher): say how, when the one run
+    the report would pair this run with (same seed, same training settings) is missing or unevaluated."""
+    from hif8qat.runs import find_baseline_run, is_done
 
     base = cfg.experiment.baseline
     if not base:
         return
-    base_dir = run_dir_for(replace(cfg, experiment=replace(cfg.experiment, name=base), run_tag=""))
-    if is_done(base_dir) and (base_dir / "eval").exists():
+    found, why = find_baseline_run(Path(cfg.results_root), cfg.profile.name, base, run_dir)
+    if found is not None and is_done(found) and (found / "eval").exists():
         return
-    print(f"note: baseline {base} has no finished, evaluated run at {base_dir}, so the report has no drops "
-          f"for {cfg.experiment.name} yet. Run it with `make {base} PROFILE={cfg.profile.name} SEED={cfg.seed}` "
-          f"(or `python run.py experiment={base} profile={cfg.profile.name} seed={cfg.seed} stage=all "
-          f"results_root={cfg.results_root}`); `make {cfg.experiment.name}` runs it first.")
+    state = why or f"{found} is not finished and evaluated"
+    settings = " ".join(o for o in cfg.run_tag.split(",") if o and not o.lstrip("+").startswith("quant."))
+    print(f"note: baseline {base}: {state}, so the report has no drops for {cfg.experiment.name} yet. Run it with "
+          f"`python run.py experiment={base} profile={cfg.profile.name} seed={cfg.seed} stage=all "
+          f"results_root={cfg.results_root}{' ' + settings if settings else ''}`; `make {cfg.experiment.name}` "
+          "runs it first.")
 
 
 def eval_numerics(cfg: RunConfig) -> tuple[str, str]:
@@ -313,7 +314,7 @@ def dispatch(cfg: RunConfig) -> None:
     ctx = setup_distributed(cfg.train.device)
     run_dir, status = prepare_shared(cfg, ctx)
     if cfg.stage == "all" and ctx.is_main:
-        baseline_note(cfg)
+        baseline_note(cfg, run_dir)
     try:
         if cfg.stage in ("train", "all"):
             if status == "done":

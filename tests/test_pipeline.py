@@ -43,7 +43,8 @@ def test_smoke_experiments_and_report_are_consistent_with_the_run_files(tmp_path
     common = ["profile=smoke", f"results_root={runs}", "logger.progress_bar=false", "train.num_threads=1"]
     out8 = run("experiment=exp8", "stage=all", *common)
     # run.py does not start the baseline itself: it says how, and the drops wait for it.
-    assert "note: baseline exp7 has no finished, evaluated run" in out8.stdout and "make exp7" in out8.stdout
+    assert "note: baseline exp7: exp7 has no run under" in out8.stdout
+    assert "python run.py experiment=exp7 profile=smoke seed=0 stage=all" in out8.stdout
     assert not (runs / "smoke" / "exp7").exists()
     make = make_experiment("exp8", common, tmp_path)  # the baseline, then exp8 (finished: skipped)
     assert "== exp8: baseline exp7 first" in make.stdout and "drops_smoke (exp8)" in make.stdout

@@ -1,0 +1,61 @@
+"""What a first paper-profile run would hit: a remote-code model's evaluation, telemetry dumps of the right
+steps, the gradient norm under FSDP2, and streaming data split across ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from hif8qat.config import RunConfig, resolve_profile
+from hif8qat.rehearsal import write_remote_code_model
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("hif8qat_run", ROOT / "run.py")
+run_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_module)
+
+
+def _smoke(tmp_path: Path, *overrides: str) -> RunConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        composed = compose(config_name="config", overrides=["profile=smoke", "stage=train",
+                                                            "logger.progress_bar=false", "train.num_threads=1",
+                                                            f"results_root={tmp_path}", *overrides])
+    return resolve_profile(RunConfig.from_dict(OmegaConf.to_container(composed, resolve=True), check_paths=False))
+
+
+@pytest.fixture
+def remote_model(tmp_path):
+    # A unique folder name: transformers caches remote code in a module named after the folder.
+    return write_remote_code_model(tmp_path / f"tiny_pangu_{uuid.uuid4().hex[:8]}", num_layers=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation of a remote-code export
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("trusted", [True, None])
+def test_evaluation_loads_a_remote_code_export_only_when_the_run_trusted_remote_code(tmp_path, remote_model,
+                                                                                    trusted):
+    from hif8qat.models import load_causal_lm
+    from hif8qat.train import export_model
+
+    cfg = _smoke(tmp_path, "experiment=exp1", f"model.name={remote_model}", "eval.tasks=[mini_arc]",
+                 "eval.limit=2", "eval.modes=[bf16]", "eval.batch_size=2",
+                 f"model.trust_remote_code={'true' if trusted else 'null'}")
+    model, tok = load_causal_lm(str(remote_model), trust_remote_code=True)
+    run_dir = tmp_path / "run"
+    export_model(model, tok, run_dir / "export", cfg, [])
+    exported = json.loads((run_dir / "export" / "config.json").read_text())
+    assert exported.get("auto_map"), "the export keeps its remote code, as an openPangu export does"
+    if trusted:
+        run_module.evaluate(cfg, run_dir)
+        results = json.loads((run_dir / "eval" / "bf16" / "results.json").read_text())
+        assert results["mini_arc"]["n"] == 2
+    else:  # a run that did not opt in never runs the export's code at evaluation either
+        with pytest.raises(ValueError, match="model.trust_remote_code"):
+            run_module.evaluate(cfg, run_dir)

@@ -59,3 +59,30 @@ def test_evaluation_loads_a_remote_code_export_only_when_the_run_trusted_remote_
     else:  # a run that did not opt in never runs the export's code at evaluation either
         with pytest.raises(ValueError, match="model.trust_remote_code"):
             run_module.evaluate(cfg, run_dir)
+
+
+# ------------------------------------------------------------------------------------------------
+# per-layer telemetry dumps
+# ------------------------------------------------------------------------------------------------
+def test_telemetry_dumps_hold_the_counts_of_their_own_steps(tmp_path, monkeypatch):
+    from hif8qat.train import train
+
+    monkeypatch.setenv("HIF8QAT_COMPILE", "0")  # the eager quantizer: no cold compile for an 8-step run
+    # 2 micro-batches per step: each quantizer runs twice a step (A, W in forward; G in backward).
+    cfg = _smoke(tmp_path, "experiment=exp2", "train.global_batch_size=4", "train.micro_batch_size=2",
+                 "quant.telemetry_dump_every=3", "train.checkpoint_every=100")
+    assert cfg.quant.bf16_warmup_steps == 0 and cfg.train.steps == 8
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    train(cfg, run_dir)
+    dumps = sorted((run_dir / "telemetry").glob("*.jsonl"))
+    assert [p.name for p in dumps] == [f"step{s:07d}_rank0.jsonl" for s in (0, 3, 6)]
+    for path in dumps:
+        step = int(path.name[4:11])
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        assert records and {r["role"] for r in records} == {"A", "W", "G"}
+        for r in records:
+            assert r["step"] == step
+            # this step's calls, each with saturation statistics (a dump step is a statistics step)
+            assert (r["calls"], r["stats_calls"]) == (2, 2), (path.name, r)
+            assert r["exceed_frac"] is not None and r["amax"] is not None

@@ -389,11 +389,13 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
             "skipped_steps": skips["skipped_steps"],
         }
         if quant_active:
-            record.update(step_telemetry(model))
+            # The banks gather saturation statistics on steps divisible by telemetry_dump_every: dump those
+            # steps, before step_telemetry resets the counters, so a dump holds its own step's counts.
             every = cfg.quant.telemetry_dump_every
-            if every and (step + 1) % every == 0:
+            if every and step % every == 0:
                 telemetry_dir.mkdir(exist_ok=True)
                 dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{ctx.rank}.jsonl")
+            record.update(step_telemetry(model))
         if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
             record["val_loss"] = held_out()
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or skipped:

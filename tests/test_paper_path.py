@@ -86,3 +86,51 @@ def test_telemetry_dumps_hold_the_counts_of_their_own_steps(tmp_path, monkeypatc
             # this step's calls, each with saturation statistics (a dump step is a statistics step)
             assert (r["calls"], r["stats_calls"]) == (2, 2), (path.name, r)
             assert r["exceed_frac"] is not None and r["amax"] is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# gradient norm under FSDP2
+# ------------------------------------------------------------------------------------------------
+_NORM_WORKER = '''
+import json, sys, torch, torch.distributed as dist
+from hif8qat.distributed import apply_fsdp
+from hif8qat.models import build_tiny_llama
+from hif8qat.train import clip_gradients
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model, _ = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64)
+reference, _ = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64)  # same seeded init
+apply_fsdp(model)
+batches = [torch.randint(3, 250, (2, 17), generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+def loss(m, tokens):
+    return m(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+loss(model, batches[rank]).backward()  # FSDP averages the two ranks' gradients
+(sum(loss(reference, b) for b in batches) / 2).backward()
+unsharded = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in reference.parameters()]))
+norm = float(clip_gradients(model, 1.0))
+model.zero_grad()
+loss(model, batches[rank]).backward()
+if rank == 1:  # a NaN in one rank's shard only
+    next(p for p in model.parameters() if p.to_local().numel()).grad.to_local().view(-1)[0] = float("nan")
+nan_norm = float(clip_gradients(model, 1.0))
+json.dump({"norm": norm, "unsharded": float(unsharded), "nan_norm": repr(nan_norm)},
+          open(sys.argv[1] + f"/rank{rank}.json", "w"))
+'''
+
+
+def test_fsdp_gradient_norm_is_the_whole_models_and_agreed_by_all_ranks(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(_NORM_WORKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["norm"] == ranks[1]["norm"]  # one value: the same clip and skip decision everywhere
+    assert ranks[0]["norm"] == pytest.approx(ranks[0]["unsharded"], rel=1e-5)  # not one shard's norm
+    assert [r["nan_norm"] for r in ranks] == ["nan", "nan"]  # both ranks skip the step

@@ -354,7 +354,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
                     loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
+        grad_norm = clip_gradients(model, cfg.train.grad_clip)
         loss_value = _reduce_mean(float(loss_sum / accum), ctx)
         if not math.isfinite(loss_value):
             raise diverged(f"loss became {loss_value} at step {step}")
@@ -424,6 +424,16 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     if ctx.is_main and cfg.train.keep_checkpoints_when_done is not None:
         ckpt.prune_checkpoints(ckpt_root, cfg.train.keep_checkpoints_when_done)
     return summary
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Clip the gradients to a total norm of max_norm (0/None: no clipping); return that norm before clipping.
+
+    Under FSDP2 the norm comes back as a DTensor: `full_tensor()` makes it the whole model's norm, one value
+    on every rank, so a non-finite norm makes every rank skip the same step (a rank that alone skipped would
+    leave its shard of the weights behind the others')."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _first_nonfinite(model: torch.nn.Module, optimizer, ctx: DistContext) -> str | None:

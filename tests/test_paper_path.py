@@ -134,3 +134,61 @@ def test_fsdp_gradient_norm_is_the_whole_models_and_agreed_by_all_ranks(tmp_path
     assert ranks[0]["norm"] == ranks[1]["norm"]  # one value: the same clip and skip decision everywhere
     assert ranks[0]["norm"] == pytest.approx(ranks[0]["unsharded"], rel=1e-5)  # not one shard's norm
     assert [r["nan_norm"] for r in ranks] == ["nan", "nan"]  # both ranks skip the step
+
+
+# ------------------------------------------------------------------------------------------------
+# streaming data split across ranks
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shards", [3, 4])
+def test_each_rank_reads_only_its_own_part_of_parquet_shards(tmp_path, monkeypatch, shards):
+    """3 files for 2 ranks used to make both ranks read every row and keep every other document."""
+    import re
+
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    from hif8qat.data import build_train_stream
+    from hif8qat.models import build_tiny_tokenizer
+    from hif8qat.rehearsal import write_fineweb_shards
+
+    write_fineweb_shards(tmp_path / "fineweb", shards=shards, docs_per_shard=24, row_group_size=5)
+    rows_read: list[int] = []
+    real = Parquet._generate_tables
+
+    def counting(self, *args, **kwargs):  # rows the parquet reader decodes, whoever keeps them
+        for key, table in real(self, *args, **kwargs):
+            rows_read.append(table.num_rows)
+            yield key, table
+
+    monkeypatch.setattr(Parquet, "_generate_tables", counting)
+    seen, read = [], []
+    for rank in (0, 1):
+        rows_read.clear()
+        stream = build_train_stream(str(tmp_path / "fineweb"), build_tiny_tokenizer(), seq_len=31,
+                                    micro_batch_size=2, rank=rank, world_size=2)
+        seen.append({re.match(r"<doc:(\d+-\d+)>", r["text"])[1] for r in stream._make(0)})
+        read.append(sum(rows_read))
+    total = shards * 24
+    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == total  # disjoint, and together everything
+    assert all(n <= total // 2 + 5 for n in read), read  # each rank decodes about its half (+- one row group)
+
+
+def test_a_rank_of_resharded_parquet_resumes_exactly_across_its_epoch_end(tmp_path):
+    import torch
+
+    from hif8qat.data import build_train_stream
+    from hif8qat.models import build_tiny_tokenizer
+    from hif8qat.rehearsal import write_fineweb_shards
+
+    write_fineweb_shards(tmp_path / "fineweb", shards=3, docs_per_shard=12, row_group_size=4)
+    kw = dict(seq_len=63, micro_batch_size=2, rank=1, world_size=2)
+    tok = build_tiny_tokenizer()
+    reference = build_train_stream(str(tmp_path / "fineweb"), tok, **kw)
+    expected = [next(reference) for _ in range(30)]
+    assert reference.epoch >= 1  # the rank's part wraps inside 30 batches
+    for k in (7, 19):
+        stream = build_train_stream(str(tmp_path / "fineweb"), tok, **kw)
+        for _ in range(k):
+            next(stream)
+        resumed = build_train_stream(str(tmp_path / "fineweb"), tok, **kw)
+        resumed.load_state_dict(stream.state_dict())
+        assert all(torch.equal(next(resumed), want) for want in expected[k:]), k

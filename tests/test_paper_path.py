@@ -192,3 +192,18 @@ def test_a_rank_of_resharded_parquet_resumes_exactly_across_its_epoch_end(tmp_pa
         resumed = build_train_stream(str(tmp_path / "fineweb"), tok, **kw)
         resumed.load_state_dict(stream.state_dict())
         assert all(torch.equal(next(resumed), want) for want in expected[k:]), k
+
+
+def test_the_step_log_records_the_data_epoch_and_a_wrap_is_announced(tmp_path, capsys):
+    from hif8qat.rehearsal import write_fineweb_shards
+    from hif8qat.train import train
+
+    write_fineweb_shards(tmp_path / "fineweb", shards=2, docs_per_shard=1)  # a few steps of data
+    cfg = _smoke(tmp_path, "experiment=exp1", f"data.source={tmp_path / 'fineweb'}", "train.checkpoint_every=100")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    train(cfg, run_dir)
+    epochs = [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(epochs) == 8 and epochs[0] == 0 and epochs[-1] >= 1 and epochs == sorted(epochs)
+    first_wrap = epochs.index(1)
+    assert f"rank 0: step {first_wrap}: the training data ran out; data epoch 1" in capsys.readouterr().out

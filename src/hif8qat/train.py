@@ -347,13 +347,21 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
             set_step(model, step)
         t0 = time.perf_counter()
         loss_sum = 0.0
+        epoch = stream.epoch
         for micro in range(accum):
-            tokens = next(stream).to(ctx.device, non_blocking=True)
+            tokens = next(stream)
+            if ctx.device.type == "cuda":  # page-locked: the copy to the GPU runs asynchronously
+                tokens = tokens.pin_memory()
+            tokens = tokens.to(ctx.device, non_blocking=True)
             with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
                 with _autocast(cfg, ctx.device):
                     loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
+        if stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
+            order = "in a new order" if stream.kind == "packed" else "in the same order"
+            print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {stream.epoch} reads it "
+                  f"again {order}")
         grad_norm = clip_gradients(model, cfg.train.grad_clip)
         loss_value = _reduce_mean(float(loss_sum / accum), ctx)
         if not math.isfinite(loss_value):
@@ -386,7 +394,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
             "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
             "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
             "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
-            "skipped_steps": skips["skipped_steps"],
+            "skipped_steps": skips["skipped_steps"], "epoch": stream.epoch,
         }
         if quant_active:
             # The banks gather saturation statistics on steps divisible by telemetry_dump_every: dump those

@@ -207,3 +207,17 @@ def test_the_step_log_records_the_data_epoch_and_a_wrap_is_announced(tmp_path, c
     assert len(epochs) == 8 and epochs[0] == 0 and epochs[-1] >= 1 and epochs == sorted(epochs)
     first_wrap = epochs.index(1)
     assert f"rank 0: step {first_wrap}: the training data ran out; data epoch 1" in capsys.readouterr().out
+
+
+def test_a_run_that_keeps_no_checkpoint_when_done_never_writes_the_final_one(tmp_path, monkeypatch):
+    from hif8qat import checkpoint as ckpt
+    from hif8qat.train import train
+
+    saved = []
+    monkeypatch.setattr(ckpt, "save_checkpoint", lambda root, step, **kw: saved.append(step))
+    cfg = _smoke(tmp_path, "experiment=exp1", "train.checkpoint_every=3", "train.keep_checkpoints_when_done=0")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    train(cfg, run_dir)
+    assert saved == [3, 6]  # the step-8 checkpoint would have been pruned right after its write
+    assert (run_dir / "export" / "model.safetensors").exists() and (run_dir / "DONE").exists()

@@ -415,7 +415,12 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
             save(step + 1)
     progress.close()
 
-    save(cfg.train.steps)
+    if cfg.train.keep_checkpoints_when_done == 0:  # it would be deleted at once (at 1B: 17 GB written, hashed)
+        bad = _first_nonfinite(model, optimizer, ctx)
+        if bad:
+            raise diverged(f"{bad} became non-finite by step {cfg.train.steps}; it was not exported")
+    else:
+        save(cfg.train.steps)
     val_loss = held_out()
     sink.close()
     summary: dict[str, Any] = {}

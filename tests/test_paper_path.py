@@ -61,6 +61,33 @@ def test_evaluation_loads_a_remote_code_export_only_when_the_run_trusted_remote_
             run_module.evaluate(cfg, run_dir)
 
 
+def test_an_fsdp_run_exports_a_remote_code_model_with_its_own_modeling_code(tmp_path, remote_model):
+    """FSDP2 swaps the root's class for a generated FSDP<cls>: save_pretrained copied torch's FSDP files into
+    the export and pointed auto_map at them, so the export of every paper run failed to load."""
+    import torch.distributed as dist
+
+    from hif8qat.distributed import apply_fsdp, full_model_state_dict
+    from hif8qat.evaluate import load_for_eval
+    from hif8qat.models import load_causal_lm
+    from hif8qat.train import export_model
+
+    cfg = _smoke(tmp_path, "experiment=exp1", f"model.name={remote_model}", "model.trust_remote_code=true")
+    model, tok = load_causal_lm(str(remote_model), trust_remote_code=True)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        apply_fsdp(model)
+        export_model(model, tok, tmp_path / "export", cfg, [], state_dict=full_model_state_dict(model))
+    finally:
+        dist.destroy_process_group()
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_tiny_pangu.TinyPanguForCausalLM"
+    assert sorted(p.name for p in (tmp_path / "export").glob("*.py")) == ["configuration_tiny_pangu.py",
+                                                                         "modeling_tiny_pangu.py"]
+    loaded, _ = load_for_eval(tmp_path / "export", "bf16", trust_remote_code=True)
+    assert type(loaded).__name__ == "TinyPanguForCausalLM"
+    assert type(model).__name__.startswith("FSDP")  # the trained model is left as it was
+
+
 # ------------------------------------------------------------------------------------------------
 # per-layer telemetry dumps
 # ------------------------------------------------------------------------------------------------

@@ -508,7 +508,10 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
         import shutil
 
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    from .distributed import unsharded_class
+
+    with unsharded_class(model):  # FSDP2's generated class would replace the model's own modeling code
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     if cfg.quant.enabled:
         save_quant_export(model, tmp, {"scope": cfg.quant.scope,

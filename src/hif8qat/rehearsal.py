@@ -180,11 +180,24 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hif8qat.data import build_train_stream
 from hif8qat.models import build_tiny_tokenizer
 
+from datasets.packaged_modules.parquet.parquet import Parquet
+
 model_dir, fineweb, world, accum = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 tok = build_tiny_tokenizer()
 def stream(rank):
     return build_train_stream(fineweb, tok, seq_len=32, micro_batch_size=2, rank=rank, world_size=world)
-docs = [[re.match(r"<doc:([0-9-]+)>", rec["text"])[1] for rec in stream(r)._make(0)] for r in range(world)]
+decoded = []  # rows the parquet reader decodes for a rank, whether or not the rank keeps them
+real = Parquet._generate_tables
+def counting(self, *args, **kwargs):
+    for key, table in real(self, *args, **kwargs):
+        decoded[-1] += table.num_rows
+        yield key, table
+Parquet._generate_tables = counting
+docs = []
+for r in range(world):
+    decoded.append(0)
+    docs.append([re.match(r"<doc:([0-9-]+)>", rec["text"])[1] for rec in stream(r)._make(0)])
+Parquet._generate_tables = real
 config = json.load(open(model_dir + "/config.json"))
 for key in ("auto_map", "model_type", "architectures", "transformers_version"):
     config.pop(key, None)
@@ -200,12 +213,13 @@ for rank in range(world):
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
         (loss / (accum * world)).backward()
 norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
-print(json.dumps({"docs": docs, "grad_norm": float(norm)}))
+print(json.dumps({"docs": docs, "decoded": decoded, "grad_norm": float(norm)}))
 """
 
 
 def replay(model_dir: Path, fineweb: Path, env: dict[str, str]) -> dict:
-    """{"docs": each rank's document ids, "grad_norm": step 0's unsharded gradient norm} (see _REPLAY)."""
+    """{"docs": each rank's document ids, "decoded": rows each rank's reader decodes, "grad_norm": step 0's
+    unsharded gradient norm} (see _REPLAY)."""
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", _REPLAY, str(model_dir), str(fineweb), str(WORLD), str(ACCUM)],
@@ -306,6 +320,9 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
         read = parts[0] + parts[1]
         assert len(read) == len(set(read)), f"a document is read by both ranks: {parts}"
         assert set(read) == everything, f"ranks read {parts}, the source holds {sorted(everything)}"
+        # and no rank decodes the others' part to throw it away (one row group per row here)
+        assert all(n == len(part) for n, part in zip(replayed["decoded"], parts)), \
+            f"rows decoded per rank {replayed['decoded']} for parts of {[len(p) for p in parts]} documents"
         final = _run_folder(whole) / "checkpoints" / f"step_{STEPS:07d}"
         data = [torch.load(final / f"rank{r:03d}.pt", weights_only=True)["data"] for r in range(WORLD)]
         assert [(d["rank"], d["world_size"]) for d in data] == [(r, WORLD) for r in range(WORLD)]

@@ -140,8 +140,8 @@ class _Launcher:
         self.work, self.repo, self.env, self.n = work, repo, env, 0
 
     def __call__(self, name: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None):
+        """Run run.py (under torchrun when nproc > 1); return its exit status and its output (also in logs/)."""
         import subprocess
-        import sys
 
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
                     if nproc > 1 else [sys.executable])

@@ -35,7 +35,7 @@ ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check verify-hif8 clean-venv
+.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check rehearse verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -128,6 +128,9 @@ bench: $(STAMP) ## benchmarks: HiF8 qdq throughput and QAT step-time ratio
 
 gpu-check: $(STAMP) ## one GPU: pytest -m gpu, qdq bandwidth, QAT/BF16 step ratios, exp8 at paper shapes (<8 min)
 	benchmarks/gpu_check.sh
+
+rehearse: $(STAMP) ## the paper profile's code path on CPU: 2 ranks, FSDP2, remote-code model, FineWeb shards, kill + resume (<10 min)
+	$(OFFLINE) PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.rehearsal $(ARGS)
 
 verify-hif8: $(STAMP) ## check all 2^32 float32 patterns against en_dtypes (long)
 	$(PY) benchmarks/verify_hif8_exhaustive.py

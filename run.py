@@ -239,7 +239,7 @@ def evaluate(cfg: RunConfig, run_dir: Path) -> None:
                  limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
                  local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
                  subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
-                 results_root=Path(cfg.results_root))
+                 results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
 
 
 def report(cfg: RunConfig, only_experiment: str | None = None) -> None:

@@ -15,9 +15,8 @@ Sources (``build_train_stream(source, ...)``):
 ``"fineweb"``
     ``HuggingFaceFW/fineweb``, config ``sample-10BT``, split ``train``, through ``datasets`` streaming,
     tokenized on the fly and packed the same way by :class:`StreamingTokenStream` (documents in the
-    dataset's order, no shuffling). Each rank reads a disjoint part (``datasets.distributed.
-    split_dataset_by_node``: whole shards when the shard count divides by world_size, else every
-    world_size-th document). Documents with ``crc32(text) % 100 == 0`` are held out for evaluation.
+    dataset's order, no shuffling). Each rank reads a disjoint part (see "Ranks" below). Documents with
+    ``crc32(text) % 100 == 0`` are held out for evaluation.
 
 a local path
     A directory, a glob or a file of ``.parquet`` / ``.jsonl`` / ``.json`` / ``.txt`` (``.txt``: one document
@@ -27,6 +26,14 @@ a local path
         huggingface-cli download HuggingFaceFW/fineweb --repo-type dataset \\
             --include "sample/10BT/*" --local-dir /data/fineweb
         python run.py ... data.source=/data/fineweb/sample/10BT
+
+Ranks (streaming sources): when the number of files (shards) divides by world_size, each rank reads whole
+files (``datasets.distributed.split_dataset_by_node``). Otherwise the source is resharded into its parquet
+row groups (``IterableDataset.reshard``) and rank ``r`` reads the ``r``-th of world_size contiguous blocks of
+them (``IterableDataset.shard``): disjoint parts that differ by at most one row group, each read by one rank
+only. A source with fewer shards than ranks that cannot be resharded (a single ``.jsonl``) falls back to
+every world_size-th document, each rank reading the whole source; a warning says so. A rank that reaches the
+end of its part starts it again in the same order (a new epoch; the trainer logs it) while the others go on.
 
 Packing: every document is tokenized without special tokens, followed by the tokenizer's EOS; documents
 are concatenated and cut into non-overlapping windows of ``seq_len + 1`` tokens (inputs ``w[:-1]``, labels
@@ -491,7 +498,6 @@ def _datasets_offline() -> bool:
 
 def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
     from datasets import load_dataset
-    from datasets.distributed import split_dataset_by_node
 
     local = _local_files(source)
     if local is not None:
@@ -511,10 +517,31 @@ def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
         raise ValueError(source)
     if "text" in (ds.column_names or ["text"]):
         ds = ds.select_columns(["text"])
-    ds.set_epoch(epoch)
     if world_size > 1:
-        ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
+        ds = _rank_part(ds, source, rank=rank, world_size=world_size)
+    ds.set_epoch(epoch)
     return ds
+
+
+def _rank_part(ds, source: str, *, rank: int, world_size: int):
+    """This rank's disjoint part of a streamed source (module doc, "Ranks")."""
+    from datasets.distributed import split_dataset_by_node
+
+    files = ds.num_shards
+    if files % world_size == 0:  # whole files (shards) per rank
+        return split_dataset_by_node(ds, rank=rank, world_size=world_size)
+    parts = ds.reshard()  # parquet: one shard per row group
+    if parts.num_shards >= world_size:
+        if rank == 0:
+            print(f"data.source={source!r}: {files} file(s) do not divide by {world_size} ranks; each rank reads "
+                  f"its own contiguous block of the {parts.num_shards} row groups (blocks differ by at most one "
+                  f"row group, so ranks reach the end of their part at slightly different steps)")
+        return parts.shard(num_shards=world_size, index=rank, contiguous=True)
+    if rank == 0:  # e.g. one .jsonl file: nothing to split but the documents
+        print(f"warning: data.source={source!r} has {files} shard(s), fewer than the {world_size} ranks and not "
+              f"splittable further: every rank reads the whole source and keeps every {world_size}-th document. "
+              f"Split it into a multiple of {world_size} files (or parquet row groups) to read each part once.")
+    return split_dataset_by_node(ds, rank=rank, world_size=world_size)
 
 
 def _validate_source(source) -> str:

@@ -6,6 +6,7 @@
   the data-parallel ranks; their names do not change, so HiF8 conversion, scalers and `quant_state_dict`
   work as without FSDP. The HiF8 weight quantizer sees the full (all-gathered) weight, so its scale is the
   same on every rank, exactly as under DDP. Works with NCCL on GPU and gloo on CPU.
+- `unsharded_class(model)`: the model's own class back for the time of a save_pretrained (export).
 - `grad_sync(model, enabled)`: gradient accumulation without communication on the non-final micro-batches,
   for DDP (`no_sync`) and FSDP2 (`set_requires_gradient_sync`; FSDP2 has no `no_sync`), so gradients are
   reduced once per optimizer step.
@@ -159,6 +160,24 @@ def apply_fsdp(model: nn.Module, *, mesh=None, reshard_after_forward: bool = Tru
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+@contextmanager
+def unsharded_class(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside, an FSDP2-sharded `model` has its own class again (fully_shard swaps it for a generated
+    ``FSDP<cls>`` defined in torch): save_pretrained then records and copies the model's modeling code (a
+    remote-code model's ``auto_map``), not torch's FSDP files. Nothing else changes; a plain model is left alone."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = type(model)
+    if not isinstance(model, FSDPModule):
+        yield model
+        return
+    model.__class__ = next(c for c in sharded.__mro__[1:] if not issubclass(c, FSDPModule))
+    try:
+        yield model
+    finally:
+        model.__class__ = sharded
 
 
 @contextmanager

@@ -414,8 +414,11 @@ def eval_compute(dtype: str | None) -> str:
     raise EvalSettingError(f"invalid setting eval.dtype={dtype!r}: allowed one of fp32, bf16, bf16_emulated (or auto)")
 
 
-def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu"):
-    """Load an exported model folder for evaluation in ``mode``, FP32 weights on ``device`` (module doc)."""
+def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", trust_remote_code: bool | None = None):
+    """Load an exported model folder for evaluation in ``mode``, FP32 weights on ``device`` (module doc).
+
+    trust_remote_code: the run's model.trust_remote_code; an export of a remote-code model (openPangu) keeps
+    its ``auto_map`` and modeling file, and loads only with the opt-in its training had."""
     import torch
 
     if mode not in MODES:
@@ -426,7 +429,7 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu"):
     try:
         from .models import load_causal_lm
 
-        model, tok = load_causal_lm(str(export_dir), dtype=torch.float32)
+        model, tok = load_causal_lm(str(export_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
     except ImportError:  # models.py not available: plain transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -805,9 +808,9 @@ def quant_eval_meta(model, export_dir: str | Path) -> dict:
 
 
 def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=None, dtype="auto",
-                    device: str = "auto", **kwargs) -> dict:
+                    device: str = "auto", trust_remote_code: bool | None = None, **kwargs) -> dict:
     device, dtype = resolve_numerics(device, dtype)
-    model, tok = load_for_eval(export_dir, mode, device=device)
+    model, tok = load_for_eval(export_dir, mode, device=device, trust_remote_code=trust_remote_code)
     meta = {"export_dir": str(Path(export_dir).resolve()), **kwargs.pop("extra_meta", {})}
     if mode == "hif8":
         meta["quant"] = quant_eval_meta(model, export_dir)

@@ -438,6 +438,8 @@ def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | Non
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
+    for bank in _banks(model):  # count the last micro-batch too, as step_telemetry does
+        bank.update()
     records = {id(bank): bank.telemetry_records() for bank in _banks(model)}
     for name, mod in hif8_linears(model):
         for role, row in zip(ROLES, mod._rows):

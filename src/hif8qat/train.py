@@ -347,15 +347,23 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
             set_step(model, step)
         t0 = time.perf_counter()
         loss_sum = 0.0
+        epoch = stream.epoch
         for micro in range(accum):
-            tokens = next(stream).to(ctx.device, non_blocking=True)
+            tokens = next(stream)
+            if ctx.device.type == "cuda":  # page-locked: the copy to the GPU runs asynchronously
+                tokens = tokens.pin_memory()
+            tokens = tokens.to(ctx.device, non_blocking=True)
             with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
                 with numerics.forward_context(compute, ctx.device.type):
                     loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
                 with numerics.backward_context(compute, ctx.device.type):
                     (loss / accum).backward()
             loss_sum += loss.detach().float()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
+        if stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
+            order = "in a new order" if stream.kind == "packed" else "in the same order"
+            print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {stream.epoch} reads it "
+                  f"again {order}")
+        grad_norm = clip_gradients(model, cfg.train.grad_clip)
         loss_value = _reduce_mean(float(loss_sum / accum), ctx)
         if not math.isfinite(loss_value):
             raise diverged(f"loss became {loss_value} at step {step}")
@@ -387,14 +395,16 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
             "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
             "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
             "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
-            "skipped_steps": skips["skipped_steps"],
+            "skipped_steps": skips["skipped_steps"], "epoch": stream.epoch,
         }
         if quant_active:
-            record.update(step_telemetry(model))
+            # The banks gather saturation statistics on steps divisible by telemetry_dump_every: dump those
+            # steps, before step_telemetry resets the counters, so a dump holds its own step's counts.
             every = cfg.quant.telemetry_dump_every
-            if every and (step + 1) % every == 0:
+            if every and step % every == 0:
                 telemetry_dir.mkdir(exist_ok=True)
                 dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{ctx.rank}.jsonl")
+            record.update(step_telemetry(model))
         if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
             record["val_loss"] = held_out()
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or skipped:
@@ -406,7 +416,12 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
             save(step + 1)
     progress.close()
 
-    save(cfg.train.steps)
+    if cfg.train.keep_checkpoints_when_done == 0:  # it would be deleted at once (at 1B: 17 GB written, hashed)
+        bad = _first_nonfinite(model, optimizer, ctx)
+        if bad:
+            raise diverged(f"{bad} became non-finite by step {cfg.train.steps}; it was not exported")
+    else:
+        save(cfg.train.steps)
     val_loss = held_out()
     sink.close()
     summary: dict[str, Any] = {}
@@ -424,6 +439,16 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     if ctx.is_main and cfg.train.keep_checkpoints_when_done is not None:
         ckpt.prune_checkpoints(ckpt_root, cfg.train.keep_checkpoints_when_done)
     return summary
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Clip the gradients to a total norm of max_norm (0/None: no clipping); return that norm before clipping.
+
+    Under FSDP2 the norm comes back as a DTensor: `full_tensor()` makes it the whole model's norm, one value
+    on every rank, so a non-finite norm makes every rank skip the same step (a rank that alone skipped would
+    leave its shard of the weights behind the others')."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _first_nonfinite(model: torch.nn.Module, optimizer, ctx: DistContext) -> str | None:
@@ -507,7 +532,10 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
         import shutil
 
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    from .distributed import unsharded_class
+
+    with unsharded_class(model):  # FSDP2's generated class would replace the model's own modeling code
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     if cfg.quant.enabled:
         save_quant_export(model, tmp, {"scope": cfg.quant.scope,

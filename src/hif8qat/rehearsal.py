@@ -1,0 +1,391 @@
+"""A CPU rehearsal of the paper profile's code path, with only the sizes and the device changed.
+
+`make rehearse` (``python -m hif8qat.rehearsal``) generates its inputs, runs the paper profile's exp8 under
+``torchrun --nproc_per_node 2`` (gloo) and checks what a user of a paper run would check:
+
+- the model is a tiny, randomly initialised Llama behind its own modeling file and ``auto_map`` (as
+  openPangu-Embedded-1B is), loaded with ``trust_remote_code`` from a local folder;
+- the data are FineWeb-format parquet shards read through ``FINEWEB_PATH`` and the same streaming code, with a
+  shard count that does not divide by the world size and fewer tokens than the run consumes (it wraps);
+- FSDP2, gradient accumulation, activation checkpointing, amax all-reduce, bf16 autocast, telemetry dumps;
+- a kill mid-run and a resume; evaluation (rank 0) in bf16 and hif8 modes; the report.
+
+Deviations from the paper profile besides sizes and device: the evaluation runs the smoke profile's offline
+mini tasks (the paper's MMLU/HellaSwag/ARC need their datasets), and the run resumes on the world size that
+wrote the checkpoint (checkpoints refuse another world size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REMOTE_MODEL_TYPE = "tiny_pangu"
+_CONFIG_PY = '''"""Configuration of a tiny openPangu stand-in: a Llama config under its own model type."""
+from transformers import LlamaConfig
+
+
+class TinyPanguConfig(LlamaConfig):
+    model_type = "tiny_pangu"
+'''
+_MODELING_PY = '''"""Modeling code of a tiny openPangu stand-in: Llama's, shipped beside the weights as remote code."""
+from transformers import LlamaForCausalLM
+
+from .configuration_tiny_pangu import TinyPanguConfig
+
+
+class TinyPanguForCausalLM(LlamaForCausalLM):
+    config_class = TinyPanguConfig
+'''
+# FineWeb's parquet columns (sample-10BT), so the files have the shape a downloaded copy has.
+FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "file_path", "language", "language_score", "token_count")
+_WORDS = ("the model reads tokens from shards while ranks train in step and the loss falls slowly over time "
+          "data wraps around when the sample ends so the order must be announced to the user").split()
+
+
+def write_remote_code_model(folder: str | os.PathLike, *, num_layers: int = 6, seed: int = 0) -> Path:
+    """A tiny random Llama saved as a remote-code model: config.json with ``auto_map``, its own
+    configuration/modeling files, safetensors weights and the tiny byte tokenizer. Returns the folder."""
+    from .models import build_tiny_llama
+
+    folder = Path(folder)
+    model, tok = build_tiny_llama(num_layers=num_layers, seed=seed)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.update(model_type=REMOTE_MODEL_TYPE, architectures=["TinyPanguForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_tiny_pangu.TinyPanguConfig",
+                            "AutoModelForCausalLM": "modeling_tiny_pangu.TinyPanguForCausalLM"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "configuration_tiny_pangu.py").write_text(_CONFIG_PY)
+    (tmp / "modeling_tiny_pangu.py").write_text(_MODELING_PY)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def write_fineweb_shards(folder: str | os.PathLike, *, shards: int = 3, docs_per_shard: int = 40,
+                         row_group_size: int = 8, seed: int = 0, heldout_docs: int = 0) -> list[Path]:
+    """FineWeb-format parquet shards (``000_00000.parquet`` ...) of short random documents, each document's
+    text tagged with its id (``<doc:shard-row>``) so a reader can tell which documents a rank saw.
+
+    heldout_docs: that many documents more (the first shards' last rows) that the data module holds out for
+    evaluation, so a small source still has held-out windows."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    paths = []
+    for s in range(shards):
+        rows = {c: [] for c in FINEWEB_COLUMNS}
+        for i in range(docs_per_shard + (s < heldout_docs)):
+            doc_id = f"{s}-{i}"
+            while True:  # a regular document, or (the extra last row) one the crc32 rule holds out
+                text = f"<doc:{doc_id}> " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(20, 60))) + "."
+                if _heldout(text) == (i == docs_per_shard):
+                    break
+            for col, value in zip(FINEWEB_COLUMNS, (text, doc_id, "CC-MAIN-2024-10", f"https://example.org/{doc_id}",
+                                                    "2024-02-20T00:00:00Z", f"s3://shard/{s}", "en", 0.9,
+                                                    len(text.split()))):
+                rows[col].append(value)
+        path = folder / f"{s:03d}_00000.parquet"
+        pq.write_table(pa.table(rows), path, row_group_size=row_group_size)
+        paths.append(path)
+    return paths
+
+
+def _heldout(text: str) -> bool:
+    from .data import _stream_is_heldout
+
+    return _stream_is_heldout(text)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the rehearsal
+# ----------------------------------------------------------------------------------------------------------
+WORLD = 2
+STEPS = 12  # paper step-valued settings scale by 12/10,000: LR warmup 1 step, BF16 warmup 1 step (QAT from 1)
+KILL_AT = 6  # after the step-4 checkpoint
+ACCUM = 2  # global batch 8 = micro-batch 2 x 2 ranks x 2 accumulation steps
+DUMP_EVERY = 3
+SHARDS, DOCS_PER_SHARD = 3, 3  # 3 files for 2 ranks; about 2,000 tokens, fewer than the run's 12 x 264
+HELDOUT = 2  # held-out documents, for the validation loss
+
+
+def run_args(work: Path, model_dir: Path, results: Path, stage: str) -> list[str]:
+    """The paper profile's exp8 with only sizes and device changed (and the offline mini evaluation)."""
+    return ["experiment=exp8", "profile=paper", f"profile.steps={STEPS}", f"stage={stage}",
+            f"model.name={model_dir}", f"results_root={results}", "train.device=cpu",
+            "train.distributed=fsdp", "train.activation_checkpointing=true", "quant.amax_reduce=max",
+            f"train.global_batch_size={2 * WORLD * ACCUM}", "train.micro_batch_size=2", "train.seq_len=32",
+            "train.checkpoint_every=4", "train.num_threads=1", f"quant.telemetry_dump_every={DUMP_EVERY}",
+            "data.eval_windows=4", "eval=smoke", "eval.limit=4", "logger.progress_bar=false",
+            f"hydra.run.dir={work / 'hydra' / stage}"]
+
+
+class _Launcher:
+    def __init__(self, work: Path, repo: Path, env: dict[str, str]):
+        self.work, self.repo, self.env, self.n = work, repo, env, 0
+
+    def __call__(self, name: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None):
+        """Run run.py (under torchrun when nproc > 1); return its exit status and its output (also in logs/)."""
+        import subprocess
+
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+                    if nproc > 1 else [sys.executable])
+        self.n += 1
+        log = self.work / "logs" / f"{self.n}_{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        with log.open("w") as fh:
+            proc = subprocess.run([*launcher, str(self.repo / "run.py"), *args], stdout=fh, stderr=subprocess.STDOUT,
+                                  env={**self.env, **(env or {})}, cwd=self.work, timeout=900)
+        print(f"  {name}: exit {proc.returncode} in {time.time() - t0:.0f} s ({log})", flush=True)
+        return proc.returncode, log.read_text(errors="replace")
+
+
+def _run_folder(results: Path) -> Path:
+    found = sorted(results.glob("paper/exp8/*/config_resolved.yaml"))
+    if len(found) != 1:
+        raise AssertionError(f"expected one exp8 run folder under {results}, found {[str(p) for p in found]}")
+    return found[0].parent
+
+
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# Run by the rehearsed checkout's interpreter and code (so a rehearsal of another checkout judges its data
+# split, not this one's): each rank's documents, and step 0's gradient norm computed without FSDP, torchrun
+# or the trainer (a plain Llama with the model folder's weights, each rank's first micro-batches from its
+# stream, bf16 autocast, the mean).
+_REPLAY = """
+import json, re, sys
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_model
+from transformers import LlamaConfig, LlamaForCausalLM
+from hif8qat.data import build_train_stream
+from hif8qat.models import build_tiny_tokenizer
+
+from datasets.packaged_modules.parquet.parquet import Parquet
+
+model_dir, fineweb, world, accum = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+tok = build_tiny_tokenizer()
+def stream(rank):
+    return build_train_stream(fineweb, tok, seq_len=32, micro_batch_size=2, rank=rank, world_size=world)
+decoded = []  # rows the parquet reader decodes for a rank, whether or not the rank keeps them
+real = Parquet._generate_tables
+def counting(self, *args, **kwargs):
+    for key, table in real(self, *args, **kwargs):
+        decoded[-1] += table.num_rows
+        yield key, table
+Parquet._generate_tables = counting
+docs = []
+for r in range(world):
+    decoded.append(0)
+    docs.append([re.match(r"<doc:([0-9-]+)>", rec["text"])[1] for rec in stream(r)._make(0)])
+Parquet._generate_tables = real
+config = json.load(open(model_dir + "/config.json"))
+for key in ("auto_map", "model_type", "architectures", "transformers_version"):
+    config.pop(key, None)
+model = LlamaForCausalLM(LlamaConfig(**config))
+load_model(model, model_dir + "/model.safetensors")
+model.train()
+for rank in range(world):
+    s = stream(rank)
+    for _ in range(accum):
+        tokens = next(s)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=tokens[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
+        (loss / (accum * world)).backward()
+norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+print(json.dumps({"docs": docs, "decoded": decoded, "grad_norm": float(norm)}))
+"""
+
+
+def replay(model_dir: Path, fineweb: Path, env: dict[str, str]) -> dict:
+    """{"docs": each rank's document ids, "decoded": rows each rank's reader decodes, "grad_norm": step 0's
+    unsharded gradient norm} (see _REPLAY)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _REPLAY, str(model_dir), str(fineweb), str(WORLD), str(ACCUM)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"replay failed: {out.stderr[-1500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
+    """Run the rehearsal in `work`; return {check: None if it passed, else why it failed}."""
+    import re
+
+    import torch
+
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = write_remote_code_model(work / f"tiny_pangu_{os.getpid()}_{int(time.time())}", num_layers=8)
+    fineweb = work / "fineweb"
+    write_fineweb_shards(fineweb, shards=SHARDS, docs_per_shard=DOCS_PER_SHARD, row_group_size=1, heldout_docs=HELDOUT)
+    env = {**os.environ, "FINEWEB_PATH": str(fineweb), "PYTHONPATH": str(repo / "src"), "PYTHONHASHSEED": "0",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "HF_MODULES_CACHE": str(work / "hf_modules"), "OMP_NUM_THREADS": "1",
+           "HIF8QAT_COMPILE": "0"}  # the eager quantizer is bit-identical and spares each process a cold compile
+    launch = _Launcher(work, repo, env)
+    checks: dict[str, str | None] = {}
+
+    def check(name: str, fn) -> None:
+        try:
+            fn()
+            checks[name] = None
+            print(f"ok    {name}", flush=True)
+        except Exception as err:  # noqa: BLE001 - every failure is reported, the other checks still run
+            checks[name] = f"{type(err).__name__}: {err}"[:2000]
+            print(f"FAIL  {name}: {checks[name]}", flush=True)
+
+    whole, crashed = work / "runs" / "whole", work / "runs" / "crashed"
+    rc_whole, log_whole = launch("whole_run_train_eval", run_args(work, model_dir, whole, "all"))
+    rc_kill, _ = launch("killed_run", run_args(work, model_dir, crashed, "train"),
+                        env={"HIF8QAT_TEST_KILL_AT_STEP": str(KILL_AT)})
+    rc_one, log_one = launch("resume_on_1_rank", run_args(work, model_dir, crashed, "train"), nproc=1)
+    rc_resume, log_resume = launch("resume_on_2_ranks", run_args(work, model_dir, crashed, "train"))
+    try:
+        replayed = replay(model_dir, fineweb, env)
+    except Exception as err:  # noqa: BLE001 - the checks that need it report it
+        replayed = err
+    rc_report, log_report = launch("report", ["stage=report", "profile=paper", f"results_root={whole}",
+                                              f"hydra.run.dir={work / 'hydra' / 'report'}"], nproc=1)
+
+    def whole_run_finished():
+        assert rc_whole == 0, f"exit {rc_whole}: {log_whole[-1500:]}"
+        assert (_run_folder(whole) / "DONE").exists()
+
+    def evaluation_in_both_modes():
+        folder = _run_folder(whole)
+        assert json.loads((folder / "export" / "config.json").read_text()).get("auto_map"), "export lost auto_map"
+        for mode in ("bf16", "hif8"):
+            results = json.loads((folder / "eval" / mode / "results.json").read_text())
+            assert results["_meta"]["mode"] == mode
+
+    def telemetry_dumps_hold_their_steps():
+        folder = _run_folder(whole)
+        quant_steps = [r["step"] for r in _metrics(folder) if r["quant"]]
+        expected = [f"step{s:07d}_rank{r}.jsonl" for s in quant_steps if s % DUMP_EVERY == 0 for r in range(WORLD)]
+        found = sorted(p.name for p in (folder / "telemetry").glob("*.jsonl"))
+        assert found == sorted(expected), f"dumps {found}, expected {sorted(expected)}"
+        for name in found:
+            for line in (folder / "telemetry" / name).read_text().splitlines():
+                rec = json.loads(line)
+                assert rec["step"] == int(name[4:11]), rec
+                # one call per micro-batch this step, each with saturation statistics
+                assert (rec["calls"], rec["stats_calls"]) == (ACCUM, ACCUM), f"{name}: {rec}"
+
+    def identical_parameters_on_all_ranks():
+        # Every rank's weight quantizers recorded the amax of the weights that rank used at every step:
+        # equal histories on all ranks mean equal weights at every step (A and G: equal by the amax all-reduce).
+        final = _run_folder(whole) / "checkpoints" / f"step_{STEPS:07d}"
+        states = [torch.load(final / f"rank{r:03d}.pt", weights_only=True) for r in range(WORLD)]
+        weights = [k for k in states[0]["quant"] if ".W." in k and k.endswith("history")]
+        assert weights, "no weight-quantizer history in the checkpoint"
+        for key in states[0]["quant"]:
+            assert torch.equal(states[0]["quant"][key], states[1]["quant"][key]), f"{key} differs across ranks"
+        assert states[0]["train"] == states[1]["train"], "ranks skipped different steps"
+
+    def grad_norm_equals_the_unsharded_one():
+        step0 = _metrics(_run_folder(whole))[0]
+        assert step0["step"] == 0 and not step0["quant"]
+        if isinstance(replayed, Exception):
+            raise replayed
+        reference = replayed["grad_norm"]
+        assert abs(step0["grad_norm"] - reference) <= 2e-3 * reference, \
+            f"logged {step0['grad_norm']} vs unsharded {reference}"
+
+    def data_never_duplicated_across_ranks():
+        if isinstance(replayed, Exception):
+            raise replayed
+        parts = replayed["docs"]  # what each rank's stream reads in an epoch
+        everything = {f"{s}-{i}" for s in range(SHARDS) for i in range(DOCS_PER_SHARD + (s < HELDOUT))}
+        read = parts[0] + parts[1]
+        assert len(read) == len(set(read)), f"a document is read by both ranks: {parts}"
+        assert set(read) == everything, f"ranks read {parts}, the source holds {sorted(everything)}"
+        # and no rank decodes the others' part to throw it away (one row group per row here)
+        assert all(n == len(part) for n, part in zip(replayed["decoded"], parts)), \
+            f"rows decoded per rank {replayed['decoded']} for parts of {[len(p) for p in parts]} documents"
+        final = _run_folder(whole) / "checkpoints" / f"step_{STEPS:07d}"
+        data = [torch.load(final / f"rank{r:03d}.pt", weights_only=True)["data"] for r in range(WORLD)]
+        assert [(d["rank"], d["world_size"]) for d in data] == [(r, WORLD) for r in range(WORLD)]
+
+    def epoch_wraps_logged():
+        epochs = [r["epoch"] for r in _metrics(_run_folder(whole))]
+        assert epochs[0] == 0 and max(epochs) >= 1, f"epochs {epochs}: the data never wrapped"
+        for rank in range(WORLD):
+            assert re.search(rf"rank {rank}: step \d+: the training data ran out", log_whole), f"rank {rank} silent"
+
+    def kill_and_resume_equal_the_uninterrupted_run():
+        from safetensors.torch import load_file
+
+        assert rc_kill != 0, "the killed run exited normally"
+        assert rc_resume == 0, f"resume exit {rc_resume}: {log_resume[-1500:]}"
+        assert f"at step {KILL_AT - KILL_AT % 4}" in log_resume, "did not resume from the last checkpoint"
+        a, b = _run_folder(whole), _run_folder(crashed)
+        got = [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(b)]
+        want = [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(a)]
+        assert got == want, f"losses differ after the resume:\n{got}\n{want}"
+        wa, wb = load_file(a / "export" / "model.safetensors"), load_file(b / "export" / "model.safetensors")
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), "final weights differ"
+
+    def other_world_size_refused_clearly():
+        # Checkpoints are not reshardable: another world size must be refused before any step, and the
+        # checkpoint stays usable (the two-rank resume after it succeeded).
+        assert rc_one == 2 and "was written by 2 ranks" in log_one, f"exit {rc_one}: {log_one[-1500:]}"
+
+    def report_builds():
+        assert rc_report == 0, f"exit {rc_report}: {log_report[-1500:]}"
+        tables = whole.parent / "tables" / "paper"
+        assert any(tables.glob("*.md")), f"no tables in {tables}"
+
+    for fn in (whole_run_finished, evaluation_in_both_modes, telemetry_dumps_hold_their_steps,
+               identical_parameters_on_all_ranks, grad_norm_equals_the_unsharded_one,
+               data_never_duplicated_across_ranks, epoch_wraps_logged, kill_and_resume_equal_the_uninterrupted_run,
+               other_world_size_refused_clearly, report_builds):
+        check(fn.__name__, fn)
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hif8qat.rehearsal", description=__doc__.split("\n")[0])
+    ap.add_argument("--work", help="folder for the rehearsal's files (default: a new temporary folder, removed "
+                                   "when every check passed)")
+    ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]),
+                    help="the checkout whose run.py and src/ are rehearsed (default: this one)")
+    args = ap.parse_args(argv)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hif8qat-rehearsal-"))
+    if args.work and work.exists() and any(work.iterdir()):
+        print(f"error: --work {work} is not empty; give a new folder", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    print(f"rehearsal of the paper profile in {work} (repo {args.repo})", flush=True)
+    checks = rehearse(work, Path(args.repo).resolve())
+    failed = [name for name, why in checks.items() if why]
+    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {time.time() - t0:.0f} s"
+          + (f"; failed: {', '.join(failed)} (files kept in {work})" if failed else ""))
+    (work / "checks.json").write_text(json.dumps({"checks": checks, "wall_s": time.time() - t0}, indent=1) + "\n")
+    if not failed and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -151,10 +151,17 @@ def test_sweep_over_profile_steps_trains_each_point_in_its_own_folder(tmp_path):
         assert [s for s, _ in losses(folder)] == list(range(steps))
 
 
+def _mark_finished(run_dir: Path) -> None:
+    """What a finished run holds for the folder rules: its export (weights elided) and the DONE marker."""
+    (run_dir / "export").mkdir()
+    (run_dir / "export" / "config.json").write_text("{}")
+    runs.mark_done(run_dir)
+
+
 def test_finished_run_with_other_settings_is_refused_not_skipped(tmp_path):
     cfg = _smoke_cfg(tmp_path, "run_tag=mine")
     run_dir = _prepared(cfg)
-    runs.mark_done(run_dir)
+    _mark_finished(run_dir)
     assert runs.prepare_run_dir(cfg)[1] == "done"
     runs.release_run_dir(run_dir)
     # Same folder (run_tag pins it), a setting that changes the training: an edited YAML, an env variable, ...
@@ -167,7 +174,7 @@ def test_finished_run_with_other_settings_is_refused_not_skipped(tmp_path):
 def test_run_saved_before_a_setting_existed_matches_only_the_setting_old_behaviour(tmp_path):
     cfg = _smoke_cfg(tmp_path, "run_tag=old")
     run_dir = _prepared(cfg)
-    runs.mark_done(run_dir)
+    _mark_finished(run_dir)
     saved = yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text())
     del saved["train"]["activation_checkpointing"]  # as written by the code before the setting was added
     (run_dir / runs.CONFIG_FILE).write_text(yaml.safe_dump(saved))

@@ -163,3 +163,28 @@ def test_results_json_records_the_token_counts(tiny, tmp_path, capsys):
     assert tokens == res["_meta"]["eval_tokens"]
     assert tokens["requests"] >= 9 and 0 < tokens["forwarded"] < tokens["per_request"]
     assert f"{tokens['per_request']} as lm-eval's HFLM forwards them" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_smollm2_matches_hflm():
+    """The real model (SDPA attention, grouped-query heads, BPE tokenizer) on a few multiple-choice items."""
+    from hif8qat.models import load_causal_lm
+
+    try:
+        model, tok = load_causal_lm("smollm2_135m", dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001 - weights not installed
+        pytest.skip(f"SmolLM2 offline weights unavailable: {err}")
+    model.eval()
+    items = [
+        ("Question: Which gas do plants take in from the air to make food?\nAnswer:",
+         [" carbon dioxide", " oxygen", " nitrogen gas from the soil", " water vapour"]),
+        ("The chef cracked two eggs into a bowl. She", [" whisked them with a fork.", " ate the bowl.",
+                                                       " put the bowl in the garden and went to sleep.", " cried."]),
+        ("Question: What is 7 times 8?\nAnswer:", [" 56", " 54", " 64", " 48"]),
+        ("A single context that no other request shares, so it is forwarded whole:", [" like this one."]),
+    ]
+    stock, new = _pair((model, tok), "fp32", batch_size=4)
+    reqs = [((ctx, c), *stock._encode_pair(ctx, c)) for ctx, conts in items for c in conts]
+    a, b = stock._loglikelihood_tokens(reqs), new._loglikelihood_tokens(reqs)
+    _assert_same(a, b, "fp32")
+    assert new.token_counts["forwarded"] < new.token_counts["per_request"]

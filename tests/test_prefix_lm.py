@@ -13,6 +13,12 @@ relative) of each log-probability (measured: identical). hif8 with frozen scales
 with a scale fixed in advance, so the paths differ only where FP32 rounding moves an element across a HiF8
 rounding boundary: 1e-3 + 1e-4 |ll| (measured: at most 8e-6). Masking the prefix padding wrongly moves
 log-likelihoods by more than these bounds on this model.
+
+On SmolLM2-135M (73 items of the mini profile's tasks, 0-shot) fp32 agreed to 6e-5 (2.5e-6 relative) with
+the same choices. Under bf16 autocast the logits and log-probabilities are bf16, so a 30-layer model
+differs by up to 0.5 nats (3.3 % relative) and one near-tied item of 73 picked another choice; lm-eval's
+own model differs from itself by as much when only its batch size changes (32 vs 7: 0.5 nats, 4.0 %).
+The bf16 bound here holds for the tiny model only.
 """
 
 import functools
@@ -166,3 +172,28 @@ def test_results_json_records_the_token_counts(tiny, tmp_path, capsys):
     assert tokens == res["_meta"]["eval_tokens"]
     assert tokens["requests"] >= 9 and 0 < tokens["forwarded"] < tokens["per_request"]
     assert f"{tokens['per_request']} as lm-eval's HFLM forwards them" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_smollm2_matches_hflm():
+    """The real model (SDPA attention, grouped-query heads, BPE tokenizer) on a few multiple-choice items."""
+    from hif8qat.models import load_causal_lm
+
+    try:
+        model, tok = load_causal_lm("smollm2_135m", dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001 - weights not installed
+        pytest.skip(f"SmolLM2 offline weights unavailable: {err}")
+    model.eval()
+    items = [
+        ("Question: Which gas do plants take in from the air to make food?\nAnswer:",
+         [" carbon dioxide", " oxygen", " nitrogen gas from the soil", " water vapour"]),
+        ("The chef cracked two eggs into a bowl. She", [" whisked them with a fork.", " ate the bowl.",
+                                                       " put the bowl in the garden and went to sleep.", " cried."]),
+        ("Question: What is 7 times 8?\nAnswer:", [" 56", " 54", " 64", " 48"]),
+        ("A single context that no other request shares, so it is forwarded whole:", [" like this one."]),
+    ]
+    stock, new = _pair((model, tok), "fp32", batch_size=4)
+    reqs = [((ctx, c), *stock._encode_pair(ctx, c)) for ctx, conts in items for c in conts]
+    a, b = stock._loglikelihood_tokens(reqs), new._loglikelihood_tokens(reqs)
+    _assert_same(a, b, "fp32")
+    assert new.token_counts["forwarded"] < new.token_counts["per_request"]

@@ -152,3 +152,20 @@ def test_quantized_linear_under_emulation_matches_native_autocast():
     assert emulated.dtype == native.dtype == torch.bfloat16
     assert (emulated == native).float().mean() > 0.99
     assert (emulated.float() - native.float()).abs().le(_ulp_bf16(native.float()) + 1e-3).all()
+
+
+def test_evaluation_reuses_a_weights_rounding_until_the_weight_changes():
+    torch.manual_seed(5)
+    layer = torch.nn.Linear(32, 16)
+    x = torch.randn(4, 32)
+    with torch.no_grad(), numerics.forward_context("bf16_emulated", "cpu"):
+        first = layer(x)
+        again = layer(x)
+    assert torch.equal(first, again)
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # an in-place update (an optimizer step) must not leave a stale rounding
+    with torch.no_grad(), numerics.forward_context("bf16_emulated", "cpu"):
+        updated = layer(x)
+    want = _to_bf16(_bf16_values(x) @ _bf16_values(layer.weight).T + _bf16_values(layer.bias))
+    assert (updated - want).abs().le(_ulp_bf16(want)).all()
+    assert not torch.equal(updated, first)

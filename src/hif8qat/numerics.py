@@ -157,6 +157,9 @@ class BF16Emulation(TorchFunctionMode):
         with torch.autocast(self.device_type, enabled=False):
             if func in _LINEAR:
                 x, weight, bias = _linear_args(args, kwargs)
+                if not torch.is_grad_enabled():  # evaluation: each weight is rounded once, not once per call
+                    b = None if bias is None else _rounded_weight(bias)
+                    return round_bf16(F.linear(round_bf16(x), _rounded_weight(weight), b))
                 return _EmulatedLinear.apply(x, weight, bias)
             positions = [i for i, a in enumerate(args) if _is_float_tensor(a)]
 
@@ -167,6 +170,21 @@ class BF16Emulation(TorchFunctionMode):
                 return _func(*full, **_kwargs)
 
             return _EmulatedOp.apply(call, *(args[i] for i in positions))
+
+
+_ROUNDED_ATTR = "_hif8qat_bf16_rounded"  # on a parameter: ((version, data_ptr) when rounded, the rounded copy)
+
+
+def _rounded_weight(weight: torch.Tensor) -> torch.Tensor:
+    """round_bf16(weight), kept while the weight is unchanged: an evaluation calls each linear hundreds of times."""
+    if not isinstance(weight, torch.nn.Parameter):
+        return round_bf16(weight)
+    key = (weight._version, weight.data_ptr())  # an in-place update bumps the version; `.data = ...` moves the data
+    cached = getattr(weight, _ROUNDED_ATTR, None)
+    if cached is None or cached[0] != key:
+        cached = (key, round_bf16(weight.detach()))
+        setattr(weight, _ROUNDED_ATTR, cached)
+    return cached[1]
 
 
 def _linear_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -43,3 +43,21 @@ def impl(request):
 
     scaler, replay_fn = {"oracle": (DelayedScaler, replay), "bank": (BankedScaler.standalone, bank_replay)}[request.param]
     return types.SimpleNamespace(name=request.param, Scaler=scaler, replay=replay_fn)
+
+
+def write_quantized_export(folder, *, scope: str, seed: int, seq: int = 32):
+    """A tiny Llama saved as a run's export, quantized (max estimator, history 4) with scales from one forward:
+    what the hif8 evaluation mode loads. Returns the folder."""
+    from hif8qat import qlinear
+    from hif8qat.models import build_tiny_llama
+    from hif8qat.scaling import ScalingConfig
+
+    model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=seed)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    qlinear.convert_model(model, scope, "none", ScalingConfig(algo="max", history_len=4))
+    qlinear.set_quantization(model, True)
+    with torch.no_grad():
+        model(torch.randint(3, 200, (2, seq)))
+    qlinear.save_quant_export(model, folder, {"step": 1})
+    return folder

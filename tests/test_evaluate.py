@@ -216,18 +216,9 @@ def test_bf16_evaluation_is_the_training_autocast_forward(tiny_model, tmp_path, 
 
 def test_hif8_mode_keeps_fp32_master_weights_under_bf16(tmp_path):
     """The weight quantizer must see the FP32 weights, as in training: bf16 comes from autocast only."""
-    qlinear = pytest.importorskip("hif8qat.qlinear")
-    from hif8qat.scaling import ScalingConfig
+    from conftest import write_quantized_export
 
-    model, tok = tiny.build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=2)
-    export = tmp_path / "export"
-    model.save_pretrained(export)
-    tok.save_pretrained(export)
-    qlinear.convert_model(model, "mlp", "none", ScalingConfig(algo="max", history_len=4))
-    qlinear.set_quantization(model, True)
-    with torch.no_grad():
-        model(torch.randint(3, 200, (2, 16)))
-    qlinear.save_quant_export(model, export, {"step": 1})
+    export = write_quantized_export(tmp_path / "export", scope="mlp", seed=2, seq=16)
     loaded, _ = ev.load_for_eval(export, "hif8", device="cpu")
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
     res = ev.evaluate_export(export, "hif8", "mini_arc", dtype="bf16", device="cpu", limit=2, batch_size=4)

@@ -44,18 +44,11 @@ def tiny():
 @pytest.fixture(scope="module")
 def tiny_hif8(tmp_path_factory):
     """The tiny model as the hif8 evaluation mode loads it: attention and MLP linears quantized, frozen scales."""
-    from hif8qat import qlinear
-    from hif8qat.scaling import ScalingConfig
+    from conftest import write_quantized_export
 
-    model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=4)
-    export = tmp_path_factory.mktemp("export")
-    model.save_pretrained(export)
-    tok.save_pretrained(export)
-    qlinear.convert_model(model, "attn_mlp", "none", ScalingConfig(algo="max", history_len=4))
-    qlinear.set_quantization(model, True)
-    with torch.no_grad():
-        model(torch.randint(3, 200, (2, 32)))
-    qlinear.save_quant_export(model, export, {"step": 1})
+    from hif8qat import qlinear
+
+    export = write_quantized_export(tmp_path_factory.mktemp("export"), scope="attn_mlp", seed=4)
     loaded, tok = ev.load_for_eval(export, "hif8")
     assert len(list(qlinear.hif8_linears(loaded))) == 14  # q/k/v/o + gate/up/down, 2 blocks
     return loaded, tok

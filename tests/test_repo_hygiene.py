@@ -32,3 +32,9 @@ def test_default_results_root_is_ignored():
     if ignored.returncode == 128:
         pytest.skip("not a git checkout")
     assert ignored.returncode == 0, f"{probe} is not ignored: a user's results could be committed"
+
+
+def test_smoke_tables_are_never_committed():
+    # CI runs `make exp3 PROFILE=smoke` on the clean checkout: its report must not rewrite tracked files.
+    tracked = _tracked("results/tables/smoke") + _tracked("results/figures/smoke")
+    assert tracked == [], tracked[:3]

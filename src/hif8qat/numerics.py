@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-SETTINGS = ("auto", "bf16", "bf16_emulated", "none")
-RESOLVED = ("bf16", "bf16_emulated", "none")
+from .config import NUMERICS as SETTINGS  # train.autocast: auto, bf16, bf16_emulated, none
+
+RESOLVED = tuple(s for s in SETTINGS if s != "auto")
 NO_NATIVE_BF16_ENV = "HIF8QAT_NO_NATIVE_BF16"
 _BF16 = torch.bfloat16
 
@@ -220,11 +221,6 @@ def _stacked(*managers: contextlib.AbstractContextManager) -> Iterator[None]:
         for manager in managers:
             stack.enter_context(manager)
         yield
-
-
-def autocast_dtype(numerics: str) -> torch.dtype | None:
-    """The dtype autocast computes GEMMs in under these numerics (None: FP32)."""
-    return None if numerics == "none" else _BF16
 
 
 

@@ -78,7 +78,7 @@ smoke: $(STAMP) ## a seconds-long end-to-end run of exp8 on the tiny model
 	$(PY) run.py experiment=exp8 profile=smoke stage=all $(ARGS)
 
 # Before a long target: how long its unfinished runs will take here, from a training step measured just now.
-ESTIMATE = -$(OFFLINE) $(PY) -m hif8qat.estimate --profile $(PROFILE)
+ESTIMATE = -$(OFFLINE) $(PY) run.py --estimate --profile $(PROFILE)
 
 all: $(STAMP) ## all experiments without a finished run, their evaluations, then the report
 	$(ESTIMATE) --experiments $(EXPERIMENTS) --seeds $(SEED) --label "make all"

@@ -344,7 +344,20 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def config_for(profile: str, experiment: str, seed: int) -> RunConfig:
+    """The RunConfig `python run.py profile=... experiment=... seed=...` would run (for hif8qat.estimate)."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = [f"profile={profile}", f"experiment={experiment}", f"seed={seed}"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=overrides), overrides)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--estimate"]:  # make all & co.: how long their unfinished runs will take here
+        from hif8qat.estimate import main as estimate_main
+
+        sys.exit(estimate_main(sys.argv[2:], config_for))
     typed = sys.argv[1:]
     sys.argv = force_add_dict_overrides(sys.argv)
     problem = check_command_line(sys.argv[1:], typed)

@@ -1,6 +1,6 @@
 """How long a batch of runs will take on this machine, from a short measured training step.
 
-    python -m hif8qat.estimate --profile mini --experiments exp1 exp2 ... --seeds 0 [--label "make all"]
+    python run.py --estimate --profile mini --experiments exp1 exp2 ... --seeds 0 [--label "make all"]
 
 Loads the profile's model, times a few training steps at the profile's batch, sequence length and numerics
 (``train.autocast=auto`` resolved here), and an evaluation-sized forward pass; then multiplies by the steps
@@ -14,27 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Tokens an evaluation of one run forwards at the mini profile (its three subsets, each item's context once,
 # the bf16 mode only), counted by the evaluation itself into results.json (_meta.eval_tokens); used when no
 # finished evaluation of this profile exists yet to read it from. A workload size, not a time.
 _EVAL_TOKENS_FALLBACK = {"mini": 60_000}
-_REPO = Path(__file__).resolve().parents[2]
-
-
-def _config(profile: str, experiment: str, seed: int):
-    from hydra import compose, initialize_config_dir
-
-    from .config import RunConfig, resolve_profile
-    from .numerics import resolve_run
-
-    with initialize_config_dir(config_dir=str(_REPO / "conf"), version_base="1.3"):
-        raw = compose("config", overrides=[f"profile={profile}", f"experiment={experiment}", f"seed={seed}"])
-    from omegaconf import OmegaConf
-
-    data = OmegaConf.to_container(raw, resolve=True)
-    return resolve_run(resolve_profile(RunConfig.from_dict(data)))
 
 
 def eval_tokens(results_root: Path, profile: str) -> int:
@@ -82,8 +69,9 @@ def measure(cfg, repeats: int = 2) -> dict[str, float]:
     return {"numerics": mode, "train_step_s": train_s, "eval_token_s": token_s}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv, config_for: Callable[[str, str, int], Any]) -> int:
+    """``config_for(profile, experiment, seed)``: the resolved RunConfig run.py would build (run.py composes it)."""
+    ap = argparse.ArgumentParser(prog="run.py --estimate", description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="mini")
     ap.add_argument("--experiments", nargs="+", required=True)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -97,13 +85,13 @@ def main(argv=None) -> int:
     pending = []
     for seed in args.seeds:
         for experiment in args.experiments:
-            cfg = _config(args.profile, experiment, seed)
+            cfg = config_for(args.profile, experiment, seed)
             if not is_done(run_dir_for(cfg)) and (experiment, seed) not in pending:
                 pending.append((experiment, seed))
     if not pending:
         print(f"estimate: every run of {args.label} is finished; only the report is left")
         return 0
-    cfg = _config(args.profile, pending[0][0], pending[0][1])
+    cfg = config_for(args.profile, pending[0][0], pending[0][1])
     m = measure(cfg)
     per_run = cfg.train.steps * m["train_step_s"] + eval_tokens(Path(args.results_root), args.profile) * m["eval_token_s"]
     total = len(pending) * per_run
@@ -112,7 +100,3 @@ def main(argv=None) -> int:
           f"{m['eval_token_s'] * 1e3:.2f} ms per evaluated token, measured just now; quantized runs take up to "
           "1.5x longer)")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

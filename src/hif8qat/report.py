@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import math
 import re
@@ -44,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import RunError
+from .files import sha256_file
 from .stats import (
     block_variance_of_mean,
     equivalence_verdict,
@@ -270,7 +270,7 @@ def _read_json(path: Path) -> Any:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return sha256_file(path)[:16]
 
 
 def _fmt(v, nd=4):

@@ -34,6 +34,10 @@ from torch import nn
 # ------------------------------------------------------------------------------------------------
 # SLURM
 # ------------------------------------------------------------------------------------------------
+# Not submitit's helpers.TorchDistributedEnvironment, on purpose: it activates only inside a submitit-launched
+# job (plain `srun python run.py` needs this too), takes the world size from SLURM_NTASKS (the allocation, also
+# in a batch script that runs one process), the master from the job's node list (a step on a subset of the
+# nodes would rendezvous on a node running no task) and a port in 20000-60000, inside Linux's ephemeral range.
 _PORT_BASE, _PORT_SPAN = 15000, 15000  # below Linux's ephemeral range (32768+)
 
 

@@ -234,13 +234,13 @@ def test_training_checks_free_space_before_the_first_step(tmp_path, monkeypatch)
 
 
 def test_disk_full_while_exporting_says_training_is_kept(tmp_path, monkeypatch):
-    from hif8qat import runs, train
+    from hif8qat import export, runs, train
 
     cfg = cli_config(["experiment=exp1", "profile=smoke", f"results_root={tmp_path / 'runs'}",
                       "logger.progress_bar=false", "profile.steps=2", "train.checkpoint_every=2"])
     run_dir, _ = runs.prepare_run_dir(cfg)
     try:
-        _enospc_on(monkeypatch, train, "export_model")
+        _enospc_on(monkeypatch, export, "export_model")
         with pytest.raises(ckpt.DiskFull, match="the export.*Training is complete in .*step_0000002"):
             train.train(cfg, run_dir)
     finally:

@@ -30,6 +30,7 @@ from .config import RunConfig
 from .data import build_eval_windows, build_train_stream
 from .distributed import grad_sync
 from .errors import RunError
+from .export import export_or_explain
 from .models import load_causal_lm
 from .qlinear import (
     convert_model,
@@ -37,12 +38,11 @@ from .qlinear import (
     freeze_scales,
     load_quant_state_dict,
     quant_state_dict,
-    save_quant_export,
     set_quantization,
     set_step,
     step_telemetry,
 )
-from .runs import EXPORT_DIR, METRICS_FILE, mark_done, update_summary
+from .runs import METRICS_FILE, mark_done, update_summary
 from .scaling import ScalingConfig
 
 # Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
@@ -336,75 +336,40 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     if ctx.is_main:  # before the first step, not when the first save fails after hours of training
         ckpt.check_free_space(run_dir, ckpt.state_bytes(model, optimizer), cfg.train.keep_checkpoints)
     quant_active = cfg.quant.enabled and start_step >= (quant_on_step or 0)
-    kill_at = int(os.environ.get(_KILL_AT_STEP_ENV, "-1"))
+    stream = _maybe_killed_stream(stream, accum, start_step)
     for step in range(start_step, cfg.train.steps):
-        if step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
         if cfg.quant.enabled:
             if step == quant_on_step and not quant_active:
                 set_quantization(model, True)  # resets every scaler: cold start on the first QAT call
                 quant_active = True
             set_step(model, step)
         t0 = time.perf_counter()
-        loss_sum = 0.0
         epoch = stream.epoch
-        for micro in range(accum):
-            tokens = next(stream)
-            if ctx.device.type == "cuda":  # page-locked: the copy to the GPU runs asynchronously
-                tokens = tokens.pin_memory()
-            tokens = tokens.to(ctx.device, non_blocking=True)
-            with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
-                with numerics.forward_context(compute, ctx.device.type):
-                    loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
-                with numerics.backward_context(compute, ctx.device.type):
-                    (loss / accum).backward()
-            loss_sum += loss.detach().float()
+        loss_value = _reduce_mean(_forward_backward(wrapped, stream, accum, compute, cfg, ctx), ctx)
         if stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
             order = "in a new order" if stream.kind == "packed" else "in the same order"
             print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {stream.epoch} reads it "
                   f"again {order}")
-        grad_norm = clip_gradients(model, cfg.train.grad_clip)
-        loss_value = _reduce_mean(float(loss_sum / accum), ctx)
         if not math.isfinite(loss_value):
             raise diverged(f"loss became {loss_value} at step {step}")
         lr = scheduler.get_last_lr()[0]
-        # A non-finite gradient would make AdamW's moments NaN for good: skip the update (the step still
-        # consumes its data and LR slot; the scalers have already seen its amax, so under delayed scaling the
-        # next step's scales adapt, as a loss scaler backs off). A streak of them means divergence: stop.
-        skipped = not math.isfinite(float(grad_norm))
-        if skipped:
-            skips["skipped_steps"] += 1
-            skips["consecutive_skips"] += 1
-            if ctx.is_main:
-                print(f"step {step}: gradient norm {float(grad_norm)}, optimizer step skipped "
-                      f"({skips['consecutive_skips']} in a row)")
-            if skips["consecutive_skips"] > cfg.train.max_consecutive_skips:
-                raise diverged(f"gradient norm non-finite for {skips['consecutive_skips']} consecutive steps "
-                               f"(through step {step}; train.max_consecutive_skips={cfg.train.max_consecutive_skips})")
-        else:
-            skips["consecutive_skips"] = 0
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = _optimizer_step(model, optimizer, scheduler, cfg, ctx, skips, step)
+        if skips["consecutive_skips"] > cfg.train.max_consecutive_skips:
+            raise diverged(f"gradient norm non-finite for {skips['consecutive_skips']} consecutive steps "
+                           f"(through step {step}; train.max_consecutive_skips={cfg.train.max_consecutive_skips})")
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         step_time = time.perf_counter() - t0
         step_times[quant_active].append(step_time)
 
         record: dict[str, Any] = {
-            "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+            "step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
             "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
             "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
             "skipped_steps": skips["skipped_steps"], "epoch": stream.epoch,
         }
         if quant_active:
-            # The banks gather saturation statistics on steps divisible by telemetry_dump_every: dump those
-            # steps, before step_telemetry resets the counters, so a dump holds its own step's counts.
-            every = cfg.quant.telemetry_dump_every
-            if every and step % every == 0:
-                telemetry_dir.mkdir(exist_ok=True)
-                dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{ctx.rank}.jsonl")
-            record.update(step_telemetry(model))
+            record.update(_telemetry(model, cfg, step, telemetry_dir, ctx.rank))
         if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
             record["val_loss"] = held_out()
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or skipped:
@@ -429,7 +394,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
 
     full_state = full_model_state_dict(model) if is_fsdp(model) else None  # FSDP: every rank gathers
     if ctx.is_main:
-        _export_or_explain(model, tokenizer, run_dir, cfg, converted, full_state, optimizer)
+        export_or_explain(model, tokenizer, run_dir, cfg, converted, full_state, optimizer)
         summary = update_summary(run_dir, **_train_summary(metrics_path, step_times, val_loss, converted,
                                                            time.perf_counter() - wall_start),
                                  skipped_steps=skips["skipped_steps"],
@@ -439,6 +404,85 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     if ctx.is_main and cfg.train.keep_checkpoints_when_done is not None:
         ckpt.prune_checkpoints(ckpt_root, cfg.train.keep_checkpoints_when_done)
     return summary
+
+
+def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, compute: str, cfg: RunConfig,
+                      ctx: DistContext) -> float:
+    """One optimizer step's micro-batches, forward and backward; their mean loss on this rank."""
+    loss_sum = 0.0
+    for micro in range(accum):
+        tokens = next(stream)
+        if ctx.device.type == "cuda":  # page-locked: the copy to the GPU runs asynchronously
+            tokens = tokens.pin_memory()
+        tokens = tokens.to(ctx.device, non_blocking=True)
+        with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
+            with numerics.forward_context(compute, ctx.device.type):
+                loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
+            with numerics.backward_context(compute, ctx.device.type):
+                (loss / accum).backward()
+        loss_sum += loss.detach().float()
+    return float(loss_sum / accum)
+
+
+def _optimizer_step(model, optimizer, scheduler, cfg: RunConfig, ctx: DistContext, skips: dict[str, int],
+                    step: int) -> tuple[float, bool]:
+    """Clip, then update unless the gradient norm is non-finite; returns (norm before clipping, skipped).
+
+    A non-finite gradient would make AdamW's moments NaN for good: the update is skipped (the step still
+    consumes its data and LR slot; the scalers have already seen its amax, so under delayed scaling the next
+    step's scales adapt, as a loss scaler backs off). The caller stops on a streak of them."""
+    grad_norm = float(clip_gradients(model, cfg.train.grad_clip))
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        skips["skipped_steps"] += 1
+        skips["consecutive_skips"] += 1
+        if ctx.is_main:
+            print(f"step {step}: gradient norm {grad_norm}, optimizer step skipped "
+                  f"({skips['consecutive_skips']} in a row)")
+    else:
+        skips["consecutive_skips"] = 0
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
+
+
+def _telemetry(model, cfg: RunConfig, step: int, telemetry_dir: Path, rank: int) -> dict[str, Any]:
+    """This step's quantization counters for the step log, after the per-layer dump when one is due.
+
+    The banks gather saturation statistics on steps divisible by telemetry_dump_every: those steps are
+    dumped before step_telemetry resets the counters, so a dump holds its own step's counts."""
+    every = cfg.quant.telemetry_dump_every
+    if every and step % every == 0:
+        telemetry_dir.mkdir(exist_ok=True)
+        dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{rank}.jsonl")
+    return step_telemetry(model)
+
+
+class _KilledStream:
+    """The training stream, SIGKILLing the process when step `kill_at` asks for its first batch.
+
+    For crash/resume tests only (HIF8QAT_TEST_KILL_AT_STEP): a real kill, with nothing flushed or saved,
+    kept out of the training loop by wrapping the one thing every step reads first."""
+
+    def __init__(self, stream, batches_before_kill: int):
+        self._stream, self._left = stream, batches_before_kill
+
+    def __next__(self):
+        if self._left == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._left -= 1
+        return next(self._stream)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _maybe_killed_stream(stream, accum: int, start_step: int):
+    kill_at = int(os.environ.get(_KILL_AT_STEP_ENV, "-1"))
+    if kill_at < start_step:
+        return stream
+    return _KilledStream(stream, (kill_at - start_step) * accum)
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
@@ -497,52 +541,3 @@ def _train_summary(metrics_path: Path, step_times: dict[bool, list[float]], val_
         "train_wall_s_this_session": wall_s, "median_step_s_bf16": med(bf16_t), "median_step_s_qat": med(qat_t),
         "qat_to_bf16_step_time_ratio": ratio, "converted_linears": len(converted),
     }
-
-
-def _export_or_explain(model, tokenizer, run_dir: Path, cfg: RunConfig, converted: list[str], full_state,
-                       optimizer) -> None:
-    """export_model, with a full disk reported as what filled and how to finish (the final checkpoint holds
-    every trained step, so a rerun only writes the export)."""
-    from safetensors import SafetensorError
-
-    try:
-        export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted, state_dict=full_state)
-    except (OSError, RuntimeError, SafetensorError) as err:
-        need = ckpt.state_bytes(model, optimizer)
-        if not ckpt.is_disk_full(err, run_dir, need):
-            raise
-        import shutil
-
-        shutil.rmtree(run_dir / (EXPORT_DIR + ".tmp"), ignore_errors=True)
-        last = ckpt.latest_checkpoint(run_dir / "checkpoints")
-        raise ckpt.DiskFull(ckpt.disk_full_message(
-            f"the export ({EXPORT_DIR}/, about a third of a checkpoint)", run_dir, need,
-            f"Training is complete in {last}; the unfinished export was removed. Free space there, then rerun the "
-            "same command: it resumes from that checkpoint and writes only the export.")) from None
-
-
-def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: list[str],
-                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """A save_pretrained folder that plain transformers and lm-eval load, plus the scalers' final state.
-
-    state_dict: the gathered full weights of an FSDP-sharded model (distributed.full_model_state_dict).
-    """
-    tmp = directory.with_name(directory.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    from .distributed import unsharded_class
-
-    with unsharded_class(model):  # FSDP2's generated class would replace the model's own modeling code
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    if cfg.quant.enabled:
-        save_quant_export(model, tmp, {"scope": cfg.quant.scope,
-                                       "high_precision_blocks": list(cfg.quant.high_precision_blocks),
-                                       "scaling": cfg.quant.scaling_dict(), "converted": converted})
-    if directory.exists():
-        import shutil
-
-        shutil.rmtree(directory)
-    tmp.rename(directory)

@@ -1,4 +1,4 @@
-"""report.py: drop/APE/bootstrap maths on hand-made inputs, the paper's numbers, report structure."""
+"""hif8qat.report: drop/APE/bootstrap maths on hand-made inputs, the paper's numbers, report structure."""
 
 import json
 import math

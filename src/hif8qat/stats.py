@@ -8,6 +8,9 @@ per-seed differences d_s and their within-seed variances v_s, the variance of th
 ``max(var(d_s), mean(v_s)) / k``: the sample variance over seeds already contains the within-seed noise, and
 when it is smaller than that noise (few seeds, or one) the within-seed variance is the floor. The interval uses
 Student's t with k - 1 degrees of freedom when the between-seed term is used, the normal quantile otherwise.
+
+Also the report's per-seed measures: the relative drop with its paired bootstrap interval, the training-loss
+APE, Holm's adjustment.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import pandas as pd
 from scipy import stats as st
 
 EQUIVALENT = "equivalent within {m}"
@@ -213,3 +217,98 @@ def mean_variance(x: Sequence[float]) -> float:
     a = np.asarray(x, float)
     a = a[np.isfinite(a)]
     return float(np.var(a, ddof=1) / len(a)) if len(a) > 1 else float("nan")
+
+
+# The report's per-seed measures: relative drop, loss APE, paired bootstrap, Holm.
+def relative_drop(base: float, quant: float) -> float:
+    """``(base - quant) / base * 100``; NaN when the baseline is 0."""
+    return float("nan") if base == 0 else (base - quant) / base * 100.0
+
+
+def loss_ape(steps_q: Sequence[int], loss_q: Sequence[float], steps_b: Sequence[int], loss_b: Sequence[float],
+             *, last_frac: float = 0.1, last_n: int | None = None) -> dict[str, float]:
+    """Training-loss APE over the steps logged by both runs (mean of ``|Lq - Lb| / |Lb| * 100``).
+
+    ``last_n`` (or ``ceil(last_frac * n_common)``) common steps form the "last" window.
+    Returns ``{n_common, ape_all, ape_last, last_n, first_step, last_step}``.
+    """
+    q = pd.Series(np.asarray(loss_q, float), index=np.asarray(steps_q)).groupby(level=0).last()
+    b = pd.Series(np.asarray(loss_b, float), index=np.asarray(steps_b)).groupby(level=0).last()
+    common = q.index.intersection(b.index).sort_values()
+    if len(common) == 0:
+        return {"n_common": 0, "ape_all": float("nan"), "ape_last": float("nan"), "last_n": 0,
+                "first_step": None, "last_step": None}
+    err = (q[common] - b[common]).abs() / b[common].abs() * 100.0
+    n_last = int(last_n) if last_n is not None else max(1, math.ceil(last_frac * len(common)))
+    n_last = min(n_last, len(common))
+    return {"n_common": int(len(common)), "ape_all": float(err.mean()), "ape_last": float(err.iloc[-n_last:].mean()),
+            "last_n": n_last, "first_step": int(common[0]), "last_step": int(common[-1])}
+
+
+def holm(pvalues: Sequence[float]) -> np.ndarray:
+    """Holm-Bonferroni adjusted p-values (NaN stays NaN and does not count as a comparison)."""
+    p = np.asarray(pvalues, float)
+    out = np.full_like(p, np.nan)
+    ok = np.flatnonzero(np.isfinite(p))
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m, running = len(order), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def running_ape(steps_q, loss_q, steps_b, loss_b) -> pd.DataFrame:
+    """Per common step: the pointwise APE and its running (cumulative) mean, for the loss figures."""
+    q = pd.Series(np.asarray(loss_q, float), index=np.asarray(steps_q)).groupby(level=0).last()
+    b = pd.Series(np.asarray(loss_b, float), index=np.asarray(steps_b)).groupby(level=0).last()
+    common = q.index.intersection(b.index).sort_values()
+    err = (q[common] - b[common]).abs() / b[common].abs() * 100.0
+    return pd.DataFrame({"step": common, "ape": err.values, "running_ape": err.expanding().mean().values})
+
+
+@dataclass
+class DropCI:
+    base: float
+    quant: float
+    drop: float
+    lo: float
+    hi: float
+    n: int
+    significant: bool
+
+
+def paired_bootstrap_drop(base_correct: Sequence[float], quant_correct: Sequence[float], *, n_boot: int = 10000,
+                          seed: int = 0, ci: float = 0.95) -> DropCI:
+    """Relative drop of mean(quant) vs mean(base) on the same documents, with a paired percentile CI.
+
+    Both arrays are per-document 0/1 (or scores) in the same document order.
+    """
+    b = np.asarray(base_correct, float)
+    q = np.asarray(quant_correct, float)
+    if b.shape != q.shape or b.ndim != 1:
+        raise ValueError(f"paired bootstrap needs equal-length 1-d arrays, got {b.shape} and {q.shape}")
+    n = len(b)
+    if n == 0:
+        nan = float("nan")
+        return DropCI(nan, nan, nan, nan, nan, 0, False)
+    base, quant = float(b.mean()), float(q.mean())
+    rng = np.random.default_rng(seed)
+    drops = np.empty(n_boot)
+    chunk = max(1, min(n_boot, 2_000_000 // max(n, 1)))
+    for start in range(0, n_boot, chunk):
+        m = min(chunk, n_boot - start)
+        idx = rng.integers(0, n, size=(m, n))
+        mb, mq = b[idx].mean(1), q[idx].mean(1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            drops[start:start + m] = np.where(mb > 0, (mb - mq) / mb * 100.0, np.nan)
+    alpha = (1.0 - ci) / 2.0
+    lo, hi = np.nanquantile(drops, [alpha, 1.0 - alpha]) if np.isfinite(drops).any() else (np.nan, np.nan)
+    drop = relative_drop(base, quant)
+    sig = bool(np.isfinite(lo) and np.isfinite(hi) and (lo > 0 or hi < 0))
+    return DropCI(base, quant, drop, float(lo), float(hi), n, sig)
+
+
+def binomial_se_pp(p_pct: float, n: int) -> float:
+    p = p_pct / 100.0
+    return math.sqrt(p * (1 - p) / n) * 100.0

@@ -1,0 +1,200 @@
+"""Claims: every run against its baseline, the experiment it derives from and its own bf16 evaluation, as
+same-seed paired contrasts pooled over seeds, with an interval, an equivalence verdict, one Holm-adjusted test
+per row and the minimum detectable cost of that test."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..stats import (
+    block_variance_of_mean,
+    equivalence_verdict,
+    exact_difference_ci,
+    exact_mcnemar_p,
+    holm,
+    item_pair,
+    mde_exact_mcnemar,
+    mde_from_se,
+    mean_variance,
+    pool_seeds,
+)
+from .items import EXACT_BELOW_DISCORDANT
+from .sources import RunInfo, _dirty_of, _eval_results, _qat_start, _read_samples, _run_label, _tag
+
+# Equivalence margins (two one-sided tests), in the unit of each metric's cost; positive cost = the run is worse.
+# accuracy: % of the baseline score (the paper's drops are 0.2-0.6 %); train_loss: % of the baseline's loss
+# (the paper's APE is 0.11 %); gold_ll / gold_margin: nats per item.
+DEFAULT_MARGINS = {"accuracy": 1.0, "train_loss": 0.25, "gold_ll": 0.02, "gold_margin": 0.02}
+METRIC_UNITS = {"accuracy": "% of score", "train_loss": "% of loss", "gold_ll": "nats", "gold_margin": "nats"}
+ITEM_METRICS = ("gold_ll", "gold_margin")  # per-item columns of samples_<task>.csv, when the run recorded them
+NOT_RECORDED = "not recorded in this run"
+LOSS_BLOCK = 5  # consecutive steps per block for the within-seed variance of the loss difference
+
+
+def _signed_loss_difference(mq: pd.DataFrame, mb: pd.DataFrame, from_step: int | None) -> tuple[float, float, int]:
+    """Mean over common steps (from ``from_step``) of ``(Lq - Lb) / Lb * 100``, the variance of that mean from
+    blocks of LOSS_BLOCK steps, and the number of steps."""
+    if "loss" not in mq or "loss" not in mb or not len(mq) or not len(mb):
+        return float("nan"), float("nan"), 0
+    q = mq.set_index("step")["loss"].astype(float)
+    b = mb.set_index("step")["loss"].astype(float)
+    common = q.index.intersection(b.index).sort_values()
+    if from_step is not None:
+        common = common[common >= from_step]
+    if not len(common):
+        return float("nan"), float("nan"), 0
+    rel = ((q[common] - b[common]) / b[common] * 100.0).to_numpy()
+    return float(rel.mean()), block_variance_of_mean(rel, LOSS_BLOCK), int(len(rel))
+
+
+def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Mapping[str, pd.DataFrame]
+                   ) -> list[dict[str, Any]]:
+    """One seed's paired contrasts of ``run`` against ``other``: per evaluation mode and task the accuracy
+    (points, run minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), and
+    the signed training-loss difference (% of other's loss, from the run's QAT phase).
+
+    ``against``: "baseline" (every mode of the run against the baseline's bf16 evaluation), "derived_from"
+    (bf16 against bf16, and the quantized mode against the other's when both are quantized) or "bf16_mode"
+    (``other`` is ``run``: its quantized evaluation against its own bf16 one, the cost of quantized inference;
+    no training-loss row)."""
+    head = {"experiment": run.experiment, "run_tag": _tag(run), "against": against, "counterpart": other.experiment,
+            "seed": run.seed, "run": _run_label(run), "counterpart_run": _run_label(other),
+            "dirty": bool(_dirty_of(run) or _dirty_of(other))}
+    rows = []
+    if against != "bf16_mode":
+        mq, mb = metrics_cache[str(run.path)], metrics_cache[str(other.path)]
+        d, v, n = _signed_loss_difference(mq, mb, _qat_start(run, mq) if run.quant else None)
+        rows.append({**head, "mode": "train", "task": "loss", "metric": "train_loss", "n": n, "recorded": n > 0,
+                     "diff": d, "var": v, "base": float("nan"), "lost": 0, "gained": 0})
+    modes = [("bf16", "bf16"), ("hif8", "bf16" if against == "baseline" else "hif8")]
+    if against == "bf16_mode":
+        modes = [("hif8", "bf16")]
+    for mode, other_mode in modes:
+        if mode == "hif8" and not (run.quant and (against != "derived_from" or other.quant)):
+            continue
+        base_res = _eval_results(other, other_mode)
+        for task in _eval_results(run, mode):
+            if task not in base_res:
+                continue
+            bs = _read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")
+            qs = _read_samples(run.path / "eval" / mode / f"samples_{task}.csv")
+            if bs is None or qs is None:
+                continue
+            m = bs.drop_duplicates("doc_id").merge(qs.drop_duplicates("doc_id"), on="doc_id", suffixes=("_b", "_q"))
+            ip = item_pair(m["correct_b"].to_numpy(float), m["correct_q"].to_numpy(float))
+            at = {**head, "mode": mode, "task": task}
+            rows.append({**at, "metric": "accuracy", "n": ip.n, "recorded": ip.n > 0, "diff": ip.diff * 100.0,
+                         "var": ip.var * 1e4, "base": float(m["correct_b"].mean()) * 100.0, "lost": ip.lost,
+                         "gained": ip.gained})
+            for col in ITEM_METRICS:
+                cb, cq = f"{col}_b", f"{col}_q"
+                ok = cb in m and cq in m and bool(np.isfinite(m[[cb, cq]].to_numpy(float)).all()) and len(m) > 1
+                cost = (m[cb].to_numpy(float) - m[cq].to_numpy(float)) if ok else np.array([])
+                rows.append({**at, "metric": col, "n": len(cost), "recorded": ok,
+                             "diff": float(cost.mean()) if ok else float("nan"),
+                             "var": mean_variance(cost) if ok else float("nan"),
+                             "base": float(m[cb].mean()) if ok else float("nan"),
+                             "lost": int((cost > 0).sum()), "gained": int((cost < 0).sum())})
+    return rows
+
+
+CLAIM_KEYS = ["experiment", "run_tag", "against", "counterpart"]
+
+
+def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = None, *, alpha: float = 0.05,
+                 power: float = 0.8) -> pd.DataFrame:
+    """Per claim (a run against its baseline or the experiment it derives from), mode, task and metric: the
+    mean over seeds of the same-seed paired cost with a 95 % interval (between- and within-seed variance,
+    :func:`hif8qat.stats.pool_seeds`), the equivalence verdict against the metric's margin (two one-sided
+    tests), one test of a difference with the seeds pooled (accuracy: exact McNemar over all seeds' discordant
+    items), Holm-adjusted within the claim, and the minimum detectable cost of that same test.
+
+    cost > 0: the run is worse (accuracy: relative drop, % of the baseline score; train_loss: relative loss
+    increase, % of the baseline loss; gold_ll / gold_margin: nats lost per item).
+    """
+    margins = {**DEFAULT_MARGINS, **(margins or {})}
+    if contrasts.empty:
+        return pd.DataFrame()
+    rows = []
+    keys = CLAIM_KEYS + ["mode", "task", "metric"]
+    for key, g in contrasts.groupby(keys, sort=False):
+        head = dict(zip(keys, key, strict=True))
+        metric, margin, unit = head["metric"], margins.get(head["metric"], float("nan")), METRIC_UNITS[head["metric"]]
+        g = g.sort_values("seed")
+        row = {**head, "unit": unit, "n_seeds": len(g), "seeds": ",".join(str(x) for x in g["seed"]),
+               "n_items": int(g["n"].sum()), "dirty_runs": int(g["dirty"].sum()), "margin": margin}
+        if not g["recorded"].all():
+            rows.append({**row, "equivalence": NOT_RECORDED, "difference": NOT_RECORDED})
+            continue
+        # a loss variance comes from a few blocks of steps per seed: t with their degrees of freedom
+        within_df = float((g["n"] // LOSS_BLOCK - 1).sum()) if metric == "train_loss" else math.inf
+        pooled = pool_seeds(g["diff"], g["var"], within_df)
+        if metric == "accuracy":
+            base = float(g["base"].mean())
+            lost, gained, n = int(g["lost"].sum()), int(g["gained"].sum()), int(g["n"].sum())
+            m = lost + gained
+
+            def rel(points, _b=base):
+                return -points / _b * 100.0 if _b > 0 else float("nan")
+
+            lo95, hi95, lo90, hi90 = pooled.lo, pooled.hi, pooled.lo90, pooled.hi90
+            method = f"seeds pooled ({pooled.variance_from})"
+            if m < EXACT_BELOW_DISCORDANT:  # few flips: widen to the exact interval of all seeds' items
+                e95, e90 = (exact_difference_ci(lost, gained, n, c) for c in (0.95, 0.90))
+                lo95, hi95 = min(lo95, e95[0] * 100), max(hi95, e95[1] * 100)
+                lo90, hi90 = min(lo90, e90[0] * 100), max(hi90, e90[1] * 100)
+                method += " and exact"
+            mde_pts = mde_exact_mcnemar(n, m, alpha=alpha, power=power) * 100.0
+            row.update(base=base, cost=rel(pooled.mean), ci_lo=rel(hi95), ci_hi=rel(lo95), ci90_lo=rel(hi90),
+                       ci90_hi=rel(lo90), diff_points=pooled.mean, lost=lost, gained=gained,
+                       p=exact_mcnemar_p(lost, gained), test="exact McNemar, seeds pooled", ci_method=method,
+                       mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts)
+        else:
+            row.update(base=float(g["base"].mean()), cost=pooled.mean, ci_lo=pooled.lo, ci_hi=pooled.hi,
+                       ci90_lo=pooled.lo90, ci90_hi=pooled.hi90, p=pooled.p,
+                       test="t over seeds" if pooled.variance_from == "between seeds" else
+                       "t over step blocks" if metric == "train_loss" else "normal, within-seed item variance",
+                       ci_method=f"seeds pooled ({pooled.variance_from})",
+                       mde=mde_from_se(pooled.se, pooled.df, alpha=alpha, power=power))
+            if metric != "train_loss":
+                row.update(lost=int(g["lost"].sum()), gained=int(g["gained"].sum()))
+        row.update(between_seed_sd=pooled.between_sd, equivalence=equivalence_verdict(
+            row["ci90_lo"], row["ci90_hi"], margin, "" if unit == "nats" else " %"))
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    df["p_holm"] = np.nan
+    for _, idx in df.groupby(CLAIM_KEYS, sort=False).groups.items():
+        df.loc[idx, "p_holm"] = holm(df.loc[idx, "p"].to_numpy(float)) if "p" in df else np.nan
+    recorded = df["equivalence"] != NOT_RECORDED
+    df.loc[recorded, "difference"] = np.where(
+        df.loc[recorded, "p_holm"] < alpha, np.where(df.loc[recorded, "cost"] > 0, "worse", "better"),
+        "not detected")
+    return df
+
+
+def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
+    """What each claim's own test can detect: its minimum detectable cost next to the paper's effect sizes.
+    Depends only on the claim's own runs, never on others in the folder."""
+    if claims.empty or "mde" not in claims:
+        return pd.DataFrame()
+    cols = [c for c in ["experiment", "run_tag", "against", "counterpart", "mode", "task", "metric", "unit",
+                        "n_seeds", "n_items", "lost", "gained", "mde", "mde_points", "test"] if c in claims]
+    return claims[claims["equivalence"] != NOT_RECORDED][cols].reset_index(drop=True)
+
+
+def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
+                  metrics_cache: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    """Every seed's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the same)."""
+    rows = []
+    for r in runs:
+        b, p = baseline_of[str(r.path)], parent_of[str(r.path)]
+        for against, other in (("baseline", b), ("derived_from", p if p is not b else None),
+                               ("bf16_mode", r if r.quant else None)):
+            if other is not None:
+                rows += seed_contrasts(r, other, against, metrics_cache)
+    return pd.DataFrame(rows)

@@ -1,0 +1,110 @@
+"""The note written above each table of the report (what its columns mean, how its intervals are made)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pandas as pd
+
+from ..stats import min_one_way_flips
+from .claims import CLAIM_KEYS, DEFAULT_MARGINS, METRIC_UNITS
+from .items import EXACT_BELOW_DISCORDANT
+
+
+def multiple_comparisons(claims_df: pd.DataFrame, profile: str) -> tuple[str, int]:
+    """How many claims and tests the claims table holds and how they are adjusted, and the number of tests."""
+    n_tests = int(claims_df["p"].notna().sum()) if "p" in claims_df else 0
+    n_claims = int(claims_df.groupby(CLAIM_KEYS).ngroups) if len(claims_df) else 0
+    multiple = (f"Multiple comparisons: one family per claim ({n_claims} claims, {n_tests} tests in "
+                f"claims_{profile}), seeds pooled into one test per task and metric; p_holm is Holm-adjusted "
+                "within the claim. Per-seed rows (drops, ablations) are descriptive and unadjusted.")
+    return multiple, n_tests
+
+
+def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margins: Mapping[str, float] | None,
+                multiple: str) -> dict[str, str]:
+    """Every table's note, keyed by table name; ``multiple``: the text of :func:`multiple_comparisons`."""
+    margins_text = ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in {**DEFAULT_MARGINS, **(margins or {})}.items())
+    return {
+        f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %. dirty: made from a tree "
+                           "with uncommitted changes (run_info.json), so its commit does not hold its exact code.",
+        f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
+                            "evaluation, one row per seed. 95 % CI: exact (conditional McNemar, Clopper-Pearson) "
+                            f"when fewer than {EXACT_BELOW_DISCORDANT} items differ (ci_method exact; significant: "
+                            "exact p_mcnemar < 0.05), else a paired percentile bootstrap "
+                            f"({n_boot} resamples of the common documents, seed {seed}; significant: CI excludes "
+                            "0). n_lost / n_gained: items right in the baseline and wrong in the run, and the "
+                            "reverse; discordant: their share. " + multiple,
+        f"ape_{profile}": f"Training-loss APE (%) over all common steps, the last {last_frac:.0%} of them, and the "
+                          "QAT phase (ape_qat_pct: steps from qat_from_step, the first step the quantized run "
+                          "logged as quantized, i.e. after its BF16 warmup).",
+        f"pairing_{profile}": "Every run's pairs: its BF16 baseline (same seed, same training settings apart "
+                              "from quant.*) and the experiment it derives from (same seed, same training "
+                              "settings apart from its declared changes). Logging, evaluation and checkpoint "
+                              "cadence and run_tag do not count. An empty *_run names no pair; *_unpaired says "
+                              "why, and the run is left out of that comparison.",
+        f"paired_{profile}": "Per seed, the paired contrasts the claims pool: diff (accuracy: run minus "
+                             "counterpart in points; train_loss: signed loss difference, % of the counterpart's "
+                             "loss; gold_ll / gold_margin: counterpart minus run, nats per item), var (its "
+                             "within-seed variance: items, or blocks of 5 steps), lost / gained (items right only "
+                             "in the counterpart / only in the run; for the per-item metrics, items worse / "
+                             "better), recorded (false: the run files lack the metric).",
+        f"sweeps_{profile}": "Sweeps: each experiment run under several run tags (e.g. a Hydra multirun over a "
+                             "knob), the knobs that differ between them (from the saved configs), and each claim "
+                             "metric's cost against the baseline per knob value, 95 % CI over seeds as in "
+                             "claims; baseline_seed_sd_pct: the baseline's own sd over seeds (score, or final "
+                             "loss) in % of its mean. Figures: sweep_<profile>_<experiment>.png.",
+        f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
+        f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
+                                "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
+                                "these drops are the noise floor of any claim.",
+        f"claims_{profile}": "Each run against its baseline and against the experiment it derives from, pooled "
+                             "over same-seed pairs, and a quantized run's quantized evaluation against its own "
+                             "bf16 one (against = bf16_mode): cost (positive = the run is worse; accuracy: relative drop, % "
+                             "of the baseline score; train_loss: signed per-step loss difference over the QAT "
+                             "phase, % of the baseline loss; gold_ll / gold_margin: nats per item) with a 95 % CI "
+                             "whose variance is the larger of the between-seed spread and the within-seed item or "
+                             "step-block variance (t over seeds when the spread dominates), widened to the exact "
+                             f"interval when fewer than {EXACT_BELOW_DISCORDANT} items flip. equivalence: two "
+                             "one-sided tests (90 % CI) against `margin`; difference: one test with the seeds "
+                             "pooled (accuracy: exact McNemar over every seed's flips), Holm within the claim. "
+                             f"mde: the cost that test detects with 80 % power. Margins: {margins_text}. Runs "
+                             "made from a tree with uncommitted changes count in dirty_runs.",
+        "anchor": "The base SmolLM2-135M on the full real benchmarks (make anchor; our weights: the Instruct model "
+                  "dequantized from Q4_1, lm-eval's prompts) next to the scores HuggingFace published (lighteval, "
+                  "0-shot; results/anchor/published_smollm2_135m.csv names the source). ARC (Average) = mean of "
+                  "ARC-Easy and ARC-Challenge.",
+        f"mde_{profile}": "Minimum detectable cost per claim (80 % power, two-sided alpha 0.05) under the test "
+                          "the claim uses: accuracy, the exact McNemar test on the claim's own pooled flips "
+                          f"(it needs at least {min_one_way_flips()} flips all one way; empty: fewer flips than "
+                          "that), in % of the baseline score and in points; train_loss, the t (or normal) test "
+                          "on the seeds' mean. Only the claim's own runs enter. The paper's drops are 0.2-0.6 % "
+                          "of the score, its loss APE 0.11 %.",
+        f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl, per run and role: share of steps and of "
+                                "calls whose amax outgrew the delayed estimate (amax/estimate > 1), the largest "
+                                "ratio, and the clipped values on statistics calls (clipped_total, "
+                                "clipped_per_stats_call): for HiF8 the overflow |x*s| >= 40960 (at target 15 only "
+                                "a tensor 2731x its estimate overflows), for FP8 |x*s| > max (at margin 0 every "
+                                "call with amax/estimate > 1 clips its largest values).",
+        f"ablations_{profile}": "Each run against the experiment it derives from (same seed): relative drop (%) with "
+                                "a paired bootstrap 95 % CI, in bf16 mode and, when both are quantized, in the "
+                                "quantized mode (`mode` hif8: each run in its own format); `changes` lists the "
+                                "settings that differ. exp7 vs exp1 isolates the learning rate (forgetting), "
+                                "exp9 vs exp8 the BF16 warmup, exp10/exp11 the FP8 format (vs exp2/exp8), "
+                                "exp12/exp13 just-in-time scaling (vs exp8/exp2): a positive drop there is what the "
+                                "oracle loses against the delayed estimator, a negative one how far the delayed "
+                                "estimator is from the oracle.",
+        f"scaling_pairs_{profile}": "One-factor pairs that change only the element format or the scale algorithm "
+                                    "(quant.format / quant.margin / quant.algo), side by side: format and "
+                                    "algorithm, share of quantizer calls whose amax outgrew the estimate, clipped "
+                                    "values per statistics call (HiF8 overflow, FP8 clipping; all roles pooled), "
+                                    "QAT-phase loss APE against the common baseline and the final loss. Accuracy "
+                                    f"differences with CIs: ablations_{profile}.",
+        f"vs_base_{profile}": "Each run's bf16 evaluation against the untrained base model's "
+                              f"(results/base_model/{profile}/): relative drop (%) with a paired bootstrap 95 % CI. "
+                              "Drops common to quantized and BF16 runs at one learning rate are forgetting, not "
+                              "quantization.",
+        f"replay_{profile}": "Each estimator replayed (interval 1) on the same per-call amax traces recorded in a run's "
+                             "final scaler state: share of calls whose amax exceeded the delayed estimate, how far, "
+                             "and the share beyond the 2-bit-mantissa tier (ratio > 128/15).",
+    }

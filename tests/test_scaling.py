@@ -1,8 +1,9 @@
 """Delayed tensor scaling: hand-worked estimator / interval / schedule / cold-start / reset / non-finite cases,
 exact resume, telemetry, and no host sync for the tensor estimators.
 
-Every behavioural test runs twice: on the reference DelayedScaler and on a one-row scaler bank
-(``impl`` fixture); both must give the same, hand-worked, scales and histories bit for bit."""
+Every behavioural test runs twice: on the test reference (tests/reference_scaling.py) and on a one-row scaler
+bank, the implementation (``impl`` fixture); both must give the same, hand-worked, scales and histories bit
+for bit. Host-sync freedom is the bank's alone."""
 
 import math
 import random
@@ -10,14 +11,10 @@ import random
 import pytest
 import torch
 
-from hif8qat import scaling
 from hif8qat.bank import ScalerBank
-from hif8qat.scaling import (
-    DelayedScaler,
-    ExpSmoothForecaster,
-    ExpSmoothParams,
-    ScalingConfig,
-)
+from hif8qat.bank_row import BankedScaler
+from hif8qat.forecast import ExpSmoothForecaster, ExpSmoothParams
+from hif8qat.scaling import STATE_KEYS, ScalingConfig
 
 NAN, INF = float("nan"), float("inf")
 
@@ -218,13 +215,13 @@ def test_state_dict_round_trip_mid_interval_continues_identically(cfg, split, im
     torch.testing.assert_close(torch.stack(got), ref, rtol=0, atol=0)
 
 
-def test_scaler_buffers_are_not_in_enclosing_state_dict():
+def test_scaler_tables_are_not_in_enclosing_state_dict():
     m = torch.nn.Module()
-    m.sc = DelayedScaler("A", ScalingConfig())
     m.bank = ScalerBank(ScalingConfig(), ["A", "W"])
-    assert list(m.state_dict().keys()) == [] and list(m.named_buffers()) == list(m.sc.named_buffers(prefix="sc"))
-    assert set(m.sc.state_dict()) >= {"history", "total", "scale_block", "meta"}
-    assert set(m.bank.row_state_dict(1)) == set(m.sc.state_dict())
+    assert list(m.state_dict().keys()) == [] and list(m.named_buffers()) == []
+    # the per-quantizer format checkpoints and exports have always used
+    assert set(m.bank.row_state_dict(1)) == set(STATE_KEYS) == {"history", "total", "pending", "pending_valid",
+                                                                "scale_block", "est_block", "meta"}
 
 
 # ------------------------------------------------------------------------------------------------ exp_smooth
@@ -357,8 +354,7 @@ def test_frozen_uses_last_scale_without_history_update(impl):
 
 
 class _NoSync:
-    """Make every host-synchronising tensor accessor raise while active (outside formats' kernels:
-    formats validates a CPU scale with float(), which is no device sync)."""
+    """Make every host-synchronising tensor accessor raise while active."""
 
     names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 
@@ -370,32 +366,17 @@ class _NoSync:
 
         for n in self.names:
             setattr(torch.Tensor, n, boom)
-        inner = scaling._qdq_amax_fn
-        self.saved_qdq = inner
-
-        def qdq_unguarded(*a, **k):
-            patched = {n: getattr(torch.Tensor, n) for n in self.names}
-            for n, f in self.saved.items():
-                setattr(torch.Tensor, n, f)
-            try:
-                return inner(*a, **k)
-            finally:
-                for n, f in patched.items():
-                    setattr(torch.Tensor, n, f)
-
-        scaling._qdq_amax_fn = qdq_unguarded
 
     def __exit__(self, *exc):
         for n, f in self.saved.items():
             setattr(torch.Tensor, n, f)
-        scaling._qdq_amax_fn = self.saved_qdq
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent", "mean"])
 @pytest.mark.parametrize("unit", ["call", "step"])
-def test_no_host_sync_per_call(algo, unit, impl):
+def test_no_host_sync_per_call(algo, unit):
     cfg = ScalingConfig(algo=algo, history_len=4, interval={0: 1, 2: 2}, history_unit=unit)
-    assert_no_host_sync(impl.Scaler("A", cfg), steps=6, observe=True)
+    assert_no_host_sync(BankedScaler.standalone("A", cfg), steps=6, observe=True)
 
 
 def assert_no_host_sync(sc, steps: int, observe: bool = False) -> None:
@@ -411,9 +392,9 @@ def assert_no_host_sync(sc, steps: int, observe: bool = False) -> None:
 
 
 @pytest.mark.gpu
-def test_no_host_sync_on_cuda(impl):
+def test_no_host_sync_on_cuda():
     cfg = ScalingConfig(algo="max", history_len=8, interval={0: 1, 2: 3})
-    sc = impl.Scaler("A", cfg, device="cuda")
+    sc = BankedScaler.standalone("A", cfg, device="cuda")
     x = torch.randn(256, 256, device="cuda")
     sc.quantize(x)
     torch.cuda.synchronize()

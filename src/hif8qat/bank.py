@@ -210,30 +210,17 @@ class ScalerBank(nn.Module):
     def __getstate__(self):
         raise TypeError("ScalerBank is not picklable; save its state with hif8qat.qlinear.quant_state_dict")
 
+    # Per-row Python bookkeeping and the value of a fresh (cold) row. blk_size 1: scale / est hold the block;
+    # > 1: an exp_smooth block of that many scales in blk_scale / blk_est. initialized is bool, the rest int64.
+    _ROW_STATE = (("initialized", False), ("block_j", 0), ("block_len", 1), ("block_algo", -1), ("blk_size", 1),
+                  ("pending_step", -1), ("calls", 0), ("seen_total", 0), ("tel_calls", 0), ("tel_stat_calls", 0))
+
     def _reset_rows(self, rows: np.ndarray) -> None:
         """Python state of a fresh (cold) row."""
-        if not hasattr(self, "initialized"):
-            n = self.n
-            self.initialized = np.zeros(n, dtype=bool)
-            self.block_j = np.zeros(n, dtype=np.int64)
-            self.block_len = np.ones(n, dtype=np.int64)
-            self.block_algo = np.full(n, -1, dtype=np.int64)
-            self.blk_size = np.ones(n, dtype=np.int64)  # 1: scale/est hold the block; > 1: exp_smooth block
-            self.pending_step = np.full(n, -1, dtype=np.int64)
-            self.calls = np.zeros(n, dtype=np.int64)
-            self.seen_total = np.zeros(n, dtype=np.int64)
-            self.tel_calls = np.zeros(n, dtype=np.int64)
-            self.tel_stat_calls = np.zeros(n, dtype=np.int64)
-        self.initialized[rows] = False
-        self.block_j[rows] = 0
-        self.block_len[rows] = 1
-        self.block_algo[rows] = -1
-        self.blk_size[rows] = 1
-        self.pending_step[rows] = -1
-        self.calls[rows] = 0
-        self.seen_total[rows] = 0
-        self.tel_calls[rows] = 0
-        self.tel_stat_calls[rows] = 0
+        for name, fresh in self._ROW_STATE:
+            if not hasattr(self, name):
+                setattr(self, name, np.zeros(self.n, dtype=bool if name == "initialized" else np.int64))
+            getattr(self, name)[rows] = fresh
         for r in np.flatnonzero(rows):
             self._forecasters[r] = None
 

@@ -243,11 +243,13 @@ def test_current_qdq_scales_each_tensor_from_its_own_amax(fmt, target):
 
 
 def test_current_scale_is_the_delayed_scalers_cold_start():
-    """The oracle and the first call of a delayed scaler pick the same scale from the same amax."""
+    """The oracle and the first call of a delayed scaler pick the same scale from the same amax:
+    float32(15 / (amax + 1e-12)) computed in float64."""
     x = torch.randn(257) * 5
     scaler = BankedScaler.standalone("A", ScalingConfig())
     scaler.quantize(x)
-    assert scaler.scale.item() == current_scale(x.abs().max(), 15.0).item()
+    want = torch.tensor(15.0 / (x.abs().max().item() + 1e-12), dtype=torch.float64).to(torch.float32).item()
+    assert scaler.scale.item() == current_scale(x.abs().max(), 15.0).item() == want
 
 
 @pytest.mark.gpu

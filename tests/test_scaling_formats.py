@@ -17,7 +17,6 @@ from hif8qat.evaluate import quant_eval_meta
 from hif8qat.formats import (
     FORMATS,
     clipped_count,
-    current_scale,
     fp8_qdq_scaled,
     hif8_qdq_scaled,
     qdq_scaled_amax,
@@ -38,8 +37,10 @@ ONE_THREAD = True  # conftest._one_thread
 
 
 def jit(amax: float, target: float) -> float:
-    """The float32 just-in-time scale of an amax."""
-    return current_scale(torch.tensor(amax), target).item()
+    """The float32 just-in-time scale of an amax, by the contract: target / (amax + 1e-12) in float64, with
+    amax 1 for a NaN, infinite or non-positive amax."""
+    a = amax if 0 < amax < math.inf else 1.0
+    return torch.tensor(target / (a + 1e-12), dtype=torch.float64).to(torch.float32).item()
 
 
 def qdq(x, scale, fmt):

@@ -187,7 +187,7 @@ class DelayedScaler(nn.Module):
         self.fmt = formats.element_format(self.config.format, role)
         self.target = float(target) if target is not None else formats.target_for(self.config, role)
         self.rounding = self.config.grad_rounding if role == "G" else "ta"
-        self.device = torch.device(device or "cpu")
+        del device  # accepted for the common constructor signature; the state is Python numbers on the host
         self.step, self.frozen = 0, False
         self.reset()
 

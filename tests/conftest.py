@@ -35,13 +35,17 @@ def _one_thread(request):
 
 @pytest.fixture(params=["bank", "oracle"])
 def impl(request):
-    """The reference scaler or the scaler bank, behind the same constructor and replay function."""
+    """The test reference scaler (tests/reference_scaling.py) or a one-row scaler bank (the implementation),
+    behind the same constructor and replay function."""
     import types
 
-    from hif8qat.bank import BankedScaler, bank_replay
-    from hif8qat.scaling import DelayedScaler, replay
+    import reference_scaling
 
-    scaler, replay_fn = {"oracle": (DelayedScaler, replay), "bank": (BankedScaler.standalone, bank_replay)}[request.param]
+    from hif8qat.bank_row import BankedScaler
+    from hif8qat.scaling import replay
+
+    scaler, replay_fn = {"oracle": (reference_scaling.DelayedScaler, reference_scaling.replay),
+                         "bank": (BankedScaler.standalone, replay)}[request.param]
     return types.SimpleNamespace(name=request.param, Scaler=scaler, replay=replay_fn)
 
 

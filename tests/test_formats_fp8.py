@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hif8qat import formats
+from hif8qat.bank_row import BankedScaler
 from hif8qat.formats import (
     FORMATS,
     HIF8_OVERFLOW,
@@ -28,7 +29,7 @@ from hif8qat.formats import (
     qdq_scaled_amax,
     target_for,
 )
-from hif8qat.scaling import DelayedScaler, ScalingConfig
+from hif8qat.scaling import ScalingConfig
 
 FP8 = ["e4m3", "e5m2"]
 
@@ -242,11 +243,13 @@ def test_current_qdq_scales_each_tensor_from_its_own_amax(fmt, target):
 
 
 def test_current_scale_is_the_delayed_scalers_cold_start():
-    """The oracle and the first call of a delayed scaler pick the same scale from the same amax."""
+    """The oracle and the first call of a delayed scaler pick the same scale from the same amax:
+    float32(15 / (amax + 1e-12)) computed in float64."""
     x = torch.randn(257) * 5
-    scaler = DelayedScaler("A", ScalingConfig())
+    scaler = BankedScaler.standalone("A", ScalingConfig())
     scaler.quantize(x)
-    assert scaler.scale.item() == current_scale(x.abs().max(), 15.0).item()
+    want = torch.tensor(15.0 / (x.abs().max().item() + 1e-12), dtype=torch.float64).to(torch.float32).item()
+    assert scaler.scale.item() == current_scale(x.abs().max(), 15.0).item() == want
 
 
 @pytest.mark.gpu

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from hif8qat import formats
+from hif8qat.bank_row import BankedScaler
 from hif8qat.formats import hif8_encode, hif8_qdq, hif8_qdq_scaled, hif8_qdq_scaled_amax
-from hif8qat.scaling import DelayedScaler, ScalingConfig
+from hif8qat.scaling import ScalingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -62,7 +63,7 @@ def quantizer_matches_cpu(device: str) -> None:
 def scaler_calls(device: str, algo: str, unit: str, sync_guard) -> list[float]:
     """Run a scaler for a few steps with `sync_guard()` active around the calls; return its history."""
     cfg = ScalingConfig(algo=algo, history_len=8, interval={0: 1, 3: 2}, history_unit=unit, amax_reduce="none")
-    sc = DelayedScaler("A", cfg, device=device)
+    sc = BankedScaler.standalone("A", cfg, device=device)
     x = torch.randn(512, 512, generator=torch.Generator().manual_seed(0)).to(device)
     sc.quantize(x)  # warm-up: lazy imports, compiled kernels
     with sync_guard():

@@ -10,9 +10,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from hif8qat.bank_row import BankedScaler
 from hif8qat.config import ConfigError, RunConfig
-from hif8qat.formats import current_scale, qdq_scaled_amax, target_for
-from hif8qat.scaling import DelayedScaler, ScalingConfig
+from hif8qat.formats import qdq_scaled_amax, target_for
+from hif8qat.scaling import ScalingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,8 +85,9 @@ def test_beyond_the_paper_experiments(exp, parent, baseline, format_, algo):
                                            ({"algo": {0: "max", 10: "current"}}, "hif8", 15.0)])
 def test_the_delayed_scaler_runs_every_format_and_current(kw, fmt, target):
     x = torch.randn(64) * 3
-    y = DelayedScaler("A", ScalingConfig(**kw)).quantize(x)  # the first call: a cold start from x's own amax
-    assert torch.equal(y, qdq_scaled_amax(x, current_scale(x.abs().max(), target), fmt)[0])
+    y = BankedScaler.standalone("A", ScalingConfig(**kw)).quantize(x)  # the first call: a cold start from x's own amax
+    scale = torch.tensor(target / (x.abs().max().item() + 1e-12), dtype=torch.float64).to(torch.float32)
+    assert torch.equal(y, qdq_scaled_amax(x, scale, fmt)[0])
 
 
 def test_old_configs_without_the_new_fields_load_as_hif8():

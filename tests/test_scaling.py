@@ -1,8 +1,9 @@
 """Delayed tensor scaling: hand-worked estimator / interval / schedule / cold-start / reset / non-finite cases,
 exact resume, telemetry, and no host sync for the tensor estimators.
 
-Every behavioural test runs twice: on the reference DelayedScaler and on a one-row scaler bank
-(``impl`` fixture); both must give the same, hand-worked, scales and histories bit for bit."""
+Every behavioural test runs twice: on the test reference (tests/reference_scaling.py) and on a one-row scaler
+bank, the implementation (``impl`` fixture); both must give the same, hand-worked, scales and histories bit
+for bit. Host-sync freedom is the bank's alone."""
 
 import math
 import random
@@ -10,14 +11,10 @@ import random
 import pytest
 import torch
 
-from hif8qat import scaling
 from hif8qat.bank import ScalerBank
-from hif8qat.scaling import (
-    DelayedScaler,
-    ExpSmoothForecaster,
-    ExpSmoothParams,
-    ScalingConfig,
-)
+from hif8qat.bank_row import BankedScaler
+from hif8qat.forecast import ExpSmoothForecaster, ExpSmoothParams
+from hif8qat.scaling import STATE_KEYS, ScalingConfig
 
 NAN, INF = float("nan"), float("inf")
 
@@ -173,6 +170,33 @@ def test_non_finite_cold_start_falls_back_to_target_then_recovers(impl):
     assert_scales(impl.replay([0, 0, 8, 0, 3], cfg), 1, 1, 1, 8, 8)
 
 
+def test_mean_with_interval_schedule_non_finite_cold_start_and_zeros_hand_worked(impl):
+    cfg = ScalingConfig(algo="mean", history_len=3, interval={0: 1, 4: 3})
+    amax = [NAN, 0, 6, 3, 9, 12, 1, 2, 4]
+    # call (step = call)  history before the call  estimate
+    # 0  cold start, own amax NaN -> fallback       1
+    # 1  []         mean 0 -> keep the previous      1
+    # 2  [0]        mean 0 -> keep the previous      1
+    # 3  [0, 6]     (0 + 6) / 2                      3
+    # 4  [0, 6, 3]  step 4: interval 3, a new block: (0 + 6 + 3) / 3 = 3
+    # 5, 6          inside the block                 3
+    # 7  [9, 12, 1] the block is used up: 22 / 3 (the window slid on while the block ran)
+    # 8  inside the new block                        22 / 3
+    got = impl.replay(amax, cfg, steps=list(range(len(amax))))
+    assert_scales(got, 1, 1, 1, 3, 3, 3, 3, 22 / 3, 22 / 3)
+
+
+def test_max_per_step_with_interval_hand_worked(impl):
+    cfg = ScalingConfig(algo="max", history_len=2, history_unit="step", interval=2)
+    amax = [4, NAN, 2, 8, 1, 3, 5, 7]
+    steps = [0, 0, 1, 1, 2, 3, 4, 4]
+    # step 0: cold start from 4 (a block of 2 steps opens); the NaN is left out of the step's maximum (4)
+    # step 1: entry 4 committed, history [4]; 2nd step of the block: still 4; the step's maximum is 8
+    # step 2: history [4, 8]; a new block: max 8; step 3: history [8, 1], block continues: 8
+    # step 4: history [1, 3] (8 slid out); a new block: max 3, for both calls of the step
+    assert_scales(impl.replay(amax, cfg, steps=steps), 4, 4, 4, 4, 8, 8, 3, 3)
+
+
 def test_history_unit_step_one_entry_per_step(impl):
     cfg = ScalingConfig(algo="max", history_len=2, history_unit="step")
     amax = [1, 3, 2, 5, 4, 1, 1]
@@ -218,13 +242,13 @@ def test_state_dict_round_trip_mid_interval_continues_identically(cfg, split, im
     torch.testing.assert_close(torch.stack(got), ref, rtol=0, atol=0)
 
 
-def test_scaler_buffers_are_not_in_enclosing_state_dict():
+def test_scaler_tables_are_not_in_enclosing_state_dict():
     m = torch.nn.Module()
-    m.sc = DelayedScaler("A", ScalingConfig())
     m.bank = ScalerBank(ScalingConfig(), ["A", "W"])
-    assert list(m.state_dict().keys()) == [] and list(m.named_buffers()) == list(m.sc.named_buffers(prefix="sc"))
-    assert set(m.sc.state_dict()) >= {"history", "total", "scale_block", "meta"}
-    assert set(m.bank.row_state_dict(1)) == set(m.sc.state_dict())
+    assert list(m.state_dict().keys()) == [] and list(m.named_buffers()) == []
+    # the per-quantizer format checkpoints and exports have always used
+    assert set(m.bank.row_state_dict(1)) == set(STATE_KEYS) == {"history", "total", "pending", "pending_valid",
+                                                                "scale_block", "est_block", "meta"}
 
 
 # ------------------------------------------------------------------------------------------------ exp_smooth
@@ -234,6 +258,70 @@ def test_exp_smooth_warmup_is_most_recent_and_constant_series_is_fixed_point(imp
     assert_scales(impl.replay(amax, cfg), 3, 3, 5, 2)
     got = impl.replay([2.0] * 60, cfg)
     assert_scales(got[-1:], 2.0)
+
+
+def f32(v: float) -> float:
+    return torch.tensor(v, dtype=torch.float64).to(torch.float32).item()
+
+
+def test_exp_smooth_blocks_and_median_clipping_hand_worked(impl):
+    """Warm-up (fewer than 20 amaxes seen: the forecast is the window's most recent amax), interval blocks, and
+    the scale clipped to [0.01, 100] x s_med, s_med = 15 / median(window) (upper bound also <= 1e8)."""
+    cfg = ScalingConfig(algo="exp_smooth", history_len=4, interval={0: 1, 5: 3})
+    amax = [2, 4, 1000, 1, NAN, 3, 5, 0, 6, 1]
+    # call  window (history before the call)  forecast  median  scale
+    # 0     cold start, own amax                 -         -      15/2 = 7.5
+    # 1     [2]                                  2         2      7.5
+    # 2     [2, 4]                               4         3      15/4 = 3.75 (bounds [0.05, 500])
+    # 3     [2, 4, 1000]                         1000      4      15/1000 = 0.015 < 0.01 * 15/4: 0.0375
+    # 4     [2, 4, 1000, 1]                      1         3      15
+    # 5     step 5, interval 3: a block of 3; the NaN never entered the window [2, 4, 1000, 1]:
+    #       forecasts [1, 1, 1] -> 15 for calls 5, 6 and 7
+    # 8     [1, 3, 5, 0] (3, 5, 0 appended): forecast 0, not positive -> the median (1 + 3) / 2 = 2: 7.5
+    # 9     inside that block                                     7.5
+    got = impl.replay(amax, cfg, steps=list(range(len(amax))))
+    want = [s(2).item(), s(2).item(), s(4).item(), f32(0.01 * (15 / (4 + 1e-12))), *[s(1).item()] * 4,
+            s(2).item(), s(2).item()]
+    assert got.tolist() == want
+
+
+def test_exp_smooth_upper_clips_and_the_1e8_cap_hand_worked(impl):
+    cfg = ScalingConfig(algo="exp_smooth", history_len=4)
+    tiny, t30 = 2.0**-10, 2.0**-30
+    amax = [100, 100, 100, tiny, 5, t30, t30, t30, 1]
+    # call  window                      forecast  scale 15/forecast  median, upper bound 100 * 15/median
+    # 0-3   cold start, then [100..]    100       0.15
+    # 4     [100, 100, 100, 2^-10]      2^-10     15360              100: bound 15 -> 15
+    # 5     [100, 100, 2^-10, 5]        5         3                  (5 + 100)/2: bound 28.6 -> 3
+    # 6     [100, 2^-10, 5, 2^-30]      2^-30     1.6e10             (2^-10 + 5)/2: bound 599.9
+    # 7     [2^-10, 5, 2^-30, 2^-30]    2^-30     1.6e10             (2^-30 + 2^-10)/2: bound 3.07e6
+    # 8     [5, 2^-30, 2^-30, 2^-30]    2^-30     1.6e10             2^-30: 100 * 1.6e10 > 1e8 -> 1e8
+    got = impl.replay(amax, cfg)
+
+    def upper(med):
+        return f32(100 * (15 / (med + 1e-12)))
+
+    want = [s(100).item()] * 4 + [upper(100), s(5).item(), upper((tiny + 5) / 2), upper((t30 + tiny) / 2), 1e8]
+    assert got.tolist()[:9] == want
+
+
+@pytest.mark.parametrize("role", ["A", "G"])
+def test_exp_smooth_lone_spike_after_a_flat_series_is_clipped_to_the_median(role, impl):
+    """Past the warm-up: 22 amaxes of 1 (log 0), a spike of 1024, then 1s. The call after the spike has 23 log
+    amaxes z = [0] * 22 + [ln 1024]: the first forecast with >= 3 cross-validation origins (t = 20, 21, 22, each
+    forecasting z[t] from z[:t]). Every candidate forecasts 0 from an all-zero prefix, so each has the errors
+    (0, 0, ln 1024): equal scores ln(1024) / 3 and equal weights. Whatever their combination, the robust clip
+    keeps it within median(z) +- clip_sigma * 1.4826 * MAD(z) = 0 +- 0: the forecast is exp(0) = 1, scale 15,
+    where most_recent would use 15 / 1024."""
+    cfg = ScalingConfig(algo="exp_smooth", history_len=4)
+    amax = [1.0] * 22 + [1024.0, 1.0, 1.0]
+    sc = impl.Scaler(role, cfg)
+    got = [sc.observe_amax(a).item() for a in amax[:24]]
+    assert got == [s(1).item()] * 24
+    assert sc._forecaster.scores == pytest.approx(dict.fromkeys(
+        ("most_recent", "damped_holt", "trend_following", "ar1"), math.log(1024) / 3), rel=1e-12)
+    assert sc.observe_amax(1.0).item() == s(1).item()  # cross validation is not rerun (every 5 forecasts)
+    assert impl.replay(amax, ScalingConfig(algo="most_recent"))[23].item() == s(1024).item()
 
 
 def test_exp_smooth_forecast_follows_trend_with_bounds():
@@ -357,8 +445,7 @@ def test_frozen_uses_last_scale_without_history_update(impl):
 
 
 class _NoSync:
-    """Make every host-synchronising tensor accessor raise while active (outside formats' kernels:
-    formats validates a CPU scale with float(), which is no device sync)."""
+    """Make every host-synchronising tensor accessor raise while active."""
 
     names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 
@@ -370,32 +457,17 @@ class _NoSync:
 
         for n in self.names:
             setattr(torch.Tensor, n, boom)
-        inner = scaling._qdq_amax_fn
-        self.saved_qdq = inner
-
-        def qdq_unguarded(*a, **k):
-            patched = {n: getattr(torch.Tensor, n) for n in self.names}
-            for n, f in self.saved.items():
-                setattr(torch.Tensor, n, f)
-            try:
-                return inner(*a, **k)
-            finally:
-                for n, f in patched.items():
-                    setattr(torch.Tensor, n, f)
-
-        scaling._qdq_amax_fn = qdq_unguarded
 
     def __exit__(self, *exc):
         for n, f in self.saved.items():
             setattr(torch.Tensor, n, f)
-        scaling._qdq_amax_fn = self.saved_qdq
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent", "mean"])
 @pytest.mark.parametrize("unit", ["call", "step"])
-def test_no_host_sync_per_call(algo, unit, impl):
+def test_no_host_sync_per_call(algo, unit):
     cfg = ScalingConfig(algo=algo, history_len=4, interval={0: 1, 2: 2}, history_unit=unit)
-    assert_no_host_sync(impl.Scaler("A", cfg), steps=6, observe=True)
+    assert_no_host_sync(BankedScaler.standalone("A", cfg), steps=6, observe=True)
 
 
 def assert_no_host_sync(sc, steps: int, observe: bool = False) -> None:
@@ -411,9 +483,9 @@ def assert_no_host_sync(sc, steps: int, observe: bool = False) -> None:
 
 
 @pytest.mark.gpu
-def test_no_host_sync_on_cuda(impl):
+def test_no_host_sync_on_cuda():
     cfg = ScalingConfig(algo="max", history_len=8, interval={0: 1, 2: 3})
-    sc = impl.Scaler("A", cfg, device="cuda")
+    sc = BankedScaler.standalone("A", cfg, device="cuda")
     x = torch.randn(256, 256, device="cuda")
     sc.quantize(x)
     torch.cuda.synchronize()

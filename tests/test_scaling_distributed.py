@@ -22,11 +22,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        from hif8qat.scaling import DelayedScaler, ScalingConfig
+        from hif8qat.bank_row import BankedScaler
+        from hif8qat.scaling import ScalingConfig
 
         result = {}
         for reduce in ("max", "none"):
-            sc = DelayedScaler("A", ScalingConfig(algo="max", history_len=4, amax_reduce=reduce))
+            sc = BankedScaler.standalone("A", ScalingConfig(algo="max", history_len=4, amax_reduce=reduce))
             gen = torch.Generator().manual_seed(100 + rank)
             scales = []
             for i in range(8):
@@ -69,29 +70,30 @@ def _frozen_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        from hif8qat.bank_row import BankedScaler
         from hif8qat.qlinear import convert_model, freeze_scales, quant_state_dict
-        from hif8qat.scaling import DelayedScaler, ScalingConfig
+        from hif8qat.scaling import ScalingConfig
 
         cfg = ScalingConfig(algo="max", history_len=4, amax_reduce="max")
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
         convert_model(model, "mlp", None, cfg)
-        oracle, fresh = DelayedScaler("A", cfg), DelayedScaler("A", cfg)
+        alone, fresh = BankedScaler.standalone("A", cfg), BankedScaler.standalone("A", cfg)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(2):  # training: every rank, amaxes all-reduced
             ids = torch.randint(0, 64, (2, 8), generator=gen)
             model(ids, labels=ids).loss.backward()
-            oracle.quantize(torch.randn(8, 8, generator=gen) * (1 + rank))
+            alone.quantize(torch.randn(8, 8, generator=gen) * (1 + rank))
         state = quant_state_dict(model)
         if rank == 0:  # evaluation on rank 0 only: must not wait for rank 1
             freeze_scales(model, True)
-            oracle.freeze(True)
+            alone.freeze(True)
             fresh.freeze(True)
             with torch.no_grad():
                 for _ in range(3):
                     model(torch.randint(0, 64, (2, 8), generator=gen))
-                    oracle.quantize(torch.randn(8, 8, generator=gen))
+                    alone.quantize(torch.randn(8, 8, generator=gen))
                     fresh.quantize(torch.randn(8, 8, generator=gen))  # cold start while frozen: local amax
             after = quant_state_dict(model)
             assert all(torch.equal(state[k], after[k]) for k in state if not k.endswith(".meta"))

@@ -1,7 +1,9 @@
 """Scaler bank: the delayed-scaling state of every 8-bit quantizer of a model in one table.
 
-Same semantics as :class:`hif8qat.scaling.DelayedScaler` (the reference kept for tests; see its module
-docstring for the rules), organised for speed and for ``torch.compile``:
+The project's one implementation of delayed scaling (contract: docs/design.md, section 2). The rules come
+from :mod:`hif8qat.rules` (cold start, estimators, refresh, amax reduction, append) and :mod:`hif8qat.forecast`
+(``exp_smooth``); this module applies them to all rows at once, organised for speed and for
+``torch.compile``. Saved states: :mod:`hif8qat.bank_state`; one row as a scaler: :mod:`hif8qat.bank_row`.
 
 * **One state table** for all quantizers (rows; one per layer and role A / W / G): history ``[n, L]``,
   entry counts, pending step maxima, current scales and estimates, exp_smooth blocks, telemetry.
@@ -18,24 +20,16 @@ docstring for the rules), organised for speed and for ``torch.compile``:
   once per refresh round for the whole model.
 
 Micro-batch rules. Each quantizer is called once per micro-batch, so "the scale of a call comes from the
-history before its own amax is appended" holds exactly as in the per-call reference. A second call of a
+history before its own amax is appended" holds per call. A second call of a
 forward quantizer (A / W) during the backward pass is an activation-checkpointing recompute: it reuses
 the forward's scale and records nothing. Any other second call in one micro-batch raises
 :class:`QuantizerCalledTwice`. The backward pass re-quantizes the weight with the forward's scale
 (``record=False``) instead of keeping the quantized weight alive from forward to backward.
 
-Frozen (evaluation) banks read their scales and record nothing, so they never communicate.
-
-Formats. Each row quantizes to the element format of its role under ``config.format``
-(:func:`hif8qat.formats.element_format`: ``hybrid`` is E4M3 for A and W, E5M2 for G) with that format's
-target (:func:`hif8qat.formats.target_for`: HiF8 15, FP8 max / 2^margin) and clipped-value count (HiF8:
-``|x*s| >= 40960``, FP8: ``|x*s| > max``).
-
-Just-in-time scaling (``algo="current"``, also as a phase of a schedule): every call is a cold start, the
-scale comes from the tensor's own amax (one amax pass, then the cast), computed locally (no collective per
-call; the history still receives the amaxes, all-reduced by ``amax_reduce`` at the end of the micro-batch, so
-telemetry and a later switch to a delayed estimator work). Frozen banks keep doing so: an evaluation of a
-``current`` run scales every tensor from its own amax.
+Frozen (evaluation) banks read their scales and record nothing, so they never communicate. Each row
+quantizes in its role's element format (:func:`hif8qat.formats.element_format`) with that format's target.
+Under ``algo="current"`` a call's scale comes from its own amax (one amax pass, then the cast; local, no
+collective); the history still receives the amaxes at the end of the micro-batch.
 """
 
 from __future__ import annotations
@@ -49,27 +43,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from hif8qat import formats
+from hif8qat import bank_state, bank_telemetry, forecast, formats, rules
 from hif8qat.errors import RunError
-from hif8qat.scaling import (
-    _FALLBACK_ESTIMATE,
-    _META,
-    _TEL_CNT,
-    _TEL_MAX,
-    ALGOS,
-    EPS,
-    EXP_SMOOTH_PARAMS,
-    ROLES,
-    ExpSmoothForecaster,
-    ExpSmoothParams,
-    ScalingConfig,
-    _exp_smooth_block,
-    _lookup,
-    check_state_keys,
-)
+from hif8qat.forecast import ExpSmoothForecaster
+from hif8qat.scaling import ALGOS, ROLES, ScalingConfig, lookup
 
 # op modes
 RECORD = 0  # a training call (a backward pass is expected to end the micro-batch)
@@ -112,10 +91,6 @@ _BANKS: weakref.WeakValueDictionary[int, ScalerBank] = weakref.WeakValueDictiona
 _IDS = itertools.count(1)
 
 
-def _dist_active() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -146,8 +121,8 @@ class ScalerBank(nn.Module):
 
     Tables are plain tensor attributes, not buffers: they follow the model's device moves (``_apply``)
     but never its dtype casts, stay out of ``state_dict()`` and are never broadcast by DDP. Per-row
-    bookkeeping is in numpy arrays. ``row_state_dict`` / ``load_row_state_dict`` use the reference
-    scaler's per-quantizer format, so exports and checkpoints written before the bank load unchanged.
+    bookkeeping is in numpy arrays. ``row_state_dict`` / ``load_row_state_dicts`` use the per-quantizer
+    format of :mod:`hif8qat.bank_state`, so exports and checkpoints written before the bank load unchanged.
     """
 
     def __init__(self, config: ScalingConfig | None = None, roles: Sequence[str] = ROLES, *,
@@ -170,7 +145,7 @@ class ScalerBank(nn.Module):
         self.formats = [formats.element_format(config.format, r) for r in self.roles]  # element format per row
         self._kernels = [FORMATS[f] for f in self.formats]
         specs = [formats.format_spec(f) for f in self.formats]
-        self._clip = [(s.clip_threshold, s.clip_inclusive) for s in specs]
+        self._specs = specs
         self._targets = [formats.target_for(config, r) for r in self.roles]
         self._rounding = [config.grad_rounding if r == "G" else "ta" for r in self.roles]
         self._is_g = np.array([r == "G" for r in self.roles])
@@ -235,30 +210,17 @@ class ScalerBank(nn.Module):
     def __getstate__(self):
         raise TypeError("ScalerBank is not picklable; save its state with hif8qat.qlinear.quant_state_dict")
 
+    # Per-row Python bookkeeping and the value of a fresh (cold) row. blk_size 1: scale / est hold the block;
+    # > 1: an exp_smooth block of that many scales in blk_scale / blk_est. initialized is bool, the rest int64.
+    _ROW_STATE = (("initialized", False), ("block_j", 0), ("block_len", 1), ("block_algo", -1), ("blk_size", 1),
+                  ("pending_step", -1), ("calls", 0), ("seen_total", 0), ("tel_calls", 0), ("tel_stat_calls", 0))
+
     def _reset_rows(self, rows: np.ndarray) -> None:
         """Python state of a fresh (cold) row."""
-        if not hasattr(self, "initialized"):
-            n = self.n
-            self.initialized = np.zeros(n, dtype=bool)
-            self.block_j = np.zeros(n, dtype=np.int64)
-            self.block_len = np.ones(n, dtype=np.int64)
-            self.block_algo = np.full(n, -1, dtype=np.int64)
-            self.blk_size = np.ones(n, dtype=np.int64)  # 1: scale/est hold the block; > 1: exp_smooth block
-            self.pending_step = np.full(n, -1, dtype=np.int64)
-            self.calls = np.zeros(n, dtype=np.int64)
-            self.seen_total = np.zeros(n, dtype=np.int64)
-            self.tel_calls = np.zeros(n, dtype=np.int64)
-            self.tel_stat_calls = np.zeros(n, dtype=np.int64)
-        self.initialized[rows] = False
-        self.block_j[rows] = 0
-        self.block_len[rows] = 1
-        self.block_algo[rows] = -1
-        self.blk_size[rows] = 1
-        self.pending_step[rows] = -1
-        self.calls[rows] = 0
-        self.seen_total[rows] = 0
-        self.tel_calls[rows] = 0
-        self.tel_stat_calls[rows] = 0
+        for name, fresh in self._ROW_STATE:
+            if not hasattr(self, name):
+                setattr(self, name, np.zeros(self.n, dtype=bool if name == "initialized" else np.int64))
+            getattr(self, name)[rows] = fresh
         for r in np.flatnonzero(rows):
             self._forecasters[r] = None
 
@@ -337,7 +299,7 @@ class ScalerBank(nn.Module):
         self._amax_rows[row].copy_(amax if own is None else own)
         self._mb_calls[row] += 1
         if stats:
-            self._stats(x, row, scale)
+            bank_telemetry.record_stats(self, x, row, scale)
         if self._is_g[row] and not self._callback_queued and _in_backward():
             torch.autograd.Variable._execution_engine.queue_callback(self.update)
             self._callback_queued = True
@@ -348,7 +310,7 @@ class ScalerBank(nn.Module):
 
     def _current_now(self) -> bool:
         """Whether the algorithm at the current step is just-in-time scaling."""
-        return self._uses_current and _lookup(self._algo_sched, self.step) == "current"
+        return self._uses_current and lookup(self._algo_sched, self.step) == "current"
 
     just_in_time = property(_current_now, doc="Whether calls at the current step scale from their own amax.")
 
@@ -357,19 +319,7 @@ class ScalerBank(nn.Module):
         this tensor's own amax (local)."""
         if self.initialized[row] and not self._current_now():
             return self._scale_rows[row]
-        est = self._cold_estimate(_amax(x))
-        return torch.div(self._targets[row], est + EPS).to(torch.float32)
-
-    @staticmethod
-    def _cold_estimate(amax: torch.Tensor) -> torch.Tensor:
-        est = amax.to(torch.float64)
-        return torch.where((est > 0) & (est < math.inf), est, torch.full_like(est, _FALLBACK_ESTIMATE))
-
-    def _reduce_(self, amax: torch.Tensor) -> torch.Tensor:
-        if self.config.amax_reduce == "max" and _dist_active():
-            amax = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax).clone()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-        return amax
+        return rules.scale_of(self._targets[row], rules.cold_estimate(_amax(x)))
 
     def _begin(self, row: int, mode: int, cold_amax, current: bool = False) -> None:
         """Pick the row's scale for this call (before its amax is known; ``current``: from ``cold_amax``)."""
@@ -382,14 +332,14 @@ class ScalerBank(nn.Module):
             # cold start from this call's own amax (reduced across ranks; opens a block), or just-in-time
             # scaling: a cold start on every call, from the local amax (no collective per call)
             a = cold_amax().reshape(())
-            est = self._cold_estimate(a if current else self._reduce_(a.reshape(1)).reshape(()))
+            est = rules.cold_estimate(a if current else rules.reduce_amax(a.reshape(1), self.config.amax_reduce).reshape(()))
             self.est[row] = est
-            self._scale_rows[row].copy_(torch.div(self._targets[row], est + EPS).to(torch.float32))
+            self._scale_rows[row].copy_(rules.scale_of(self._targets[row], est))
             if current and self.initialized[row]:
                 return
             self.initialized[row] = True
-            self.block_algo[row] = ALGOS.index(_lookup(self._algo_sched, self.step))
-            self.block_len[row] = _lookup(self._interval_sched, self.step)
+            self.block_algo[row] = ALGOS.index(lookup(self._algo_sched, self.step))
+            self.block_len[row] = lookup(self._interval_sched, self.step)
             self.block_j[row] = 0
             self.blk_size[row] = 1
 
@@ -412,8 +362,8 @@ class ScalerBank(nn.Module):
                                  "blk_est")},
                           "fc": None}
         step = self.step
-        algo = _lookup(self._algo_sched, step)
-        ai, k = ALGOS.index(algo), _lookup(self._interval_sched, step)
+        algo = lookup(self._algo_sched, step)
+        ai, k = ALGOS.index(algo), lookup(self._interval_sched, step)
         init = group & self.initialized
         new_unit = np.ones(self.n, dtype=bool)
         if self._step_mode:
@@ -421,13 +371,14 @@ class ScalerBank(nn.Module):
             commit = new_unit & init
             if commit.any():
                 m = torch.from_numpy(commit).to(self.device)
-                self._append(self.pending, self.pending_valid & m)
+                self.history, self.total = rules.append(self.history, self.total, self.pending,
+                                                        self.pending_valid & m)
                 self.pending = self.pending.masked_fill(m, 0.0)
                 self.pending_valid = self.pending_valid & ~m
             self.pending_step[group] = step
         live = init & new_unit
-        refresh = live & ((self.block_algo != ai) | (self.block_len != k) | (self.block_j + 1 >= self.block_len)
-                          | (algo == "current"))  # under current every unit opens a block: the call sets the scale
+        # under current every unit opens a block (the call then sets the scale from its own amax)
+        refresh = live & rules.refresh_due(self.block_algo, self.block_len, self.block_j, ai, k, algo == "current")
         advance = live & ~refresh
         self.block_j[advance] += 1
         self.block_j[refresh] = 0
@@ -441,9 +392,8 @@ class ScalerBank(nn.Module):
                 self.blk_size[refresh] = 1
             else:
                 self.blk_size[refresh] = 1
-                est = self._history_estimate(algo)
-                est = torch.where(est > 0, est, self.est)
-                self._set_rows(refresh, est, torch.div(self.target, est + EPS).to(torch.float32))
+                est = rules.history_estimate(self.history, self.total, algo, self.est)
+                self._set_rows(refresh, est, rules.scale_of(self.target, est))
         if es_adv.any():
             j = torch.from_numpy(np.minimum(self.block_j, self.blk_size - 1)).to(self.device).view(-1, 1)
             self._set_rows(es_adv, self.blk_est.gather(1, j).view(-1), self.blk_scale.gather(1, j).view(-1))
@@ -460,19 +410,6 @@ class ScalerBank(nn.Module):
             self.est = torch.where(m, est, self.est)
             self.scale.copy_(torch.where(m, scale, self.scale))
 
-    def _append(self, value: torch.Tensor, ok: torch.Tensor) -> None:
-        shifted = torch.cat((self.history[:, 1:], value.view(-1, 1)), dim=1)
-        self.history = torch.where(ok.view(-1, 1), shifted, self.history)
-        self.total = self.total + ok
-
-    def _history_estimate(self, algo: str) -> torch.Tensor:
-        if algo == "max":
-            return self.history.amax(1).to(torch.float64)
-        if algo == "most_recent":
-            return self.history[:, -1].to(torch.float64)
-        n = self.total.clamp(1, self.history.shape[1])
-        return self.history.sum(1, dtype=torch.float64) / n
-
     def _refresh_exp_smooth(self, rows: np.ndarray, k: int) -> None:
         """Host forecasts for ``rows``: one device-to-host copy for the whole bank, one copy back."""
         L = self.history.shape[1]
@@ -481,18 +418,8 @@ class ScalerBank(nn.Module):
         if self._snap["fc"] is None:
             self._snap["fc"] = copy.deepcopy(self._forecasters)
         idx = np.flatnonzero(rows)
-        ests = np.zeros((len(idx), self._kmax))
-        scales = np.zeros((len(idx), self._kmax))
-        for i, r in enumerate(idx):
-            t = int(total[r])
-            n_hist = min(t, L)
-            window = hist[r, L - n_hist:].tolist() if n_hist else []
-            if self._forecasters[r] is None:
-                self._forecasters[r] = ExpSmoothForecaster(EXP_SMOOTH_PARAMS.get(self.roles[r], ExpSmoothParams()))
-            e, s = _exp_smooth_block(self._forecasters[r], window, t - int(self.seen_total[r]), float(cur[r]),
-                                     self._targets[r], k)
-            self.seen_total[r] = t
-            ests[i, :k], scales[i, :k] = e, s
+        ests, scales = forecast.exp_smooth_rows(self._forecasters, self.roles, self._targets, idx, hist, total,
+                                                self.seen_total, cur, k, self._kmax)
         ix = torch.from_numpy(idx).to(self.device)
         self.blk_est = self.blk_est.index_copy(0, ix, torch.from_numpy(ests).to(self.device))
         self.blk_scale = self.blk_scale.index_copy(
@@ -510,26 +437,15 @@ class ScalerBank(nn.Module):
             self._mb_reset()
             return
         cm = self._mask(called)
-        amax = self._reduce_(self.amax)
+        amax = rules.reduce_amax(self.amax, self.config.amax_reduce)
         finite = amax < math.inf  # false for NaN and inf
         ok = finite & cm
         if self._step_mode:
             self.pending = torch.where(ok, torch.maximum(self.pending, amax), self.pending)
             self.pending_valid = self.pending_valid | ok
         else:
-            self._append(amax, ok)
-        ratio = amax / self.est
-        amax64 = amax.to(torch.float64)
-        new_max = torch.fmax(self.tel_max, torch.stack((ratio, self.tel_max[:, 1], amax64), dim=1))
-        cnt = torch.stack(((ratio > 1), torch.zeros_like(finite), ~finite), dim=1)
-        last = torch.stack((amax64, self.est, ratio, self.scale.to(torch.float64)), dim=1)
-        if cm is True:
-            self.tel_max, self.last_vals = new_max, last
-        else:
-            self.tel_max = torch.where(cm.view(-1, 1), new_max, self.tel_max)
-            self.last_vals = torch.where(cm.view(-1, 1), last, self.last_vals)
-            cnt &= cm.view(-1, 1)
-        self.tel_cnt += cnt
+            self.history, self.total = rules.append(self.history, self.total, amax, ok)
+        bank_telemetry.record_calls(self, amax, finite, cm)
         self.calls += called
         self.tel_calls += called
         self._mb_reset()
@@ -550,16 +466,6 @@ class ScalerBank(nn.Module):
             for r in np.flatnonzero(rows):
                 self._forecasters[r] = snap["fc"][r]
 
-    def _stats(self, x: torch.Tensor, row: int, scale: torch.Tensor) -> None:
-        ax = x.detach().abs().to(torch.float32).mul_(scale)
-        exceed = (ax > self._targets[row]).to(torch.float32).mean().to(torch.float64)
-        threshold, inclusive = self._clip[row]  # formats.clipped_count's rule, on the |x*s| computed here
-        clipped = (ax >= threshold if inclusive else ax > threshold).sum()
-        self.tel_max[row, 1] = torch.fmax(self.tel_max[row, 1], exceed)
-        self.tel_cnt[row, 1] += clipped
-        self.last_stats[row] = torch.stack((exceed, clipped.to(torch.float64)))
-        self.tel_stat_calls[row] += 1
-
     # -- telemetry -----------------------------------------------------------------------------------
     @torch.no_grad()
     def reset_telemetry(self) -> None:
@@ -577,96 +483,27 @@ class ScalerBank(nn.Module):
 
     def telemetry_records(self) -> list[dict[str, Any]]:
         """Per-row telemetry (one host copy): last call values and the accumulators."""
-        host = torch.cat((self.last_vals, self.last_stats, self.tel_max, self.tel_cnt.double(),
-                          self.total.double().view(-1, 1)), dim=1).cpu().tolist()
-        L = self.history.shape[1]
-        out = []
-        for r, v in enumerate(host):
-            rec: dict[str, Any] = {k: (None if math.isnan(x) else x) for k, x in
-                                   zip(("amax", "estimate", "ratio", "scale", "exceed_frac", "clipped"), v[:6])}
-            rec.update({k: float(x) for k, x in zip(_TEL_MAX, v[6:9])})
-            rec.update({k: int(x) for k, x in zip(_TEL_CNT, v[9:12])})
-            rec.update(calls=int(self.tel_calls[r]), stats_calls=int(self.tel_stat_calls[r]),
-                       history_count=min(int(v[12]), L),
-                       algo=ALGOS[self.block_algo[r]] if self.block_algo[r] >= 0 else "", format=self.formats[r],
-                       interval=int(self.block_len[r]))
-            out.append(rec)
-        return out
+        return bank_telemetry.records(self)
 
-    # -- state (per row, in the reference scaler's format) ---------------------------------------------
+    # -- state (per row, in the per-quantizer format of hif8qat.bank_state) ---------------------------------
     def _host(self) -> dict[str, torch.Tensor]:
-        return {k: getattr(self, k).detach().cpu() for k in
-                ("history", "total", "pending", "pending_valid", "scale", "est", "blk_scale", "blk_est")}
+        return bank_state.host_tables(self)
 
     def row_state_dict(self, row: int, host: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Row ``row``'s state as :meth:`DelayedScaler.state_dict` writes it (CPU tensors)."""
+        """Row ``row``'s saved state (CPU tensors; keys ``scaling.STATE_KEYS``)."""
         self.update()
-        h = host if host is not None else self._host()
-        size = int(self.blk_size[row])
-        if size > 1:
-            sb, eb = h["blk_scale"][row, :size].clone(), h["blk_est"][row, :size].clone()
-        else:
-            sb, eb = h["scale"][row:row + 1].clone(), h["est"][row:row + 1].clone()
-        meta = [int(self.initialized[row]), int(self.block_j[row]), int(self.block_len[row]),
-                int(self.block_algo[row]), self.step, int(self.pending_step[row]), int(self.frozen),
-                int(self.calls[row]), int(self.seen_total[row])]
-        sd = {"history": h["history"][row].clone(), "total": h["total"][row].clone(),
-              "pending": h["pending"][row].clone(), "pending_valid": h["pending_valid"][row].clone(),
-              "scale_block": sb, "est_block": eb, "meta": torch.tensor(meta, dtype=torch.int64)}
-        if self._forecasters[row] is not None:
-            sd.update(self._forecasters[row].state_tensors())
-        return sd
+        return bank_state.row_state(self, row, host if host is not None else self._host())
 
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:
         self.update()
         host = self._host()
-        return [self.row_state_dict(r, host) for r in range(self.n)]
+        return [bank_state.row_state(self, r, host) for r in range(self.n)]
 
     @torch.no_grad()
     def load_row_state_dicts(self, states: Mapping[int, Mapping[str, torch.Tensor]], strict: bool = True) -> None:
-        """Restore rows from per-quantizer state dicts (this bank's or the reference scaler's)."""
+        """Restore rows from saved per-quantizer states (this bank's, or the per-layer scalers' of older runs)."""
         self.update()
-        host = self._host()
-        L = self.history.shape[1]
-        for row, sd in states.items():
-            name = self.row_name(row)
-            check_state_keys(sd, strict, f"scaler {name}")
-            if tuple(sd["history"].shape) != (L,):
-                raise ValueError(f"scaler {name}: history_len mismatch: saved {tuple(sd['history'].shape)} vs "
-                                 f"({L},) configured")
-            size = sd["scale_block"].numel()
-            if size > self._kmax and size > 1:
-                raise ValueError(f"scaler {name}: saved exp_smooth block of {size} scales exceeds the configured "
-                                 f"largest interval {self._kmax}")
-            m = dict(zip(_META, (int(v) for v in sd["meta"].tolist())))
-            host["history"][row] = sd["history"].float()
-            host["total"][row] = sd["total"].long()
-            host["pending"][row] = sd["pending"].float()
-            host["pending_valid"][row] = sd["pending_valid"].bool()
-            j = min(m["block_j"], size - 1)
-            if size > 1:
-                host["blk_scale"][row, :size] = sd["scale_block"].float()
-                host["blk_est"][row, :size] = sd["est_block"].double()
-            host["scale"][row] = sd["scale_block"].float().reshape(-1)[j]
-            host["est"][row] = sd["est_block"].double().reshape(-1)[j]
-            self.initialized[row] = bool(m["initialized"])
-            self.block_j[row], self.block_len[row] = m["block_j"], m["block_len"]
-            self.block_algo[row] = m["block_algo"]
-            self.blk_size[row] = size
-            self.pending_step[row] = m["pending_step"]
-            self.calls[row], self.seen_total[row] = m["calls"], m["seen_total"]
-            self.step = m["step"]
-            if "es_obs" in sd:
-                fc = ExpSmoothForecaster(EXP_SMOOTH_PARAMS.get(self.roles[row], ExpSmoothParams()))
-                fc.load_state_tensors(sd)
-                self._forecasters[row] = fc
-            else:
-                self._forecasters[row] = None
-        for k, v in host.items():
-            if k == "scale":
-                self.scale.copy_(v.to(self.device))
-            else:
-                setattr(self, k, v.to(self.device))
+        bank_state.load_rows(self, states, strict)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -674,114 +511,10 @@ class ScalerBank(nn.Module):
                 f"interval={c.interval}, unit={c.history_unit}, amax_reduce={c.amax_reduce}")
 
 
-# --------------------------------------------------------------------------------------------------
-# one row with the reference scaler's interface
-# --------------------------------------------------------------------------------------------------
-class BankedScaler:
-    """Row ``row`` of a bank seen as one scaler (the interface of :class:`~hif8qat.scaling.DelayedScaler`).
+def __getattr__(name: str):
+    # BankedScaler lives in bank_row, which imports this module; loaded on first use to avoid the cycle
+    if name == "BankedScaler":
+        from hif8qat.bank_row import BankedScaler
 
-    A layer's ``scaler_a`` / ``scaler_w`` / ``scaler_g`` are such views of the model's bank. A standalone
-    one (:meth:`standalone`) owns a one-row bank and ends the micro-batch after each call, which makes it
-    a drop-in for the reference scaler in tests and trace replays. ``set_step`` / ``freeze`` act on the
-    whole bank.
-    """
-
-    def __init__(self, bank: ScalerBank, row: int, *, own: bool = False):
-        self.bank, self.row, self._own = bank, int(row), own
-
-    @classmethod
-    def standalone(cls, role: str, config: ScalingConfig | None = None, target: float | None = None, *,
-                   device: torch.device | str | None = None) -> BankedScaler:
-        bank = ScalerBank(config, [role], device=device)
-        if target is not None:
-            if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
-                raise ValueError(f"BankedScaler target={target!r} is invalid; allowed: a finite number > 0")
-            bank._targets[0] = float(target)
-            bank.target.fill_(float(target))
-            bank.scale.fill_(float(target))
-        return cls(bank, 0, own=True)
-
-    # -- interface of the reference scaler -----------------------------------------------------------
-    role = property(lambda self: self.bank.roles[self.row])
-    config = property(lambda self: self.bank.config)
-    target = property(lambda self: self.bank._targets[self.row])
-    fmt = property(lambda self: self.bank.formats[self.row])
-    history = property(lambda self: self.bank.history[self.row])
-    total = property(lambda self: self.bank.total[self.row])
-    tel_max = property(lambda self: self.bank.tel_max[self.row])
-    tel_cnt = property(lambda self: self.bank.tel_cnt[self.row])
-    est_block = property(lambda self: self.bank.est[self.row:self.row + 1])
-    scale = property(lambda self: self.bank.scale[self.row])
-    estimate = property(lambda self: self.bank.est[self.row])
-    initialized = property(lambda self: bool(self.bank.initialized[self.row]))
-    frozen = property(lambda self: self.bank.frozen)
-    _forecaster = property(lambda self: self.bank._forecasters[self.row])
-
-    @property
-    def last(self) -> dict[str, torch.Tensor]:
-        v = torch.cat((self.bank.last_vals[self.row], self.bank.last_stats[self.row]))
-        return dict(zip(("amax", "estimate", "ratio", "scale", "exceed_frac", "clipped"), v.unbind()))
-
-    def set_step(self, step: int) -> None:
-        self.bank.set_step(step)
-
-    def freeze(self, frozen: bool = True) -> None:
-        self.bank.freeze(frozen)
-
-    def reset(self) -> None:
-        self.bank.reset([self.row])
-
-    def _end(self) -> None:
-        if self._own:
-            self.bank.update()
-
-    @torch.no_grad()
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.bank.quantize(x, self.row, RECORD_NO_GRAD)
-        self._end()
-        return y
-
-    @torch.no_grad()
-    def observe_amax(self, amax: float | torch.Tensor) -> torch.Tensor:
-        if self.bank.frozen:
-            raise RuntimeError("observe_amax on a frozen scaler")
-        scale = self.bank.observe(self.row, torch.as_tensor(amax, dtype=torch.float32))
-        self._end()
-        return scale
-
-    def history_values(self) -> list[float]:
-        self.bank.update()
-        n = min(int(self.total.item()), self.history.numel())
-        return self.history.tolist()[self.history.numel() - n:] if n else []
-
-    def telemetry_record(self) -> dict[str, Any]:
-        return self.bank.telemetry_records()[self.row]
-
-    def telemetry_calls(self) -> tuple[int, int]:
-        return int(self.bank.tel_calls[self.row]), int(self.bank.tel_stat_calls[self.row])
-
-    def reset_telemetry(self) -> None:
-        if not self._own:
-            raise RuntimeError("reset_telemetry of one row of a shared bank: use bank.reset_telemetry()")
-        self.bank.reset_telemetry()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.bank.row_state_dict(self.row)
-
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        self.bank.load_row_state_dicts({self.row: state_dict}, strict=strict)
-
-
-def bank_replay(amax_sequence: Sequence[float] | torch.Tensor, config: ScalingConfig | None = None, *,
-                steps: Sequence[int] | None = None, role: str = "A", target: float | None = None) -> torch.Tensor:
-    """:func:`hif8qat.scaling.replay` through a one-row bank (same arguments, same result)."""
-    seq = amax_sequence.tolist() if isinstance(amax_sequence, torch.Tensor) else list(amax_sequence)
-    if steps is not None and len(steps) != len(seq):
-        raise ValueError(f"replay: steps has {len(steps)} entries for {len(seq)} amaxes")
-    sc = BankedScaler.standalone(role, config, target)
-    out = []
-    for i, a in enumerate(seq):
-        if steps is not None:
-            sc.set_step(int(steps[i]))
-        out.append(sc.observe_amax(float(a)))
-    return torch.stack(out) if out else torch.zeros(0)
+        return BankedScaler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,6 +37,8 @@ import warnings
 
 import torch
 
+from hif8qat.rules import cold_estimate, scale_of  # current scaling is the delayed scaler's cold start
+
 __all__ = [
     "HIF8_MAX",
     "HIF8_OVERFLOW",
@@ -673,6 +675,11 @@ class FormatSpec:
             raise ValueError("margin applies to FP8 formats only; HiF8's target is set directly (15 by default)")
         return self.default_target / 2.0**margin
 
+    def clipped(self, scaled_abs: torch.Tensor) -> torch.Tensor:
+        """Number of clipped (FP8) or overflowing (HiF8) elements given ``|x * scale|`` (0-d int64)."""
+        t = self.clip_threshold
+        return (scaled_abs >= t if self.clip_inclusive else scaled_abs > t).sum()
+
 
 FORMATS: dict[str, FormatSpec] = {
     "hif8": FormatSpec("hif8", HIF8_MAX, HIF8_OVERFLOW, True, HIF8_TIER3_MAX, None),
@@ -683,8 +690,6 @@ FP8_FORMATS = ("e4m3", "e5m2")
 # The values of the ``format`` setting: an element format for every role, or TE's HYBRID recipe.
 FORMAT_SETTINGS = ("hif8", "e4m3", "e5m2", "hybrid")
 _HYBRID_ROLES = {"A": "e4m3", "W": "e4m3", "G": "e5m2"}
-_SCALE_EPS = 1e-12  # as scaling.EPS: scale = target / (amax + 1e-12)
-_FALLBACK_AMAX = 1.0  # as the delayed scaler's cold start: a non-finite or non-positive amax counts as 1
 
 
 def format_spec(fmt: str) -> FormatSpec:
@@ -731,10 +736,7 @@ def current_scale(amax, target: float) -> torch.Tensor:
     if not (isinstance(target, (int, float)) and not isinstance(target, bool) and math.isfinite(target)
             and target > 0):
         raise ValueError(f"target must be a finite number > 0; got {target!r}")
-    a = torch.as_tensor(amax).detach().reshape(()).to(torch.float64)
-    ok = (a > 0) & (a < math.inf)
-    est = torch.where(ok, a, torch.full_like(a, _FALLBACK_AMAX))
-    return torch.div(float(target), est + _SCALE_EPS).to(torch.float32)
+    return scale_of(float(target), cold_estimate(torch.as_tensor(amax).detach().reshape(())))
 
 
 def _fp8_body(x, scale, out, *, fmax: float, dtype: torch.dtype, scaled: bool, want_amax: bool):
@@ -861,9 +863,7 @@ def clipped_count(x: torch.Tensor, scale, fmt: str) -> torch.Tensor:
     spec = format_spec(fmt)
     x = _check_x(x)
     s = _check_scale(scale, x)
-    ax = x.abs().to(torch.float32).mul_(s)  # |x| * s == |x * s| exactly in float32
-    hit = ax >= spec.clip_threshold if spec.clip_inclusive else ax > spec.clip_threshold
-    return hit.sum()
+    return spec.clipped(x.abs().to(torch.float32).mul_(s))  # |x| * s == |x * s| exactly in float32
 
 
 def current_qdq(x: torch.Tensor, fmt: str, target: float, rounding: str = "ta", *, saturate: bool = False,

@@ -338,7 +338,7 @@ def update_scales(model: nn.Module) -> None:
 def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Everything needed to resume the quantizers exactly: ``{layer}.{A|W|G}.{key}`` and ``{layer}.enabled``.
 
-    Per-quantizer tensors in the reference scaler's format (exports written before the bank load as is).
+    Per-quantizer tensors in the format of :mod:`hif8qat.bank_state` (exports written before the bank load as is).
     """
     sd: dict[str, torch.Tensor] = {}
     hosts: dict[int, dict[str, torch.Tensor]] = {}

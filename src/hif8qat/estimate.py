@@ -2,9 +2,10 @@
 
     python run.py --estimate --profile mini --experiments exp1 exp2 ... --seeds 0 [--label "make all"]
 
-Loads the profile's model, times a few training steps at the profile's batch, sequence length and numerics
-(``train.autocast=auto`` resolved here), and an evaluation-sized forward pass; then multiplies by the steps
-and evaluation tokens of every run that is not finished yet. Printed before ``make all`` and the other
+Loads the profile's model (timed), times a few training steps at the profile's batch, sequence length and
+numerics (``train.autocast=auto`` resolved here) and an evaluation-sized forward pass, plain and quantized;
+then adds up, for every run that is not finished yet, its plain and quantized steps, the forwards and setup
+of each of its evaluation modes, and its model loads. Printed before ``make all`` and the other
 long targets, so a user on a slower machine knows what they started. Only the mini profile is estimated
 (its runs take minutes to an hour on a CPU); elsewhere it says nothing.
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,39 +36,84 @@ def eval_tokens(results_root: Path, profile: str) -> int:
     return max(counts) if counts else _EVAL_TOKENS_FALLBACK.get(profile, 0)
 
 
-def measure(cfg, repeats: int = 2) -> dict[str, float]:
-    """Seconds per training step and per evaluated token, measured with the run's model and numerics."""
+# Per evaluation mode, besides the forwards: lm-eval building its three tasks from the offline copies and
+# writing the per-item files (about 15 s measured at the mini profile, docs/calibration.md).
+EVAL_SETUP_S = 15.0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What one piece of a run costs on this machine, measured by :func:`measure`."""
+
+    numerics: str
+    load_s: float  # loading the model (once for training, once per evaluation mode)
+    train_step_s: float  # a plain (BF16-warmup) optimizer step at the profile's batch
+    qat_step_s: float  # a step with the quantized linears on
+    eval_token_s: float  # one evaluated token, unquantized forward
+    quant_eval_token_s: float  # one evaluated token, quantized forward with frozen scales
+
+
+def run_seconds(cfg, costs: Costs, eval_tokens_per_mode: int) -> float:
+    """Seconds one run takes: its plain and quantized steps, each evaluation mode's forwards and setup, and
+    one model load per process that needs the model (training, then each evaluation mode)."""
+    modes = list(cfg.eval.modes)
+    qat_steps = max(cfg.train.steps - cfg.quant.bf16_warmup_steps, 0) if cfg.quant.enabled else 0
+    train = (cfg.train.steps - qat_steps) * costs.train_step_s + qat_steps * costs.qat_step_s
+    evaluate = sum(eval_tokens_per_mode * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
+                   + EVAL_SETUP_S for mode in modes)
+    return train + evaluate + costs.load_s * (1 + len(modes))
+
+
+def measure(cfg, repeats: int = 2) -> Costs:
+    """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant)."""
     import torch
 
     from . import numerics
     from .models import load_causal_lm
+    from .qlinear import convert_model, freeze_scales, set_quantization
+    from .scaling import ScalingConfig
 
+    t0 = time.perf_counter()
     model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-9)
+    load_s = time.perf_counter() - t0
     mode = numerics.resolve(cfg.train.autocast, "cpu")
     ids = torch.randint(0, model.config.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        with numerics.forward_context(mode, "cpu"):
-            loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
-        with numerics.backward_context(mode, "cpu"):
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-    step()
-    train_s = min(step() for _ in range(repeats)) * cfg.grad_accum_steps(1)
-    model.eval()
     batch = torch.randint(0, model.config.vocab_size, (16, 128))
-    with torch.inference_mode(), numerics.forward_context(mode, "cpu"):
-        model(input_ids=batch)
-        t0 = time.perf_counter()
-        model(input_ids=batch)
-        token_s = (time.perf_counter() - t0) / batch.numel()
-    return {"numerics": mode, "train_step_s": train_s, "eval_token_s": token_s}
+
+    def step_s(opt) -> float:
+        def once() -> float:
+            t = time.perf_counter()
+            with numerics.forward_context(mode, "cpu"):
+                loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+            with numerics.backward_context(mode, "cpu"):
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return time.perf_counter() - t
+
+        model.train()
+        once()  # first call: allocation, the quantizers' cold start
+        return min(once() for _ in range(repeats)) * cfg.grad_accum_steps(1)
+
+    def token_s() -> float:
+        model.eval()
+        with torch.inference_mode(), numerics.forward_context(mode, "cpu"):
+            model(input_ids=batch)
+            t = time.perf_counter()
+            model(input_ids=batch)
+            return (time.perf_counter() - t) / batch.numel()
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-9)
+    plain_step, plain_token = step_s(opt), token_s()
+    qat_step, quant_token = plain_step, plain_token
+    if cfg.quant.enabled:
+        convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks),
+                      ScalingConfig.from_dict(cfg.quant.scaling_dict()))
+        set_quantization(model, True)
+        qat_step = step_s(torch.optim.AdamW(model.parameters(), lr=1e-9))
+        freeze_scales(model, True)
+        quant_token = token_s()
+    return Costs(mode, load_s, plain_step, qat_step, plain_token, quant_token)
 
 
 def main(argv, config_for: Callable[[str, str, int], Any]) -> int:
@@ -91,12 +138,13 @@ def main(argv, config_for: Callable[[str, str, int], Any]) -> int:
     if not pending:
         print(f"estimate: every run of {args.label} is finished; only the report is left")
         return 0
-    cfg = config_for(args.profile, pending[0][0], pending[0][1])
-    m = measure(cfg)
-    per_run = cfg.train.steps * m["train_step_s"] + eval_tokens(Path(args.results_root), args.profile) * m["eval_token_s"]
-    total = len(pending) * per_run
+    # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
+    configs = [config_for(args.profile, experiment, seed) for experiment, seed in pending]
+    costs = measure(next((c for c in configs if c.quant.enabled), configs[0]))
+    tokens = eval_tokens(Path(args.results_root), args.profile)
+    total = sum(run_seconds(c, costs, tokens) for c in configs)
     print(f"estimate: {args.label} has {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
-          f"this machine ({m['numerics']} numerics: {m['train_step_s']:.1f} s per training step, "
-          f"{m['eval_token_s'] * 1e3:.2f} ms per evaluated token, measured just now; quantized runs take up to "
-          "1.5x longer)")
+          f"this machine ({costs.numerics} numerics, measured just now: a training step {costs.train_step_s:.1f} s "
+          f"plain / {costs.qat_step_s:.1f} s quantized, {costs.eval_token_s * 1e3:.2f} / "
+          f"{costs.quant_eval_token_s * 1e3:.2f} ms per evaluated token, {costs.load_s:.0f} s to load the model)")
     return 0

@@ -1,0 +1,28 @@
+"""The time estimate printed before make all & co.: what one run adds up to, worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+from test_reliability import cli_config
+
+from hif8qat.estimate import EVAL_SETUP_S, Costs, run_seconds
+
+COSTS = Costs(numerics="bf16", load_s=5.0, train_step_s=2.0, qat_step_s=3.0, eval_token_s=1e-3,
+              quant_eval_token_s=2e-3)
+
+
+def test_a_plain_run_is_its_steps_one_evaluation_and_two_loads():
+    cfg = cli_config(["experiment=exp1", "profile=mini", "profile.steps=40"])
+    assert not cfg.quant.enabled and list(cfg.eval.modes) == ["bf16"]
+    # 40 plain steps x 2 s + 10,000 tokens x 1 ms + setup + a load for training and one for the evaluation
+    assert run_seconds(cfg, COSTS, 10_000) == pytest.approx(80 + 10 + EVAL_SETUP_S + 2 * 5)
+
+
+def test_a_quantized_run_counts_its_warmup_its_quantized_steps_and_every_evaluation_mode():
+    cfg = cli_config(["experiment=exp8", "profile=mini", "profile.steps=40", "eval.modes=[bf16,hif8]"])
+    warmup = cfg.quant.bf16_warmup_steps
+    assert cfg.quant.enabled and 0 < warmup < 40
+    expected = (warmup * 2.0 + (40 - warmup) * 3.0  # plain warmup steps, then quantized ones
+                + 10_000 * 1e-3 + 10_000 * 2e-3 + 2 * EVAL_SETUP_S  # the bf16 and the quantized evaluation
+                + 3 * 5.0)  # loads: training and two evaluation modes
+    assert run_seconds(cfg, COSTS, 10_000) == pytest.approx(expected)

@@ -14,6 +14,7 @@ from .claims import all_contrasts, claims_table, mde_table
 from .figures import make_figures
 from .notes import multiple_comparisons, table_notes
 from .pairing import pair_runs
+from .reach import reach_table
 from .readme import claims_section
 from .replay import replay_table
 from .seeds import seed_null_table, seed_spread
@@ -72,6 +73,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"scaling_pairs_{profile}": pairs_df,
               f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_table(claims_df),
+              f"reach_{profile}": reach_table(claims_df),
               "anchor": anchor_beside(runs_root),
               f"pairing_{profile}": pairing_df, f"paired_{profile}": contrasts_df,
               f"sweeps_{profile}": sweeps_df}

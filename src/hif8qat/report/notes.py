@@ -74,6 +74,14 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                   "dequantized from Q4_1, lm-eval's prompts) next to the scores HuggingFace published (lighteval, "
                   "0-shot; results/anchor/published_smollm2_135m.csv names the source). ARC (Average) = mean of "
                   "ARC-Easy and ARC-Challenge.",
+        f"reach_{profile}": "What this profile can show of the paper's effects: each claim row here (against the BF16 "
+                            "baseline; bf16 mode) that the paper measured for the same pair of runs. paper_effect: "
+                            "training loss, the signed per-step difference over the paper's QAT phase in % of the "
+                            "baseline's loss (authors' logs); accuracy, the relative drop of the newest summary "
+                            "holding the pair (few-shot, MMLU lettered: another form than here). needed: the seeds "
+                            "(train_loss: n x (mde / effect)^2) or items per seed (accuracy: normal approximation "
+                            "to McNemar at the share of items that flip here) that would resolve the paper's effect "
+                            "at 80 % power, two-sided alpha 0.05.",
         f"mde_{profile}": "Minimum detectable cost per claim (80 % power, two-sided alpha 0.05) under the test "
                           "the claim uses: accuracy, the exact McNemar test on the claim's own pooled flips "
                           f"(it needs at least {min_one_way_flips()} flips all one way; empty: fewer flips than "

@@ -12,6 +12,7 @@ import pandas as pd
 from ..stats import min_one_way_flips
 from .claims import DEFAULT_MARGINS, METRIC_UNITS, NOT_RECORDED, all_contrasts, claims_table
 from .pairing import pair_runs
+from .reach import reach_section, reach_table
 from .sources import _dirty_of, _git_of, discover_runs, read_metrics
 
 # The paper's claims and ours, each answered by one comparison of the claims table:
@@ -130,6 +131,7 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
                          f"{_num(r['mde'], 2, False)} | {r['margin']:g} | {r['equivalence']} | "
                          f"{r['difference']} |")
         lines += [""] + [f"- {w}" for w in _claim_words(g)] + [""]
+    lines += reach_section(reach_table(claims))
     return "\n".join(lines)
 
 

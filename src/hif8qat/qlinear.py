@@ -467,12 +467,11 @@ def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapp
     doc = {"format": "hif8qat-quant", "version": 1, **record, "meta": dict(meta or {}),
            "element_formats": element_formats(ScalingConfig.from_dict(record["config"]))}
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in quant_state_dict(model).items()}
-    tmp = directory / (SCALERS_FILE + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, directory / SCALERS_FILE)
-    tmpj = directory / (QUANT_JSON + ".tmp")
-    tmpj.write_text(json.dumps(doc, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmpj, directory / QUANT_JSON)
+    from hif8qat.files import atomic_path, write_text
+
+    with atomic_path(directory / SCALERS_FILE) as tmp:
+        save_file(tensors, str(tmp))
+    write_text(directory / QUANT_JSON, json.dumps(doc, indent=2, sort_keys=True))
 
 
 def element_formats(config: ScalingConfig) -> dict[str, str]:

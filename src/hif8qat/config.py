@@ -18,17 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RunError
+from .eval_tasks import DEVICES as EVAL_DEVICES
+from .eval_tasks import DTYPES as EVAL_DTYPES
+from .eval_tasks import MODES as EVAL_MODES
+from .eval_tasks import SUITES, TASKS, resolve_tasks
 from .scaling import ScalingConfig
 
 PAPER_TOTAL_STEPS = 10_000
 STAGES = ("train", "eval", "report", "all")
 SCOPES = ("mlp", "attn_mlp")
 ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
-EVAL_MODES = ("bf16", "hif8")
-EVAL_DEVICES = ("auto", "cpu", "cuda")
 # train.autocast: auto = native BF16 autocast where the device has it, else BF16 emulated (see numerics.py).
 NUMERICS = ("auto", "bf16", "bf16_emulated", "none")
-EVAL_DTYPES = ("auto", "fp32", "bf16", "bf16_emulated")
 NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
 KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
@@ -342,8 +343,6 @@ class RunConfig:
         _check_positive("eval.batch_size", e.batch_size, integer=True)
         _check_choice("eval.device", e.device, EVAL_DEVICES)
         _check_choice("eval.dtype", e.dtype, EVAL_DTYPES)
-        from .evaluate import SUITES, TASKS, resolve_tasks  # task tables only: no lm-eval import
-
         known = f"task names {', '.join(TASKS)} or suites {', '.join(SUITES)}"
         if not e.tasks or isinstance(e.tasks, str):
             _fail("eval.tasks", e.tasks, f"a non-empty list (eval.tasks=[mini], eval.tasks=[mmlu,hellaswag]) of {known}")

@@ -345,6 +345,10 @@ def _read_config_json(source: str, *, revision: str | None) -> dict:
         ) from exc
 
 
+class RemoteCodeError(ValueError):
+    """A model ships its own modeling code and the caller did not opt in to running it."""
+
+
 def _decide_remote_code(source: str, config: dict, trust_remote_code: bool | None) -> bool:
     auto_map = config.get("auto_map") or {}
     if not auto_map:
@@ -353,7 +357,7 @@ def _decide_remote_code(source: str, config: dict, trust_remote_code: bool | Non
                      "(trust_remote_code ignored)", source)
         return False
     if trust_remote_code is not True:
-        raise ValueError(
+        raise RemoteCodeError(
             f"model {source!r} ships its own modeling code (config.json auto_map: {sorted(auto_map)}). "
             f"Running it requires an explicit opt-in: set model.trust_remote_code=true "
             f"(load_causal_lm(..., trust_remote_code=True)). Current value: {trust_remote_code!r}."

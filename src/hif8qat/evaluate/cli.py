@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--subset-seed", type=int, default=None, help="default 0 (or the eval config's)")
     ap.add_argument("--offline-data", action="store_true",
                     help="paper tasks on the offline benchmark copies (python -m hif8qat.evaldata --install)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run the modeling code a model ships beside its weights (config.json auto_map, as an "
+                         "openPangu export has); without it such a model is refused")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     base: dict[str, Any] = {}
@@ -71,20 +74,26 @@ def main(argv=None) -> int:
             print(f"error: {done[0]}/results.json exists; pass --force to overwrite it or choose another --out",
                   file=sys.stderr)
             return 2
+    # None, not False: the loader's default, which refuses remote code with an error naming the opt-in
+    trust = True if args.trust_remote_code else None
+    from ..models import RemoteCodeError, load_causal_lm  # torch: imported only when something runs
+
     try:
         device, dtype = resolve_numerics(args.device, args.dtype)
         if args.run_dir:
-            res = evaluate_run(args.run_dir, modes, args.tasks, dtype=dtype, device=device, **kw)
+            res = evaluate_run(args.run_dir, modes, args.tasks, dtype=dtype, device=device,
+                               trust_remote_code=trust, **kw)
         elif args.export:
             res = {m: evaluate_export(args.export, m, args.tasks, out_dir=args.out / m if args.out else None,
-                                      dtype=dtype, device=device, **kw) for m in modes}
+                                      dtype=dtype, device=device, trust_remote_code=trust, **kw) for m in modes}
         else:
-            from ..models import load_causal_lm
-
-            model, tok = load_causal_lm(args.model)
+            model, tok = load_causal_lm(args.model, trust_remote_code=trust)
             model.to(device).eval()
             res = {"bf16": evaluate_model(model, tok, args.tasks, out_dir=args.out, mode="bf16", device=device,
                                           dtype=dtype, extra_meta={"model": args.model}, **kw)}
+    except RemoteCodeError as err:  # the loader names the config setting; here the opt-in is a flag
+        print(f"error: {err}\nFrom the command line: add --trust-remote-code to allow it.", file=sys.stderr)
+        return 2
     except (RunError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

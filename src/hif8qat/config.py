@@ -27,7 +27,6 @@ from .scaling import ScalingConfig
 PAPER_TOTAL_STEPS = 10_000
 STAGES = ("train", "eval", "report", "all")
 SCOPES = ("mlp", "attn_mlp")
-ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
 # train.autocast: auto = native BF16 autocast where the device has it, else BF16 emulated (see numerics.py).
 NUMERICS = ("auto", "bf16", "bf16_emulated", "none")
 NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .blocks import parse_high_precision_blocks
 from .errors import RunError
 from .eval_tasks import DEVICES as EVAL_DEVICES
 from .eval_tasks import DTYPES as EVAL_DTYPES
@@ -33,7 +34,6 @@ NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
 KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
 TINY_DEFAULT_DEPTH = 4
-_FIRST_LAST = re.compile(r"^first(\d+)_last(\d+)$")
 
 
 class ConfigError(RunError, ValueError):
@@ -394,29 +394,10 @@ class RunConfig:
         return None
 
     def high_precision_block_list(self) -> list[int]:
-        spec = self.quant.high_precision_blocks
-        depth = self.model_depth()
-        if spec in (None, "none", []):
-            return []
-        if isinstance(spec, str):
-            match = _FIRST_LAST.match(spec)
-            if not match:
-                _fail("quant.high_precision_blocks", spec, "none, a list of block indices, or first<k>_last<m>")
-            first, last = int(match.group(1)), int(match.group(2))
-            if depth is None:
-                raise ConfigError("quant.high_precision_blocks=first<k>_last<m> needs the model's depth, which is "
-                                  f"unknown for model.name={self.model.name!r}; give an explicit list")
-            if first + last >= depth:
-                _fail("quant.high_precision_blocks", spec, f"first k + last m < the model's {depth} blocks")
-            return list(range(first)) + list(range(depth - last, depth))
-        if not isinstance(spec, (list, tuple)) or not all(isinstance(i, int) for i in spec):
-            _fail("quant.high_precision_blocks", spec, "none, a list of block indices, or first<k>_last<m>")
-        if depth is not None:
-            bad = [i for i in spec if not 0 <= i < depth]
-            if bad:
-                _fail("quant.high_precision_blocks", spec, f"block indices in 0..{depth - 1} "
-                      f"(model {self.model.name} has {depth} blocks)")
-        return sorted(set(spec))
+        try:
+            return parse_high_precision_blocks(self.quant.high_precision_blocks, self.model_depth())
+        except ValueError as err:
+            raise ConfigError(f"{err} (model.name={self.model.name})") from None
 
     def grad_accum_steps(self, world_size: int) -> int:
         per_step = self.train.micro_batch_size * world_size

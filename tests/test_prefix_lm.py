@@ -22,6 +22,7 @@ The bf16 bound here holds for the tiny model only.
 """
 
 import functools
+import json
 import random
 
 import pytest
@@ -161,7 +162,7 @@ def test_smoke_evaluation_matches_hflm(tiny, tiny_hif8, numerics):
 def test_results_json_records_the_token_counts(tiny, tmp_path, capsys):
     model, tok = tiny
     res = ev.evaluate_model(model, tok, "mini_arc", out_dir=tmp_path / "out", limit=3, batch_size=4)
-    tokens = ev.json.loads((tmp_path / "out" / "results.json").read_text())["_meta"]["eval_tokens"]
+    tokens = json.loads((tmp_path / "out" / "results.json").read_text())["_meta"]["eval_tokens"]
     assert tokens == res["_meta"]["eval_tokens"]
     assert tokens["requests"] >= 9 and 0 < tokens["forwarded"] < tokens["per_request"]
     assert f"{tokens['per_request']} as lm-eval's HFLM forwards them" in capsys.readouterr().out

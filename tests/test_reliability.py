@@ -333,6 +333,7 @@ def test_committed_result_files_hold_no_absolute_paths():
 
 def test_eval_results_record_run_paths_relative_to_the_results_root(tmp_path, monkeypatch):
     from hif8qat import evaluate as ev
+    from hif8qat.evaluate import runner
 
     seen = {}
 
@@ -340,7 +341,7 @@ def test_eval_results_record_run_paths_relative_to_the_results_root(tmp_path, mo
         seen[mode] = extra_meta
         return {}
 
-    monkeypatch.setattr(ev, "evaluate_export", fake_export)
+    monkeypatch.setattr(runner, "evaluate_export", fake_export)  # where evaluate_run looks it up
     run_dir = tmp_path / "runs" / "smoke" / "exp1" / "seed0"
     (run_dir / "export").mkdir(parents=True)
     ev.evaluate_run(run_dir, modes=["bf16"], results_root=tmp_path / "runs")

@@ -17,23 +17,23 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .blocks import parse_high_precision_blocks
 from .errors import RunError
+from .eval_tasks import DEVICES as EVAL_DEVICES
+from .eval_tasks import DTYPES as EVAL_DTYPES
+from .eval_tasks import MODES as EVAL_MODES
+from .eval_tasks import SUITES, TASKS, resolve_tasks
 from .scaling import ScalingConfig
 
 PAPER_TOTAL_STEPS = 10_000
 STAGES = ("train", "eval", "report", "all")
 SCOPES = ("mlp", "attn_mlp")
-ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
-EVAL_MODES = ("bf16", "hif8")
-EVAL_DEVICES = ("auto", "cpu", "cuda")
 # train.autocast: auto = native BF16 autocast where the device has it, else BF16 emulated (see numerics.py).
 NUMERICS = ("auto", "bf16", "bf16_emulated", "none")
-EVAL_DTYPES = ("auto", "fp32", "bf16", "bf16_emulated")
 NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
 KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
 TINY_DEFAULT_DEPTH = 4
-_FIRST_LAST = re.compile(r"^first(\d+)_last(\d+)$")
 
 
 class ConfigError(RunError, ValueError):
@@ -342,8 +342,6 @@ class RunConfig:
         _check_positive("eval.batch_size", e.batch_size, integer=True)
         _check_choice("eval.device", e.device, EVAL_DEVICES)
         _check_choice("eval.dtype", e.dtype, EVAL_DTYPES)
-        from .evaluate import SUITES, TASKS, resolve_tasks  # task tables only: no lm-eval import
-
         known = f"task names {', '.join(TASKS)} or suites {', '.join(SUITES)}"
         if not e.tasks or isinstance(e.tasks, str):
             _fail("eval.tasks", e.tasks, f"a non-empty list (eval.tasks=[mini], eval.tasks=[mmlu,hellaswag]) of {known}")
@@ -396,29 +394,10 @@ class RunConfig:
         return None
 
     def high_precision_block_list(self) -> list[int]:
-        spec = self.quant.high_precision_blocks
-        depth = self.model_depth()
-        if spec in (None, "none", []):
-            return []
-        if isinstance(spec, str):
-            match = _FIRST_LAST.match(spec)
-            if not match:
-                _fail("quant.high_precision_blocks", spec, "none, a list of block indices, or first<k>_last<m>")
-            first, last = int(match.group(1)), int(match.group(2))
-            if depth is None:
-                raise ConfigError("quant.high_precision_blocks=first<k>_last<m> needs the model's depth, which is "
-                                  f"unknown for model.name={self.model.name!r}; give an explicit list")
-            if first + last >= depth:
-                _fail("quant.high_precision_blocks", spec, f"first k + last m < the model's {depth} blocks")
-            return list(range(first)) + list(range(depth - last, depth))
-        if not isinstance(spec, (list, tuple)) or not all(isinstance(i, int) for i in spec):
-            _fail("quant.high_precision_blocks", spec, "none, a list of block indices, or first<k>_last<m>")
-        if depth is not None:
-            bad = [i for i in spec if not 0 <= i < depth]
-            if bad:
-                _fail("quant.high_precision_blocks", spec, f"block indices in 0..{depth - 1} "
-                      f"(model {self.model.name} has {depth} blocks)")
-        return sorted(set(spec))
+        try:
+            return parse_high_precision_blocks(self.quant.high_precision_blocks, self.model_depth())
+        except ValueError as err:
+            raise ConfigError(f"{err} (model.name={self.model.name})") from None
 
     def grad_accum_steps(self, world_size: int) -> int:
         per_step = self.train.micro_batch_size * world_size

@@ -345,6 +345,10 @@ def _read_config_json(source: str, *, revision: str | None) -> dict:
         ) from exc
 
 
+class RemoteCodeError(ValueError):
+    """A model ships its own modeling code and the caller did not opt in to running it."""
+
+
 def _decide_remote_code(source: str, config: dict, trust_remote_code: bool | None) -> bool:
     auto_map = config.get("auto_map") or {}
     if not auto_map:
@@ -353,7 +357,7 @@ def _decide_remote_code(source: str, config: dict, trust_remote_code: bool | Non
                      "(trust_remote_code ignored)", source)
         return False
     if trust_remote_code is not True:
-        raise ValueError(
+        raise RemoteCodeError(
             f"model {source!r} ships its own modeling code (config.json auto_map: {sorted(auto_map)}). "
             f"Running it requires an explicit opt-in: set model.trust_remote_code=true "
             f"(load_causal_lm(..., trust_remote_code=True)). Current value: {trust_remote_code!r}."
@@ -436,24 +440,33 @@ def load_causal_lm(
 # ----------------------------------------------------------------------------------------------------------
 # structure helpers
 # ----------------------------------------------------------------------------------------------------------
+# Submodule names that mark a decoder block (Llama, GPT-2, GPT-NeoX, OPT, openPangu name theirs so).
+MLP_CONTAINERS = frozenset({"mlp", "feed_forward", "ffn"})
+ATTN_CONTAINERS = frozenset({"self_attn", "attention", "attn", "self_attention"})
+
+
+def find_transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(name, ModuleList)`` of the decoder layers: the longest ModuleList whose entries all have an MLP or
+    attention submodule; for a model without such names, the longest non-empty ModuleList."""
+    decoder, largest = None, None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        if largest is None or len(mod) > len(largest[1]):
+            largest = (name, mod)
+        if all(any(hasattr(b, c) for c in MLP_CONTAINERS | ATTN_CONTAINERS) for b in mod):
+            if decoder is None or len(mod) > len(decoder[1]):
+                decoder = (name, mod)
+    found = decoder or largest
+    if found is None:
+        raise ValueError(f"{type(model).__name__}: no ModuleList of decoder layers (blocks with an 'mlp' or "
+                         "'self_attn' submodule) found; is this a Llama-style causal LM?")
+    return found
+
+
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The decoder-layer ModuleList (``model.model.layers`` for Llama-likes; else the largest ModuleList)."""
-    for path in ("model.layers", "model.model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers",
-                 "layers"):
-        obj = model
-        for attr in path.split("."):
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
-            return obj
-    best = None
-    for _, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and (best is None or len(mod) > len(best)):
-            best = mod
-    if best is None:
-        raise ValueError(f"{type(model).__name__} has no ModuleList of transformer blocks")
-    return best
+    """The decoder-layer ModuleList (:func:`find_transformer_blocks`)."""
+    return find_transformer_blocks(model)[1]
 
 
 def num_blocks(model: nn.Module) -> int:

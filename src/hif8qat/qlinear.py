@@ -42,7 +42,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hif8qat.bank import RECORD, RECORD_NO_GRAD, REPLAY, BankedScaler, ScalerBank, bank_qdq
+from hif8qat.blocks import parse_high_precision_blocks
+from hif8qat.models import ATTN_CONTAINERS as _ATTN_CONTAINERS
+from hif8qat.models import MLP_CONTAINERS as _MLP_CONTAINERS
+from hif8qat.models import find_transformer_blocks
 from hif8qat.scaling import _TEL_CNT, _TEL_MAX, ROLES, ScalingConfig
 
 SCOPES = ("mlp", "attn_mlp")
@@ -60,9 +64,7 @@ BANK_ATTR = "hif8qat_bank"  # the model-level bank's attribute on a converted mo
 
 # Linear layers converted per scope: container segment + leaf name (Llama / SmolLM2 / Qwen / openPangu
 # use mlp.{gate,up,down}_proj and self_attn.{q,k,v,o}_proj; a few other common spellings are accepted).
-_MLP_CONTAINERS = {"mlp", "feed_forward", "ffn"}
 _MLP_LEAVES = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"}
-_ATTN_CONTAINERS = {"self_attn", "attention", "attn", "self_attention"}
 _ATTN_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", "query", "key", "value",
                 "query_key_value", "dense"}
 
@@ -175,54 +177,6 @@ class HiF8Linear(nn.Linear):
 # --------------------------------------------------------------------------------------------------
 # conversion
 # --------------------------------------------------------------------------------------------------
-def find_transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The ModuleList of decoder layers: the longest ModuleList whose entries have an mlp or attention."""
-    best: tuple[str, nn.ModuleList] | None = None
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
-            continue
-        if all(any(hasattr(b, c) for c in _MLP_CONTAINERS | _ATTN_CONTAINERS) for b in mod):
-            if best is None or len(mod) > len(best[1]):
-                best = (name, mod)
-    if best is None:
-        raise ValueError(f"{type(model).__name__}: no ModuleList of decoder layers (blocks with an 'mlp' or "
-                         "'self_attn' submodule) found; is this a Llama-style causal LM?")
-    return best
-
-
-def parse_high_precision_blocks(spec: Any, num_blocks: int) -> list[int]:
-    """Resolve a high-precision block spec: list of indices, "none", "0,1,2", or "first{k}_last{m}"."""
-    if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "none")):
-        return []
-    if isinstance(spec, str):
-        s = spec.strip().lower()
-        m = re.fullmatch(r"(?:first(\d+))?_?(?:last(\d+))?", s)
-        if m and (m.group(1) or m.group(2)):
-            k, l_ = int(m.group(1) or 0), int(m.group(2) or 0)
-            if k + l_ > num_blocks:
-                raise ValueError(f"high_precision_blocks={spec!r}: first {k} + last {l_} exceeds the model's "
-                                 f"{num_blocks} blocks")
-            return sorted(set(range(k)) | set(range(num_blocks - l_, num_blocks)))
-        if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", s):
-            spec = [int(v) for v in s.split(",")]
-        else:
-            raise ValueError(f"high_precision_blocks={spec!r} is invalid; allowed: none, a list of block "
-                             "indices, '0,1,2', or 'first<k>_last<m>'")
-    if not isinstance(spec, Iterable):
-        raise ValueError(f"high_precision_blocks={spec!r} is invalid; allowed: none, a list of block indices, "
-                         "or 'first<k>_last<m>'")
-    out = set()
-    for v in spec:
-        if isinstance(v, bool) or not isinstance(v, (int, str)) or (isinstance(v, str) and not v.isdigit()):
-            raise ValueError(f"high_precision_blocks: {v!r} is not a block index")
-        i = int(v)
-        if not 0 <= i < num_blocks:
-            raise ValueError(f"high_precision_blocks: block index {i} out of range 0..{num_blocks - 1} "
-                             f"(the model has {num_blocks} blocks)")
-        out.add(i)
-    return sorted(out)
-
-
 def _matches(name: str, scope: str) -> bool:
     parts = name.split(".")
     leaf, containers = parts[-1], set(parts[:-1])
@@ -467,12 +421,11 @@ def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapp
     doc = {"format": "hif8qat-quant", "version": 1, **record, "meta": dict(meta or {}),
            "element_formats": element_formats(ScalingConfig.from_dict(record["config"]))}
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in quant_state_dict(model).items()}
-    tmp = directory / (SCALERS_FILE + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, directory / SCALERS_FILE)
-    tmpj = directory / (QUANT_JSON + ".tmp")
-    tmpj.write_text(json.dumps(doc, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmpj, directory / QUANT_JSON)
+    from hif8qat.files import atomic_path, write_text
+
+    with atomic_path(directory / SCALERS_FILE) as tmp:
+        save_file(tensors, str(tmp))
+    write_text(directory / QUANT_JSON, json.dumps(doc, indent=2, sort_keys=True))
 
 
 def element_formats(config: ScalingConfig) -> dict[str, str]:

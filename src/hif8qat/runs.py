@@ -30,6 +30,7 @@ import yaml
 
 from .config import RunConfig
 from .errors import RunError
+from .files import write_json, write_text
 
 DONE_MARKER = "DONE"
 LOCK_FILE = "run.lock"
@@ -363,27 +364,15 @@ def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if status == "new" or not config_path.exists():
-            write_yaml_atomic(config_path, cfg.to_dict())
+            write_text(config_path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         from .numerics import describe, training_device_type
 
         info = {"status": status, "argv": sys.argv, **provenance(),
                 "numerics": describe(cfg.train.autocast, training_device_type(cfg.train.device))}
         history = _read_run_info(info_path).get("history", [])
         history.append(info)
-        write_json_atomic(info_path, {**info, "history": history})
+        write_json(info_path, {**info, "history": history}, indent=2, sort_keys=True, default=str)
     return run_dir, status
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
-
-
-def write_yaml_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(payload, sort_keys=False))
-    os.replace(tmp, path)
 
 
 def update_summary(run_dir: Path, **fields: Any) -> dict[str, Any]:
@@ -391,7 +380,7 @@ def update_summary(run_dir: Path, **fields: Any) -> dict[str, Any]:
     summary = json.loads(path.read_text()) if path.exists() else {}
     summary.update(fields)
     summary["provenance"] = provenance()
-    write_json_atomic(path, summary)
+    write_json(path, summary, indent=2, sort_keys=True, default=str)
     return summary
 
 

@@ -31,6 +31,7 @@ from .data import build_eval_windows, build_train_stream
 from .distributed import grad_sync
 from .errors import RunError
 from .export import export_or_explain
+from .files import write_text
 from .models import load_causal_lm
 from .qlinear import (
     convert_model,
@@ -166,9 +167,7 @@ def _truncate_metrics(path: Path, from_step: int) -> None:
         notes += [f"{len(broken)} unparsable line(s) (line {', '.join(map(str, broken[:5]))}"
                   f"{', ...' if len(broken) > 5 else ''})"] if broken else []
         print(f"{path}: resuming at step {from_step}, dropped " + " and ".join(notes))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)  # a kill mid-rewrite leaves the old log, not half of it
+    write_text(path, "".join(line + "\n" for line in kept))  # a kill mid-rewrite leaves the old log, not half of it
 
 
 def _reduce_mean(value: float, ctx: DistContext) -> float:

@@ -1,0 +1,225 @@
+"""The lm-eval runner: an in-memory model, an export folder or a run folder evaluated into its eval folder."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..eval_tasks import MINITASK_DIR, MODES, resolve_tasks
+from .loading import load_for_eval, quant_eval_meta
+from .outputs import _jsonable, _samples_by_task, _task_result, write_eval_dir
+from .settings import eval_compute, resolve_numerics
+from .subsets import _limited, check_subset, subset_indices
+from .task_data import _forced_offline, lm_eval_task_dirs, prepare_paper_tasks
+
+log = logging.getLogger(__name__)
+
+
+def _provenance() -> dict:
+    try:
+        from ..runs import provenance
+
+        return provenance()
+    except Exception:  # noqa: BLE001 - runs.py absent or git missing: record what we can
+        import platform
+
+        import lm_eval
+        import torch
+        import transformers
+
+        return {"versions": {"python": platform.python_version(), "torch": torch.__version__,
+                             "transformers": transformers.__version__, "lm_eval": lm_eval.__version__}}
+
+
+def evaluate_model(
+    model,
+    tokenizer,
+    tasks: str | Iterable[str] = "mini",
+    *,
+    out_dir: str | Path | None = None,
+    mode: str = "bf16",
+    batch_size: int = 16,
+    limit: int | float | None = None,
+    num_fewshot: Mapping[str, int] | None = None,
+    local_datasets: Mapping[str, str | os.PathLike] | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    seed: int = 1234,
+    subset: Mapping[str, int | None] | str | None = None,
+    subset_seed: int = 0,
+    offline_data: bool = False,
+    extra_meta: Mapping[str, Any] | None = None,
+) -> dict:
+    """Evaluate an in-memory model with lm-eval; write the eval folder when ``out_dir`` is given.
+
+    The model is used as it is (the caller puts a QAT model into the wanted mode, e.g. by
+    :func:`hif8qat.qlinear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
+    ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None or ``"fp32"``: none.
+        ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``subset``: task -> number of
+    documents, a fixed seeded subset (:func:`subset_indices`, stratified by subtask, e.g. MMLU subject;
+    ``"full"``, None or a missing task = every document); lm-eval's ``samples`` selects them, so per-sample
+    doc ids are the documents' indices in the full split. ``limit``: first N docs per task (smoke runs;
+    with a subset, the first N of each subtask's subset). ``offline_data``: read the paper tasks' datasets
+    from the offline copies of :mod:`hif8qat.evaldata` (installed on first use) unless
+    ``local_datasets`` / ``$HIF8QAT_LM_EVAL_DATA`` name another copy. Returns the ``results.json`` dict.
+    """
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from .. import numerics
+    from ..prefix_lm import SharedContextLM
+
+    specs = resolve_tasks(tasks)
+    device = device or str(next(model.parameters()).device)
+    t0 = time.time()
+    sizes = check_subset(subset, [s.name for s in specs])
+    data_root = None
+    if offline_data and any(not s.mini for s in specs):
+        from ..evaldata import CACHE_SUBDIR, ensure_installed
+
+        data_root = ensure_installed()
+    subset_meta: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp:
+        extra, force_offline = prepare_paper_tasks(specs, local_datasets, Path(tmp), data_root=data_root)
+        lm_dirs = lm_eval_task_dirs(specs)
+        # later include paths override earlier ones: lm-eval's folders, then the local-dataset overrides
+        include = (lm_dirs or []) + [MINITASK_DIR] + extra
+        tm = TaskManager(include_path=[str(p) for p in include], include_defaults=lm_dirs is None)
+        task_cfgs: list[str | dict] = []
+        shots = {}
+        for s in specs:
+            k = int((num_fewshot or {}).get(s.name, s.num_fewshot))
+            shots[s.name] = k
+            task_cfgs.append(s.name)
+        compute = eval_compute(dtype)
+        device_type = torch.device(device).type
+        lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                             numerics=functools.partial(numerics.forward_context, compute, device_type))
+        ctx = _forced_offline() if force_offline else contextlib.nullcontext()
+        per_task_shots = {s.name: shots[s.name] for s in specs}
+        raw = None
+        with ctx, torch.inference_mode():
+            # one simple_evaluate per distinct shot count (num_fewshot is global in lm-eval)
+            for k in sorted(set(per_task_shots.values())):
+                names = [n for n, kk in per_task_shots.items() if kk == k]
+                task_arg, chosen = _select_subsets(tm, names, sizes, subset_seed, limit)
+                subset_meta.update(chosen.pop("_meta", {}))
+                r = simple_evaluate(
+                    model=lm, tasks=task_arg, num_fewshot=k, batch_size=batch_size,
+                    limit=None if chosen else limit, samples=chosen or None,
+                    task_manager=tm, log_samples=True, bootstrap_iters=1000, random_seed=seed,
+                    numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                )
+                raw = r if raw is None else _merge_lm_eval(raw, r)
+    wall = time.time() - t0
+    tokens = dict(lm.token_counts)
+    print(f"eval tokens, {mode} mode: {tokens['per_request']} as lm-eval's HFLM forwards them (one forward per "
+          f"request), {tokens['forwarded']} forwarded with shared contexts "
+          f"({tokens['per_request'] / max(tokens['forwarded'], 1):.2f}x fewer; {tokens['requests']} requests)")
+    results: dict[str, Any] = {}
+    samples: dict[str, list] = {}
+    for s in specs:
+        rows = _samples_by_task(raw["samples"], s, raw.get("group_subtasks", {}))
+        samples[s.name] = rows
+        results[s.name] = _task_result(raw["results"], s, len(rows), shots[s.name])
+    meta = {
+        "mode": mode, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
+        "autocast": None if compute == "none" else "bfloat16",
+        "numerics": numerics.describe(compute, device_type),
+        "batch_size": batch_size, "limit": limit, "seed": seed, "wall_time_s": round(wall, 2),
+        "tasks": {s.name: {"metric": s.metric, "filter": s.filter, "num_fewshot": shots[s.name],
+                           "mini": s.mini} for s in specs},
+        "local_datasets": {k: str(v) for k, v in (local_datasets or {}).items()},
+        # Named relative to the cache root: a machine path would not trace anything on another machine.
+        "data_root": f"$HIF8QAT_CACHE/{CACHE_SUBDIR}" if data_root else None,
+        "subset": subset_meta, "subset_seed": subset_seed,
+        # per_request: what lm-eval's HFLM would forward; forwarded: what ran (padding excluded)
+        "eval_tokens": tokens,
+        "lm_eval_version": raw.get("lm_eval_version"), "provenance": _provenance(),
+    }
+    if extra_meta:
+        meta.update(_jsonable(dict(extra_meta)))
+    results["_meta"] = meta
+    if out_dir is not None:
+        write_eval_dir(Path(out_dir), results, samples, raw)
+    return results
+
+
+def _select_subsets(tm, names: list[str], sizes: Mapping[str, int], seed: int, limit) -> tuple[list, dict]:
+    """Tasks for simple_evaluate and lm-eval's ``samples`` (leaf task -> doc indices) for the subsets.
+
+    With a subset among ``names``, every task of the call is built here (its documents must be counted;
+    a task without a subset gets all its indices, as ``samples`` replaces ``limit``) and handed to
+    simple_evaluate as an object, so no dataset is loaded twice. ``samples["_meta"]``: what was chosen.
+    """
+    if not any(n in sizes for n in names):
+        return names, {}
+    task_arg: list = []
+    samples: dict[str, Any] = {"_meta": {}}
+    for name in names:
+        loaded = tm.load([name])
+        task_arg.append(loaded["groups"].get(name) or loaded["tasks"][name])
+        counts = {leaf: len(t.eval_docs) for leaf, t in loaded["tasks"].items()}
+        if name in sizes:
+            chosen = subset_indices(counts, sizes[name], seed=seed)
+        else:
+            chosen = {leaf: list(range(c)) for leaf, c in counts.items()}
+        chosen = {leaf: _limited(ix, limit) for leaf, ix in chosen.items()}
+        samples.update(chosen)
+        samples["_meta"][name] = {"size": sum(len(ix) for ix in chosen.values()), "of": sum(counts.values()),
+                                  "subtasks": len(counts), "seed": seed if name in sizes else None}
+    return task_arg, samples
+
+
+def _merge_lm_eval(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key in ("results", "samples", "configs", "versions", "n-shot", "higher_is_better", "n-samples",
+                "group_subtasks"):
+        merged = dict(a.get(key) or {})
+        merged.update(b.get(key) or {})
+        out[key] = merged
+    return out
+
+
+def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=None, dtype="auto",
+                    device: str = "auto", trust_remote_code: bool | None = None, **kwargs) -> dict:
+    device, dtype = resolve_numerics(device, dtype)
+    model, tok = load_for_eval(export_dir, mode, device=device, trust_remote_code=trust_remote_code)
+    meta = {"export_dir": str(Path(export_dir).resolve()), **kwargs.pop("extra_meta", {})}
+    if mode == "hif8":
+        meta["quant"] = quant_eval_meta(model, export_dir)
+    return evaluate_model(model, tok, tasks, out_dir=out_dir, mode=mode, device=device, dtype=dtype,
+                          extra_meta=meta, **kwargs)
+
+
+def evaluate_run(run_dir: str | Path, modes: Iterable[str] = MODES, tasks="mini", *,
+                 results_root: str | Path | None = None, **kwargs) -> dict[str, dict]:
+    """Evaluate ``<run>/export`` in each mode into ``<run>/eval/<mode>/``. A run trained without
+    quantization has no ``hif8qat_quant.json``; its ``hif8`` mode is skipped with a log message.
+
+    ``results.json`` records ``run_dir`` and ``export_dir`` relative to ``results_root`` (default: the folder
+    three levels up, ``<root>/<profile>/<experiment>/<run>``), so result files hold no machine paths."""
+    run_dir = Path(run_dir)
+    export = run_dir / "export"
+    root = Path(results_root) if results_root is not None else run_dir.resolve().parents[2]
+    try:
+        rel = Path(os.path.relpath(run_dir.resolve(), root.resolve())).as_posix()
+    except ValueError:  # another drive (Windows): keep only the folder's name
+        rel = run_dir.name
+    meta = {"run_dir": rel, "export_dir": f"{rel}/export", "paths_relative_to": "results_root"}
+    out = {}
+    for mode in modes:
+        if mode == "hif8" and not (export / "hif8qat_quant.json").exists():
+            log.info("%s: no hif8qat_quant.json in export/, skipping hif8 evaluation", run_dir)
+            continue
+        out[mode] = evaluate_export(export, mode, tasks, out_dir=run_dir / "eval" / mode,
+                                    extra_meta=meta, **kwargs)
+    return out

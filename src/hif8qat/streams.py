@@ -1,0 +1,216 @@
+"""Token streams that serve training batches: packed windows of a token array, or windows tokenized on the
+fly from a streamed source; both shard across ranks and resume exactly (see :mod:`hif8qat.data`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from .corpus import _stream_is_heldout
+from .tokens import _check_positive, _eos_id, pack_tokens, tokenize_documents
+
+_STREAM_DOC_GROUP = 64
+
+
+# ----------------------------------------------------------------------------------------------------------
+# packed (map-style) stream
+# ----------------------------------------------------------------------------------------------------------
+def _init_shard(stream, seq_len: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                source: str) -> None:
+    """Validate and set the settings every token stream shares (window size, batch, this rank's shard)."""
+    stream.seq_len = _check_positive("seq_len", seq_len)
+    stream.micro_batch_size = _check_positive("micro_batch_size", micro_batch_size)
+    stream.world_size = _check_positive("world_size", world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    stream.rank, stream.seed, stream.source = int(rank), int(seed), source
+
+
+class PackedTokenStream:
+    """Infinite stream of ``[micro_batch_size, seq_len + 1]`` batches over a fixed token array.
+
+    Epoch ``e`` visits the windows in ``np.random.default_rng([seed, e]).permutation(n)``; rank ``r`` takes
+    positions ``r, r + world_size, ...`` of it, truncated to a whole number of batches equal on all ranks,
+    so no window is seen twice in an epoch and all ranks advance in lockstep.
+    """
+
+    kind = "packed"
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, micro_batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, source: str = ""):
+        _init_shard(self, seq_len, micro_batch_size, rank, world_size, seed, source)
+        self.windows = pack_tokens(np.asarray(tokens), seq_len)
+        self.num_windows = len(self.windows)
+        self.batches_per_epoch = self.num_windows // self.world_size // self.micro_batch_size
+        if self.batches_per_epoch < 1:
+            raise ValueError(
+                f"data source {source!r} has {len(tokens)} tokens = {self.num_windows} windows of seq_len+1="
+                f"{seq_len + 1}, fewer than one batch per rank (micro_batch_size={micro_batch_size} x "
+                f"world_size={world_size}); lower data.seq_len / micro_batch_size or use a larger source"
+            )
+        self.epoch = 0
+        self.position = 0  # batches consumed in the current epoch
+        self._order_epoch = -1
+        self._order = np.zeros(0, dtype=np.int64)
+
+    def _rank_order(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._order = perm[self.rank:: self.world_size][: self.batches_per_epoch * self.micro_batch_size]
+            self._order_epoch = epoch
+        return self._order
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        order = self._rank_order(self.epoch)
+        mbs = self.micro_batch_size
+        idx = order[self.position * mbs: (self.position + 1) * mbs]
+        self.position += 1
+        return torch.from_numpy(self.windows[idx].astype(np.int64))
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.micro_batch_size * (self.seq_len + 1)
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "epoch": self.epoch, "position": self.position * self.micro_batch_size,
+                "batches": self.position, "seed": self.seed, "seq_len": self.seq_len,
+                "micro_batch_size": self.micro_batch_size, "world_size": self.world_size, "rank": self.rank,
+                "num_windows": self.num_windows, "source": self.source}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state(self, state, ("kind", "seed", "seq_len", "micro_batch_size", "world_size", "num_windows"))
+        pos = int(state["position"])
+        if pos % self.micro_batch_size:
+            raise ValueError(f"data state position {pos} is not a multiple of micro_batch_size")
+        self.epoch = int(state["epoch"])
+        self.position = pos // self.micro_batch_size
+
+
+def _check_state(stream, state: dict, keys: Iterable[str]) -> None:
+    for key in keys:
+        mine = stream.kind if key == "kind" else getattr(stream, key)
+        if key in state and state[key] != mine:
+            raise ValueError(
+                f"cannot resume the data stream: checkpoint has {key}={state[key]!r} but this run has "
+                f"{key}={mine!r} (the data settings must match the run being resumed)"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# streaming stream (fineweb, local files)
+# ----------------------------------------------------------------------------------------------------------
+class StreamingTokenStream:
+    """Infinite stream of packed windows tokenized on the fly from an iterable ``datasets`` source.
+
+    ``make_dataset(epoch)`` returns this rank's (already node-split) ``datasets.IterableDataset`` of records
+    with a ``text`` field. Held-out documents (``crc32(text) % 100 == 0``) are skipped. The epoch ends when
+    the rank's part is exhausted (the partial window at the end is dropped).
+    """
+
+    kind = "stream"
+
+    def __init__(self, make_dataset: Callable[[int], Iterable[dict]], tokenizer, *, seq_len: int,
+                 micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, source: str = ""):
+        _init_shard(self, seq_len, micro_batch_size, rank, world_size, seed, source)
+        self.tokenizer = tokenizer
+        _eos_id(tokenizer)
+        self._make = make_dataset
+        self.epoch = 0
+        self.position = 0  # windows consumed this epoch
+        self._ds = None
+        self._it = None
+        self._buf = np.zeros(0, dtype=np.int64)
+        self._ds_state = None  # datasets iterator state matching the docs already read into _buf
+        self._exhausted = False
+
+    def _open(self, ds_state=None) -> None:
+        self._ds = self._make(self.epoch)
+        if ds_state is not None:
+            self._ds.load_state_dict(ds_state)
+        self._it = iter(self._ds)
+        self._buf = np.zeros(0, dtype=np.int64)
+        self._ds_state = ds_state
+        self._exhausted = False
+
+    def _fill(self, need: int) -> bool:
+        """Read documents until the buffer holds ``need`` tokens; False when the epoch's data is exhausted."""
+        while len(self._buf) < need and not self._exhausted:
+            texts = []
+            for _ in range(_STREAM_DOC_GROUP):
+                try:
+                    rec = next(self._it)
+                except StopIteration:
+                    self._exhausted = True
+                    break
+                text = rec.get("text") if isinstance(rec, dict) else rec
+                if text and not _stream_is_heldout(text):
+                    texts.append(text)
+            if hasattr(self._ds, "state_dict"):
+                self._ds_state = self._ds.state_dict()
+            parts = tokenize_documents(texts, self.tokenizer)
+            if parts:
+                self._buf = np.concatenate([self._buf, *parts])
+        return len(self._buf) >= need
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        width = self.seq_len + 1
+        need = self.micro_batch_size * width
+        if self._it is None:
+            self._open()
+        if not self._fill(need):
+            if self.position == 0:
+                raise ValueError(
+                    f"data source {self.source!r} gives rank {self.rank} fewer than one batch "
+                    f"({self.micro_batch_size} x {width} tokens) per epoch; use a larger source or smaller "
+                    f"data.seq_len / micro_batch_size"
+                )
+            self.epoch += 1
+            self.position = 0
+            self._open()
+            if not self._fill(need):
+                raise ValueError(f"data source {self.source!r} gives rank {self.rank} no full batch")
+        batch = self._buf[:need].reshape(self.micro_batch_size, width)
+        self._buf = self._buf[need:]
+        self.position += self.micro_batch_size
+        return torch.from_numpy(batch.copy())
+
+    def state_dict(self) -> dict:
+        state = {"kind": self.kind, "epoch": self.epoch, "position": self.position, "seed": self.seed,
+                 "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
+                 "world_size": self.world_size, "rank": self.rank, "source": self.source}
+        if self._it is not None and self._ds_state is not None:
+            state["ds_state"] = json.loads(json.dumps(self._ds_state))
+            state["buffer"] = torch.from_numpy(self._buf.copy())
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state(self, state, ("kind", "seq_len", "micro_batch_size", "world_size", "rank"))
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        if state.get("ds_state") is not None and "buffer" in state:
+            self._open(ds_state=state["ds_state"])
+            buf = state["buffer"]
+            self._buf = np.asarray(buf.numpy() if torch.is_tensor(buf) else buf, dtype=np.int64).copy()
+            return
+        # fallback: re-read this epoch and skip the windows already consumed
+        self._open()
+        width = self.seq_len + 1
+        skip = self.position * width
+        while skip > 0:
+            if not self._fill(min(skip, 1 << 20)):
+                raise ValueError(f"cannot resume data stream: position {self.position} is past the epoch end")
+            take = min(skip, len(self._buf))
+            self._buf = self._buf[take:]
+            skip -= take

@@ -1,0 +1,33 @@
+"""The evaluation task table is torch-free and the config imports only it: no import circle
+config -> evaluate -> runs -> config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _modules_after(statement: str) -> set[str]:
+    code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_task_table_imports_neither_torch_nor_lm_eval_nor_the_evaluation():
+    loaded = _modules_after("import hif8qat.eval_tasks")
+    assert not {"torch", "lm_eval", "hif8qat.evaluate", "hif8qat.runs", "hif8qat.config"} & loaded
+
+
+def test_config_imports_the_task_table_but_not_the_evaluation_or_the_runs():
+    loaded = _modules_after("import hif8qat.config")
+    assert "hif8qat.eval_tasks" in loaded
+    assert not {"hif8qat.evaluate", "hif8qat.runs", "lm_eval"} & loaded
+
+
+def test_the_evaluation_package_keeps_its_names():
+    from hif8qat import eval_tasks, evaluate
+
+    assert evaluate.TASKS is eval_tasks.TASKS and evaluate.resolve_tasks is eval_tasks.resolve_tasks
+    for name in evaluate.__all__:
+        assert hasattr(evaluate, name), name

@@ -113,7 +113,7 @@ anchor-fewshot: $(STAMP) ## ARC-Challenge and ARC-Easy at the paper's 25 shots, 
 sweep: $(STAMP) ## example Hydra multirun: history length x seed for exp6 (add hydra/launcher=slurm on a cluster)
 	$(PY) run.py -m experiment=exp6 profile=$(PROFILE) stage=train quant.history_len=16,64 seed=0,1 $(ARGS)
 
-report: $(STAMP) ## tables and figures from results/runs into results/tables and results/figures
+report: $(STAMP) ## tables and figures from results/runs into results/runs/tables and results/runs/figures
 	$(PY) run.py stage=report profile=$(PROFILE) $(ARGS)
 
 paper-tables: $(STAMP) ## the paper's tables from the authors' published logs and scores

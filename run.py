@@ -246,10 +246,11 @@ def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
     """Tables and figures for the profile; with only_experiment, print that experiment's rows."""
     from hif8qat.report import build_report, format_report, to_markdown
 
-    # Tables and figures sit beside the runs they come from: results/{tables,figures}/<profile>/ by default.
-    results = Path(cfg.results_root).parent
-    rep = build_report(Path(cfg.results_root), cfg.profile.name, results / "tables" / cfg.profile.name,
-                       results / "figures" / cfg.profile.name, figures=only_experiment is None)
+    # Tables and figures live in the results root they come from (<results_root>/{tables,figures}/<profile>/):
+    # a user's report never rewrites the committed tables of results/reference_runs.
+    root = Path(cfg.results_root)
+    rep = build_report(root, cfg.profile.name, root / "tables" / cfg.profile.name,
+                       root / "figures" / cfg.profile.name, figures=only_experiment is None)
     if only_experiment is None:
         print(format_report(rep))
         return

@@ -58,7 +58,7 @@ def test_smoke_experiments_and_report_are_consistent_with_the_run_files(tmp_path
     assert (folders["exp8"] / "eval" / "hif8" / "results.json").exists()
     assert not (folders["exp7"] / "eval" / "hif8").exists()  # nothing to simulate in an unquantized run
 
-    tables = tmp_path / "tables" / "smoke"
+    tables = runs / "tables" / "smoke"
     drops = pd.read_csv(tables / "drops_smoke.csv")
     ape = pd.read_csv(tables / "ape_smoke.csv")
     assert set(drops["experiment"]) == {"exp8"} and set(drops["baseline"]) == {"exp7"}

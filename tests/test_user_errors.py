@@ -269,6 +269,6 @@ def test_report_lists_the_runs_it_could_not_use(tmp_path):
     listed = out.stdout[out.stdout.index("runs not used"):]
     assert f"{empty}: metrics.jsonl holds no loss although the run is finished" in listed
     assert f"{broken}: config_resolved.yaml does not parse" in listed
-    sources = json.loads((tmp_path / "tables" / "smoke" / "ape_smoke.sources.json").read_text())
+    sources = json.loads((runs_root / "tables" / "smoke" / "ape_smoke.sources.json").read_text())
     assert {s["run_dir"] for s in sources["runs_not_used"]} == {str(empty), str(broken)}
     assert "exp7" not in {Path(s["run_dir"]).parent.name for s in sources["runs_not_used"]}

@@ -279,7 +279,14 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         start_step, rank_state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer,
                                                       scheduler=scheduler, rank=ctx.rank,
                                                       world_size=ctx.world_size)
-        stream.load_state_dict(rank_state["data"])
+        if "data_by_rank" in rank_state:  # written by another number of ranks (checkpoint.rank_state_for)
+            note = stream.resize(rank_state["data_by_rank"])
+            if ctx.is_main:
+                print(f"resuming {rank_state['resized_from']} rank(s)' checkpoint on {ctx.world_size}: {note}. The "
+                      "data order from here on differs from an uninterrupted run's (no document is read twice "
+                      "in this epoch); the scalers are those of saved rank (rank % saved ranks)")
+        else:
+            stream.load_state_dict(rank_state["data"])
         skips.update(rank_state.get("train", {}))
         if cfg.quant.enabled:
             set_quantization(model, start_step >= quant_on_step)

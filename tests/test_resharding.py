@@ -189,3 +189,50 @@ def test_two_rank_checkpoint_is_sharded_hashed_by_its_writers_and_loads_on_one_p
     shard.write_bytes(bytes(data))
     with pytest.raises(ckpt.CheckpointError, match="sha256"):
         ckpt.verify_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------- verification shared out
+def _plain_checkpoint(root: Path, step: int) -> Path:
+    model = torch.nn.Linear(4, 3)
+    opt, sched = _optimizer(model)
+    return ckpt.save_checkpoint(root, step, model=model, optimizer=opt, scheduler=sched, rank_state={"s": step},
+                                keep=5)
+
+
+def test_ranks_hash_disjoint_shares_of_a_checkpoint_and_agree_on_a_damaged_one(tmp_path, monkeypatch):
+    import threading
+
+    root = tmp_path / "ckpts"
+    good, bad = _plain_checkpoint(root, 2), _plain_checkpoint(root, 4)
+    data = bytearray((bad / "trainer.pt").read_bytes())
+    data[len(data) // 2] ^= 1  # same size, one bit changed
+    (bad / "trainer.pt").write_bytes(bytes(data))
+    hashed: dict[int, list[str]] = {0: [], 1: []}
+    real = ckpt.sha256_file
+    monkeypatch.setattr(ckpt, "sha256_file",
+                        lambda p: hashed[int(threading.current_thread().name[-1])].append(Path(p).name) or real(p))
+    world, box, sync = 2, [None, None], threading.Barrier(2)
+
+    def gather(obj):
+        r = int(threading.current_thread().name[-1])
+        sync.wait()
+        box[r] = obj
+        sync.wait()
+        out = list(box)
+        sync.wait()
+        return out
+
+    chosen, logs = {}, []
+    threads = [threading.Thread(target=lambda r=r: chosen.__setitem__(r, ckpt.select_checkpoint(
+        root, logs.append, rank=r, world_size=world, gather=gather, barrier=sync.wait)), name=f"rank{r}")
+        for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert chosen == {0: good, 1: good}  # both ranks fall back to the intact one
+    assert len(logs) == 2 and "trainer.pt fails its sha256 check" in logs[0]  # rank 0 reports, once
+    assert len(list(root.glob("step_0000004.corrupt-*"))) == 1
+    # each file of each checkpoint was hashed by exactly one rank
+    assert sorted(hashed[0] + hashed[1]) == sorted(["model.safetensors", "rank000.pt", "trainer.pt"] * 2)
+    assert hashed[0] and hashed[1] and not set(hashed[0]) & set(hashed[1])

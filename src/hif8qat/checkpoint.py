@@ -256,8 +256,11 @@ def _read_back(path: Path) -> None:
                                   f"{str(err)[:200]})") from None
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Raise CheckpointError naming the first problem: no marker, missing file, wrong size, wrong checksum."""
+def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> None:
+    """Raise CheckpointError naming the first problem: no marker, missing file, wrong size, wrong checksum.
+
+    share=(rank, world_size): hash only every world_size-th file of the manifest from the rank-th on, so the
+    ranks of a resume check a checkpoint together (`select_checkpoint`)."""
     manifest = _read_manifest(path)
     if manifest is None:
         _read_back(path)
@@ -266,7 +269,9 @@ def verify_checkpoint(path: Path) -> None:
     for name in _REQUIRED_SHARDED if manifest.get("layout") == "dcp" else _REQUIRED:
         if name not in files:
             raise CheckpointError(f"checkpoint {path}: manifest lists no {name}")
-    for name, entry in files.items():
+    for i, (name, entry) in enumerate(files.items()):
+        if i % share[1] != share[0]:
+            continue
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}")
@@ -318,25 +323,37 @@ def quarantine(path: Path) -> Path:
     return target
 
 
-def select_checkpoint(root: Path, log: Callable[[str], None] = print) -> Path | None:
-    """The newest intact checkpoint under root, after recovering interrupted writes (rank 0 only).
+def select_checkpoint(root: Path, log: Callable[[str], None] = print, *, rank: int = 0, world_size: int = 1,
+                      gather=None, barrier=None) -> Path | None:
+    """The newest intact checkpoint under root, after recovering interrupted writes.
 
     Rejected checkpoints are renamed `*.corrupt-<time>` with a printed reason. None when the run never
     wrote a checkpoint; CheckpointError when it wrote some and none is intact (starting over silently would
-    throw their steps away).
+    throw their steps away). Several ranks (every rank calls it; ``gather(obj)`` -> every rank's obj,
+    ``barrier()``) share the hashing, each its share of the files; rank 0 alone repairs, renames and logs.
     """
-    for note in recover_interrupted(root):
-        log(f"checkpoint recovery: {note}")
+    if rank == 0:
+        for note in recover_interrupted(root):
+            log(f"checkpoint recovery: {note}")
+    if barrier:
+        barrier()  # every rank lists the folders rank 0 repaired
     rejected: list[str] = []
     for path in reversed(_step_folders(root)):
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, (rank, world_size))
+            problem = None
         except CheckpointError as err:
-            kept = quarantine(path)
+            problem = str(err)
+        problems = [p for p in (gather(problem) if gather else [problem]) if p]
+        if problems:
+            if rank == 0:
+                kept = quarantine(path)
+                log(f"checkpoint rejected: {problems[0]}; kept as {kept.name}")
+            if barrier:
+                barrier()  # renamed before any rank looks for the rejected ones
             rejected.append(path.name)
-            log(f"checkpoint rejected: {err}; kept as {kept.name}")
             continue
-        if rejected:
+        if rejected and rank == 0:
             log(f"resuming from the newest intact checkpoint {path} (step {checkpoint_step(path)}) instead of "
                 f"{', '.join(rejected)}")
         return path

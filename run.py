@@ -12,7 +12,6 @@ is printed as ``error: <message>`` with exit status 2.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -218,9 +217,31 @@ def eval_numerics(cfg: RunConfig) -> tuple[str, str]:
                             train_autocast=cfg.train.autocast)
 
 
-def evaluate(cfg: RunConfig, run_dir: Path) -> None:
-    """Evaluate the run's export in each configured mode that has no results yet (force=true redoes them)."""
+def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
+    """Evaluate the run's export in each configured mode that has no results yet (force=true redoes them).
+
+    Under torchrun (ctx of several ranks) every rank evaluates its share of the requests and rank 0, which
+    alone checks and locks the folder and chooses the modes, writes the results (hif8qat.eval_ranks)."""
     from hif8qat.evaluate import evaluate_run
+
+    main = ctx is None or ctx.is_main
+    modes = on_rank0(ctx, lambda: _modes_to_evaluate(cfg, run_dir))
+    if not modes:
+        if main:
+            print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
+        return
+    device, dtype = eval_numerics(cfg)
+    if ctx is not None and ctx.world_size > 1 and device == "cuda":
+        device = str(ctx.device)  # each rank its own GPU
+    evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
+                 device=device, dtype=dtype,
+                 limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
+                 local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
+                 subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
+                 results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
+
+
+def _modes_to_evaluate(cfg: RunConfig, run_dir: Path) -> list[str]:
     from hif8qat.runs import has_export, is_done, lock_run_dir
 
     if not has_export(run_dir):
@@ -229,17 +250,30 @@ def evaluate(cfg: RunConfig, run_dir: Path) -> None:
                            "writes it again from the run's final checkpoint (or says how to retrain it)")
         raise RunError(f"{run_dir} has no export/ to evaluate; train it first (stage=train or all)")
     lock_run_dir(run_dir)  # eval/ is written into the run folder: one writer at a time
-    modes = [m for m in cfg.eval.modes if cfg.force or not (run_dir / "eval" / m / "results.json").exists()]
-    if not modes:
-        print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
-        return
-    device, dtype = eval_numerics(cfg)
-    evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
-                 device=device, dtype=dtype,
-                 limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
-                 local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
-                 subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
-                 results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
+    return [m for m in cfg.eval.modes if cfg.force or not (run_dir / "eval" / m / "results.json").exists()]
+
+
+def on_rank0(ctx, decide):
+    """decide() on rank 0, its answer (or its RunError) sent to every rank, so no rank waits at a collective
+    for a rank 0 that refused; the other ranks exit quietly (rank 0 reports the error once)."""
+    if ctx is None or ctx.world_size == 1:
+        return decide()
+    import torch.distributed as dist
+
+    box: list = [None]
+    error = None
+    if ctx.is_main:
+        try:
+            box = [(decide(), None)]
+        except RunError as err:
+            error, box = err, [(None, str(err))]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    answer, message = box[0]
+    if message is not None:
+        raise SystemExit(2)
+    return answer
 
 
 def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
@@ -304,15 +338,14 @@ def dispatch(cfg: RunConfig) -> None:
         eval_numerics(cfg)  # an evaluation device this machine lacks fails before training, not after
     from hif8qat.train import setup_distributed
 
+    ctx = setup_distributed(cfg.train.device if cfg.stage != "eval" else eval_numerics(cfg)[0])
     if cfg.stage == "eval":  # evaluation never touches the training folder's state
-        if int(os.environ.get("RANK", "0")) != 0:
-            return  # one process evaluates (and writes eval/); under torchrun that is rank 0
-        try:
-            evaluate(cfg, run_dir_for(cfg))
+        try:  # under torchrun every rank scores its share; rank 0 writes eval/
+            evaluate(cfg, run_dir_for(cfg), ctx)
         finally:
-            release_run_dir(run_dir_for(cfg))
+            if ctx.is_main:
+                release_run_dir(run_dir_for(cfg))
         return
-    ctx = setup_distributed(cfg.train.device)
     run_dir, status = prepare_shared(cfg, ctx)
     if cfg.stage == "all" and ctx.is_main:
         baseline_note(cfg, run_dir)
@@ -324,9 +357,10 @@ def dispatch(cfg: RunConfig) -> None:
                 from hif8qat.train import train
 
                 train(cfg, run_dir, ctx)
-        if cfg.stage == "all" and ctx.is_main:
-            evaluate(cfg, run_dir)
-            report(cfg, only_experiment=cfg.experiment.name)
+        if cfg.stage == "all":
+            evaluate(cfg, run_dir, ctx)
+            if ctx.is_main:
+                report(cfg, only_experiment=cfg.experiment.name)
     finally:
         release_run_dir(run_dir)  # a multirun sweep runs its jobs in this one process
 

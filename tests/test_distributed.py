@@ -286,7 +286,6 @@ def test_without_grad_sync_fsdp2_reduce_scatters_every_micro_batch_and_drifts_fr
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_fsdp_two_cpu_ranks_resume_bit_exact_and_export_like_ddp(tmp_path):
-    from safetensors.torch import load_file, load_model
     from transformers import AutoModelForCausalLM
 
     from hif8qat.models import load_causal_lm
@@ -320,10 +319,16 @@ def test_fsdp_two_cpu_ranks_resume_bit_exact_and_export_like_ddp(tmp_path):
     assert all(torch.equal(scales[0][k], scales[1][k]) for k in scales[0])  # amax_reduce=max under FSDP
     assert [r["data"]["rank"] for r in ranks] == [0, 1]
 
-    # The checkpoint holds full weights that load into a plain (unsharded) model.
+    # The two ranks' sharded checkpoint loads into a plain (unsharded) model in one process.
+    from hif8qat import checkpoint as ckpt
+    from hif8qat.train import parameter_groups
+
+    assert json.loads((final / ckpt.COMPLETE_MARKER).read_text())["layout"] == "dcp"
     plain, _ = load_causal_lm("tiny:8")
-    load_model(plain, str(final / "model.safetensors"))
-    weights = load_file(final / "model.safetensors")
+    plain_opt = torch.optim.AdamW(parameter_groups(plain, 0.1), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(plain_opt, lambda s: 1.0)
+    assert ckpt.load_checkpoint(final, model=plain, optimizer=plain_opt, scheduler=sched)[0] == 8
+    weights = plain.state_dict()
     # The export is a save_pretrained folder that plain transformers loads, with the final weights.
     export = folder / "export"
     hf = AutoModelForCausalLM.from_pretrained(export)

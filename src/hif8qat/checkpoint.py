@@ -14,10 +14,15 @@ Integrity: the `COMPLETE` marker is a JSON manifest with the size and sha256 of 
 copy of the step is on disk at every instant: new -> `step_<N>.tmp`, old -> `step_<N>.old`, tmp -> final,
 then delete old; `recover_interrupted` finishes or undoes a swap a kill interrupted.
 
-Under FSDP (`train.distributed=fsdp`) the same files are written: the weights are gathered into one full
-`model.safetensors` (tied weights stored once, as `safetensors.torch.save_model` does) and the optimizer state
-is gathered and stored keyed by parameter name (`"optimizer_keys": "name"` in trainer.pt). Either kind of
-checkpoint resumes with or without FSDP (same world size); the model file loads into a plain model.
+Under torchrun (world size > 1, DDP or FSDP) model and optimizer go through torch.distributed.checkpoint
+instead (:mod:`hif8qat.sharded_ckpt`): every rank writes its own shards into `dcp/` and hashes the files it
+wrote; rank 0 gathers those entries into the manifest (`"layout": "dcp"`), so no rank gathers 14 GB or hashes
+them alone. trainer.pt then holds the scheduler and step only. Such a checkpoint resumes on any world size
+(DCP reshards; a single process reads it without a process group); the per-rank files are mapped onto the new
+ranks by `rank_state_for` and the data streams' `resize` (docs/design.md, "Resuming on another world size").
+A single process writes the full format (one `model.safetensors`; under FSDP of one rank the weights are
+gathered, tied weights stored once, the optimizer keyed by parameter name, `"optimizer_keys": "name"`), which
+also resumes on any world size.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ _TMP, _OLD, _TRASH, _CORRUPT = ".tmp", ".old", ".trash", ".corrupt-"
 _MANIFEST_FORMAT = 1
 # What a checkpoint cannot be resumed without (rank files beyond rank 0 are checked through the manifest).
 _REQUIRED = ("model.safetensors", "trainer.pt", "rank000.pt")
+_REQUIRED_SHARDED = ("trainer.pt", "rank000.pt", "dcp/.metadata")
 # What a damaged file makes the loaders raise (safetensors, torch.load's zip reader, unpickling).
 _LOAD_ERRORS = (SafetensorError, RuntimeError, EOFError, OSError, pickle.UnpicklingError, KeyError, ValueError)
 
@@ -201,11 +207,17 @@ def _load_full_model(model: torch.nn.Module, filename: str, rank: int) -> None:
     load_full_model_state_dict(model, state_dict)
 
 
-def _write_manifest(folder: Path, step: int) -> None:
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
-    (folder / COMPLETE_MARKER).write_text(json.dumps({"format": _MANIFEST_FORMAT, "step": step, "files": files},
-                                                     indent=1) + "\n")
+def _file_entries(folder: Path, names) -> dict[str, dict]:
+    return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)} for name in names}
+
+
+def _write_manifest(folder: Path, step: int, files: dict[str, dict] | None = None, layout: str = "full") -> None:
+    """The COMPLETE marker: every file's size and sha256 (``files``: entries the ranks hashed themselves)."""
+    if files is None:
+        files = _file_entries(folder, [p.name for p in sorted(folder.iterdir())
+                                       if p.is_file() and p.name != COMPLETE_MARKER])
+    manifest = {"format": _MANIFEST_FORMAT, "step": step, "layout": layout, "files": dict(sorted(files.items()))}
+    (folder / COMPLETE_MARKER).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def _read_manifest(path: Path) -> dict | None:
@@ -244,17 +256,22 @@ def _read_back(path: Path) -> None:
                                   f"{str(err)[:200]})") from None
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Raise CheckpointError naming the first problem: no marker, missing file, wrong size, wrong checksum."""
+def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> None:
+    """Raise CheckpointError naming the first problem: no marker, missing file, wrong size, wrong checksum.
+
+    share=(rank, world_size): hash only every world_size-th file of the manifest from the rank-th on, so the
+    ranks of a resume check a checkpoint together (`select_checkpoint`)."""
     manifest = _read_manifest(path)
     if manifest is None:
         _read_back(path)
         return
     files = manifest["files"]
-    for name in _REQUIRED:
+    for name in _REQUIRED_SHARDED if manifest.get("layout") == "dcp" else _REQUIRED:
         if name not in files:
             raise CheckpointError(f"checkpoint {path}: manifest lists no {name}")
-    for name, entry in files.items():
+    for i, (name, entry) in enumerate(files.items()):
+        if i % share[1] != share[0]:
+            continue
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}")
@@ -306,25 +323,37 @@ def quarantine(path: Path) -> Path:
     return target
 
 
-def select_checkpoint(root: Path, log: Callable[[str], None] = print) -> Path | None:
-    """The newest intact checkpoint under root, after recovering interrupted writes (rank 0 only).
+def select_checkpoint(root: Path, log: Callable[[str], None] = print, *, rank: int = 0, world_size: int = 1,
+                      gather=None, barrier=None) -> Path | None:
+    """The newest intact checkpoint under root, after recovering interrupted writes.
 
     Rejected checkpoints are renamed `*.corrupt-<time>` with a printed reason. None when the run never
     wrote a checkpoint; CheckpointError when it wrote some and none is intact (starting over silently would
-    throw their steps away).
+    throw their steps away). Several ranks (every rank calls it; ``gather(obj)`` -> every rank's obj,
+    ``barrier()``) share the hashing, each its share of the files; rank 0 alone repairs, renames and logs.
     """
-    for note in recover_interrupted(root):
-        log(f"checkpoint recovery: {note}")
+    if rank == 0:
+        for note in recover_interrupted(root):
+            log(f"checkpoint recovery: {note}")
+    if barrier:
+        barrier()  # every rank lists the folders rank 0 repaired
     rejected: list[str] = []
     for path in reversed(_step_folders(root)):
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, (rank, world_size))
+            problem = None
         except CheckpointError as err:
-            kept = quarantine(path)
+            problem = str(err)
+        problems = [p for p in (gather(problem) if gather else [problem]) if p]
+        if problems:
+            if rank == 0:
+                kept = quarantine(path)
+                log(f"checkpoint rejected: {problems[0]}; kept as {kept.name}")
+            if barrier:
+                barrier()  # renamed before any rank looks for the rejected ones
             rejected.append(path.name)
-            log(f"checkpoint rejected: {err}; kept as {kept.name}")
             continue
-        if rejected:
+        if rejected and rank == 0:
             log(f"resuming from the newest intact checkpoint {path} (step {checkpoint_step(path)}) instead of "
                 f"{', '.join(rejected)}")
         return path
@@ -382,22 +411,41 @@ def _write(tmp: Path, step: int, *, model, optimizer, scheduler, rank_state: dic
         tmp.mkdir(parents=True)
     if barrier:
         barrier()
-    torch.save(rank_state, tmp / f"rank{rank:03d}.pt")
-    if is_fsdp(model):  # collectives: every rank gathers, rank 0 writes
-        model_sd, optim_sd = full_model_state_dict(model), full_optimizer_state_dict(model, optimizer)
+    rank_file = f"rank{rank:03d}.pt"
+    torch.save(rank_state, tmp / rank_file)
+    if world_size > 1:  # every rank writes and hashes its own shards; rank 0 gathers the entries
+        from . import sharded_ckpt
+
+        mine = [rank_file, *sharded_ckpt.save(tmp, model, optimizer)]
         if rank == 0:
-            _save_full_model(model, model_sd, str(tmp / "model.safetensors"))
-            torch.save({"optimizer": optim_sd, "optimizer_keys": "name", "scheduler": scheduler.state_dict(),
-                        "step": step, "world_size": world_size}, tmp / "trainer.pt")
+            torch.save({"scheduler": scheduler.state_dict(), "step": step, "world_size": world_size,
+                        "layout": "dcp"}, tmp / "trainer.pt")
+            mine.append("trainer.pt")
+        entries = _gather_to_rank0(_file_entries(tmp, mine), world_size)
+        if rank == 0:
+            _write_manifest(tmp, step, {k: v for part in entries for k, v in part.items()}, layout="dcp")
+        return
+    if is_fsdp(model):  # one rank under FSDP: the full format, gathered
+        model_sd, optim_sd = full_model_state_dict(model), full_optimizer_state_dict(model, optimizer)
+        _save_full_model(model, model_sd, str(tmp / "model.safetensors"))
+        torch.save({"optimizer": optim_sd, "optimizer_keys": "name", "scheduler": scheduler.state_dict(),
+                    "step": step, "world_size": world_size}, tmp / "trainer.pt")
         del model_sd, optim_sd
-    elif rank == 0:
+    else:
         save_model(model, str(tmp / "model.safetensors"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                     "world_size": world_size}, tmp / "trainer.pt")
-    if barrier:
-        barrier()
-    if rank == 0:
-        _write_manifest(tmp, step)  # every rank's file is in place (barrier above)
+    _write_manifest(tmp, step)
+
+
+def _gather_to_rank0(obj, world_size: int) -> list:
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return [obj]
+    out = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler, rank: int = 0,
@@ -416,25 +464,41 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler,
 
 
 def _load(path: Path, *, model, optimizer, scheduler, rank: int, world_size: int) -> tuple[int, dict]:
+    from . import sharded_ckpt
     from .distributed import is_fsdp, load_full_optimizer_state_dict, optimizer_state_by_name
 
     fsdp = is_fsdp(model)
     # Under FSDP only rank 0 reads the full optimizer state (the others get their shards from it): map the file.
     trainer = torch.load(path / "trainer.pt", weights_only=True, mmap=fsdp and rank != 0)
-    if trainer["world_size"] != world_size:
-        raise CheckpointError(f"checkpoint {path} was written by {trainer['world_size']} ranks; resuming with "
-                              f"{world_size} would change the data order and the amax histories: launch "
-                              f"{trainer['world_size']} ranks")
-    if fsdp:
-        _load_full_model(model, str(path / "model.safetensors"), rank)
+    if sharded_ckpt.is_sharded(path):
+        sharded_ckpt.load(path, model, optimizer)  # any world size: DCP reshards
     else:
-        load_model(model, str(path / "model.safetensors"))
-    by_name = trainer.get("optimizer_keys") == "name"
-    if fsdp or by_name:
-        optim_sd = trainer["optimizer"] if by_name else optimizer_state_by_name(model, optimizer, trainer["optimizer"])
-        load_full_optimizer_state_dict(model, optimizer, optim_sd if (rank == 0 or not fsdp) else {})
-    else:
-        optimizer.load_state_dict(trainer["optimizer"])
+        if fsdp:
+            _load_full_model(model, str(path / "model.safetensors"), rank)
+        else:
+            load_model(model, str(path / "model.safetensors"))
+        by_name = trainer.get("optimizer_keys") == "name"
+        if fsdp or by_name:
+            optim_sd = (trainer["optimizer"] if by_name
+                        else optimizer_state_by_name(model, optimizer, trainer["optimizer"]))
+            load_full_optimizer_state_dict(model, optimizer, optim_sd if (rank == 0 or not fsdp) else {})
+        else:
+            optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
-    rank_state = torch.load(path / f"rank{rank:03d}.pt", weights_only=True)
+    saved_world = int(trainer["world_size"])
+    rank_state = rank_state_for(path, rank, saved_world) if saved_world != world_size else \
+        torch.load(path / f"rank{rank:03d}.pt", weights_only=True)
     return int(trainer["step"]), rank_state
+
+
+def rank_state_for(path: Path, rank: int, saved_world: int) -> dict:
+    """This rank's state when the checkpoint was written by another number of ranks (``saved_world``).
+
+    RNG and quantization scalers: those of saved rank ``rank % saved_world`` (with amax_reduce they are the
+    same on every rank). Data: every saved rank's position, under ``"data_by_rank"``, for the stream's
+    ``resize`` to place this rank after everything the saved ranks read (docs/design.md)."""
+    own = torch.load(path / f"rank{rank % saved_world:03d}.pt", weights_only=True)
+    datas = [own["data"] if r == rank % saved_world else
+             torch.load(path / f"rank{r:03d}.pt", weights_only=True).get("data")
+             for r in range(saved_world)] if "data" in own else []
+    return {**own, "data_by_rank": datas, "resized_from": saved_world}

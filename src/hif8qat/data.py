@@ -45,6 +45,9 @@ give next. For :class:`PackedTokenStream` the state is identical on every rank (
 lockstep), so saving rank 0's state is enough; :class:`StreamingTokenStream` state is per rank (save each
 rank's). The streaming state also carries the ``datasets`` iterator state and the partly used token buffer,
 so resuming does not re-read what was consumed; without them it falls back to skipping ``position`` windows.
+A checkpoint of another world size is continued by ``resize(states)`` (every saved rank's state): the rest
+of the epoch is shared out so that no window / document is read twice in it (docs/design.md, "Resuming on
+another world size").
 
 Workers: everything runs in the calling process (no DataLoader workers). The packed path is array slicing
 after a one-off cached tokenization; the streaming path tokenizes 64 documents at a time with the fast
@@ -102,13 +105,16 @@ def build_train_stream(source, tokenizer, *, seq_len: int, micro_batch_size: int
         return PackedTokenStream(tokens, seq_len=seq_len, micro_batch_size=micro_batch_size, rank=rank,
                                  world_size=world_size, seed=seed, source=source)
 
+    def make_part(part_rank: int, part_world: int, epoch: int):
+        return _open_iterable(source, rank=part_rank, world_size=part_world, epoch=epoch)
+
     def make(epoch: int):
-        return _open_iterable(source, rank=rank, world_size=world_size, epoch=epoch)
+        return make_part(rank, world_size, epoch)
 
     if source == "fineweb" and _datasets_offline():
         make(0)  # raises the clear offline error now rather than at the first batch
     return StreamingTokenStream(make, tokenizer, seq_len=seq_len, micro_batch_size=micro_batch_size, rank=rank,
-                                world_size=world_size, seed=seed, source=source)
+                                world_size=world_size, seed=seed, source=source, make_part=make_part)
 
 
 def build_eval_windows(source, tokenizer, *, seq_len: int, num_windows: int, cache_dir=None) -> torch.Tensor:

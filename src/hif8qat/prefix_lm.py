@@ -28,7 +28,10 @@ Numerics: every model call (the shared-context path, HFLM's own path, generation
 ``numerics()``, the zero-argument context-manager factory given at construction: that is the one place
 where the evaluation's compute numerics (e.g. bf16 autocast) are applied.
 
-Token counts: :attr:`SharedContextLM.token_counts` accumulates, over every ``loglikelihood`` call, the
+Ranks: with ``ranks`` (under torchrun) every rank runs lm-eval whole and scores only its share of each call's
+context groups; the answers are all-gathered (:mod:`hif8qat.eval_ranks`).
+
+Token counts (this rank's share under ``ranks``): :attr:`SharedContextLM.token_counts` accumulates, over every ``loglikelihood`` call, the
 tokens HFLM would forward (``per_request``: the sum of each request's input length) and the tokens this
 model forwards (``forwarded``: real tokens, padding excluded; ``forwarded_padded``: positions including
 padding; ``forward_calls``: model calls of the shared-context path).
@@ -46,6 +49,8 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from .eval_ranks import Ranks, deal, gather_answers
+
 Request = tuple[Any, list[int], list[int]]  # (cache key or None, context_enc, continuation_enc)
 
 
@@ -53,11 +58,13 @@ class SharedContextLM(HFLM):
     """:class:`HFLM` whose ``_loglikelihood_tokens`` forwards each distinct context once (module doc).
 
     ``numerics``: a zero-argument callable returning the context manager every forward runs under
-    (default: HFLM's ``mixed_precision_dtype`` autocast, or none). Other arguments are HFLM's.
+    (default: HFLM's ``mixed_precision_dtype`` autocast, or none). ``ranks``: evaluate data-parallel over
+    these ranks (:mod:`hif8qat.eval_ranks`; every rank runs lm-eval whole and makes the same calls, each
+    scores its share of each call's context groups, all get every answer). Other arguments are HFLM's.
     """
 
     def __init__(self, *args, numerics: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 **kwargs):
+                 ranks: Ranks | None = None, **kwargs):
         amp = kwargs.pop("mixed_precision_dtype", None)
         # HFLM's own autocast stays off: numerics are applied in _forward only
         super().__init__(*args, mixed_precision_dtype=None, **kwargs)
@@ -70,6 +77,7 @@ class SharedContextLM(HFLM):
                     return contextlib.nullcontext()
                 return torch.autocast(device_type=device_type, dtype=amp_dtype)
         self._numerics = numerics
+        self._ranks = ranks if ranks is not None and ranks.world_size > 1 else None
         self.token_counts = {"requests": 0, "per_request": 0, "forwarded": 0, "forwarded_padded": 0,
                              "forward_calls": 0}
         params = inspect.signature(self.model.forward).parameters.values()
@@ -104,6 +112,18 @@ class SharedContextLM(HFLM):
     # ---------------------------------------------------------------------------------- scoring
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
                               override_bs: int | None = None) -> list[tuple[float, bool]]:
+        if self._ranks is None:
+            return self._score_requests(requests, disable_tqdm, override_bs)
+        # this rank's share: whole context groups, balanced by the tokens a request forwards
+        shares = deal([tuple(c) for _, c, _ in requests], [len(c) + len(k) for _, c, k in requests],
+                      self._ranks.world_size)
+        mine = shares[self._ranks.rank]
+        answers = self._score_requests([requests[i] for i in mine], disable_tqdm or self._ranks.rank != 0,
+                                       override_bs)
+        return gather_answers(self._ranks, len(requests), mine, answers)
+
+    def _score_requests(self, requests: list[Request], disable_tqdm: bool = False,
+                        override_bs: int | None = None) -> list[tuple[float, bool]]:
         counts = self.token_counts
         counts["requests"] += len(requests)
         counts["per_request"] += sum(min(len(c) + len(k) - 1, self.max_length) for _, c, k in requests)

@@ -3,6 +3,7 @@ fly from a streamed source; both shard across ranks and resume exactly (see :mod
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 
@@ -53,13 +54,19 @@ class PackedTokenStream:
             )
         self.epoch = 0
         self.position = 0  # batches consumed in the current epoch
+        # windows of the current epoch's permutation read before this world size took over (a resized
+        # resume): the ranks share out only perm[base:] until the epoch ends
+        self.base = 0
         self._order_epoch = -1
         self._order = np.zeros(0, dtype=np.int64)
+
+    def _epoch_batches(self) -> int:
+        return (self.num_windows - self.base) // self.world_size // self.micro_batch_size
 
     def _rank_order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
             perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-            self._order = perm[self.rank:: self.world_size][: self.batches_per_epoch * self.micro_batch_size]
+            self._order = perm[self.base + self.rank:: self.world_size][: self._epoch_batches() * self.micro_batch_size]
             self._order_epoch = epoch
         return self._order
 
@@ -67,9 +74,10 @@ class PackedTokenStream:
         return self
 
     def __next__(self) -> torch.Tensor:
-        if self.position >= self.batches_per_epoch:
+        if self.position >= self._epoch_batches():
             self.epoch += 1
             self.position = 0
+            self.base = 0
         order = self._rank_order(self.epoch)
         mbs = self.micro_batch_size
         idx = order[self.position * mbs: (self.position + 1) * mbs]
@@ -82,7 +90,7 @@ class PackedTokenStream:
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "epoch": self.epoch, "position": self.position * self.micro_batch_size,
-                "batches": self.position, "seed": self.seed, "seq_len": self.seq_len,
+                "batches": self.position, "base": self.base, "seed": self.seed, "seq_len": self.seq_len,
                 "micro_batch_size": self.micro_batch_size, "world_size": self.world_size, "rank": self.rank,
                 "num_windows": self.num_windows, "source": self.source}
 
@@ -93,6 +101,27 @@ class PackedTokenStream:
             raise ValueError(f"data state position {pos} is not a multiple of micro_batch_size")
         self.epoch = int(state["epoch"])
         self.position = pos // self.micro_batch_size
+        self.base = int(state.get("base", 0))
+        self._order_epoch = -1
+
+    def consumed(self) -> int:
+        """Windows of the current epoch's permutation read by all ranks together: a prefix of it (rank r
+        reads positions base + r, base + r + world_size, ... and all ranks advance in lockstep)."""
+        return self.base + self.position * self.micro_batch_size * self.world_size
+
+    def resize(self, states: list[dict]) -> str:
+        """Continue the saved ranks' epoch on this world size: the saved ranks read a prefix of the epoch's
+        permutation (``consumed``), so this world's ranks share out the rest of it, then epochs run as usual.
+        ``states``: every saved rank's ``state_dict()``. Returns a note for the log."""
+        saved = states[0]
+        _check_state(self, saved, ("kind", "seed", "seq_len", "micro_batch_size", "num_windows"))
+        old = PackedTokenStream.__new__(PackedTokenStream)
+        old.__dict__.update(self.__dict__)
+        old.world_size = int(saved["world_size"])
+        old.load_state_dict(saved)
+        self.epoch, self.position, self.base, self._order_epoch = old.epoch, 0, old.consumed(), -1
+        return (f"data epoch {self.epoch}: {self.base} of {self.num_windows} windows already read by "
+                f"{old.world_size} rank(s); {self.world_size} rank(s) share out the rest of the epoch's order")
 
 
 def _check_state(stream, state: dict, keys: Iterable[str]) -> None:
@@ -119,13 +148,20 @@ class StreamingTokenStream:
     kind = "stream"
 
     def __init__(self, make_dataset: Callable[[int], Iterable[dict]], tokenizer, *, seq_len: int,
-                 micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, source: str = ""):
+                 micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, source: str = "",
+                 make_part: Callable[[int, int, int], Iterable[dict]] | None = None):
         _init_shard(self, seq_len, micro_batch_size, rank, world_size, seed, source)
         self.tokenizer = tokenizer
         _eos_id(tokenizer)
         self._make = make_dataset
+        self._make_part = make_part  # (rank, world_size, epoch) -> that rank's part: what resize re-reads
         self.epoch = 0
         self.position = 0  # windows consumed this epoch
+        self.docs_read = 0  # records taken from this rank's part this epoch (held-out ones included)
+        # after a resize, until the epoch ends: the saved ranks' layout, and the fingerprints of the documents
+        # they had read, which this rank skips
+        self.skip_from: dict | None = None
+        self._skip: set[bytes] | None = None
         self._ds = None
         self._it = None
         self._buf = np.zeros(0, dtype=np.int64)
@@ -138,8 +174,10 @@ class StreamingTokenStream:
             self._ds.load_state_dict(ds_state)
         self._it = iter(self._ds)
         self._buf = np.zeros(0, dtype=np.int64)
+        self._unstarted: list[tuple[int, bytes]] = []  # (offset in _buf, fingerprint): documents not yet trained on
         self._ds_state = ds_state
         self._exhausted = False
+        self.docs_read = 0
 
     def _fill(self, need: int) -> bool:
         """Read documents until the buffer holds ``need`` tokens; False when the epoch's data is exhausted."""
@@ -151,15 +189,26 @@ class StreamingTokenStream:
                 except StopIteration:
                     self._exhausted = True
                     break
+                self.docs_read += 1
                 text = rec.get("text") if isinstance(rec, dict) else rec
-                if text and not _stream_is_heldout(text):
+                if text and not _stream_is_heldout(text) and not (self._skip and _fingerprint(text) in self._skip):
                     texts.append(text)
             if hasattr(self._ds, "state_dict"):
                 self._ds_state = self._ds.state_dict()
             parts = tokenize_documents(texts, self.tokenizer)
+            offset = len(self._buf)
+            for text, part in zip(texts, parts):
+                self._unstarted.append((offset, _fingerprint(text)))
+                offset += len(part)
             if parts:
                 self._buf = np.concatenate([self._buf, *parts])
         return len(self._buf) >= need
+
+    def _take(self, n: int) -> np.ndarray:
+        """The buffer's first ``n`` tokens, removed; a document whose first token goes is no longer unstarted."""
+        out, self._buf = self._buf[:n], self._buf[n:]
+        self._unstarted = [(o - n, f) for o, f in self._unstarted if o >= n]
+        return out
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return self
@@ -170,7 +219,7 @@ class StreamingTokenStream:
         if self._it is None:
             self._open()
         if not self._fill(need):
-            if self.position == 0:
+            if self.position == 0 and self.skip_from is None:  # a resized epoch may have less than a batch left
                 raise ValueError(
                     f"data source {self.source!r} gives rank {self.rank} fewer than one batch "
                     f"({self.micro_batch_size} x {width} tokens) per epoch; use a larger source or smaller "
@@ -178,31 +227,37 @@ class StreamingTokenStream:
                 )
             self.epoch += 1
             self.position = 0
+            self.skip_from = self._skip = None  # the resize's epoch is over: the whole part again
             self._open()
             if not self._fill(need):
                 raise ValueError(f"data source {self.source!r} gives rank {self.rank} no full batch")
-        batch = self._buf[:need].reshape(self.micro_batch_size, width)
-        self._buf = self._buf[need:]
+        batch = self._take(need).reshape(self.micro_batch_size, width)
         self.position += self.micro_batch_size
         return torch.from_numpy(batch.copy())
 
     def state_dict(self) -> dict:
         state = {"kind": self.kind, "epoch": self.epoch, "position": self.position, "seed": self.seed,
                  "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
-                 "world_size": self.world_size, "rank": self.rank, "source": self.source}
+                 "world_size": self.world_size, "rank": self.rank, "source": self.source,
+                 "docs_read": self.docs_read, "skip_from": self.skip_from}
         if self._it is not None and self._ds_state is not None:
             state["ds_state"] = json.loads(json.dumps(self._ds_state))
             state["buffer"] = torch.from_numpy(self._buf.copy())
+            state["unstarted"] = [[o, f.hex()] for o, f in self._unstarted]
         return state
 
     def load_state_dict(self, state: dict) -> None:
         _check_state(self, state, ("kind", "seq_len", "micro_batch_size", "world_size", "rank"))
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self.skip_from = state.get("skip_from")
+        self._skip = self._consumed(self.skip_from) if self.skip_from else None
         if state.get("ds_state") is not None and "buffer" in state:
             self._open(ds_state=state["ds_state"])
+            self.docs_read = int(state.get("docs_read", 0))
             buf = state["buffer"]
             self._buf = np.asarray(buf.numpy() if torch.is_tensor(buf) else buf, dtype=np.int64).copy()
+            self._unstarted = [(int(o), bytes.fromhex(f)) for o, f in state.get("unstarted", [])]
             return
         # fallback: re-read this epoch and skip the windows already consumed
         self._open()
@@ -212,5 +267,48 @@ class StreamingTokenStream:
             if not self._fill(min(skip, 1 << 20)):
                 raise ValueError(f"cannot resume data stream: position {self.position} is past the epoch end")
             take = min(skip, len(self._buf))
-            self._buf = self._buf[take:]
+            self._take(take)
             skip -= take
+
+    def resize(self, states: list[dict]) -> str:
+        """Continue the saved ranks' epoch on this world size (docs/design.md): this rank starts its part of
+        the oldest epoch the saved ranks were in again and skips every document they had trained on in it (the
+        first ``docs_read`` of each saved rank's part, less those still whole in its token buffer; the whole
+        part of a rank already in the next epoch), recognised by a 64-bit fingerprint of its text. ``states``: every saved rank's ``state_dict()``.
+        Costs one read of those documents at each resume until the epoch ends. Returns a note for the log."""
+        for st in states:
+            _check_state(self, st, ("kind", "seq_len", "micro_batch_size"))
+            if "docs_read" not in st:
+                raise ValueError("cannot resume this streamed data on another world size: the checkpoint was "
+                                 "written before data positions were recorded per document; resume it on "
+                                 f"{len(states)} rank(s)")
+        if self._make_part is None:
+            raise ValueError("this data stream cannot re-read the saved ranks' parts to resume on another world size")
+        epoch = min(int(st["epoch"]) for st in states)
+        self.skip_from = {"world_size": len(states), "epoch": epoch,
+                          "docs_read": [int(st["docs_read"]) if int(st["epoch"]) == epoch else None for st in states],
+                          # read into a saved rank's buffer but not trained on: this world reads them
+                          "unstarted": sorted(f for st in states if int(st["epoch"]) == epoch
+                                              for _, f in st.get("unstarted", []))}
+        self.epoch, self.position = epoch, 0
+        self._skip = self._consumed(self.skip_from)
+        self._open()
+        return (f"data epoch {epoch}: {len(self._skip)} document(s) already read by {len(states)} rank(s) are "
+                f"skipped until the epoch ends; {self.world_size} rank(s) read the rest, each its own part")
+
+    def _consumed(self, skip_from: dict) -> set[bytes]:
+        """Fingerprints of the documents the saved ranks had read in ``skip_from["epoch"]``."""
+        import itertools
+
+        seen: set[bytes] = set()
+        for r, n in enumerate(skip_from["docs_read"]):
+            part = self._make_part(r, int(skip_from["world_size"]), int(skip_from["epoch"]))
+            for rec in itertools.islice(part, n):  # n None: the whole part
+                text = rec.get("text") if isinstance(rec, dict) else rec
+                if text:
+                    seen.add(_fingerprint(text))
+        return seen - {bytes.fromhex(f) for f in skip_from.get("unstarted", [])}
+
+
+def _fingerprint(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8).digest()

@@ -69,6 +69,13 @@ class DistContext:
         if self.world_size > 1:
             dist.barrier()
 
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
 
 def setup_distributed(device_pref: str = "auto") -> DistContext:
     """Read torchrun's environment (or srun's, mapped by env_from_slurm); initialise the process group
@@ -266,19 +273,28 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     start_step = 0
     resume_from = None
     if cfg.train.resume == "auto":
-        if ctx.is_main:  # rank 0 repairs and verifies; the others then see only the checkpoint it chose
-            ckpt.select_checkpoint(ckpt_root)
-        ctx.barrier()
-        resume_from = ckpt.latest_checkpoint(ckpt_root)
+        # every rank hashes its share of the files; rank 0 repairs and renames rejected checkpoints
+        resume_from = _on_every_rank(ctx, lambda: ckpt.select_checkpoint(
+            ckpt_root, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather,
+            barrier=ctx.barrier if ctx.world_size > 1 else None))
     elif cfg.train.resume != "never":
         resume_from = Path(cfg.train.resume)
-        if ctx.is_main:  # a checkpoint named explicitly is verified, never replaced by another one
-            ckpt.verify_checkpoint(resume_from)
+        _on_every_rank(ctx, lambda: _verify_shared(resume_from, ctx))  # named explicitly: never replaced
     if resume_from is not None:
         start_step, rank_state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer,
                                                       scheduler=scheduler, rank=ctx.rank,
                                                       world_size=ctx.world_size)
-        stream.load_state_dict(rank_state["data"])
+        if "data_by_rank" in rank_state:  # written by another number of ranks (checkpoint.rank_state_for)
+            try:
+                note = stream.resize(rank_state["data_by_rank"])
+            except ValueError as err:  # data settings changed, or a checkpoint without per-document positions
+                raise ckpt.CheckpointError(f"cannot resume {resume_from} on {ctx.world_size} rank(s): {err}") from None
+            if ctx.is_main:
+                print(f"resuming {rank_state['resized_from']} rank(s)' checkpoint on {ctx.world_size}: {note}. The "
+                      "data order from here on differs from an uninterrupted run's (no document is read twice "
+                      "in this epoch); the scalers are those of saved rank (rank % saved ranks)")
+        else:
+            stream.load_state_dict(rank_state["data"])
         skips.update(rank_state.get("train", {}))
         if cfg.quant.enabled:
             set_quantization(model, start_step >= quant_on_step)
@@ -482,6 +498,28 @@ def _maybe_killed_stream(stream, accum: int, start_step: int):
     if kill_at < start_step:
         return stream
     return _KilledStream(stream, (kill_at - start_step) * accum)
+
+
+def _verify_shared(path: Path, ctx: DistContext) -> None:
+    """verify_checkpoint with the hashing shared by the ranks; the first problem found is every rank's error."""
+    try:
+        ckpt.verify_checkpoint(path, (ctx.rank, ctx.world_size))
+        problem = None
+    except ckpt.CheckpointError as err:
+        problem = str(err)
+    problems = [p for p in ctx.all_gather(problem) if p]
+    if problems:
+        raise ckpt.CheckpointError(problems[0])
+
+
+def _on_every_rank(ctx: DistContext, fn):
+    """fn() on every rank; a CheckpointError is reported by rank 0 only, the other ranks exit quietly."""
+    try:
+        return fn()
+    except ckpt.CheckpointError:
+        if ctx.is_main:
+            raise
+        raise SystemExit(2) from None
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:

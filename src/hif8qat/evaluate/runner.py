@@ -75,6 +75,7 @@ def evaluate_model(
     from lm_eval.tasks import TaskManager
 
     from .. import numerics
+    from ..eval_ranks import Ranks, summed
     from ..prefix_lm import SharedContextLM
 
     specs = resolve_tasks(tasks)
@@ -101,8 +102,10 @@ def evaluate_model(
             task_cfgs.append(s.name)
         compute = eval_compute(dtype)
         device_type = torch.device(device).type
+        ranks = Ranks.current()  # under torchrun: every rank scores its share (hif8qat.eval_ranks)
         lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-                             numerics=functools.partial(numerics.forward_context, compute, device_type))
+                             numerics=functools.partial(numerics.forward_context, compute, device_type),
+                             ranks=ranks)
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
         per_task_shots = {s.name: shots[s.name] for s in specs}
         raw = None
@@ -118,9 +121,12 @@ def evaluate_model(
                     task_manager=tm, log_samples=True, bootstrap_iters=1000, random_seed=seed,
                     numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
                 )
-                raw = r if raw is None else _merge_lm_eval(raw, r)
+                if r is not None:  # None on the ranks other than LOCAL_RANK 0: they only help score
+                    raw = r if raw is None else _merge_lm_eval(raw, r)
     wall = time.time() - t0
-    tokens = dict(lm.token_counts)
+    tokens, tokens_by_rank = summed(ranks, lm.token_counts)
+    if ranks is not None and ranks.rank != 0:
+        return {}  # rank 0 holds the same answers and writes the files
     print(f"eval tokens, {mode} mode: {tokens['per_request']} as lm-eval's HFLM forwards them (one forward per "
           f"request), {tokens['forwarded']} forwarded with shared contexts "
           f"({tokens['per_request'] / max(tokens['forwarded'], 1):.2f}x fewer; {tokens['requests']} requests)")
@@ -143,6 +149,8 @@ def evaluate_model(
         "subset": subset_meta, "subset_seed": subset_seed,
         # per_request: what lm-eval's HFLM would forward; forwarded: what ran (padding excluded)
         "eval_tokens": tokens,
+        "ranks": 1 if ranks is None else ranks.world_size,
+        **({"eval_tokens_by_rank": tokens_by_rank} if ranks is not None else {}),
         "lm_eval_version": raw.get("lm_eval_version"), "provenance": _provenance(),
     }
     if extra_meta:

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from hif8qat import checkpoint as ckpt
 from hif8qat.config import RunConfig, resolve_profile
 from hif8qat.errors import RunError
-from hif8qat.train import TrainingDiverged, _first_nonfinite, _truncate_metrics, train
+from hif8qat.train import TrainingDiverged, _first_nonfinite, train
+from hif8qat.trainlog import truncate_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,7 +225,7 @@ def test_torn_and_malformed_metrics_lines_are_dropped_with_a_note(tmp_path, caps
     lines = [json.dumps({"step": s, "loss": 1.0 / (s + 1)}) for s in range(6)]
     lines.insert(2, "garbage")
     path.write_text("\n".join(lines) + "\n" + '{"step": 6, "lo')  # a crash tore the last line
-    _truncate_metrics(path, from_step=4)
+    truncate_metrics(path, from_step=4)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
     out = capsys.readouterr().out
     assert "2 line(s) of steps 4..5" in out and "2 unparsable line(s) (line 3, 8)" in out

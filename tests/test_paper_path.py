@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hif8qat.config import RunConfig, resolve_profile
-from hif8qat.rehearsal import write_remote_code_model
+from hif8qat.standins import write_remote_code_model
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("hif8qat_run", ROOT / "run.py")
@@ -175,7 +175,7 @@ def test_each_rank_reads_only_its_own_part_of_parquet_shards(tmp_path, monkeypat
 
     from hif8qat.data import build_train_stream
     from hif8qat.models import build_tiny_tokenizer
-    from hif8qat.rehearsal import write_fineweb_shards
+    from hif8qat.standins import write_fineweb_shards
 
     write_fineweb_shards(tmp_path / "fineweb", shards=shards, docs_per_shard=24, row_group_size=5)
     rows_read: list[int] = []
@@ -204,7 +204,7 @@ def test_a_rank_of_resharded_parquet_resumes_exactly_across_its_epoch_end(tmp_pa
 
     from hif8qat.data import build_train_stream
     from hif8qat.models import build_tiny_tokenizer
-    from hif8qat.rehearsal import write_fineweb_shards
+    from hif8qat.standins import write_fineweb_shards
 
     write_fineweb_shards(tmp_path / "fineweb", shards=3, docs_per_shard=12, row_group_size=4)
     kw = dict(seq_len=63, micro_batch_size=2, rank=1, world_size=2)
@@ -222,7 +222,7 @@ def test_a_rank_of_resharded_parquet_resumes_exactly_across_its_epoch_end(tmp_pa
 
 
 def test_the_step_log_records_the_data_epoch_and_a_wrap_is_announced(tmp_path, capsys):
-    from hif8qat.rehearsal import write_fineweb_shards
+    from hif8qat.standins import write_fineweb_shards
     from hif8qat.train import train
 
     write_fineweb_shards(tmp_path / "fineweb", shards=2, docs_per_shard=1)  # a few steps of data

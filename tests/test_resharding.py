@@ -66,7 +66,7 @@ def _tags(batches: list[torch.Tensor], tok) -> list[str]:
 @pytest.mark.parametrize("new_world", [1, 3])
 def test_streamed_resize_skips_the_documents_the_saved_ranks_read(tmp_path, new_world):
     from hif8qat.models import build_tiny_tokenizer
-    from hif8qat.rehearsal import write_fineweb_shards
+    from hif8qat.standins import write_fineweb_shards
 
     tok = build_tiny_tokenizer()
     write_fineweb_shards(tmp_path / "fw", shards=3, docs_per_shard=8, row_group_size=2)

@@ -8,12 +8,10 @@ below branches on whether a layer is quantized.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
 import signal
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,6 @@ from .data import build_eval_windows, build_train_stream
 from .distributed import grad_sync
 from .errors import RunError
 from .export import export_or_explain
-from .files import write_text
 from .models import load_causal_lm
 from .qlinear import (
     convert_model,
@@ -45,6 +42,7 @@ from .qlinear import (
 )
 from .runs import METRICS_FILE, mark_done, update_summary
 from .scaling import ScalingConfig
+from .trainlog import MetricsSink, progress_bar, train_summary, truncate_metrics
 
 # Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
 _KILL_AT_STEP_ENV = "HIF8QAT_TEST_KILL_AT_STEP"
@@ -149,71 +147,12 @@ def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.de
     return float(sum(losses) / max(len(losses), 1))
 
 
-def _truncate_metrics(path: Path, from_step: int) -> None:
-    """On resume, drop the log lines of steps that will be redone (no duplicates in the series) and any line
-    that does not parse (the torn last line a crash leaves), saying what was dropped."""
-    if not path.exists():
-        return
-    kept, redone, broken = [], [], []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            step = record["step"] if isinstance(record, dict) else None
-        except (ValueError, KeyError):
-            step = None
-        if not isinstance(step, int):
-            broken.append(number)
-        elif step < from_step:
-            kept.append(line)
-        else:
-            redone.append(step)
-    if redone or broken:
-        notes = ([f"{len(redone)} line(s) of steps {min(redone)}..{max(redone)} that will be redone"] if redone else [])
-        notes += [f"{len(broken)} unparsable line(s) (line {', '.join(map(str, broken[:5]))}"
-                  f"{', ...' if len(broken) > 5 else ''})"] if broken else []
-        print(f"{path}: resuming at step {from_step}, dropped " + " and ".join(notes))
-    write_text(path, "".join(line + "\n" for line in kept))  # a kill mid-rewrite leaves the old log, not half of it
-
-
 def _reduce_mean(value: float, ctx: DistContext) -> float:
     if ctx.world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t)
     return float(t.item() / ctx.world_size)
-
-
-class _MetricsSink:
-    """metrics.jsonl on the main rank, mirrored to wandb when configured."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path, ctx: DistContext):
-        self.enabled = ctx.is_main
-        self.path = run_dir / METRICS_FILE
-        self.wandb = None
-        if self.enabled and cfg.logger.wandb:
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.logger.wandb_project, mode=cfg.logger.wandb_mode,
-                                    dir=str(run_dir), name=run_dir.relative_to(cfg.results_root).as_posix(),
-                                    config=cfg.to_dict(), resume="allow", id=_wandb_id(run_dir))
-
-    def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(record, step=record["step"])
-
-    def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def _wandb_id(run_dir: Path) -> str:
-    return "".join(c if c.isalnum() else "-" for c in run_dir.as_posix())[-64:]
 
 
 def _build_model(cfg: RunConfig, ctx: DistContext):
@@ -307,11 +246,11 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
 
     metrics_path = run_dir / METRICS_FILE
     if ctx.is_main:
-        _truncate_metrics(metrics_path, start_step)
-    sink = _MetricsSink(cfg, run_dir, ctx)
+        truncate_metrics(metrics_path, start_step)
+    sink = MetricsSink(cfg, run_dir, ctx.is_main)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     telemetry_dir = run_dir / "telemetry"
-    progress = _progress(cfg, ctx, start_step)
+    progress = progress_bar(cfg, ctx.is_main, start_step)
     held_out_windows = None
 
     def held_out() -> float:
@@ -410,7 +349,7 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     full_state = full_model_state_dict(model) if is_fsdp(model) else None  # FSDP: every rank gathers
     if ctx.is_main:
         export_or_explain(model, tokenizer, run_dir, cfg, converted, full_state, optimizer)
-        summary = update_summary(run_dir, **_train_summary(metrics_path, step_times, val_loss, converted,
+        summary = update_summary(run_dir, **train_summary(metrics_path, step_times, val_loss, converted,
                                                            time.perf_counter() - wall_start),
                                  skipped_steps=skips["skipped_steps"],
                                  numerics=numerics.describe(compute, ctx.device.type))
@@ -554,27 +493,3 @@ def _first_nonfinite(model: torch.nn.Module, optimizer, ctx: DistContext) -> str
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     bad = (~finite.bool()).nonzero()
     return owners[int(bad[0])] if len(bad) else None
-
-
-def _progress(cfg: RunConfig, ctx: DistContext, start_step: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=cfg.train.steps, initial=start_step, desc=f"{cfg.experiment.name} train",
-                disable=not (ctx.is_main and cfg.logger.progress_bar), dynamic_ncols=True)
-
-
-def _train_summary(metrics_path: Path, step_times: dict[bool, list[float]], val_loss: float,
-                   converted: list[str], wall_s: float) -> dict[str, Any]:
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    losses = [r["loss"] for r in records if "loss" in r]
-    tail = losses[-max(1, len(losses) // 10):]
-    bf16_t, qat_t = step_times[False], step_times[True]
-    # The first step of each phase pays one-off costs (allocation, compilation): leave it out of medians.
-    med = lambda xs: statistics.median(xs[1:] if len(xs) > 2 else xs) if xs else None  # noqa: E731
-    ratio = med(qat_t) / med(bf16_t) if bf16_t and qat_t else None
-    return {
-        "steps": len(losses), "final_loss": losses[-1] if losses else None,
-        "final_loss_last10pct": sum(tail) / len(tail) if tail else None, "val_loss": val_loss,
-        "train_wall_s_this_session": wall_s, "median_step_s_bf16": med(bf16_t), "median_step_s_qat": med(qat_t),
-        "qat_to_bf16_step_time_ratio": ratio, "converted_linears": len(converted),
-    }

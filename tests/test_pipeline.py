@@ -84,4 +84,4 @@ def test_smoke_experiments_and_report_are_consistent_with_the_run_files(tmp_path
     assert row["n_common"] == 8
     summary = json.loads((folders["exp8"] / "summary.json").read_text())
     assert summary["provenance"]["git"]["commit"] and summary["converted_linears"] > 0
-    assert (tmp_path / "figures" / "smoke").exists() and any((tmp_path / "figures" / "smoke").iterdir())
+    assert (runs / "figures" / "smoke").exists() and any((runs / "figures" / "smoke").iterdir())

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_distributed import _optimizer
+from test_distributed import _tiny as _tiny_llama
 
 from hif8qat import checkpoint as ckpt
 from hif8qat.data import PackedTokenStream, build_train_stream
@@ -109,17 +111,7 @@ def test_streamed_resize_skips_the_documents_the_saved_ranks_read(tmp_path, new_
 
 # ----------------------------------------------------------------------------------------- checkpoints
 def _tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg)
-
-
-def _optimizer(model):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return _tiny_llama(tied=True)
 
 
 def _save_worker(rank: int, world: int, store: str, root: str, fsdp: bool) -> None:

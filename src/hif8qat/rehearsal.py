@@ -429,7 +429,7 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
 
     def report_builds():
         assert rc_report == 0, f"exit {rc_report}: {log_report[-1500:]}"
-        tables = whole.parent / "tables" / "paper"
+        tables = whole / "tables" / "paper"
         assert any(tables.glob("*.md")), f"no tables in {tables}"
 
     for fn in (whole_run_finished, evaluation_in_both_modes_on_both_ranks, sharded_evaluation_equals_one_process,

@@ -232,6 +232,7 @@ def evaluate(cfg: RunConfig, run_dir: Path) -> None:
     modes = [m for m in cfg.eval.modes if cfg.force or not (run_dir / "eval" / m / "results.json").exists()]
     if not modes:
         print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
+        heldout(cfg, run_dir)  # a run evaluated before the held-out distances existed still gets them
         return
     device, dtype = eval_numerics(cfg)
     evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
@@ -240,6 +241,15 @@ def evaluate(cfg: RunConfig, run_dir: Path) -> None:
                  local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
                  subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
                  results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
+    heldout(cfg, run_dir)
+
+
+def heldout(cfg: RunConfig, run_dir: Path) -> None:
+    """A quantized run's per-token held-out distances to its baseline and between its modes (hif8qat.heldout)."""
+    from hif8qat.heldout import after_eval
+
+    device, dtype = eval_numerics(cfg)
+    after_eval(cfg, run_dir, device=device, dtype=dtype)
 
 
 def report(cfg: RunConfig, only_experiment: str | None = None) -> None:

@@ -1382,6 +1382,9 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     claims_df = claims_table(contrasts_df, margins)
     section = claims_section(claims_df, runs_df, profile, margins)
     mde_df = mde_table(claims_df)
+    from .heldout_stats import HELDOUT_TABLE_NOTE, heldout_claims_table, heldout_entries
+
+    heldout_df = heldout_claims_table(heldout_entries(runs, baseline_of))
     sweeps_df = sweep_table(runs, claims_df, runs_df)
     n_tests = int(claims_df["p"].notna().sum()) if "p" in claims_df else 0
     n_claims = int(claims_df.groupby(CLAIM_KEYS).ngroups) if len(claims_df) else 0
@@ -1396,12 +1399,13 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_df, "anchor": anchor_df,
               f"pairing_{profile}": pairing_df, f"paired_{profile}": contrasts_df,
-              f"sweeps_{profile}": sweeps_df}
+              f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
     multiple = (f"Multiple comparisons: one family per claim ({n_claims} claims, {n_tests} tests in "
                 f"claims_{profile}), seeds pooled into one test per task and metric; p_holm is Holm-adjusted "
                 "within the claim. Per-seed rows (drops, ablations) are descriptive and unadjusted.")
     margins_text = ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in {**DEFAULT_MARGINS, **(margins or {})}.items())
     notes = {
+        f"heldout_{profile}": HELDOUT_TABLE_NOTE,
         f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %. dirty: made from a tree "
                            "with uncommitted changes (run_info.json), so its commit does not hold its exact code.",
         f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "

@@ -211,3 +211,52 @@ def test_report_entries_keep_only_the_baseline_they_were_computed_against(runs):
     assert [e["comparison"] for e in unpaired] == ["hif8_vs_bf16"]
     table = heldout_stats.heldout_claims_table(paired)
     assert len(table) == 3 and set(table["against"]) == {"baseline", "bf16_mode"}
+
+
+# ----------------------------------------------------------------------------- the hif8 mode itself
+class _OracleLinear(torch.nn.Module):
+    """A linear layer whose input and weight are rounded to HiF8 by en_dtypes at fixed scales: Q(t * s) / s."""
+
+    def __init__(self, linear, scale_a: float, scale_w: float):
+        super().__init__()
+        self.linear, self.scale_a, self.scale_w = linear, scale_a, scale_w
+
+    @staticmethod
+    def _q(t: torch.Tensor, s: float) -> torch.Tensor:
+        import en_dtypes
+
+        scaled = (t.float() * s).numpy()
+        return torch.from_numpy(scaled.astype(en_dtypes.hifloat8).astype(np.float32)) / s
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self._q(x, self.scale_a), self._q(self.linear.weight, self.scale_w),
+                                          self.linear.bias)
+
+
+def test_hif8_mode_logits_equal_a_frozen_scale_forward_rounded_by_en_dtypes(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hif8qat.evaluate import load_for_eval
+
+    export = write_quantized_export(tmp_path / "export", scope="mlp", seed=5)
+    doc = json.loads((export / "hif8qat_quant.json").read_text())
+    state = load_file(str(export / "hif8qat_scalers.safetensors"))
+    target = doc["config"]["target_fwd"]
+    plain = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    for name in doc["converted"]:
+        scales = {}
+        for role in ("A", "W"):
+            scales[role] = float(state[f"{name}.{role}.scale_block"][0])
+            # the frozen scale is the max estimator's: target over the largest recorded amax
+            assert scales[role] == pytest.approx(target / float(state[f"{name}.{role}.history"].max()), rel=1e-6)
+        parent, _, leaf = name.rpartition(".")
+        owner = plain.get_submodule(parent)
+        setattr(owner, leaf, _OracleLinear(getattr(owner, leaf), scales["A"], scales["W"]))
+    quant, _ = load_for_eval(export, "hif8")
+    unquant, _ = load_for_eval(export, "bf16")
+    ids = torch.randint(3, plain.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got, base = plain(ids).logits, quant(ids).logits, unquant(ids).logits
+    assert (got - base).abs().max() > 1e-3  # quantization changes the logits: the comparison is not vacuous
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

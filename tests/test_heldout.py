@@ -195,6 +195,12 @@ def test_eval_hook_skips_a_baseline_without_export(runs, capsys):
     assert "no export" in doc["baseline_skipped"] and list(doc["comparisons"]) == ["hif8_vs_bf16"]
     assert heldout.after_eval(cfg, run, device="cpu", dtype="fp32") is None  # done once, not redone
     assert "already done" in capsys.readouterr().out
+    # once the baseline has an export, the eval stage pairs the run with it
+    model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=11)
+    model.save_pretrained(base / "export")
+    tok.save_pretrained(base / "export")
+    doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
+    assert doc["baseline_run"] == "exp7/seed0" and "hif8_vs_baseline" in doc["comparisons"]
     # an unquantized run computes nothing in the eval stage
     cfg.quant.enabled = False
     assert heldout.after_eval(cfg, base, device="cpu", dtype="fp32") is None

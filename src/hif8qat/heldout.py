@@ -315,9 +315,12 @@ def after_eval(cfg, run_dir: Path, *, device: str, dtype: str) -> dict | None:
     without an export, or none at all, is written down in the summary and skipped; never fails the run for it."""
     if not cfg.quant.enabled:
         return None
-    if read_summary(run_dir) is not None and not cfg.force:
-        print(f"{run_dir}: held-out comparison already done (force=true redoes it)")
-        return None
+    done = read_summary(run_dir)
+    if done is not None and not cfg.force:
+        # done without a baseline export: redone once the baseline has one (a baseline trained afterwards)
+        if done.get("baseline_run") or plan(run_dir, results_root=Path(cfg.results_root))["baseline_run"] is None:
+            print(f"{run_dir}: held-out comparison already done (force=true redoes it)")
+            return None
     doc = compute_heldout(run_dir, modes=list(cfg.eval.modes), results_root=Path(cfg.results_root),
                           device=device, dtype=dtype)
     print(format_summary(doc))
@@ -335,10 +338,11 @@ def format_summary(doc: Mapping[str, Any]) -> str:
     for name, c in (doc.get("comparisons") or {}).items():
         s = c["summary"]
         d, pct = s["nll_diff"], s["nll_diff_pct"]
+        widen = d["se"] / d["se_iid"] if d["se_iid"] > 0 else float("nan")  # identical models: both 0
         lines.append(
             f"  {name:<20} NLL {s['nll_ref']:.4f} -> {s['nll_other']:.4f}: diff {d['mean']:+.5f} nats "
             f"(95 % CI {d['ci_lo']:+.5f} .. {d['ci_hi']:+.5f}; {pct['mean']:+.3f} % of NLL, CI {pct['ci_lo']:+.3f} "
-            f".. {pct['ci_hi']:+.3f} %, MDE {pct['mde']:.3f} %; se/se_iid {d['se'] / d['se_iid']:.2f}) | KL mean "
+            f".. {pct['ci_hi']:+.3f} %, MDE {pct['mde']:.3f} %; se/se_iid {widen:.2f}) | KL mean "
             f"{s['kl']['mean']:.3g} p99 {s['kl']['p99']:.3g} max {s['kl']['max']:.3g} | top-1 agreement "
             f"{100 * s['top1']['mean']:.2f} %")
     return "\n".join(lines)

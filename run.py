@@ -227,8 +227,9 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
     main = ctx is None or ctx.is_main
     modes = on_rank0(ctx, lambda: _modes_to_evaluate(cfg, run_dir))
     if not modes:
-        if main:
+        if main:  # a run evaluated before the held-out distances existed still gets them
             print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
+            heldout(cfg, run_dir)
         return
     device, dtype = eval_numerics(cfg)
     if ctx is not None and ctx.world_size > 1 and device == "cuda":
@@ -239,6 +240,16 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
                  local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
                  subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
                  results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
+    if main:  # one process computes the held-out distances (they load up to three models)
+        heldout(cfg, run_dir)
+
+
+def heldout(cfg: RunConfig, run_dir: Path) -> None:
+    """A quantized run's per-token held-out distances to its baseline and between its modes (hif8qat.heldout)."""
+    from hif8qat.heldout import after_eval
+
+    device, dtype = eval_numerics(cfg)
+    after_eval(cfg, run_dir, device=device, dtype=dtype)
 
 
 def _modes_to_evaluate(cfg: RunConfig, run_dir: Path) -> list[str]:

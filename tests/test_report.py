@@ -221,7 +221,8 @@ def test_build_report_structure(tmp_path):
     t = rep["tables"]
     assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke", "replay_smoke",
                       "ablations_smoke", "scaling_pairs_smoke", "vs_base_smoke", "seeds_smoke", "seed_null_smoke",
-                      "claims_smoke", "mde_smoke", "reach_smoke", "anchor", "pairing_smoke", "paired_smoke", "sweeps_smoke"}
+                      "claims_smoke", "mde_smoke", "reach_smoke", "anchor", "pairing_smoke", "paired_smoke", "sweeps_smoke",
+                      "heldout_smoke"}
     assert t["replay_smoke"].empty  # no exported scaler state in these fake runs
     # exp8 derives from exp7: the ablation is the bf16-mode drop, and against the base model exp7 is unchanged.
     abl = t["ablations_smoke"].iloc[0]

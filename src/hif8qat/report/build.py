@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..heldout_stats import HELDOUT_TABLE_NOTE, heldout_claims_table, heldout_entries
 from .anchor import anchor_beside
 from .claims import all_contrasts, claims_table, mde_table
 from .figures import make_figures
@@ -67,6 +68,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     claims_df = claims_table(contrasts_df, margins)
     section = claims_section(claims_df, runs_df, profile, margins)
     sweeps_df = sweep_table(runs, claims_df, runs_df)
+    heldout_df = heldout_claims_table(heldout_entries(runs, baseline_of))
 
     tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": pd.DataFrame(ape),
               f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,
@@ -76,9 +78,10 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"reach_{profile}": reach_table(claims_df),
               "anchor": anchor_beside(runs_root),
               f"pairing_{profile}": pairing_df, f"paired_{profile}": contrasts_df,
-              f"sweeps_{profile}": sweeps_df}
+              f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
     multiple, n_tests = multiple_comparisons(claims_df, profile)
     notes = table_notes(profile, n_boot=n_boot, seed=seed, last_frac=last_frac, margins=margins, multiple=multiple)
+    notes[f"heldout_{profile}"] = HELDOUT_TABLE_NOTE
     sources = {"files": used.listing(), "runs_root": str(runs_root), "profile": profile, "runs_not_used": skipped}
     files = write_tables(tables, notes, sources, out_tables)
     section_p = out_tables / f"claims_section_{profile}.md"

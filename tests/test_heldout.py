@@ -1,0 +1,268 @@
+"""Held-out per-token distances (hif8qat.heldout, hif8qat.heldout_stats): the per-token values against a float64
+oracle from plain forwards, the block interval against simulation, the files, pooling and the eval-stage hook."""
+
+import json
+import math
+import shutil
+import types
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import write_quantized_export
+from scipy import stats as st
+
+from hif8qat import heldout, heldout_stats
+from hif8qat.models import build_tiny_llama
+
+ONE_THREAD = True
+
+
+def _oracle(model_a, model_b, windows):
+    """Per token, from one plain forward per window and a hand-written float64 log-softmax."""
+    nll_a, nll_b, kl, agree = [], [], [], []
+    with torch.no_grad():
+        for w in windows:
+            la = model_a(w[None, :-1]).logits[0].double()
+            lb = model_b(w[None, :-1]).logits[0].double()
+            lpa = la - (la - la.max(-1, keepdim=True).values).exp().sum(-1, keepdim=True).log() - la.max(-1, keepdim=True).values
+            lpb = lb - (lb - lb.max(-1, keepdim=True).values).exp().sum(-1, keepdim=True).log() - lb.max(-1, keepdim=True).values
+            t = w[1:]
+            idx = torch.arange(len(t))
+            nll_a.append(-lpa[idx, t])
+            nll_b.append(-lpb[idx, t])
+            kl.append((lpa.exp() * (lpa - lpb)).sum(-1))
+            agree.append(la.argmax(-1) == lb.argmax(-1))
+    return [torch.cat(x).numpy() for x in (nll_a, nll_b, kl, agree)]
+
+
+def test_token_stats_match_a_float64_oracle():
+    a, _ = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=1)
+    b, _ = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=2)
+    a.eval(), b.eval()
+    windows = torch.randint(3, a.config.vocab_size, (5, 17), generator=torch.Generator().manual_seed(0))
+    # a batch size that does not divide the windows: the last batch is short
+    cols = heldout.stream_token_stats({"a": a, "b": b}, [("a", "b")], windows, batch_windows=2)
+    nll_a, nll_b, kl, agree = _oracle(a, b, windows)
+    assert len(cols["nll_a"]) == 5 * 16
+    np.testing.assert_allclose(cols["nll_a"], nll_a, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cols["nll_b"], nll_b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cols["kl_b_vs_a"], kl, rtol=1e-4, atol=1e-6)
+    assert kl.min() > 1e-4  # two random models: a real divergence, not a trivially zero one
+    np.testing.assert_array_equal(cols["top1_b_vs_a"], agree.astype(np.int8))
+    np.testing.assert_array_equal(cols["window"], np.repeat(np.arange(5), 16))
+    np.testing.assert_array_equal(cols["target"], windows[:, 1:].reshape(-1).numpy())
+
+
+def test_a_model_against_itself_has_zero_kl_and_full_agreement():
+    m, _ = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=3)
+    m.eval()
+    windows = torch.randint(3, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    cols = heldout.stream_token_stats({"x": m, "y": m}, [("x", "y")], windows)
+    assert np.all(cols["kl_y_vs_x"] == 0) and np.all(cols["top1_y_vs_x"] == 1)
+    s = heldout_stats.comparison_summary(cols["nll_x"], cols["nll_y"], cols["kl_y_vs_x"], cols["top1_y_vs_x"], 8)
+    assert s["nll_diff"]["mean"] == 0 and s["kl"]["p99"] == 0 and s["top1"]["mean"] == 1
+
+
+def _windows(rng, n_windows, length, window_sd, token_sd=1.0, mean=0.0):
+    """Per-token values with a shared effect per window (correlated tokens), window-major."""
+    return (mean + rng.normal(0, window_sd, n_windows)[:, None] + rng.normal(0, token_sd, (n_windows, length))).ravel()
+
+
+def test_block_interval_matches_the_spread_of_the_mean_and_covers():
+    rng = np.random.default_rng(0)
+    nw, length, sd_w = 24, 32, 0.5
+    true_sd = math.sqrt((sd_w**2 + 1.0 / length) / nw)  # of the token mean under this model
+    means, ses, iid, cover = [], [], [], 0
+    for _ in range(600):
+        r = heldout_stats.block_mean(_windows(rng, nw, length, sd_w, mean=0.3), length)
+        means.append(r["mean"])
+        ses.append(r["se"])
+        iid.append(r["se_iid"])
+        cover += r["ci_lo"] < 0.3 < r["ci_hi"]
+    assert np.std(means) == pytest.approx(true_sd, rel=0.1)
+    assert np.sqrt(np.mean(np.square(ses))) == pytest.approx(true_sd, rel=0.1)
+    assert 0.92 < cover / 600 < 0.98
+    assert np.mean(iid) < 0.5 * true_sd  # tokens taken as independent: far too narrow
+
+
+def test_block_interval_shrinks_with_windows_and_widens_with_correlation():
+    rng = np.random.default_rng(1)
+    length = 64
+    few = np.mean([heldout_stats.block_mean(_windows(rng, 16, length, 0.3), length)["se"] for _ in range(50)])
+    many = np.mean([heldout_stats.block_mean(_windows(rng, 64, length, 0.3), length)["se"] for _ in range(50)])
+    assert many == pytest.approx(few / 2, rel=0.15)
+    # same marginal variance per token, correlated within windows or not
+    corr = np.mean([heldout_stats.block_mean(_windows(rng, 32, length, 0.6, 0.8), length)["se"] for _ in range(50)])
+    ind = np.mean([heldout_stats.block_mean(_windows(rng, 32, length, 0.0, 1.0), length)["se"] for _ in range(50)])
+    assert corr > 3 * ind
+
+
+def test_mde_is_the_shift_the_test_detects_with_80_percent_power():
+    rng = np.random.default_rng(2)
+    nw, length = 20, 16
+    # one sample's MDE varies with its variance estimate (19 df): its mean over samples is the test's MDE
+    mde = np.mean([heldout_stats.block_mean(_windows(rng, nw, length, 0.4), length)["mde"] for _ in range(200)])
+    hits = sum(heldout_stats.block_mean(_windows(rng, nw, length, 0.4, mean=mde), length)["p"] < 0.05
+               for _ in range(400))
+    assert 0.7 < hits / 400 < 0.9
+
+
+def test_tokens_file_round_trips(tmp_path):
+    rng = np.random.default_rng(3)
+    cols = {"window": np.repeat(np.arange(4), 8), "pos": np.tile(np.arange(8), 4), "target": rng.integers(0, 999, 32),
+            "nll_a": rng.gamma(2, 1.5, 32).astype(np.float32), "kl_b_vs_a": (rng.random(32) * 1e-6).astype(np.float32),
+            "top1_b_vs_a": rng.integers(0, 2, 32).astype(np.int8)}
+    p = tmp_path / "tokens.csv.gz"
+    heldout.write_tokens(p, cols)
+    back = heldout.read_tokens(p)
+    for k, v in cols.items():
+        np.testing.assert_array_equal(back[k].to_numpy(), v)
+    first = p.read_bytes()
+    heldout.write_tokens(p, cols)
+    assert p.read_bytes() == first  # same values, same bytes
+
+
+def test_pooled_over_seeds_uses_the_between_seed_t_interval():
+    rng = np.random.default_rng(4)
+    per_seed = []
+    for shift in (0.01, 0.03, 0.02):
+        ref = rng.gamma(3, 1, 32 * 16)
+        other = ref + shift + rng.normal(0, 1e-4, ref.size)
+        per_seed.append(heldout_stats.comparison_summary(ref, other, np.zeros(ref.size), np.ones(ref.size), 16))
+    pct = [s["nll_diff_pct"]["mean"] for s in per_seed]
+    row = heldout_stats.pool_heldout(per_seed, margin_pct=5.0)
+    half = st.t.ppf(0.975, 2) * np.std(pct, ddof=1) / math.sqrt(3)
+    assert row["cost"] == pytest.approx(np.mean(pct))
+    assert (row["ci_lo"], row["ci_hi"]) == pytest.approx((np.mean(pct) - half, np.mean(pct) + half))
+    assert row["variance_from"] == "between seeds" and row["equivalence"].startswith("equivalent")
+    assert heldout_stats.pool_heldout(per_seed, margin_pct=0.05)["equivalence"] == "not equivalent"
+
+
+# ------------------------------------------------------------------------------ run folders, hook
+def _run(root, experiment, baseline, quantized, seed=0):
+    d = root / "smoke" / experiment / f"seed{seed}"
+    d.mkdir(parents=True)
+    cfg = {"seed": seed, "run_tag": "", "profile": {"name": "smoke", "steps": 8},
+           "experiment": {"name": experiment, "baseline": baseline},
+           "model": {"name": "tiny:2", "trust_remote_code": None}, "data": {"source": "mini", "cache_dir": None},
+           "quant": {"enabled": quantized, "scope": "mlp"},
+           "train": {"seq_len": 32, "autocast": "none", "device": "cpu", "lr": 1e-4},
+           "eval": {"device": "cpu", "dtype": "fp32", "modes": ["bf16", "hif8"] if quantized else ["bf16"]}}
+    (d / "config_resolved.yaml").write_text(yaml.safe_dump(cfg))
+    if quantized:
+        write_quantized_export(d / "export", scope="mlp", seed=11)
+    else:
+        model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=11)
+        model.save_pretrained(d / "export")
+        tok.save_pretrained(d / "export")
+    return d
+
+
+@pytest.fixture
+def runs(tmp_path):
+    pytest.importorskip("hif8qat.data").mini_corpus_documents()  # the offline corpus (skips when absent)
+    return tmp_path, _run(tmp_path, "exp7", None, False), _run(tmp_path, "exp8", "exp7", True)
+
+
+def test_run_against_its_baseline_and_its_own_modes(runs):
+    root, base, run = runs
+    doc = heldout.compute_heldout(run)
+    assert doc["baseline_run"] == "exp7/seed0" and doc["baseline_skipped"] is None
+    assert set(doc["comparisons"]) == {"bf16_vs_baseline", "hif8_vs_baseline", "hif8_vs_bf16"}
+    assert doc["windows"]["n_tokens"] == heldout.heldout_window_count(32) * 32 == 4096
+    on_disk = json.loads((run / "eval" / "heldout" / "summary.json").read_text())
+    assert on_disk["provenance"]["versions"]["torch"] and on_disk["config"]["experiment"]["name"] == "exp8"
+    # same weights on both sides: the unquantized export equals its baseline token for token
+    same = doc["comparisons"]["bf16_vs_baseline"]["summary"]
+    assert same["nll_diff"]["mean"] == 0 and same["kl"]["max"] == 0 and same["top1"]["mean"] == 1
+    q = doc["comparisons"]["hif8_vs_bf16"]["summary"]
+    assert q["kl"]["mean"] > 0
+    # every number is recomputed from the committed token file
+    table = heldout.read_tokens(run / "eval" / "heldout" / "tokens.csv.gz")
+    again = heldout.summarize_tokens(table, [("bf16", "hif8")], 32)["hif8_vs_bf16"]["summary"]
+    assert again == q
+    assert table["kl_hif8_vs_bf16"].to_numpy(np.float64).mean() == pytest.approx(q["kl"]["mean"])
+
+
+def test_eval_hook_skips_a_baseline_without_export(runs, capsys):
+    root, base, run = runs
+    shutil.rmtree(base / "export")
+    cfg = types.SimpleNamespace(quant=types.SimpleNamespace(enabled=True), force=False, results_root=str(root),
+                                eval=types.SimpleNamespace(modes=["bf16", "hif8"]))
+    doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
+    assert "no export" in doc["baseline_skipped"] and list(doc["comparisons"]) == ["hif8_vs_bf16"]
+    assert heldout.after_eval(cfg, run, device="cpu", dtype="fp32") is None  # done once, not redone
+    assert "already done" in capsys.readouterr().out
+    # once the baseline has an export, the eval stage pairs the run with it
+    model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=11)
+    model.save_pretrained(base / "export")
+    tok.save_pretrained(base / "export")
+    doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
+    assert doc["baseline_run"] == "exp7/seed0" and "hif8_vs_baseline" in doc["comparisons"]
+    # an unquantized run computes nothing in the eval stage
+    cfg.quant.enabled = False
+    assert heldout.after_eval(cfg, base, device="cpu", dtype="fp32") is None
+
+
+def test_report_entries_keep_only_the_baseline_they_were_computed_against(runs):
+    root, base, run = runs
+    heldout.compute_heldout(run)
+    info = types.SimpleNamespace(path=run, experiment="exp8", seed=0, config={"run_tag": ""})
+    other = types.SimpleNamespace(path=root / "smoke" / "exp7" / "seed1", experiment="exp7")
+    paired = heldout_stats.heldout_entries([info], {str(run): types.SimpleNamespace(path=base, experiment="exp7")})
+    assert {e["comparison"] for e in paired} == {"bf16_vs_baseline", "hif8_vs_baseline", "hif8_vs_bf16"}
+    unpaired = heldout_stats.heldout_entries([info], {str(run): other})
+    assert [e["comparison"] for e in unpaired] == ["hif8_vs_bf16"]
+    table = heldout_stats.heldout_claims_table(paired)
+    assert len(table) == 3 and set(table["against"]) == {"baseline", "bf16_mode"}
+
+
+# ----------------------------------------------------------------------------- the hif8 mode itself
+class _OracleLinear(torch.nn.Module):
+    """A linear layer whose input and weight are rounded to HiF8 by en_dtypes at fixed scales: Q(t * s) / s."""
+
+    def __init__(self, linear, scale_a: float, scale_w: float):
+        super().__init__()
+        self.linear, self.scale_a, self.scale_w = linear, scale_a, scale_w
+
+    @staticmethod
+    def _q(t: torch.Tensor, s: float) -> torch.Tensor:
+        import en_dtypes
+
+        scaled = (t.float() * s).numpy()
+        return torch.from_numpy(scaled.astype(en_dtypes.hifloat8).astype(np.float32)) / s
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self._q(x, self.scale_a), self._q(self.linear.weight, self.scale_w),
+                                          self.linear.bias)
+
+
+def test_hif8_mode_logits_equal_a_frozen_scale_forward_rounded_by_en_dtypes(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hif8qat.evaluate import load_for_eval
+
+    export = write_quantized_export(tmp_path / "export", scope="mlp", seed=5)
+    doc = json.loads((export / "hif8qat_quant.json").read_text())
+    state = load_file(str(export / "hif8qat_scalers.safetensors"))
+    target = doc["config"]["target_fwd"]
+    plain = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    for name in doc["converted"]:
+        scales = {}
+        for role in ("A", "W"):
+            scales[role] = float(state[f"{name}.{role}.scale_block"][0])
+            # the frozen scale is the max estimator's: target over the largest recorded amax
+            assert scales[role] == pytest.approx(target / float(state[f"{name}.{role}.history"].max()), rel=1e-6)
+        parent, _, leaf = name.rpartition(".")
+        owner = plain.get_submodule(parent)
+        setattr(owner, leaf, _OracleLinear(getattr(owner, leaf), scales["A"], scales["W"]))
+    quant, _ = load_for_eval(export, "hif8")
+    unquant, _ = load_for_eval(export, "bf16")
+    ids = torch.randint(3, plain.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got, base = plain(ids).logits, quant(ids).logits, unquant(ids).logits
+    assert (got - base).abs().max() > 1e-3  # quantization changes the logits: the comparison is not vacuous
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .errors import RunError
-from .files import sha256_file
+from .files import atomic_path, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +134,9 @@ def write_tokens(path: Path, columns: Mapping[str, np.ndarray]) -> None:
     import pandas as pd
 
     df = pd.DataFrame({k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in columns.items()})
-    tmp = path.with_name(path.name + ".tmp")
-    # mtime=0: the same values give the same bytes, so a recomputation changes no committed file
-    df.to_csv(tmp, index=False, float_format="%.9g", compression={"method": "gzip", "mtime": 0})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        # mtime=0: the same values give the same bytes, so a recomputation changes no committed file
+        df.to_csv(tmp, index=False, float_format="%.9g", compression={"method": "gzip", "mtime": 0})
 
 
 def read_tokens(path: Path):
@@ -248,7 +247,7 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     evaluation numerics (default: the run's eval.device / eval.dtype resolved as the eval stage does)."""
     from .evaluate import eval_compute, load_for_eval, resolve_numerics
     from .numerics import describe
-    from .runs import provenance, write_json_atomic
+    from .runs import provenance
 
     t0 = time.time()
     run_dir = Path(run_dir)
@@ -274,7 +273,7 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     if not p["pairs"]:
         doc.update(comparisons={}, note="nothing to compare: no baseline export and no quantized mode")
         doc["provenance"] = provenance()
-        write_json_atomic(out / SUMMARY_FILE, doc)
+        write_json(out / SUMMARY_FILE, doc, indent=2, sort_keys=True, default=str)
         return doc
     trust = (cfg.get("model") or {}).get("trust_remote_code")
     loaded, tokenizers = {}, {}
@@ -306,7 +305,7 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
         tokens_file=TOKENS_FILE, tokens_sha256=sha256_file(out / TOKENS_FILE),
         comparisons=summarize_tokens(table, p["pairs"], seq_len),
         wall_time_s=round(time.time() - t0, 1), provenance=provenance())
-    write_json_atomic(out / SUMMARY_FILE, doc)
+    write_json(out / SUMMARY_FILE, doc, indent=2, sort_keys=True, default=str)
     return doc
 
 

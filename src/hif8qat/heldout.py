@@ -28,6 +28,7 @@ A baseline without an export (committed reference runs keep none) is skipped and
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import logging
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from .errors import RunError
-from .files import atomic_path, sha256_file, write_json
+from .files import sha256_file, write_bytes, write_json
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +135,9 @@ def write_tokens(path: Path, columns: Mapping[str, np.ndarray]) -> None:
     import pandas as pd
 
     df = pd.DataFrame({k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in columns.items()})
-    with atomic_path(path) as tmp:
-        # mtime=0: the same values give the same bytes, so a recomputation changes no committed file
-        df.to_csv(tmp, index=False, float_format="%.9g", compression={"method": "gzip", "mtime": 0})
+    # no name and mtime 0 in the gzip header: the same values give the same bytes, so a recomputation
+    # changes no committed file
+    write_bytes(path, gzip.compress(df.to_csv(index=False, float_format="%.9g").encode(), mtime=0))
 
 
 def read_tokens(path: Path):

@@ -11,6 +11,12 @@ by side in this run:
   the eager models (target <= 1.5). ``aten_ops_*`` count every aten op event (nested ones included).
 * ``graph_breaks``: graph breaks of a whole-model ``torch.compile`` of the QAT forward beyond those of the
   plain model (``torch._dynamo.explain``; target 0).
+* ``ratio_recompute`` (with ``--recompute-too``): a third model that re-quantizes W in the backward
+  (``set_weight_recompute``: the FSDP path, and the formulation before Q(W) was saved), timed in the same
+  interleaved loop.
+* ``qdq_calls`` / ``qdq_MB``: qdq kernel calls in one QAT step and the bytes they read and write
+  (``formats.count_qdq``), with ``qdq_calls_W``: those on a converted weight (expected: one per converted
+  linear, the backward reuses the forward's quantized weight).
 
     python benchmarks/bench_step.py --threads 1                      # ~20M-parameter Llama, fp32 eager
     python benchmarks/bench_step.py --model smollm2 --compile --threads 1
@@ -79,6 +85,12 @@ def graph_breaks(model, inp) -> int:
     return n
 
 
+def _ratio_spread(times: dict[str, list[float]], name: str) -> float:
+    """Half the range of the per-repeat ``name``/plain ratios (each pair measured in the same repeat)."""
+    r = [q / p for q, p in zip(times[name], times["plain"])]
+    return (max(r) - min(r)) / 2
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small", choices=("small", "smollm2", "llama1b"))
@@ -93,6 +105,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--format", default="hif8", choices=("hif8", "e4m3", "e5m2", "hybrid"), help="quant.format")
     ap.add_argument("--scope", default="mlp", choices=("mlp", "attn_mlp"))
     ap.add_argument("--no-counts", action="store_true", help="skip the aten-op and graph-break counts")
+    ap.add_argument("--recompute-too", action="store_true",
+                    help="also time a QAT model that re-quantizes W in the backward (the FSDP path)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave torch's default)")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of text")
     args = ap.parse_args(argv)
@@ -111,6 +125,11 @@ def main(argv=None) -> dict:
                               ScalingConfig(algo=args.algo, history_len=64, format=args.format))
     n_params = sum(p.numel() for p in base.parameters())
     eager = {"plain": base, "qat": quant}
+    if args.recompute_too:
+        from hif8qat.qlinear import set_weight_recompute
+
+        eager["qat_recompute"] = copy.deepcopy(quant)
+        set_weight_recompute(eager["qat_recompute"])
     vocab = base.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen).to(dev)
@@ -146,6 +165,16 @@ def main(argv=None) -> dict:
     for _ in range(args.warmup):
         for name in models:
             step(name)
+    from hif8qat.formats import count_qdq
+
+    counts_qdq = {}
+    for name in [k for k in models if k != "plain"]:
+        with count_qdq() as qdq:  # one more (untimed) step, counted
+            step(name)
+        w_ptrs = {m.weight.data_ptr() for m in eager[name].modules() if isinstance(m, torch.nn.Linear)}
+        sfx = name[3:]  # "" for qat, "_recompute"
+        counts_qdq.update({f"qdq_calls{sfx}": qdq.calls, f"qdq_MB{sfx}": round(qdq.bytes / 2**20, 1),
+                           f"qdq_calls_W{sfx}": sum(ptr in w_ptrs for ptr in qdq.ptrs)})
     times: dict[str, list[float]] = {name: [] for name in models}
     for r in range(args.repeats):
         order = list(models) if r % 2 == 0 else list(reversed(models))
@@ -160,7 +189,12 @@ def main(argv=None) -> dict:
         "repeats": args.repeats, "torch": torch.__version__,
         "plain_s": round(med["plain"], 4), "qat_s": round(med["qat"], 4), "hif8_s": round(med["qat"], 4),
         "ratio": round(med["qat"] / med["plain"], 3),
+        "spread": round(_ratio_spread(times, "qat"), 3), **counts_qdq,
     }
+    if "qat_recompute" in med:
+        result["qat_recompute_s"] = round(med["qat_recompute"], 4)
+        result["ratio_recompute"] = round(med["qat_recompute"] / med["plain"], 3)
+        result["spread_recompute"] = round(_ratio_spread(times, "qat_recompute"), 3)
     if counts:
         result.update(counts)
         result["aten_ratio"] = round(counts["aten_ops_qat"] / counts["aten_ops_plain"], 3)
@@ -174,6 +208,13 @@ def main(argv=None) -> dict:
           f"{result['threads']} threads, median of {args.repeats}")
     print(f"  step time       plain {med['plain'] * 1e3:8.1f} ms   qat {med['qat'] * 1e3:8.1f} ms   "
           f"ratio {result['ratio']:.3f}  (target <= 1.10 for SmolLM2 compiled; authors' GPU simulator 2.67)")
+    print(f"  ratio spread    {result['spread']:.3f}  (half the range of the per-repeat ratios qat/plain)")
+    print(f"  qdq per step    {result['qdq_calls']} calls, {result['qdq_MB']} MB read + written, "
+          f"{result['qdq_calls_W']} on weights ({len(converted)} converted linears)")
+    if "ratio_recompute" in result:
+        print(f"  W recomputed    qat {med['qat_recompute'] * 1e3:8.1f} ms   ratio {result['ratio_recompute']:.3f} "
+              f"+- {result['spread_recompute']:.3f}   qdq {result['qdq_calls_recompute']} calls, "
+              f"{result['qdq_MB_recompute']} MB, {result['qdq_calls_W_recompute']} on weights")
     if counts:
         print(f"  aten ops/step   plain {counts['aten_ops_plain']:8d}      qat {counts['aten_ops_qat']:8d}      "
               f"ratio {result['aten_ratio']:.3f}  (eager, torch.profiler; target <= 1.5)")

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hif8qat.bank import QuantizerCalledTwice, ScalerBank
 from hif8qat.bank_row import BankedScaler
+from hif8qat.formats import hif8_qdq_scaled
 from hif8qat.qlinear import (
     HiF8Linear,
     convert_model,
@@ -261,9 +262,15 @@ def test_compiled_training_step_records_like_eager():
 
 
 # ------------------------------------------------------------------------------------------------ backward memory
-def test_backward_recomputes_quantized_weight_instead_of_saving_it():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_backward_saves_quantized_weight_unless_told_to_recompute_it(recompute):
+    """Unsharded: the forward's Q(W) is saved for the backward. FSDP (set_weight_recompute): W itself is saved
+    and re-quantized in the backward, which records nothing."""
+    from hif8qat.qlinear import set_weight_recompute
+
     torch.manual_seed(0)
     layer = HiF8Linear(32, 48, config=ScalingConfig())
+    set_weight_recompute(layer, recompute)
     x = torch.randn(4, 32, requires_grad=True)
     saved = []
 
@@ -274,9 +281,15 @@ def test_backward_recomputes_quantized_weight_instead_of_saving_it():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(x)
     weight_sized = [t for t in saved if t.shape == layer.weight.shape]
-    assert len(weight_sized) == 1 and weight_sized[0].data_ptr() == layer.weight.data_ptr()  # W, not Q(W)
+    assert len(weight_sized) == 1
+    is_w = weight_sized[0].data_ptr() == layer.weight.data_ptr()
+    assert is_w == recompute
+    if not recompute:  # Q(W): the weight's own values, quantized with the W scaler's scale
+        w = layer.weight.detach()
+        s_w = 15.0 / (w.abs().max().double() + 1e-12)
+        assert torch.equal(weight_sized[0], hif8_qdq_scaled(w, s_w.float()))
     y.backward(torch.randn_like(y))
-    assert layer.scaler_w.total.item() == 1  # the backward's re-quantization recorded nothing
+    assert layer.scaler_w.total.item() == 1  # one W record per micro-batch either way
 
 
 # ------------------------------------------------------------------------------------------------ recompute safety

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from hif8qat import formats
+from hif8qat import formats, qdq_kernels
 from hif8qat.formats import (
     HIF8_MAX,
     HIF8_OVERFLOW,
@@ -495,8 +495,8 @@ def test_compile_failure_falls_back_to_eager_and_warns_once(monkeypatch):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setenv("HIF8QAT_COMPILE", "1")
-    monkeypatch.setattr(formats, "_compiled", {})
-    monkeypatch.setattr(formats, "_compile_failed", None)
+    monkeypatch.setattr(qdq_kernels, "_compiled", {})  # the compile state lives with the kernels
+    monkeypatch.setattr(qdq_kernels, "_compile_failed", None)
     monkeypatch.setattr(torch, "compile", broken)
     x = torch.randn(5000) * 10  # large enough for the compiled path
     with warnings.catch_warnings(record=True) as caught:

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from hif8qat import formats
+from hif8qat import formats, qdq_kernels
 from hif8qat.bank_row import BankedScaler
 from hif8qat.formats import (
     FORMATS,
@@ -267,16 +267,66 @@ def test_cuda_matches_the_reference_on_every_bf16_pattern(fmt, path):
 
 def test_a_failing_fp8_compile_falls_back_to_eager_and_leaves_hif8_compiled(monkeypatch):
     monkeypatch.setenv("HIF8QAT_COMPILE", "1")
-    monkeypatch.setattr(formats, "_fp8_compile_failed", None)
+    monkeypatch.setattr(qdq_kernels, "_fp8_compile_failed", None)  # the compile state lives with the kernels
 
     def broken(*args, **kwargs):
         raise RuntimeError("no float8 conversion on this backend")
 
-    monkeypatch.setattr(formats, "_fp8_variant_function", lambda key, flags: broken)
-    monkeypatch.setattr(formats, "_compiled", {})
+    monkeypatch.setattr(qdq_kernels, "_fp8_variant_function", lambda key, flags: broken)
+    monkeypatch.setattr(qdq_kernels, "_compiled", {})
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     x = torch.randn(4096) * 100
     with pytest.warns(RuntimeWarning, match="FP8 quantizer failed"):
         y = fp8_qdq(x, "e4m3")
     assert torch.equal(y, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
     assert formats.compile_status()["failed"] is None  # HiF8's compiled path is untouched
+
+
+# ---------------------------------------------------------------------------------------------------
+# out_dtype: the kernel writes the caller's compute dtype itself
+
+
+def _varied(dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-20, 16, (4096,), generator=g).float())
+    x[:6] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e30])
+    return x.to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _check_out_dtype(fmt, x_dtype, out_dtype):
+    x = _varied(x_dtype)
+    want, want_amax = qdq_scaled_amax(x, 0.37, fmt)
+    want = want.to(out_dtype)  # the old formulation: quantize in x's dtype, then cast
+    got, amax = qdq_scaled_amax(x, 0.37, fmt, out_dtype=out_dtype)
+    buf = torch.empty_like(x, dtype=out_dtype)
+    got_out, _ = qdq_scaled_amax(x, 0.37, fmt, out=buf, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and got_out is buf
+    assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(buf), _bits(want))
+    assert same(amax, want_amax)
+
+
+@pytest.mark.parametrize("fmt", ["hif8", "e4m3"])
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                               (torch.float16, torch.bfloat16)])
+def test_out_dtype_is_bitwise_the_cast_of_the_result(fmt, x_dtype, out_dtype, path):
+    _check_out_dtype(fmt, x_dtype, out_dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["hif8", "e4m3", "e5m2"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_out_dtype_is_bitwise_the_cast_of_the_result_every_pair(fmt, x_dtype, out_dtype, path):
+    _check_out_dtype(fmt, x_dtype, out_dtype)
+
+
+def test_out_dtype_arguments_are_checked():
+    x = torch.randn(8)
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        qdq_scaled_amax(x, 1.0, "hif8", out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="out must be a tensor with out_dtype"):
+        qdq_scaled_amax(x, 1.0, "e4m3", out=torch.empty(8), out_dtype=torch.bfloat16)

@@ -1,6 +1,7 @@
 """HiF8Linear and model conversion: exactness when off, hand-computed reference when on, conversion rules,
 state/export round trips, telemetry plumbing."""
 
+import copy
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hif8qat.bank import RECORD, REPLAY, bank_qdq
 from hif8qat.formats import hif8_qdq_scaled
 from hif8qat.qlinear import (
     HiF8Linear,
@@ -22,6 +24,7 @@ from hif8qat.qlinear import (
     save_quant_export,
     set_quantization,
     set_step,
+    set_weight_recompute,
     step_telemetry,
 )
 from hif8qat.scaling import ScalingConfig
@@ -285,3 +288,127 @@ def test_model_dtype_cast_keeps_scaler_state_in_fp32():
     loss.backward()
     assert torch.isfinite(loss) and layer.weight.grad.dtype == torch.bfloat16
     assert layer.scaler_g.total.item() == 1
+
+
+# ------------------------------------------------------------------------------------------------ hot path
+class _OldFormulation(torch.autograd.Function):
+    """The quantized linear as it was before the kernels wrote the matmul dtype and the forward's Q(W) was
+    kept: quantize in the input's dtype, then cast; re-quantize W in the backward with the forward's scale."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, bank_id, rows):
+        qa = bank_qdq(x, bank_id, rows[0], RECORD)
+        qw = bank_qdq(weight, bank_id, rows[1], RECORD)
+        cdt = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        if cdt is not None:
+            qa, qw = qa.to(cdt), qw.to(cdt)
+            with torch.autocast("cpu", enabled=False):
+                out = F.linear(qa, qw, bias.to(cdt))
+        else:
+            out = F.linear(qa, qw, bias)
+        ctx.save_for_backward(qa, weight)
+        ctx.quant = (bank_id, rows, cdt, x.dtype, weight.dtype, bias.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qa, weight = ctx.saved_tensors
+        bank_id, rows, cdt, x_dtype, w_dtype, b_dtype = ctx.quant
+        qg = bank_qdq(grad_out, bank_id, rows[2], RECORD)
+        qw = bank_qdq(weight, bank_id, rows[1], REPLAY)
+        if cdt is not None:
+            qw = qw.to(cdt)
+        qg = qg.to(qw.dtype)
+        g2 = qg.reshape(-1, qg.shape[-1])
+        return (qg.matmul(qw).to(x_dtype), g2.t().matmul(qa.reshape(-1, qa.shape[-1])).to(w_dtype),
+                g2.sum(0).to(b_dtype), None, None)
+
+
+def _steps(layer, xs, gs, autocast, old=False):
+    """Forward + backward per micro-batch; returns (y, dx, dW, db) of each, and the layer's scale history."""
+    out = []
+    for x, g in zip(xs, gs):
+        x = x.detach().clone().requires_grad_(True)
+        layer.weight.grad = layer.bias.grad = None
+        torch.manual_seed(7)  # stochastic G rounding draws the same bits on both paths
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if old:
+                y = _OldFormulation.apply(x, layer.weight, layer.bias, layer.bank.bank_id, layer._rows)
+            else:
+                y = layer(x)
+        y.backward(g.to(y.dtype))
+        out.append((y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
+    return out, layer.bank.history.clone()
+
+
+@pytest.mark.parametrize("autocast,x_dtype", [(False, torch.float32), (True, torch.float32),
+                                              (True, torch.bfloat16)])
+@pytest.mark.parametrize("fmt,grad_rounding", [("hif8", "ta"), ("hif8", "stochastic"), ("hybrid", "ta")])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_hot_path_is_bitwise_the_old_formulation(autocast, x_dtype, fmt, grad_rounding, recompute):
+    """Kernels writing the matmul dtype and the kept Q(W) (or, under FSDP, the recomputed one) give the
+    outputs, all three gradients and the scale histories of quantize-then-cast with Q(W) re-quantized."""
+    torch.manual_seed(11)
+    cfg = ScalingConfig(algo="max", history_len=4, format=fmt, grad_rounding=grad_rounding)
+    new = HiF8Linear(64, 48, bias=True, config=cfg, name="l")  # >= 1024 elements each: the compiled kernels
+    old = copy.deepcopy(new)
+    set_weight_recompute(new, recompute)
+    gen = torch.Generator().manual_seed(12)
+    xs = [(torch.randn(4, 8, 64, generator=gen) * m).to(x_dtype) for m in (1.0, 3.0, 0.5)]
+    gs = [torch.randn(4, 8, 48, generator=gen) * m for m in (0.01, 0.2, 0.05)]
+    got, hist = _steps(new, xs, gs, autocast)
+    want, hist_old = _steps(old, xs, gs, autocast, old=True)
+    for a, b in zip(got, want):
+        for t, u in zip(a, b):
+            assert t.dtype == u.dtype and torch.equal(t.view(torch.int16 if t.element_size() == 2 else torch.int32),
+                                                      u.view(torch.int16 if u.element_size() == 2 else torch.int32))
+    assert torch.equal(hist, hist_old)
+    assert not torch.equal(got[0][0].float(), F.linear(xs[0].float(), new.weight, new.bias).to(got[0][0].dtype))
+
+
+def _weight_calls(counter, layer):
+    return sum(p == layer.weight.data_ptr() for p in counter.ptrs)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_weight_is_quantized_once_per_micro_batch(checkpointed):
+    """A, W, G once each per micro-batch; activation checkpointing recomputes A, and reuses the forward's
+    Q(W) (bit for bit what re-quantizing gives); under FSDP (recompute) the backward quantizes W again."""
+    from torch.utils.checkpoint import checkpoint
+
+    from hif8qat.formats import count_qdq
+
+    torch.manual_seed(5)
+    layers = {k: HiF8Linear(64, 48, bias=True, config=ScalingConfig(), name="l") for k in ("keep", "fsdp")}
+    layers["fsdp"].load_state_dict(layers["keep"].state_dict())
+    set_weight_recompute(layers["fsdp"])
+    x = torch.randn(4, 8, 64, requires_grad=True)
+    res = {}
+    for k, layer in layers.items():
+        with count_qdq() as c:
+            for _ in range(2):  # two micro-batches
+                x.grad = None
+                y = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+                y.sum().backward()
+        res[k] = (c, y.detach(), x.grad.clone(), layer.weight.grad.clone())
+    keep, fsdp = res["keep"][0], res["fsdp"][0]
+    assert _weight_calls(keep, layers["keep"]) == 2  # once per micro-batch
+    assert keep.calls == 2 * (4 if checkpointed else 3)  # A (twice when recomputed), W, G
+    assert _weight_calls(fsdp, layers["fsdp"]) == 2 * (3 if checkpointed else 2)
+    for a, b in zip(res["keep"][1:], res["fsdp"][1:]):
+        assert torch.equal(a, b)
+
+
+def test_qdq_counter_counts_bytes_and_dtypes():
+    from hif8qat.formats import count_qdq, hif8_qdq_scaled_amax, qdq_scaled_amax
+
+    x = torch.randn(3, 700)
+    with count_qdq() as c:
+        hif8_qdq_scaled_amax(x, 2.0, out_dtype=torch.bfloat16)
+        qdq_scaled_amax(x.bfloat16(), 2.0, "e4m3")
+    assert c.calls == 2
+    assert c.bytes == 2100 * (4 + 2) + 2100 * (2 + 2)
+    assert [r[:3] for r in c.records] == [((3, 700), torch.float32, torch.bfloat16),
+                                         ((3, 700), torch.bfloat16, torch.bfloat16)]
+    hif8_qdq_scaled_amax(x, 2.0)
+    assert c.calls == 2  # nothing counted outside the block

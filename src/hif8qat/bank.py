@@ -23,8 +23,11 @@ Micro-batch rules. Each quantizer is called once per micro-batch, so "the scale 
 history before its own amax is appended" holds per call. A second call of a
 forward quantizer (A / W) during the backward pass is an activation-checkpointing recompute: it reuses
 the forward's scale and records nothing. Any other second call in one micro-batch raises
-:class:`QuantizerCalledTwice`. The backward pass re-quantizes the weight with the forward's scale
-(``record=False``) instead of keeping the quantized weight alive from forward to backward.
+:class:`QuantizerCalledTwice`. The quantized linear keeps its forward's quantized weight for the backward;
+under FSDP the backward re-quantizes it with the forward's scale (``REPLAY``) instead. A call with
+``keep=True`` (eager weight calls) leaves its result with the bank until the micro-batch ends, so that an
+activation-checkpointing recompute of the same, unchanged tensor gets a copy of it instead of a second
+quantization.
 
 Frozen (evaluation) banks read their scales and record nothing, so they never communicate. Each row
 quantizes in its role's element format (:func:`hif8qat.formats.element_format`) with that format's target.
@@ -56,22 +59,26 @@ RECORD_NO_GRAD = 1  # a forward-only call (no backward will come: the next call 
 REPLAY = 2  # the backward's re-quantization of the weight with the forward's scale: reads, records nothing
 
 
-def _hif8_kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: bool, want_amax: bool):
+def _hif8_kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: bool, want_amax: bool,
+                 out_dtype: torch.dtype | None = None):
     """Fused HiF8 ``qdq(x * scale) / scale`` (+ ``max|x|``): one kernel, arguments trusted (no checks)."""
     return formats._dispatch(x, scale, rounding, None, None, scaled=True, saturate=saturate, want_amax=want_amax,
-                             site="bank")
+                             site="bank", out_dtype=out_dtype)
 
 
 def _fp8_kernel(fmt: str):
-    def kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: bool, want_amax: bool):
+    def kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: bool, want_amax: bool,
+               out_dtype: torch.dtype | None = None):
         """Fused saturating FP8 ``qdq(x * scale) / scale`` (+ ``max|x|``); rounding is always nearest-even
         (the config refuses another one for FP8) and the cast always saturates."""
-        return formats._fp8_dispatch(x, scale, fmt, None, scaled=True, want_amax=want_amax, site="bank")
+        return formats._fp8_dispatch(x, scale, fmt, None, scaled=True, want_amax=want_amax, site="bank",
+                                     out_dtype=out_dtype)
     return kernel
 
 
-# Quantize kernels by element format: ``kernel(x, scale, rounding, saturate, want_amax) -> (y, amax or None)``
-# with ``scale`` a 0-d float32 tensor (x's device). Targets and clip thresholds come from formats.FORMATS.
+# Quantize kernels by element format: ``kernel(x, scale, rounding, saturate, want_amax, out_dtype=None) ->
+# (y, amax or None)`` with ``scale`` a 0-d float32 tensor (x's device) and y in ``out_dtype`` (default x's,
+# bit for bit the cast of the x-dtype result). Targets and clip thresholds come from formats.FORMATS.
 FORMATS = {"hif8": _hif8_kernel, "e4m3": _fp8_kernel("e4m3"), "e5m2": _fp8_kernel("e5m2")}
 
 
@@ -99,18 +106,21 @@ def _in_backward() -> bool:
 # the op
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("hif8qat::bank_qdq", mutates_args=())
-def bank_qdq(x: torch.Tensor, bank_id: int, row: int, mode: int) -> torch.Tensor:
-    """Fake-quantize ``x`` with row ``row`` of bank ``bank_id`` (see the module docstring).
+def bank_qdq(x: torch.Tensor, bank_id: int, row: int, mode: int, out_dtype: torch.dtype | None = None,
+             keep: bool = False) -> torch.Tensor:
+    """Fake-quantize ``x`` with row ``row`` of bank ``bank_id`` (see the module docstring); the result in
+    ``out_dtype`` (default x's: the kernel writes it, no separate cast pass). ``keep``: see the module
+    docstring; only for eager callers (a compiled graph may reuse the memory of a result it deems dead).
 
     Declared pure: its only side effect is on the bank's tables, which nothing inside a compiled graph
     reads (they are read by this op at call time and by the bank between micro-batches).
     """
-    return _BANKS[bank_id].quantize(x, row, mode)
+    return _BANKS[bank_id].quantize(x, row, mode, out_dtype, keep)
 
 
 @bank_qdq.register_fake
-def _(x, bank_id, row, mode):
-    return torch.empty_like(x)
+def _(x, bank_id, row, mode, out_dtype=None, keep=False):
+    return torch.empty_like(x, dtype=out_dtype or x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,6 +241,7 @@ class ScalerBank(nn.Module):
         self._mb_open = False
         self._mb_grad = False
         self._callback_queued = False
+        self._kept: dict[int, tuple[torch.Tensor, tuple]] = {}  # results of keep=True calls (see quantize)
 
     # -- public controls -----------------------------------------------------------------------------
     def set_step(self, step: int) -> None:
@@ -258,13 +269,19 @@ class ScalerBank(nn.Module):
         self._reset_rows(mask)
 
     # -- the call ------------------------------------------------------------------------------------
-    def quantize(self, x: torch.Tensor, row: int, mode: int) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, row: int, mode: int, out_dtype: torch.dtype | None = None,
+                 keep: bool = False) -> torch.Tensor:
         """One quantizer call (the body of ``hif8qat::bank_qdq``)."""
         if mode == REPLAY or self.frozen:
-            return self._qdq(x, row, self._call_scale(x, row) if self.frozen else self._scale_rows[row])
+            return self._qdq(x, row, self._call_scale(x, row) if self.frozen else self._scale_rows[row], out_dtype)
         if self._mb_calls[row]:
-            if _in_backward() and not self._is_g[row]:
-                return self._qdq(x, row, self._scale_rows[row])  # checkpoint recompute: forward's scale
+            if _in_backward() and not self._is_g[row]:  # checkpoint recompute: the forward's scale
+                kept = self._kept.pop(row, None)
+                if kept is not None and kept[1] == (x.data_ptr(), x._version, x.shape, out_dtype):
+                    # the forward's tensor, unchanged: a copy of its result (an op returns a fresh tensor)
+                    # instead of a second quantization
+                    return kept[0].clone()
+                return self._qdq(x, row, self._scale_rows[row], out_dtype)
             if self._mb_grad:
                 raise QuantizerCalledTwice(
                     f"HiF8 quantizer {self.row_name(row)} was called twice in one micro-batch; its amax history "
@@ -273,7 +290,7 @@ class ScalerBank(nn.Module):
                     "during the backward only; a forward whose backward never ran must be followed by "
                     "hif8qat.qlinear.update_scales(model) (or use freeze_scales(model) for evaluation)")
             self.update()  # forward-only micro-batches end at the next call
-        return self._record_call(x, row, mode)
+        return self._record_call(x, row, mode, out_dtype, keep)
 
     def observe(self, row: int, amax: torch.Tensor) -> torch.Tensor:
         """A call with a known amax and no tensor (replay); returns the scale it used."""
@@ -284,7 +301,8 @@ class ScalerBank(nn.Module):
         self._mb_calls[row] += 1
         return scale
 
-    def _record_call(self, x: torch.Tensor, row: int, mode: int) -> torch.Tensor:
+    def _record_call(self, x: torch.Tensor, row: int, mode: int, out_dtype: torch.dtype | None = None,
+                     keep: bool = False) -> torch.Tensor:
         own = None
         if self._current_now():  # just in time: the amax pass first, then the cast with the scale from it
             own = _amax(x)
@@ -295,9 +313,11 @@ class ScalerBank(nn.Module):
         stats = ((c.telemetry_stats_every > 0 and self.calls[row] % c.telemetry_stats_every == 0)
                  or (c.telemetry_dump_every > 0 and self.step % c.telemetry_dump_every == 0))
         scale = self._scale_rows[row]
-        y, amax = self._kernels[row](x, scale, self._rounding[row], c.saturate, own is None)
+        y, amax = self._kernels[row](x, scale, self._rounding[row], c.saturate, own is None, out_dtype)
         self._amax_rows[row].copy_(amax if own is None else own)
         self._mb_calls[row] += 1
+        if keep and mode == RECORD:  # for a checkpoint recompute (see quantize)
+            self._kept[row] = (y, (x.data_ptr(), x._version, x.shape, out_dtype))
         if stats:
             bank_telemetry.record_stats(self, x, row, scale)
         if self._is_g[row] and not self._callback_queued and _in_backward():
@@ -305,8 +325,8 @@ class ScalerBank(nn.Module):
             self._callback_queued = True
         return y
 
-    def _qdq(self, x, row, scale):
-        return self._kernels[row](x, scale, self._rounding[row], self.config.saturate, False)[0]
+    def _qdq(self, x, row, scale, out_dtype=None):
+        return self._kernels[row](x, scale, self._rounding[row], self.config.saturate, False, out_dtype)[0]
 
     def _current_now(self) -> bool:
         """Whether the algorithm at the current step is just-in-time scaling."""

@@ -163,6 +163,9 @@ def apply_fsdp(model: nn.Module, *, mesh=None, reshard_after_forward: bool = Tru
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    from .qlinear import set_weight_recompute
+
+    set_weight_recompute(model)  # keeping a quantized full weight from forward to backward would undo the sharding
     return model
 
 

@@ -9,11 +9,14 @@ With quantization on, a custom autograd function computes::
 
     forward   y  = Q_A(x) Q_W(W)^T + b            (bias added in high precision, not quantized)
     backward  dX = Q_G(g) Q_W(W)
-              dW = Q_G(g)^T Q_A(x)                 (the forward's quantized A is saved; Q_W(W) is recomputed
-              db = sum Q_G(g)                       from W with the forward's scale, as the authors'
-                                                     HiF8GemmFunction uses it: bit-identical, and no full
-                                                     quantized weight lives from forward to backward, which
-                                                     matters under FSDP where W is re-gathered for backward)
+              dW = Q_G(g)^T Q_A(x)                 (the forward's quantized A and W are saved: W is quantized
+              db = sum Q_G(g)                       once per micro-batch; eager activation checkpointing
+                                                     included, see :mod:`hif8qat.bank`: under torch.compile
+                                                     its recompute quantizes W again)
+
+Under FSDP (:func:`set_weight_recompute`, called by ``distributed.apply_fsdp``) the backward recomputes Q_W(W)
+from the re-gathered W with the forward's scale instead, as the authors' HiF8GemmFunction does: bit-identical,
+and no full quantized weight lives from forward to backward.
 
 Each Q is one call of the custom op ``hif8qat::bank_qdq`` (traceable: a whole-model ``torch.compile`` has
 no graph break from these layers). Q_A / Q_W use round-half-away (``ta``) and ``target_fwd``; Q_G uses
@@ -28,10 +31,11 @@ checkpointing is safe: the recomputed forward reuses the forward's scales and re
 second call of a layer in one micro-batch raises :class:`~hif8qat.bank.QuantizerCalledTwice`.
 
 Autocast: under ``torch.autocast`` the quantizers see the incoming tensors as they are (the HiF8
-arithmetic is done in fp32 inside ``formats`` and the result is returned in the input's dtype), then
-the quantized A and W (and the bias) are cast to the autocast dtype and the matmul runs in that dtype
-with autocast disabled, i.e. exactly what autocast's own ``linear`` would do with the quantized
-operands. The backward runs its matmuls in that dtype and returns gradients in the dtypes of x, W and b.
+arithmetic is done in fp32 inside ``formats``) and write the quantized A and W in the autocast dtype
+(bit for bit the cast of the result in the input's dtype, without a separate cast pass); the bias is cast
+and the matmul runs in that dtype with autocast disabled, i.e. exactly what autocast's own ``linear``
+would do with the quantized operands. The backward quantizes G into the dtype of the saved Q_W(W), runs
+its matmuls in that dtype and returns gradients in the dtypes of x, W and b.
 Without autocast everything runs in the input dtype.
 """
 
@@ -74,35 +78,33 @@ _ATTN_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", 
 # --------------------------------------------------------------------------------------------------
 class _HiF8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, bank_id, rows, mode):
-        qa = bank_qdq(x, bank_id, rows[0], mode)
-        qw = bank_qdq(weight, bank_id, rows[1], mode)
+    def forward(ctx, x, weight, bias, bank_id, rows, mode, keep_w):
         dev = x.device.type
         cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        qa = bank_qdq(x, bank_id, rows[0], mode, cdt)  # written in the matmul's dtype by the kernel
+        # eager: the bank keeps Q(W) for a checkpoint recompute (compiled graphs may reuse an op result's memory)
+        qw = bank_qdq(weight, bank_id, rows[1], mode, cdt, keep_w and not torch.compiler.is_compiling())
         if cdt is not None:
-            qa, qw = qa.to(cdt), qw.to(cdt)
             b = bias.to(cdt) if bias is not None else None
             with torch.autocast(dev, enabled=False):
                 out = F.linear(qa, qw, b)
         else:
             out = F.linear(qa, qw, bias)
-        ctx.save_for_backward(qa, weight)
-        ctx.quant = (bank_id, rows, cdt)
+        ctx.save_for_backward(qa, qw if keep_w else weight)
+        ctx.quant = (bank_id, rows, cdt, keep_w)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        qa, weight = ctx.saved_tensors
-        bank_id, rows, cdt = ctx.quant
+        qa, w = ctx.saved_tensors
+        bank_id, rows, cdt, keep_w = ctx.quant
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        qg = bank_qdq(grad_out, bank_id, rows[2], RECORD)
-        qw = bank_qdq(weight, bank_id, rows[1], REPLAY)  # the forward's Q(W), recomputed
-        if cdt is not None:
-            qw = qw.to(cdt)
-        if qg.dtype != qw.dtype:
-            qg = qg.to(qw.dtype)
+        mm_dtype = cdt or w_dtype  # the dtype of Q(W) as the forward's matmul used it
+        qg = bank_qdq(grad_out, bank_id, rows[2], RECORD, mm_dtype)
+        # sharded (FSDP): the forward's Q(W) recomputed from the re-gathered W with the forward's scale
+        qw = w if keep_w else bank_qdq(w, bank_id, rows[1], REPLAY, cdt)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = qg.matmul(qw).to(x_dtype)
@@ -110,7 +112,7 @@ class _HiF8LinearFn(torch.autograd.Function):
             dw = qg.reshape(-1, qg.shape[-1]).t().matmul(qa.reshape(-1, qa.shape[-1])).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = qg.reshape(-1, qg.shape[-1]).sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class HiF8Linear(nn.Linear):
@@ -123,6 +125,7 @@ class HiF8Linear(nn.Linear):
         self.config.validate()
         self.quant_name = name
         self.quant_enabled = bool(enabled)
+        self.recompute_weight = False  # True under FSDP: see set_weight_recompute
         self._own_bank(device)
 
     def _own_bank(self, device) -> None:
@@ -168,7 +171,7 @@ class HiF8Linear(nn.Linear):
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
                                             or (self.bias is not None and self.bias.requires_grad))
         return _HiF8LinearFn.apply(x, self.weight, self.bias, self._bank.bank_id, self._rows,
-                                   RECORD if grad else RECORD_NO_GRAD)
+                                   RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, hif8={'on' if self.quant_enabled else 'off'}"
@@ -263,6 +266,14 @@ def set_quantization(model: nn.Module, enabled: bool) -> None:
         mod.quant_enabled = bool(enabled)
     for bank, rows in resets.values():
         bank.reset(rows)
+
+
+def set_weight_recompute(model: nn.Module, recompute: bool = True) -> None:
+    """Recompute Q_W(W) in the backward instead of keeping it from the forward (FSDP: the full weight is
+    re-gathered for the backward, and a kept quantized copy would hold a whole unsharded weight per layer
+    from forward to backward). Bit-identical either way; off by default, on from ``distributed.apply_fsdp``."""
+    for _, mod in hif8_linears(model):
+        mod.recompute_weight = bool(recompute)
 
 
 def set_step(model: nn.Module, step: int) -> None:
@@ -468,6 +479,7 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
 __all__ = [
     "SCOPES", "HiF8Linear", "convert_model", "dump_telemetry", "element_formats", "find_transformer_blocks",
     "freeze_scales", "hif8_linears", "load_quant_export", "load_quant_state_dict", "parse_high_precision_blocks",
-    "quant_state_dict", "read_quant_export", "save_quant_export", "set_quantization", "set_step", "step_telemetry",
+    "quant_state_dict", "read_quant_export", "save_quant_export", "set_quantization", "set_step", "set_weight_recompute",
+    "step_telemetry",
     "update_scales",
 ]

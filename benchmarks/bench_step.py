@@ -1,6 +1,6 @@
 """QAT training step versus the unquantized step: time ratio, aten ops per step, graph breaks.
 
-Both models are built from the same weights in one process (every MLP linear converted to HiF8Linear in
+Both models are built from the same weights in one process (every MLP linear converted to QuantLinear in
 the QAT one, scaler bank with the max(64) estimator); steps (forward + backward + AdamW) are interleaved
 (the order alternates every repeat) and the median over repeats is compared. Printed, all measured side
 by side in this run:

@@ -17,11 +17,11 @@ from hif8qat.bank import QuantizerCalledTwice, ScalerBank
 from hif8qat.bank_row import BankedScaler
 from hif8qat.formats import hif8_qdq_scaled
 from hif8qat.qlinear import (
-    HiF8Linear,
+    QuantLinear,
     convert_model,
     freeze_scales,
-    hif8_linears,
     load_quant_export,
+    quant_linears,
     quant_state_dict,
     set_quantization,
     set_step,
@@ -269,7 +269,7 @@ def test_backward_saves_quantized_weight_unless_told_to_recompute_it(recompute):
     from hif8qat.qlinear import set_weight_recompute
 
     torch.manual_seed(0)
-    layer = HiF8Linear(32, 48, config=ScalingConfig())
+    layer = QuantLinear(32, 48, config=ScalingConfig())
     set_weight_recompute(layer, recompute)
     x = torch.randn(4, 32, requires_grad=True)
     saved = []
@@ -322,7 +322,7 @@ def test_activation_checkpointing_reuses_forward_scales_and_records_once():
 
 
 def test_layer_called_twice_in_one_micro_batch_is_refused():
-    layer = HiF8Linear(8, 8, config=ScalingConfig(), name="blocks.0.mlp.up_proj")
+    layer = QuantLinear(8, 8, config=ScalingConfig(), name="blocks.0.mlp.up_proj")
     x = torch.randn(2, 8, requires_grad=True)
     y = layer(x)
     with pytest.raises(QuantizerCalledTwice, match=r"blocks\.0\.mlp\.up_proj\.A was called twice"):
@@ -380,7 +380,7 @@ def test_reference_run_export_loads_for_evaluation():
         if not k.endswith(".meta"):
             assert same(state[k], saved[k]), k
     # the restored scales are what a frozen evaluation uses
-    name, layer = next(iter(hif8_linears(model)))
+    name, layer = next(iter(quant_linears(model)))
     meta = saved[f"{name}.A.meta"].tolist()
     block = saved[f"{name}.A.scale_block"]
     assert layer.scaler_a.scale.item() == block[min(meta[1], block.numel() - 1)].item()

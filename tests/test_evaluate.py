@@ -87,7 +87,7 @@ def test_hif8_mode_from_export(tmp_path):
     qlinear.save_quant_export(model, export, {"step": 1})
 
     loaded, _ = ev.load_for_eval(export, "hif8")
-    assert len(list(qlinear.hif8_linears(loaded))) == 6  # gate/up/down x 2 blocks
+    assert len(list(qlinear.quant_linears(loaded))) == 6  # gate/up/down x 2 blocks
     sd = qlinear.quant_state_dict(loaded)
     for k, v in sd_before.items():
         if "history" in k or "scale" in k:

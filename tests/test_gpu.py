@@ -87,7 +87,7 @@ def qat_step(device: str, autocast: bool, steps: int = 3) -> list[float]:
     """A small Llama with MLP + attention linears in HiF8: forward/backward/AdamW steps; returns the losses."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hif8qat.qlinear import convert_model, hif8_linears, set_quantization, set_step
+    from hif8qat.qlinear import convert_model, quant_linears, set_quantization, set_step
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -110,7 +110,7 @@ def qat_step(device: str, autocast: bool, steps: int = 3) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    for _, mod in hif8_linears(model):
+    for _, mod in quant_linears(model):
         for _, sc in mod.scalers():
             assert sc.history.device.type == torch.device(device).type and sc.initialized
     assert all(torch.isfinite(torch.tensor(losses)))

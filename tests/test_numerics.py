@@ -138,10 +138,10 @@ def test_tiny_llama_step_under_emulation_tracks_native_bf16():
 def test_quantized_linear_under_emulation_matches_native_autocast():
     import copy
 
-    from hif8qat.qlinear import HiF8Linear
+    from hif8qat.qlinear import QuantLinear
 
     torch.manual_seed(4)
-    emulated_layer = HiF8Linear(64, 32, name="probe")
+    emulated_layer = QuantLinear(64, 32, name="probe")
     native_layer = copy.deepcopy(emulated_layer)  # same weights, same (empty) scaler state
     x = torch.randn(4, 64)
     with torch.no_grad():

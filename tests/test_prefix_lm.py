@@ -51,7 +51,7 @@ def tiny_hif8(tmp_path_factory):
 
     export = write_quantized_export(tmp_path_factory.mktemp("export"), scope="attn_mlp", seed=4)
     loaded, tok = ev.load_for_eval(export, "hif8")
-    assert len(list(qlinear.hif8_linears(loaded))) == 14  # q/k/v/o + gate/up/down, 2 blocks
+    assert len(list(qlinear.quant_linears(loaded))) == 14  # q/k/v/o + gate/up/down, 2 blocks
     return loaded, tok
 
 

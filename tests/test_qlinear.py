@@ -1,4 +1,4 @@
-"""HiF8Linear and model conversion: exactness when off, hand-computed reference when on, conversion rules,
+"""QuantLinear and model conversion: exactness when off, hand-computed reference when on, conversion rules,
 state/export round trips, telemetry plumbing."""
 
 import copy
@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hif8qat.bank import RECORD, REPLAY, bank_qdq
 from hif8qat.formats import hif8_qdq_scaled
 from hif8qat.qlinear import (
-    HiF8Linear,
+    QuantLinear,
     convert_model,
     dump_telemetry,
     freeze_scales,
@@ -48,7 +48,7 @@ def sc(amax, target=15.0):
 def test_off_is_identical_to_nn_linear(bias):
     torch.manual_seed(0)
     ref = nn.Linear(16, 8, bias=bias)
-    q = HiF8Linear.from_linear(nn.Linear(16, 8, bias=bias), ScalingConfig(), "l")
+    q = QuantLinear.from_linear(nn.Linear(16, 8, bias=bias), ScalingConfig(), "l")
     q.load_state_dict(ref.state_dict())
     q.quant_enabled = False
     x1 = torch.randn(2, 5, 16, requires_grad=True)
@@ -66,7 +66,7 @@ def test_off_is_identical_to_nn_linear(bias):
 
 def test_on_matches_hand_computed_forward_and_backward():
     torch.manual_seed(1)
-    q = HiF8Linear(16, 8, bias=True, config=ScalingConfig(algo="max", history_len=4), name="l")
+    q = QuantLinear(16, 8, bias=True, config=ScalingConfig(algo="max", history_len=4), name="l")
     w = q.weight.detach().clone()
     gen = torch.Generator().manual_seed(2)
     xs = [torch.randn(2, 3, 16, generator=gen) * m for m in (1.0, 4.0)]
@@ -94,7 +94,7 @@ def test_on_matches_hand_computed_forward_and_backward():
 
 def test_on_under_bf16_autocast_quantizes_then_matmuls_in_bf16():
     torch.manual_seed(3)
-    q = HiF8Linear(16, 8, bias=True, config=ScalingConfig(), name="l")
+    q = QuantLinear(16, 8, bias=True, config=ScalingConfig(), name="l")
     x = torch.randn(4, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = q(x)
@@ -118,7 +118,7 @@ def test_convert_26_blocks_hp5_mlp_gives_63_and_keeps_state_dict_keys():
     assert list(m.state_dict().keys()) == keys
     assert type(m.lm_head) is nn.Linear and type(m.model.layers[0].mlp.up_proj) is nn.Linear
     assert type(m.model.layers[5].self_attn.q_proj) is nn.Linear
-    assert isinstance(m.model.layers[5].mlp.down_proj, HiF8Linear)
+    assert isinstance(m.model.layers[5].mlp.down_proj, QuantLinear)
     assert type(m.model.embed_tokens) is nn.Embedding
 
 
@@ -261,7 +261,7 @@ def test_export_round_trip_restores_scales(tmp_path):
     m.save_pretrained(tmp_path)
     save_quant_export(m, tmp_path, {"experiment": "exp8"})
     plain = LlamaForCausalLM.from_pretrained(tmp_path)  # plain transformers loads it: same keys
-    assert not any(isinstance(mod, HiF8Linear) for mod in plain.modules())
+    assert not any(isinstance(mod, QuantLinear) for mod in plain.modules())
     meta = load_quant_export(plain, tmp_path)
     assert meta == {"experiment": "exp8"}
     assert plain._hif8qat_conversion["converted"] == names
@@ -350,7 +350,7 @@ def test_hot_path_is_bitwise_the_old_formulation(autocast, x_dtype, fmt, grad_ro
     outputs, all three gradients and the scale histories of quantize-then-cast with Q(W) re-quantized."""
     torch.manual_seed(11)
     cfg = ScalingConfig(algo="max", history_len=4, format=fmt, grad_rounding=grad_rounding)
-    new = HiF8Linear(64, 48, bias=True, config=cfg, name="l")  # >= 1024 elements each: the compiled kernels
+    new = QuantLinear(64, 48, bias=True, config=cfg, name="l")  # >= 1024 elements each: the compiled kernels
     old = copy.deepcopy(new)
     set_weight_recompute(new, recompute)
     gen = torch.Generator().manual_seed(12)
@@ -379,7 +379,7 @@ def test_weight_is_quantized_once_per_micro_batch(checkpointed):
     from hif8qat.formats import count_qdq
 
     torch.manual_seed(5)
-    layers = {k: HiF8Linear(64, 48, bias=True, config=ScalingConfig(), name="l") for k in ("keep", "fsdp")}
+    layers = {k: QuantLinear(64, 48, bias=True, config=ScalingConfig(), name="l") for k in ("keep", "fsdp")}
     layers["fsdp"].load_state_dict(layers["keep"].state_dict())
     set_weight_recompute(layers["fsdp"])
     x = torch.randn(4, 8, 64, requires_grad=True)
@@ -412,3 +412,9 @@ def test_qdq_counter_counts_bytes_and_dtypes():
                                          ((3, 700), torch.bfloat16, torch.bfloat16)]
     hif8_qdq_scaled_amax(x, 2.0)
     assert c.calls == 2  # nothing counted outside the block
+
+
+def test_the_names_from_before_fp8_formats_still_import():
+    from hif8qat.qlinear import HiF8Linear, QuantLinear, hif8_linears, quant_linears
+
+    assert HiF8Linear is QuantLinear and hif8_linears is quant_linears

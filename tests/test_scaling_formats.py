@@ -25,8 +25,8 @@ from hif8qat.qlinear import (
     QUANT_JSON,
     convert_model,
     freeze_scales,
-    hif8_linears,
     load_quant_export,
+    quant_linears,
     save_quant_export,
     set_step,
     step_telemetry,
@@ -180,7 +180,7 @@ def test_step_telemetry_aggregates_clipped_counts_per_role():
         set_step(m, step)
         ids = torch.randint(0, 96, (2, 8), generator=gen)
         m(ids, labels=ids).loss.backward()
-    rows = {role: [sc.telemetry_record()["clipped_count"] for _, layer in hif8_linears(m)
+    rows = {role: [sc.telemetry_record()["clipped_count"] for _, layer in quant_linears(m)
                    for r, sc in layer.scalers() if r == role] for role in "AWG"}
     tel = step_telemetry(m)
     assert "tel/A/overflow_count" not in tel
@@ -209,7 +209,7 @@ def test_fp8_export_evaluates_in_fp8_with_frozen_scales(tmp_path):
     plain = tiny_llama()
     load_quant_export(plain, tmp_path)
     freeze_scales(plain, True)
-    name, layer = next(iter(hif8_linears(plain)))
+    name, layer = next(iter(quant_linears(plain)))
     assert layer.bank.formats[:3] == ["e4m3", "e4m3", "e5m2"]
     x = torch.randn(3, layer.in_features) * 50
     sa, sw = layer.scaler_a.scale, layer.scaler_w.scale
@@ -228,7 +228,7 @@ def test_current_export_evaluates_with_just_in_time_scales(tmp_path):
     plain = tiny_llama()
     load_quant_export(plain, tmp_path)
     freeze_scales(plain, True)
-    _, layer = next(iter(hif8_linears(plain)))
+    _, layer = next(iter(quant_linears(plain)))
     x = torch.randn(3, layer.in_features) * 1e-3  # far from any training amax
     w = layer.weight.detach()
     want = torch.nn.functional.linear(hif8_qdq_scaled(x, jit(x.abs().max().item(), 15.0)),
@@ -248,7 +248,7 @@ def test_export_written_before_fp8_loads_as_hif8(tmp_path):
     (tmp_path / QUANT_JSON).write_text(json.dumps(doc))
     plain = tiny_llama()
     load_quant_export(plain, tmp_path)
-    _, layer = next(iter(hif8_linears(plain)))
+    _, layer = next(iter(quant_linears(plain)))
     assert set(layer.bank.formats) == {"hif8"} and layer.scaler_a.target == 15.0
     meta = quant_eval_meta(plain, tmp_path)
     assert meta["format"] == "hif8" and meta["element_formats"] == {"A": "hif8", "W": "hif8", "G": "hif8"}

@@ -1,6 +1,6 @@
 """HiF8 quantized linear layer and model conversion (contract: docs/design.md).
 
-``HiF8Linear`` is an ``nn.Linear`` (same parameters ``weight`` / ``bias``, so ``state_dict()`` keys and
+``QuantLinear`` is an ``nn.Linear`` (same parameters ``weight`` / ``bias``, so ``state_dict()`` keys and
 ``save_pretrained`` folders are those of the plain model) with three quantizers A, W, G, which are rows of a
 :class:`~hif8qat.bank.ScalerBank`: one bank per converted model (a layer built on its own has a private
 one). The scaler state is kept out of the model's state dict (see :func:`quant_state_dict`).
@@ -22,7 +22,7 @@ Each Q is one call of the custom op ``hif8qat::bank_qdq`` (traceable: a whole-mo
 no graph break from these layers). Q_A / Q_W use round-half-away (``ta``) and ``target_fwd``; Q_G uses
 ``grad_rounding`` and ``target_bwd``. With ``ScalingConfig.format`` an FP8 format (``e4m3``, ``e5m2``, or
 ``hybrid``: E4M3 for A and W, E5M2 for G) the same layer quantizes with saturating FP8 casts and the FP8
-targets instead (see :mod:`hif8qat.bank`); the name stays HiF8Linear. With quantization off the forward is exactly ``F.linear`` (identical
+targets instead (see :mod:`hif8qat.bank`). With quantization off the forward is exactly ``F.linear`` (identical
 outputs and gradients to ``nn.Linear``).
 
 Micro-batches: every quantizer runs once per forward/backward; the bank records the amaxes when the
@@ -76,7 +76,7 @@ _ATTN_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", 
 # --------------------------------------------------------------------------------------------------
 # autograd function and module
 # --------------------------------------------------------------------------------------------------
-class _HiF8LinearFn(torch.autograd.Function):
+class _QuantLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, bank_id, rows, mode, keep_w):
         dev = x.device.type
@@ -115,7 +115,7 @@ class _HiF8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-class HiF8Linear(nn.Linear):
+class QuantLinear(nn.Linear):
     """Drop-in ``nn.Linear`` with HiF8 fake quantization of A, W (forward) and G (backward)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
@@ -130,7 +130,7 @@ class HiF8Linear(nn.Linear):
 
     def _own_bank(self, device) -> None:
         bank = ScalerBank(self.config, ROLES, device=device)
-        bank.set_row_names([f"{self.quant_name or 'HiF8Linear'}.{r}" for r in ROLES])
+        bank.set_row_names([f"{self.quant_name or 'QuantLinear'}.{r}" for r in ROLES])
         self.hif8_bank = bank  # registered: follows the layer's device moves
         self._attach(bank, (0, 1, 2))
 
@@ -142,7 +142,7 @@ class HiF8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: ScalingConfig | None = None, name: str = "",
-                    enabled: bool = True) -> HiF8Linear:
+                    enabled: bool = True) -> QuantLinear:
         """Wrap an existing ``nn.Linear``, sharing its Parameter objects (optimizer state stays valid)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
                   config=config, name=name, enabled=enabled)
@@ -170,7 +170,7 @@ class HiF8Linear(nn.Linear):
         # a pass without gradients ends its micro-batch at the next call (no backward will)
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
                                             or (self.bias is not None and self.bias.requires_grad))
-        return _HiF8LinearFn.apply(x, self.weight, self.bias, self._bank.bank_id, self._rows,
+        return _QuantLinearFn.apply(x, self.weight, self.bias, self._bank.bank_id, self._rows,
                                    RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight)
 
     def extra_repr(self) -> str:
@@ -190,7 +190,7 @@ def _matches(name: str, scope: str) -> bool:
 
 def convert_model(model: nn.Module, scope: str = "mlp", high_precision_blocks: Any = None,
                   config: ScalingConfig | None = None, *, enabled: bool = True) -> list[str]:
-    """Replace the scope's ``nn.Linear``s of every non-high-precision block by :class:`HiF8Linear`.
+    """Replace the scope's ``nn.Linear``s of every non-high-precision block by :class:`QuantLinear`.
 
     scope ``mlp``: gate/up/down projections; ``attn_mlp``: also q/k/v/o. Embeddings, lm_head, norms
     and everything outside the decoder blocks stay untouched. Returns the converted module names.
@@ -211,10 +211,10 @@ def convert_model(model: nn.Module, scope: str = "mlp", high_precision_blocks: A
         if i in hp:
             continue
         full = f"{prefix}.{i}.{name}" if prefix else f"{i}.{name}"
-        if not isinstance(mod, HiF8Linear):
+        if not isinstance(mod, QuantLinear):
             parent_name, _, leaf = name.rpartition(".")
             parent = blocks[i].get_submodule(parent_name) if parent_name else blocks[i]
-            setattr(parent, leaf, HiF8Linear.from_linear(mod, config, full, enabled=enabled))
+            setattr(parent, leaf, QuantLinear.from_linear(mod, config, full, enabled=enabled))
         converted.append(full)
     if not converted:
         warnings.warn(f"convert_model: every block is high precision ({hp}); nothing converted", stacklevel=2)
@@ -226,8 +226,8 @@ def convert_model(model: nn.Module, scope: str = "mlp", high_precision_blocks: A
 
 
 def _build_bank(model: nn.Module, config: ScalingConfig) -> ScalerBank:
-    """One bank for every HiF8Linear of the model (rows in module order: A, W, G of each layer)."""
-    layers = list(hif8_linears(model))
+    """One bank for every QuantLinear of the model (rows in module order: A, W, G of each layer)."""
+    layers = list(quant_linears(model))
     device = layers[0][1].weight.device
     bank = ScalerBank(config, [r for _ in layers for r in ROLES], device=device)
     bank.set_row_names([f"{name}.{r}" for name, _ in layers for r in ROLES])
@@ -238,21 +238,26 @@ def _build_bank(model: nn.Module, config: ScalingConfig) -> ScalerBank:
     return bank
 
 
-def hif8_linears(model: nn.Module) -> Iterator[tuple[str, HiF8Linear]]:
+def quant_linears(model: nn.Module) -> Iterator[tuple[str, QuantLinear]]:
     for name, mod in model.named_modules():
-        if isinstance(mod, HiF8Linear):
+        if isinstance(mod, QuantLinear):
             yield name, mod
 
 
+
+# The names before FP8 formats arrived; kept so that code written against them still imports.
+HiF8Linear = QuantLinear
+hif8_linears = quant_linears
+
 def _banks(model: nn.Module) -> list[ScalerBank]:
     out: dict[int, ScalerBank] = {}
-    for _, mod in hif8_linears(model):
+    for _, mod in quant_linears(model):
         out.setdefault(id(mod.bank), mod.bank)
     return list(out.values())
 
 
 def _scalers(model: nn.Module) -> Iterator[tuple[str, str, BankedScaler]]:
-    for name, mod in hif8_linears(model):
+    for name, mod in quant_linears(model):
         for role, sc in mod.scalers():
             yield name, role, sc
 
@@ -260,7 +265,7 @@ def _scalers(model: nn.Module) -> Iterator[tuple[str, str, BankedScaler]]:
 def set_quantization(model: nn.Module, enabled: bool) -> None:
     """Switch HiF8 on/off; a layer switched from off to on resets its scalers (cold start)."""
     resets: dict[int, tuple[ScalerBank, list[int]]] = {}
-    for _, mod in hif8_linears(model):
+    for _, mod in quant_linears(model):
         if enabled and not mod.quant_enabled:
             resets.setdefault(id(mod.bank), (mod.bank, []))[1].extend(mod._rows)
         mod.quant_enabled = bool(enabled)
@@ -272,7 +277,7 @@ def set_weight_recompute(model: nn.Module, recompute: bool = True) -> None:
     """Recompute Q_W(W) in the backward instead of keeping it from the forward (FSDP: the full weight is
     re-gathered for the backward, and a kept quantized copy would hold a whole unsharded weight per layer
     from forward to backward). Bit-identical either way; off by default, on from ``distributed.apply_fsdp``."""
-    for _, mod in hif8_linears(model):
+    for _, mod in quant_linears(model):
         mod.recompute_weight = bool(recompute)
 
 
@@ -307,7 +312,7 @@ def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     sd: dict[str, torch.Tensor] = {}
     hosts: dict[int, dict[str, torch.Tensor]] = {}
-    for name, mod in hif8_linears(model):
+    for name, mod in quant_linears(model):
         bank = mod.bank
         if id(bank) not in hosts:
             bank.update()
@@ -320,7 +325,7 @@ def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_quant_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    layers = dict(hif8_linears(model))
+    layers = dict(quant_linears(model))
     grouped: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     enabled: dict[str, torch.Tensor] = {}
     unexpected = []
@@ -406,7 +411,7 @@ def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | Non
     for bank in _banks(model):  # count the last micro-batch too, as step_telemetry does
         bank.update()
     records = {id(bank): bank.telemetry_records() for bank in _banks(model)}
-    for name, mod in hif8_linears(model):
+    for name, mod in quant_linears(model):
         for role, row in zip(ROLES, mod._rows):
             rec = {"step": mod.bank.step if step is None else int(step), "layer": name, "role": role}
             rec.update(records[id(mod.bank)][row])
@@ -467,7 +472,7 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
     directory = Path(directory)
     doc = read_quant_export(directory)
     config = ScalingConfig.from_dict(doc["config"])
-    if not any(True for _ in hif8_linears(model)):
+    if not any(True for _ in quant_linears(model)):
         converted = convert_model(model, doc["scope"], doc["high_precision_blocks"], config)
         if sorted(converted) != sorted(doc["converted"]):
             raise ValueError(f"load_quant_export: converted layers differ from the export "
@@ -477,8 +482,8 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
 
 
 __all__ = [
-    "SCOPES", "HiF8Linear", "convert_model", "dump_telemetry", "element_formats", "find_transformer_blocks",
-    "freeze_scales", "hif8_linears", "load_quant_export", "load_quant_state_dict", "parse_high_precision_blocks",
+    "SCOPES", "QuantLinear", "HiF8Linear", "convert_model", "dump_telemetry", "element_formats", "find_transformer_blocks",
+    "freeze_scales", "hif8_linears", "quant_linears", "load_quant_export", "load_quant_state_dict", "parse_high_precision_blocks",
     "quant_state_dict", "read_quant_export", "save_quant_export", "set_quantization", "set_step", "set_weight_recompute",
     "step_telemetry",
     "update_scales",

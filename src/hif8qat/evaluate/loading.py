@@ -43,11 +43,11 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", tru
 
 def quant_eval_meta(model, export_dir: str | Path) -> dict:
     """What a quantized evaluation of ``export_dir`` runs: the format per role and how scales are chosen."""
-    from ..qlinear import hif8_linears, read_quant_export
+    from ..qlinear import quant_linears, read_quant_export
 
     doc = read_quant_export(export_dir)
     cfg = doc["config"]
-    jit = any(layer.bank.just_in_time for _, layer in hif8_linears(model))
+    jit = any(layer.bank.just_in_time for _, layer in quant_linears(model))
     return {"format": cfg["format"], "element_formats": doc["element_formats"], "margin": cfg["margin"],
             "algo": cfg["algo"],
             "scales": "just-in-time (each tensor's own amax)" if jit else "frozen (final training scales)"}

@@ -266,3 +266,14 @@ def test_hif8_mode_logits_equal_a_frozen_scale_forward_rounded_by_en_dtypes(tmp_
         want, got, base = plain(ids).logits, quant(ids).logits, unquant(ids).logits
     assert (got - base).abs().max() > 1e-3  # quantization changes the logits: the comparison is not vacuous
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_report_cli_takes_a_heldout_margin_and_names_it_among_the_metrics(tmp_path, capsys):
+    from hif8qat.report.cli import main
+
+    with pytest.raises(SystemExit) as bad:
+        main(["--runs-root", str(tmp_path), "--margin", "heldout=1"])
+    assert bad.value.code == 2 and "heldout_nll" in capsys.readouterr().err
+    # accepted (nothing to report in an empty folder), and kept out of the README's claims margins
+    assert main(["--runs-root", str(tmp_path), "--tables", str(tmp_path / "t"), "--figures", str(tmp_path / "f"),
+                 "--margin", "heldout_nll=0.5"]) in (0, None)

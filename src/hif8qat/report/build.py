@@ -9,7 +9,13 @@ from typing import Any
 
 import pandas as pd
 
-from ..heldout_stats import HELDOUT_TABLE_NOTE, heldout_claims_table, heldout_entries
+from ..heldout_stats import (
+    HELDOUT_MARGIN_PCT,
+    HELDOUT_METRIC,
+    HELDOUT_TABLE_NOTE,
+    heldout_claims_table,
+    heldout_entries,
+)
 from .anchor import anchor_beside
 from .claims import all_contrasts, claims_table, mde_table
 from .figures import make_figures
@@ -39,7 +45,9 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                  margins: Mapping[str, float] | None = None) -> dict:
     """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
     "message": str, "claims_section": markdown}``; with no runs, writes nothing and says so in ``message``.
-    ``margins``: equivalence margins per metric (default DEFAULT_MARGINS)."""
+    ``margins``: equivalence margins per metric (default DEFAULT_MARGINS, and HELDOUT_MARGIN_PCT for heldout_nll)."""
+    margins = dict(margins or {})
+    heldout_margin = margins.pop(HELDOUT_METRIC, HELDOUT_MARGIN_PCT)
     runs_root, out_tables, out_figures = Path(runs_root), Path(out_tables), Path(out_figures)
     skipped: list[dict] = []  # runs (or parts of them) the tables could not use, and why
     runs = discover_runs(runs_root, profile, skipped)
@@ -68,7 +76,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     claims_df = claims_table(contrasts_df, margins)
     section = claims_section(claims_df, runs_df, profile, margins)
     sweeps_df = sweep_table(runs, claims_df, runs_df)
-    heldout_df = heldout_claims_table(heldout_entries(runs, baseline_of))
+    heldout_df = heldout_claims_table(heldout_entries(runs, baseline_of), heldout_margin)
 
     tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": pd.DataFrame(ape),
               f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,

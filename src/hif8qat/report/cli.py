@@ -7,12 +7,15 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..heldout_stats import HELDOUT_METRIC
 from .build import build_report
 from .claims import DEFAULT_MARGINS
 from .paper import build_paper_tables, format_paper_tables
 from .paths import FIGURES_DIR, PAPER_DIR, REPO, TABLES_DIR
 from .readme import CLAIMS_BEGIN, CLAIMS_END, between_markers, build_claims, replace_between_markers
 from .table_files import to_markdown
+
+MARGIN_METRICS = [*DEFAULT_MARGINS, HELDOUT_METRIC]
 
 
 def format_report(rep: dict) -> str:
@@ -35,7 +38,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--figures", type=Path, default=FIGURES_DIR)
     ap.add_argument("--paper-dir", type=Path, default=PAPER_DIR)
     ap.add_argument("--margin", action="append", default=[], metavar="METRIC=M",
-                    help=f"equivalence margin of a claim metric ({', '.join(DEFAULT_MARGINS)}); repeatable")
+                    help=f"equivalence margin of a claim metric ({', '.join(MARGIN_METRICS)}); repeatable")
     ap.add_argument("--readme", type=Path, help="write the claims section between the file's "
                     f"{CLAIMS_BEGIN} / {CLAIMS_END} markers and stop")
     args = ap.parse_args(list(argv) if argv is not None else None)
@@ -43,16 +46,17 @@ def main(argv: Iterable[str] | None = None) -> int:
     for item in args.margin:
         key, _, value = item.partition("=")
         try:
-            if key not in DEFAULT_MARGINS:
+            if key not in MARGIN_METRICS:
                 raise ValueError
             margins[key] = float(value)
         except ValueError:
-            ap.error(f"--margin {item!r}: expected METRIC=number with METRIC one of {', '.join(DEFAULT_MARGINS)}")
+            ap.error(f"--margin {item!r}: expected METRIC=number with METRIC one of {', '.join(MARGIN_METRICS)}")
     if args.readme:
         text = args.readme.read_text()
         if between_markers(text) is None:
             ap.error(f"{args.readme} has no {CLAIMS_BEGIN} ... {CLAIMS_END} block")
-        args.readme.write_text(replace_between_markers(text, build_claims(args.runs_root, args.profile, margins)))
+        claims_margins = {k: v for k, v in margins.items() if k in DEFAULT_MARGINS}  # the README has no held-out rows
+        args.readme.write_text(replace_between_markers(text, build_claims(args.runs_root, args.profile, claims_margins)))
         print(f"claims section written to {args.readme} from {args.runs_root / args.profile}")
         return 0
     if args.paper:

@@ -143,7 +143,7 @@ def main(argv, config_for: Callable[[str, str, int], Any]) -> int:
     costs = measure(next((c for c in configs if c.quant.enabled), configs[0]))
     tokens = eval_tokens(Path(args.results_root), args.profile)
     total = sum(run_seconds(c, costs, tokens) for c in configs)
-    print(f"estimate: {args.label} has {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
+    print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
           f"this machine ({costs.numerics} numerics, measured just now: a training step {costs.train_step_s:.1f} s "
           f"plain / {costs.qat_step_s:.1f} s quantized, {costs.eval_token_s * 1e3:.2f} / "
           f"{costs.quant_eval_token_s * 1e3:.2f} ms per evaluated token, {costs.load_s:.0f} s to load the model)")

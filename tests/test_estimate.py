@@ -24,5 +24,8 @@ def test_a_quantized_run_counts_its_warmup_its_quantized_steps_and_every_evaluat
     assert cfg.quant.enabled and 0 < warmup < 40
     expected = (warmup * 2.0 + (40 - warmup) * 3.0  # plain warmup steps, then quantized ones
                 + 10_000 * 1e-3 + 10_000 * 2e-3 + 2 * EVAL_SETUP_S  # the bf16 and the quantized evaluation
-                + 3 * 5.0)  # loads: training and two evaluation modes
+                + 3 * 5.0  # loads: training and two evaluation modes
+                # held-out distances on 32 windows x 128 = 4,096 tokens: a load and a forward each for the
+                # baseline's export (bf16), the run's bf16 and its quantized mode
+                + 3 * 5.0 + 4096 * 1e-3 + 4096 * 1e-3 + 4096 * 2e-3)
     assert run_seconds(cfg, COSTS, 10_000) == pytest.approx(expected)

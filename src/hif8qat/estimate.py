@@ -55,13 +55,21 @@ class Costs:
 
 def run_seconds(cfg, costs: Costs, eval_tokens_per_mode: int) -> float:
     """Seconds one run takes: its plain and quantized steps, each evaluation mode's forwards and setup, and
-    one model load per process that needs the model (training, then each evaluation mode)."""
+    one model load per process that needs the model (training, then each evaluation mode); for a quantized run
+    also the held-out distances computed after its evaluation."""
+    from .heldout import heldout_window_count
+
     modes = list(cfg.eval.modes)
     qat_steps = max(cfg.train.steps - cfg.quant.bf16_warmup_steps, 0) if cfg.quant.enabled else 0
     train = (cfg.train.steps - qat_steps) * costs.train_step_s + qat_steps * costs.qat_step_s
     evaluate = sum(eval_tokens_per_mode * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
                    + EVAL_SETUP_S for mode in modes)
-    return train + evaluate + costs.load_s * (1 + len(modes))
+    heldout = 0.0
+    if cfg.quant.enabled:  # held-out distances: the baseline's export and each mode of the run, forwarded once
+        tokens = heldout_window_count(cfg.train.seq_len) * cfg.train.seq_len
+        heldout = sum(costs.load_s + tokens * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
+                      for mode in ["bf16", *modes])
+    return train + evaluate + heldout + costs.load_s * (1 + len(modes))
 
 
 def measure(cfg, repeats: int = 2) -> Costs:
@@ -72,6 +80,7 @@ def measure(cfg, repeats: int = 2) -> Costs:
     from .models import load_causal_lm
     from .qlinear import convert_model, freeze_scales, set_quantization
     from .scaling import ScalingConfig
+    from .train import lm_loss
 
     t0 = time.perf_counter()
     model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
@@ -84,7 +93,7 @@ def measure(cfg, repeats: int = 2) -> Costs:
         def once() -> float:
             t = time.perf_counter()
             with numerics.forward_context(mode, "cpu"):
-                loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+                loss = lm_loss(model, ids)
             with numerics.backward_context(mode, "cpu"):
                 loss.backward()
             opt.step()

@@ -310,30 +310,10 @@ def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:
     """Rank 0 alone locks the run folder and decides what to do with it; the other ranks follow its decision.
 
     Rank 0 holds the folder's lock for the whole job, on behalf of every rank (torchrun stops them all when
-    it exits). Its decision, or its error, is broadcast, so no rank waits at a collective for a rank 0 that
-    refused to start.
-    """
+    it exits)."""
     from hif8qat.runs import prepare_run_dir
 
-    if ctx.world_size == 1:
-        return prepare_run_dir(cfg)
-    import torch.distributed as dist
-
-    decision: list = [None]
-    error = None
-    if ctx.is_main:
-        try:
-            run_dir, status = prepare_run_dir(cfg)
-            decision = [(str(run_dir), status, None)]
-        except RunError as err:
-            error, decision = err, [(None, None, str(err))]
-    dist.broadcast_object_list(decision, src=0)
-    run_dir, status, message = decision[0]
-    if error is not None:
-        raise error
-    if message is not None:
-        raise SystemExit(2)  # rank 0 reports the error once
-    return Path(run_dir), status
+    return on_rank0(ctx, lambda: prepare_run_dir(cfg))
 
 
 def dispatch(cfg: RunConfig) -> None:

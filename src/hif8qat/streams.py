@@ -104,24 +104,18 @@ class PackedTokenStream:
         self.base = int(state.get("base", 0))
         self._order_epoch = -1
 
-    def consumed(self) -> int:
-        """Windows of the current epoch's permutation read by all ranks together: a prefix of it (rank r
-        reads positions base + r, base + r + world_size, ... and all ranks advance in lockstep)."""
-        return self.base + self.position * self.micro_batch_size * self.world_size
-
     def resize(self, states: list[dict]) -> str:
         """Continue the saved ranks' epoch on this world size: the saved ranks read a prefix of the epoch's
-        permutation (``consumed``), so this world's ranks share out the rest of it, then epochs run as usual.
+        permutation, so this world's ranks share out the rest of it, then epochs run as usual.
         ``states``: every saved rank's ``state_dict()``. Returns a note for the log."""
         saved = states[0]
         _check_state(self, saved, ("kind", "seed", "seq_len", "micro_batch_size", "num_windows"))
-        old = PackedTokenStream.__new__(PackedTokenStream)
-        old.__dict__.update(self.__dict__)
-        old.world_size = int(saved["world_size"])
-        old.load_state_dict(saved)
-        self.epoch, self.position, self.base, self._order_epoch = old.epoch, 0, old.consumed(), -1
+        saved_world = int(saved["world_size"])
+        # windows the saved ranks read together (a prefix of the epoch's order; "position" counts windows per rank)
+        self.epoch, self.position, self._order_epoch = int(saved["epoch"]), 0, -1
+        self.base = int(saved.get("base", 0)) + int(saved["position"]) * saved_world
         return (f"data epoch {self.epoch}: {self.base} of {self.num_windows} windows already read by "
-                f"{old.world_size} rank(s); {self.world_size} rank(s) share out the rest of the epoch's order")
+                f"{saved_world} rank(s); {self.world_size} rank(s) share out the rest of the epoch's order")
 
 
 def _check_state(stream, state: dict, keys: Iterable[str]) -> None:
@@ -182,7 +176,7 @@ class StreamingTokenStream:
     def _fill(self, need: int) -> bool:
         """Read documents until the buffer holds ``need`` tokens; False when the epoch's data is exhausted."""
         while len(self._buf) < need and not self._exhausted:
-            texts = []
+            texts, prints = [], []
             for _ in range(_STREAM_DOC_GROUP):
                 try:
                     rec = next(self._it)
@@ -190,15 +184,18 @@ class StreamingTokenStream:
                     self._exhausted = True
                     break
                 self.docs_read += 1
-                text = rec.get("text") if isinstance(rec, dict) else rec
-                if text and not _stream_is_heldout(text) and not (self._skip and _fingerprint(text) in self._skip):
-                    texts.append(text)
+                text = _text(rec)
+                if text and not _stream_is_heldout(text):
+                    fp = _fingerprint(text)
+                    if not (self._skip and fp in self._skip):
+                        texts.append(text)
+                        prints.append(fp)
             if hasattr(self._ds, "state_dict"):
                 self._ds_state = self._ds.state_dict()
             parts = tokenize_documents(texts, self.tokenizer)
             offset = len(self._buf)
-            for text, part in zip(texts, parts):
-                self._unstarted.append((offset, _fingerprint(text)))
+            for fp, part in zip(prints, parts):
+                self._unstarted.append((offset, fp))
                 offset += len(part)
             if parts:
                 self._buf = np.concatenate([self._buf, *parts])
@@ -304,10 +301,14 @@ class StreamingTokenStream:
         for r, n in enumerate(skip_from["docs_read"]):
             part = self._make_part(r, int(skip_from["world_size"]), int(skip_from["epoch"]))
             for rec in itertools.islice(part, n):  # n None: the whole part
-                text = rec.get("text") if isinstance(rec, dict) else rec
+                text = _text(rec)
                 if text:
                     seen.add(_fingerprint(text))
         return seen - {bytes.fromhex(f) for f in skip_from.get("unstarted", [])}
+
+
+def _text(rec) -> str | None:
+    return rec.get("text") if isinstance(rec, dict) else rec
 
 
 def _fingerprint(text: str) -> bytes:

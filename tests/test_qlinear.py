@@ -418,3 +418,17 @@ def test_the_names_from_before_fp8_formats_still_import():
     from hif8qat.qlinear import HiF8Linear, QuantLinear, hif8_linears, quant_linears
 
     assert HiF8Linear is QuantLinear and hif8_linears is quant_linears
+
+
+def test_a_kept_quantized_weight_is_dropped_by_its_layers_backward():
+    """Q(W) kept for a checkpoint recompute must not outlive its layer's backward: held to the end of the
+    micro-batch, every layer's Q(W) would be alive at once late in the backward."""
+    torch.manual_seed(6)
+    first, second = (QuantLinear(32, 32, config=ScalingConfig(), name=n) for n in ("a", "b"))
+    x = torch.randn(4, 32, requires_grad=True)
+    hidden = first(x)
+    seen = {}
+    # the gradient of `hidden` is ready once `second`'s backward has run, and before `first`'s
+    hidden.register_hook(lambda g: seen.update(second=len(second._bank._kept), first=len(first._bank._kept)))
+    second(hidden).sum().backward()
+    assert seen == {"second": 0, "first": 1}

@@ -123,6 +123,14 @@ def _(x, bank_id, row, mode, out_dtype=None, keep=False):
     return torch.empty_like(x, dtype=out_dtype or x.dtype)
 
 
+def release_kept(bank_id: int, row: int) -> None:
+    """Drop a weight result kept for a checkpoint recompute: its layer's backward has run, so no recompute
+    can ask for it again this micro-batch (kept longer, every layer's Q(W) would outlive its backward)."""
+    bank = _BANKS.get(bank_id)
+    if bank is not None:
+        bank._kept.pop(row, None)
+
+
 # --------------------------------------------------------------------------------------------------
 # the bank
 # --------------------------------------------------------------------------------------------------
@@ -529,12 +537,3 @@ class ScalerBank(nn.Module):
         c = self.config
         return (f"quantizers={self.n}, format={c.format}, algo={c.algo}, history_len={c.history_len}, "
                 f"interval={c.interval}, unit={c.history_unit}, amax_reduce={c.amax_reduce}")
-
-
-def __getattr__(name: str):
-    # BankedScaler lives in bank_row, which imports this module; loaded on first use to avoid the cycle
-    if name == "BankedScaler":
-        from hif8qat.bank_row import BankedScaler
-
-        return BankedScaler
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

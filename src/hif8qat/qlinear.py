@@ -54,7 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hif8qat.bank import RECORD, RECORD_NO_GRAD, REPLAY, BankedScaler, ScalerBank, bank_qdq
+from hif8qat.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
+from hif8qat.bank_row import BankedScaler
 from hif8qat.blocks import parse_high_precision_blocks
 from hif8qat.models import ATTN_CONTAINERS as _ATTN_CONTAINERS
 from hif8qat.models import MLP_CONTAINERS as _MLP_CONTAINERS
@@ -105,6 +106,8 @@ class _QuantLinearFn(torch.autograd.Function):
         qg = bank_qdq(grad_out, bank_id, rows[2], RECORD, mm_dtype)
         # sharded (FSDP): the forward's Q(W) recomputed from the re-gathered W with the forward's scale
         qw = w if keep_w else bank_qdq(w, bank_id, rows[1], REPLAY, cdt)
+        if keep_w and not torch.compiler.is_compiling():
+            release_kept(bank_id, rows[1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = qg.matmul(qw).to(x_dtype)

@@ -223,33 +223,23 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
     Under torchrun (ctx of several ranks) every rank evaluates its share of the requests and rank 0, which
     alone checks and locks the folder and chooses the modes, writes the results (hif8qat.eval_ranks)."""
     from hif8qat.evaluate import evaluate_run
+    from hif8qat.heldout import after_eval
 
     main = ctx is None or ctx.is_main
     modes = on_rank0(ctx, lambda: _modes_to_evaluate(cfg, run_dir))
-    if not modes:
-        if main:  # a run evaluated before the held-out distances existed still gets them
-            print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
-            heldout(cfg, run_dir)
-        return
     device, dtype = eval_numerics(cfg)
-    if ctx is not None and ctx.world_size > 1 and device == "cuda":
-        device = str(ctx.device)  # each rank its own GPU
-    evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
-                 device=device, dtype=dtype,
-                 limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
-                 local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
-                 subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
-                 results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
-    if main:  # one process computes the held-out distances (they load up to three models)
-        heldout(cfg, run_dir)
-
-
-def heldout(cfg: RunConfig, run_dir: Path) -> None:
-    """A quantized run's per-token held-out distances to its baseline and between its modes (hif8qat.heldout)."""
-    from hif8qat.heldout import after_eval
-
-    device, dtype = eval_numerics(cfg)
-    after_eval(cfg, run_dir, device=device, dtype=dtype)
+    if modes:
+        on_gpu_ranks = ctx is not None and ctx.world_size > 1 and device == "cuda"
+        evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
+                     device=str(ctx.device) if on_gpu_ranks else device,  # each rank its own GPU
+                     dtype=dtype, limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
+                     local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
+                     subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
+                     results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
+    elif main:
+        print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
+    if main:  # one process computes a quantized run's held-out distances (up to three models); once per run
+        after_eval(cfg, run_dir, device=device, dtype=dtype)
 
 
 def _modes_to_evaluate(cfg: RunConfig, run_dir: Path) -> list[str]:

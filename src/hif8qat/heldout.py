@@ -43,6 +43,7 @@ import torch
 
 from .errors import RunError
 from .files import sha256_file, write_bytes, write_json
+from .heldout_stats import run_label
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +264,7 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     doc: dict[str, Any] = {
         "what": "per-token held-out NLL, KL and top-1 agreement of a run against its baseline and its own modes",
         "run_dir": _rel(run_dir, root),
-        "baseline_run": (f"{p['baseline_run'].parent.name}/{p['baseline_run'].name}"
-                         if p["baseline_run"] is not None else None),
+        "baseline_run": run_label(p["baseline_run"]) if p["baseline_run"] is not None else None,
         "baseline_dir": _rel(p["baseline_run"], root) if p["baseline_run"] is not None else None,
         "baseline_skipped": p["baseline_skipped"], "paths_relative_to": "results_root",
         "models": {name: {"export": _rel(export, root), "mode": mode} for name, (export, mode) in p["models"].items()},

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from scipy import stats as st
 
-from .stats import block_variance_of_mean, equivalence_verdict, mde_from_se, pool_seeds
+from .stats import _quantile, block_variance_of_mean, equivalence_verdict, mde_from_se, pool_seeds
 
 # Equivalence margin of the held-out NLL difference, % of the baseline's held-out NLL: the training-loss margin
 # of the report (DEFAULT_MARGINS["train_loss"]), since both are the same quantity on seen and unseen text.
@@ -31,8 +31,9 @@ HELDOUT_METRIC = "heldout_nll"  # its claim metric; `python -m hif8qat.report --
 KL_PERCENTILES = (50.0, 99.0, 99.9)
 
 
-def _t(q: float, df: float) -> float:
-    return float(st.norm.ppf(q)) if not np.isfinite(df) else float(st.t.ppf(q, df))
+def run_label(run_dir) -> str:
+    """How a held-out summary names the baseline it was paired with: ``<experiment>/<seed folder>``."""
+    return f"{run_dir.parent.name}/{run_dir.name}"
 
 
 def block_mean(x: Sequence[float], tokens_per_window: int, *, alpha: float = 0.05, power: float = 0.8
@@ -55,7 +56,7 @@ def block_mean(x: Sequence[float], tokens_per_window: int, *, alpha: float = 0.0
     if not np.isfinite(se):
         return {**out, "ci_lo": float("nan"), "ci_hi": float("nan"), "ci90_lo": float("nan"),
                 "ci90_hi": float("nan"), "p": float("nan"), "mde": float("nan")}
-    q, q90 = _t(1 - alpha / 2, df), _t(0.95, df)
+    q, q90 = _quantile(1 - alpha / 2, df), _quantile(0.95, df)
     p = float(2 * st.t.sf(abs(mean) / se, df)) if se > 0 else (1.0 if mean == 0 else 0.0)
     return {**out, "ci_lo": mean - q * se, "ci_hi": mean + q * se, "ci90_lo": mean - q90 * se,
             "ci90_hi": mean + q90 * se, "p": p, "mde": mde_from_se(se, df, alpha=alpha, power=power)}
@@ -163,7 +164,7 @@ def heldout_entries(runs: Iterable[Any], baseline_of: Mapping[str, Any]) -> list
         if doc is None:
             continue
         base = baseline_of.get(str(run.path))
-        base_label = f"{base.path.parent.name}/{base.path.name}" if base is not None else None
+        base_label = run_label(base.path) if base is not None else None
         for name, cmp in doc.get("comparisons", {}).items():
             against_baseline = cmp["reference"] == "baseline"
             if against_baseline and (base_label is None or doc.get("baseline_run") != base_label):

@@ -94,12 +94,7 @@ def evaluate_model(
         # later include paths override earlier ones: lm-eval's folders, then the local-dataset overrides
         include = (lm_dirs or []) + [MINITASK_DIR] + extra
         tm = TaskManager(include_path=[str(p) for p in include], include_defaults=lm_dirs is None)
-        task_cfgs: list[str | dict] = []
-        shots = {}
-        for s in specs:
-            k = int((num_fewshot or {}).get(s.name, s.num_fewshot))
-            shots[s.name] = k
-            task_cfgs.append(s.name)
+        shots = {s.name: int((num_fewshot or {}).get(s.name, s.num_fewshot)) for s in specs}
         compute = eval_compute(dtype)
         device_type = torch.device(device).type
         ranks = Ranks.current()  # under torchrun: every rank scores its share (hif8qat.eval_ranks)
@@ -107,12 +102,11 @@ def evaluate_model(
                              numerics=functools.partial(numerics.forward_context, compute, device_type),
                              ranks=ranks)
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
-        per_task_shots = {s.name: shots[s.name] for s in specs}
         raw = None
         with ctx, torch.inference_mode():
             # one simple_evaluate per distinct shot count (num_fewshot is global in lm-eval)
-            for k in sorted(set(per_task_shots.values())):
-                names = [n for n, kk in per_task_shots.items() if kk == k]
+            for k in sorted(set(shots.values())):
+                names = [n for n, kk in shots.items() if kk == k]
                 task_arg, chosen = _select_subsets(tm, names, sizes, subset_seed, limit)
                 subset_meta.update(chosen.pop("_meta", {}))
                 r = simple_evaluate(

@@ -42,6 +42,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from .distributed import all_gather_objects
 from .errors import RunError
 from .files import sha256_file
 
@@ -418,10 +419,10 @@ def _write(tmp: Path, step: int, *, model, optimizer, scheduler, rank_state: dic
 
         mine = [rank_file, *sharded_ckpt.save(tmp, model, optimizer)]
         if rank == 0:
-            torch.save({"scheduler": scheduler.state_dict(), "step": step, "world_size": world_size,
-                        "layout": "dcp"}, tmp / "trainer.pt")
+            torch.save({"scheduler": scheduler.state_dict(), "step": step, "world_size": world_size},
+                       tmp / "trainer.pt")  # the layout is the manifest's
             mine.append("trainer.pt")
-        entries = _gather_to_rank0(_file_entries(tmp, mine), world_size)
+        entries = all_gather_objects(_file_entries(tmp, mine), world_size)  # a few names and hashes
         if rank == 0:
             _write_manifest(tmp, step, {k: v for part in entries for k, v in part.items()}, layout="dcp")
         return
@@ -436,16 +437,6 @@ def _write(tmp: Path, step: int, *, model, optimizer, scheduler, rank_state: dic
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                     "world_size": world_size}, tmp / "trainer.pt")
     _write_manifest(tmp, step)
-
-
-def _gather_to_rank0(obj, world_size: int) -> list:
-    import torch.distributed as dist
-
-    if world_size == 1:
-        return [obj]
-    out = [None] * world_size if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out or []
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler, rank: int = 0,

@@ -127,6 +127,15 @@ def _env_from_submitit_local(env: dict[str, str]) -> dict[str, str]:
     return set_now
 
 
+def all_gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order (one process: ``[obj]``)."""
+    if world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def cuda_device_for(local_rank: int) -> torch.device:
     """The GPU of this local rank; with one visible GPU per task (SLURM GPU binding) that GPU is cuda:0."""
     count = torch.cuda.device_count()

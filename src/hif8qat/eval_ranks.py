@@ -37,11 +37,9 @@ class Ranks:
         return cls(dist.get_rank(), dist.get_world_size())
 
     def all_gather(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
+        from .distributed import all_gather_objects
 
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        return all_gather_objects(obj, self.world_size)
 
 
 def deal(keys: Sequence[Hashable], costs: Sequence[int], world_size: int) -> list[list[int]]:

@@ -68,11 +68,9 @@ class DistContext:
             dist.barrier()
 
     def all_gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        from .distributed import all_gather_objects
+
+        return all_gather_objects(obj, self.world_size)
 
 
 def setup_distributed(device_pref: str = "auto") -> DistContext:

@@ -7,6 +7,7 @@ import shutil
 import types
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -124,20 +125,33 @@ def test_tokens_file_round_trips(tmp_path):
     assert p.read_bytes() == first  # same values, same bytes
 
 
+def _heldout_row(seed, summary):
+    """A paired-contrast row as the report's held-out reader writes it (test input for claims_table)."""
+    pct = summary["nll_diff_pct"]
+    return {"experiment": "exp8", "run_tag": "", "against": "baseline", "counterpart": "exp7", "seed": seed,
+            "dirty": False, "mode": "hif8", "task": "heldout", "metric": "heldout_nll", "n": summary["n_tokens"],
+            "recorded": True, "diff": pct["mean"], "var": pct["var"], "within_df": pct["n_windows"] - 1,
+            "base": summary["nll_ref"], "lost": 0, "gained": 0}
+
+
 def test_pooled_over_seeds_uses_the_between_seed_t_interval():
+    from hif8qat.report.claims import claims_table
+
     rng = np.random.default_rng(4)
-    per_seed = []
-    for shift in (0.01, 0.03, 0.02):
+    rows, pct = [], []
+    for seed, shift in enumerate((0.01, 0.03, 0.02)):
         ref = rng.gamma(3, 1, 32 * 16)
         other = ref + shift + rng.normal(0, 1e-4, ref.size)
-        per_seed.append(heldout_stats.comparison_summary(ref, other, np.zeros(ref.size), np.ones(ref.size), 16))
-    pct = [s["nll_diff_pct"]["mean"] for s in per_seed]
-    row = heldout_stats.pool_heldout(per_seed, margin_pct=5.0)
+        s = heldout_stats.comparison_summary(ref, other, np.zeros(ref.size), np.ones(ref.size), 16)
+        rows.append(_heldout_row(seed, s))
+        pct.append((other - ref).mean() / ref.mean() * 100)
+    wide = claims_table(pd.DataFrame(rows), {"heldout_nll": 5.0}).iloc[0]
     half = st.t.ppf(0.975, 2) * np.std(pct, ddof=1) / math.sqrt(3)
-    assert row["cost"] == pytest.approx(np.mean(pct))
-    assert (row["ci_lo"], row["ci_hi"]) == pytest.approx((np.mean(pct) - half, np.mean(pct) + half))
-    assert row["variance_from"] == "between seeds" and row["equivalence"].startswith("equivalent")
-    assert heldout_stats.pool_heldout(per_seed, margin_pct=0.05)["equivalence"] == "not equivalent"
+    assert wide["cost"] == pytest.approx(np.mean(pct))
+    assert (wide["ci_lo"], wide["ci_hi"]) == pytest.approx((np.mean(pct) - half, np.mean(pct) + half))
+    assert wide["test"] == "t over seeds" and wide["equivalence"].startswith("equivalent")
+    tight = claims_table(pd.DataFrame(rows), {"heldout_nll": 0.05}).iloc[0]
+    assert tight["equivalence"] == "not equivalent"
 
 
 # ------------------------------------------------------------------------------ run folders, hook
@@ -206,17 +220,27 @@ def test_eval_hook_skips_a_baseline_without_export(runs, capsys):
     assert heldout.after_eval(cfg, base, device="cpu", dtype="fp32") is None
 
 
-def test_report_entries_keep_only_the_baseline_they_were_computed_against(runs):
+def test_report_keeps_only_the_baseline_they_were_computed_against(runs):
+    from hif8qat.report.claims import claims_table, heldout_contrasts, heldout_table
+
     root, base, run = runs
-    heldout.compute_heldout(run)
-    info = types.SimpleNamespace(path=run, experiment="exp8", seed=0, config={"run_tag": ""})
-    other = types.SimpleNamespace(path=root / "smoke" / "exp7" / "seed1", experiment="exp7")
-    paired = heldout_stats.heldout_entries([info], {str(run): types.SimpleNamespace(path=base, experiment="exp7")})
-    assert {e["comparison"] for e in paired} == {"bf16_vs_baseline", "hif8_vs_baseline", "hif8_vs_bf16"}
-    unpaired = heldout_stats.heldout_entries([info], {str(run): other})
-    assert [e["comparison"] for e in unpaired] == ["hif8_vs_bf16"]
-    table = heldout_stats.heldout_claims_table(paired)
+    doc = heldout.compute_heldout(run)
+    info = types.SimpleNamespace(path=run, experiment="exp8", seed=0, config={"run_tag": ""}, info={})
+    other = types.SimpleNamespace(path=root / "smoke" / "exp7" / "seed1", experiment="exp7", config={}, info={})
+    paired = heldout_contrasts(info, types.SimpleNamespace(path=base, experiment="exp7", config={}, info={}))
+    assert {(r["against"], r["mode"]) for r in paired} == {("baseline", "bf16"), ("baseline", "hif8"),
+                                                            ("bf16_mode", "hif8")}
+    unpaired = heldout_contrasts(info, other)
+    assert [(r["against"], r["mode"]) for r in unpaired] == [("bf16_mode", "hif8")]
+    # each row carries the summary's numbers as written (% of the reference NLL, window df)
+    q = doc["comparisons"]["hif8_vs_bf16"]["summary"]
+    row = unpaired[0]
+    assert row["diff"] == pytest.approx(100 * q["nll_diff"]["mean"] / q["nll_ref"])
+    assert row["within_df"] == 4096 // 32 - 1 and row["kl_mean"] == q["kl"]["mean"]
+    contrasts = pd.DataFrame(paired)
+    table = heldout_table(claims_table(contrasts), contrasts)
     assert len(table) == 3 and set(table["against"]) == {"baseline", "bf16_mode"}
+    assert (table["test"] == "t over held-out windows").all() and table["top1_agreement"].between(0, 1).all()
 
 
 # ----------------------------------------------------------------------------- the hif8 mode itself

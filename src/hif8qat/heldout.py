@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import json
 import logging
 import os
 import time
@@ -43,13 +42,11 @@ import torch
 
 from .errors import RunError
 from .files import sha256_file, write_bytes, write_json
-from .heldout_stats import run_label
+from .heldout_stats import SUMMARY_FILE, heldout_dir, read_summary, run_label
 
 log = logging.getLogger(__name__)
 
-HELDOUT_DIR = "heldout"  # under <run>/eval/
 TOKENS_FILE = "tokens.csv.gz"
-SUMMARY_FILE = "summary.json"
 # A few thousand tokens resolve per-token NLL differences of ~0.1 % (block variance) and keep the file small
 # enough to commit; at least 16 windows give the block interval 15 degrees of freedom at long sequences.
 TARGET_TOKENS = 4096
@@ -163,18 +160,6 @@ def summarize_tokens(df, pairs: Sequence[tuple[str, str]], tokens_per_window: in
                      "summary": comparison_summary(df[f"nll_{ref}"], df[f"nll_{other}"], df[f"kl_{name}"],
                                                    df[f"top1_{name}"], tokens_per_window)}
     return out
-
-
-def heldout_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "eval" / HELDOUT_DIR
-
-
-def read_summary(run_dir: Path) -> dict | None:
-    p = heldout_dir(run_dir) / SUMMARY_FILE
-    try:
-        return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 # ------------------------------------------------------------------------------------------- one run

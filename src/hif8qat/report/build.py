@@ -9,15 +9,8 @@ from typing import Any
 
 import pandas as pd
 
-from ..heldout_stats import (
-    HELDOUT_MARGIN_PCT,
-    HELDOUT_METRIC,
-    HELDOUT_TABLE_NOTE,
-    heldout_claims_table,
-    heldout_entries,
-)
 from .anchor import anchor_beside
-from .claims import all_contrasts, claims_table, mde_table
+from .claims import all_contrasts, claims_table, heldout_table, mde_table
 from .figures import make_figures
 from .notes import multiple_comparisons, table_notes
 from .pairing import pair_runs
@@ -45,9 +38,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
                  margins: Mapping[str, float] | None = None) -> dict:
     """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
     "message": str, "claims_section": markdown}``; with no runs, writes nothing and says so in ``message``.
-    ``margins``: equivalence margins per metric (default DEFAULT_MARGINS, and HELDOUT_MARGIN_PCT for heldout_nll)."""
-    margins = dict(margins or {})
-    heldout_margin = margins.pop(HELDOUT_METRIC, HELDOUT_MARGIN_PCT)
+    ``margins``: equivalence margins per metric (default DEFAULT_MARGINS)."""
     runs_root, out_tables, out_figures = Path(runs_root), Path(out_tables), Path(out_figures)
     skipped: list[dict] = []  # runs (or parts of them) the tables could not use, and why
     runs = discover_runs(runs_root, profile, skipped)
@@ -76,7 +67,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     claims_df = claims_table(contrasts_df, margins)
     section = claims_section(claims_df, runs_df, profile, margins)
     sweeps_df = sweep_table(runs, claims_df, runs_df)
-    heldout_df = heldout_claims_table(heldout_entries(runs, baseline_of), heldout_margin)
+    heldout_df = heldout_table(claims_df, contrasts_df)
 
     tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": pd.DataFrame(ape),
               f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,
@@ -89,7 +80,6 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
     multiple, n_tests = multiple_comparisons(claims_df, profile)
     notes = table_notes(profile, n_boot=n_boot, seed=seed, last_frac=last_frac, margins=margins, multiple=multiple)
-    notes[f"heldout_{profile}"] = HELDOUT_TABLE_NOTE
     sources = {"files": used.listing(), "runs_root": str(runs_root), "profile": profile, "runs_not_used": skipped}
     files = write_tables(tables, notes, sources, out_tables)
     section_p = out_tables / f"claims_section_{profile}.md"

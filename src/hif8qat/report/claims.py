@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..heldout_stats import HELDOUT_MARGIN_PCT, HELDOUT_METRIC, read_summary
 from ..stats import (
     block_variance_of_mean,
     equivalence_verdict,
@@ -28,9 +29,11 @@ from .sources import RunInfo, _dirty_of, _eval_results, _qat_start, _read_sample
 
 # Equivalence margins (two one-sided tests), in the unit of each metric's cost; positive cost = the run is worse.
 # accuracy: % of the baseline score (the paper's drops are 0.2-0.6 %); train_loss: % of the baseline's loss
-# (the paper's APE is 0.11 %); gold_ll / gold_margin: nats per item.
-DEFAULT_MARGINS = {"accuracy": 1.0, "train_loss": 0.25, "gold_ll": 0.02, "gold_margin": 0.02}
-METRIC_UNITS = {"accuracy": "% of score", "train_loss": "% of loss", "gold_ll": "nats", "gold_margin": "nats"}
+# (the paper's APE is 0.11 %); gold_ll / gold_margin: nats per item; heldout_nll: % of the baseline's held-out NLL.
+DEFAULT_MARGINS = {"accuracy": 1.0, "train_loss": 0.25, "gold_ll": 0.02, "gold_margin": 0.02,
+                   HELDOUT_METRIC: HELDOUT_MARGIN_PCT}
+METRIC_UNITS = {"accuracy": "% of score", "train_loss": "% of loss", "gold_ll": "nats", "gold_margin": "nats",
+                HELDOUT_METRIC: "% of held-out NLL"}
 ITEM_METRICS = ("gold_ll", "gold_margin")  # per-item columns of samples_<task>.csv, when the run recorded them
 NOT_RECORDED = "not recorded in this run"
 LOSS_BLOCK = 5  # consecutive steps per block for the within-seed variance of the loss difference
@@ -62,15 +65,14 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
     (bf16 against bf16, and the quantized mode against the other's when both are quantized) or "bf16_mode"
     (``other`` is ``run``: its quantized evaluation against its own bf16 one, the cost of quantized inference;
     no training-loss row)."""
-    head = {"experiment": run.experiment, "run_tag": _tag(run), "against": against, "counterpart": other.experiment,
-            "seed": run.seed, "run": _run_label(run), "counterpart_run": _run_label(other),
-            "dirty": bool(_dirty_of(run) or _dirty_of(other))}
+    head = _contrast_head(run, other, against)
     rows = []
     if against != "bf16_mode":
         mq, mb = metrics_cache[str(run.path)], metrics_cache[str(other.path)]
         d, v, n = _signed_loss_difference(mq, mb, _qat_start(run, mq) if run.quant else None)
         rows.append({**head, "mode": "train", "task": "loss", "metric": "train_loss", "n": n, "recorded": n > 0,
-                     "diff": d, "var": v, "base": float("nan"), "lost": 0, "gained": 0})
+                     "diff": d, "var": v, "within_df": n // LOSS_BLOCK - 1, "base": float("nan"), "lost": 0,
+                     "gained": 0})
     modes = [("bf16", "bf16"), ("hif8", "bf16" if against == "baseline" else "hif8")]
     if against == "bf16_mode":
         modes = [("hif8", "bf16")]
@@ -89,7 +91,7 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
             ip = item_pair(m["correct_b"].to_numpy(float), m["correct_q"].to_numpy(float))
             at = {**head, "mode": mode, "task": task}
             rows.append({**at, "metric": "accuracy", "n": ip.n, "recorded": ip.n > 0, "diff": ip.diff * 100.0,
-                         "var": ip.var * 1e4, "base": float(m["correct_b"].mean()) * 100.0, "lost": ip.lost,
+                         "var": ip.var * 1e4, "within_df": math.inf, "base": float(m["correct_b"].mean()) * 100.0, "lost": ip.lost,
                          "gained": ip.gained})
             for col in ITEM_METRICS:
                 cb, cq = f"{col}_b", f"{col}_q"
@@ -97,9 +99,43 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
                 cost = (m[cb].to_numpy(float) - m[cq].to_numpy(float)) if ok else np.array([])
                 rows.append({**at, "metric": col, "n": len(cost), "recorded": ok,
                              "diff": float(cost.mean()) if ok else float("nan"),
-                             "var": mean_variance(cost) if ok else float("nan"),
+                             "var": mean_variance(cost) if ok else float("nan"), "within_df": math.inf,
                              "base": float(m[cb].mean()) if ok else float("nan"),
                              "lost": int((cost > 0).sum()), "gained": int((cost < 0).sum())})
+    return rows
+
+
+def _contrast_head(run: RunInfo, other: RunInfo, against: str) -> dict[str, Any]:
+    return {"experiment": run.experiment, "run_tag": _tag(run), "against": against, "counterpart": other.experiment,
+            "seed": run.seed, "run": _run_label(run), "counterpart_run": _run_label(other),
+            "dirty": bool(_dirty_of(run) or _dirty_of(other))}
+
+
+def heldout_contrasts(run: RunInfo, baseline: RunInfo | None) -> list[dict[str, Any]]:
+    """One seed's held-out-text contrasts (``<run>/eval/heldout/summary.json``, :mod:`hif8qat.heldout`): each
+    evaluation mode against the baseline, and the quantized mode against the bf16 one, as ``heldout_nll`` rows
+    (cost: the paired per-token NLL difference in % of the reference's held-out NLL, variance from window
+    means), with the seed's mean / p99 KL and top-1 agreement beside. A comparison against a baseline counts only
+    when it was computed against the run the report pairs it with (the summary names it), so pairings never mix."""
+    doc = read_summary(run.path)
+    if doc is None:
+        return []
+    rows = []
+    for cmp in (doc.get("comparisons") or {}).values():
+        if cmp["reference"] == "baseline":
+            if baseline is None or doc.get("baseline_run") != _run_label(baseline):
+                continue
+            head, mode = _contrast_head(run, baseline, "baseline"), cmp["other"]
+        else:
+            head, mode = _contrast_head(run, run, "bf16_mode"), cmp["other"]
+        s = cmp["summary"]
+        pct = s["nll_diff_pct"]
+        ok = bool(np.isfinite(pct["mean"]) and np.isfinite(pct["var"]))
+        rows.append({**head, "mode": mode, "task": "heldout", "metric": HELDOUT_METRIC, "n": int(s["n_tokens"]),
+                     "recorded": ok, "diff": pct["mean"], "var": pct["var"],
+                     "within_df": max(int(pct["n_windows"]) - 1, 0), "base": s["nll_ref"], "lost": 0, "gained": 0,
+                     "nll_diff_nats": s["nll_diff"]["mean"], "kl_mean": s["kl"]["mean"], "kl_p99": s["kl"]["p99"],
+                     "top1_agreement": s["top1"]["mean"]})
     return rows
 
 
@@ -131,8 +167,8 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
         if not g["recorded"].all():
             rows.append({**row, "equivalence": NOT_RECORDED, "difference": NOT_RECORDED})
             continue
-        # a loss variance comes from a few blocks of steps per seed: t with their degrees of freedom
-        within_df = float((g["n"] // LOSS_BLOCK - 1).sum()) if metric == "train_loss" else math.inf
+        # a loss (held-out NLL) variance comes from a few blocks of steps (windows) per seed: t with their df
+        within_df = float(g["within_df"].sum())
         pooled = pool_seeds(g["diff"], g["var"], within_df)
         if metric == "accuracy":
             base = float(g["base"].mean())
@@ -158,10 +194,11 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
             row.update(base=float(g["base"].mean()), cost=pooled.mean, ci_lo=pooled.lo, ci_hi=pooled.hi,
                        ci90_lo=pooled.lo90, ci90_hi=pooled.hi90, p=pooled.p,
                        test="t over seeds" if pooled.variance_from == "between seeds" else
-                       "t over step blocks" if metric == "train_loss" else "normal, within-seed item variance",
+                       "t over step blocks" if metric == "train_loss" else
+                       "t over held-out windows" if metric == HELDOUT_METRIC else "normal, within-seed item variance",
                        ci_method=f"seeds pooled ({pooled.variance_from})",
                        mde=mde_from_se(pooled.se, pooled.df, alpha=alpha, power=power))
-            if metric != "train_loss":
+            if metric in ITEM_METRICS:
                 row.update(lost=int(g["lost"].sum()), gained=int(g["gained"].sum()))
         row.update(between_seed_sd=pooled.between_sd, equivalence=equivalence_verdict(
             row["ci90_lo"], row["ci90_hi"], margin, "" if unit == "nats" else " %"))
@@ -189,7 +226,8 @@ def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
 
 def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
                   metrics_cache: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
-    """Every seed's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the same)."""
+    """Every seed's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the same),
+    and its held-out-text ones (:func:`heldout_contrasts`)."""
     rows = []
     for r in runs:
         b, p = baseline_of[str(r.path)], parent_of[str(r.path)]
@@ -197,4 +235,20 @@ def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
                                ("bf16_mode", r if r.quant else None)):
             if other is not None:
                 rows += seed_contrasts(r, other, against, metrics_cache)
+        rows += heldout_contrasts(r, b)
     return pd.DataFrame(rows)
+
+
+HELDOUT_COLUMNS = ["nll_diff_nats", "kl_mean", "kl_p99", "top1_agreement"]
+
+
+def heldout_table(claims: pd.DataFrame, contrasts: pd.DataFrame) -> pd.DataFrame:
+    """The held-out-text claims (``heldout_nll`` rows of the claims table: pooled NLL difference, its test,
+    MDE and equivalence verdict) with the distances beside them, each the mean over the claim's seeds."""
+    if claims.empty or contrasts.empty or HELDOUT_METRIC not in set(claims["metric"]):
+        return pd.DataFrame()
+    keys = CLAIM_KEYS + ["mode"]
+    per_seed = contrasts[contrasts["metric"] == HELDOUT_METRIC]
+    beside = per_seed.groupby(keys, sort=False)[HELDOUT_COLUMNS].mean().reset_index()
+    rows = claims[claims["metric"] == HELDOUT_METRIC].drop(columns=["lost", "gained"], errors="ignore")
+    return rows.merge(beside, on=keys, how="left").reset_index(drop=True)

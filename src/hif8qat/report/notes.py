@@ -45,8 +45,10 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                               "why, and the run is left out of that comparison.",
         f"paired_{profile}": "Per seed, the paired contrasts the claims pool: diff (accuracy: run minus "
                              "counterpart in points; train_loss: signed loss difference, % of the counterpart's "
-                             "loss; gold_ll / gold_margin: counterpart minus run, nats per item), var (its "
-                             "within-seed variance: items, or blocks of 5 steps), lost / gained (items right only "
+                             "loss; gold_ll / gold_margin: counterpart minus run, nats per item; heldout_nll: "
+                             "run minus counterpart per held-out token, % of the counterpart's held-out NLL), var "
+                             "(its within-seed variance: items, blocks of 5 steps, or held-out windows), "
+                             "within_df (its degrees of freedom; inf for items), lost / gained (items right only "
                              "in the counterpart / only in the run; for the per-item metrics, items worse / "
                              "better), recorded (false: the run files lack the metric).",
         f"sweeps_{profile}": "Sweeps: each experiment run under several run tags (e.g. a Hydra multirun over a "
@@ -54,6 +56,15 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "metric's cost against the baseline per knob value, 95 % CI over seeds as in "
                              "claims; baseline_seed_sd_pct: the baseline's own sd over seeds (score, or final "
                              "loss) in % of its mean. Figures: sweep_<profile>_<experiment>.png.",
+        f"heldout_{profile}": "Held-out text (hif8qat.heldout; <run>/eval/heldout/): the heldout_nll rows of "
+                              f"claims_{profile} (per token of a fixed held-out set, the same for every run of "
+                              "the profile: the run's NLL of the actual next token against its baseline's, or its "
+                              "quantized mode against its own bf16 mode; cost in % of the reference's held-out "
+                              "NLL, seeds pooled, same test, Holm family, MDE and equivalence verdict as the other "
+                              "claim metrics), with beside them, as means over the seeds: nll_diff_nats (the cost "
+                              "in nats per token), kl_mean / kl_p99 (each seed's mean and 99th percentile over "
+                              "tokens of KL(P_reference || P_run), nats) and top1_agreement (share of tokens whose "
+                              "most likely next token is the same).",
         f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
         f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
                                 "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
@@ -62,7 +73,9 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "over same-seed pairs, and a quantized run's quantized evaluation against its own "
                              "bf16 one (against = bf16_mode): cost (positive = the run is worse; accuracy: relative drop, % "
                              "of the baseline score; train_loss: signed per-step loss difference over the QAT "
-                             "phase, % of the baseline loss; gold_ll / gold_margin: nats per item) with a 95 % CI "
+                             "phase, % of the baseline loss; gold_ll / gold_margin: nats per item; heldout_nll: "
+                             "paired per-token NLL difference on the held-out text, % of the counterpart's "
+                             "held-out NLL) with a 95 % CI "
                              "whose variance is the larger of the between-seed spread and the within-seed item or "
                              "step-block variance (t over seeds when the spread dominates), widened to the exact "
                              f"interval when fewer than {EXACT_BELOW_DISCORDANT} items flip. equivalence: two "

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..heldout_stats import HELDOUT_METRIC
 from ..stats import min_one_way_flips
 from .claims import DEFAULT_MARGINS, METRIC_UNITS, NOT_RECORDED, all_contrasts, claims_table
 from .pairing import pair_runs
@@ -49,11 +50,13 @@ def _num(v: float, nd: int = 2, sign: bool = True) -> str:
 def _claim_words(g: pd.DataFrame) -> list[str]:
     """Sentences for one claim from its rows: the loss difference, then accuracy and per-item metrics by verdict."""
     out = []
-    loss = g[g.metric == "train_loss"]
-    for _, r in loss.iterrows():
+    continuous = g[g.metric.isin(["train_loss", HELDOUT_METRIC])]
+    for _, r in continuous.iterrows():
         if r["equivalence"] == NOT_RECORDED:
             continue
-        out.append(f"Training loss: {_num(r['cost'], 3)} % of the counterpart's loss (95 % CI {_num(r['ci_lo'], 3)} to "
+        what = ("Training loss: {} % of the counterpart's loss" if r["metric"] == "train_loss" else
+                "Held-out NLL ({} mode): {{}} % of the counterpart's held-out NLL".format(r["mode"]))
+        out.append(what.format(_num(r['cost'], 3)) + f" (95 % CI {_num(r['ci_lo'], 3)} to "
                    f"{_num(r['ci_hi'], 3)}, {r['n_seeds']} seed(s)): {r['equivalence']}; difference "
                    f"{r['difference']} (p Holm {_num(r['p_holm'], 3, False)}; detectable: "
                    f"{_num(r['mde'], 3, False)} %).")
@@ -99,8 +102,9 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
                   + "; ".join(f"{e} {c}" for e, c in commits.items()) + ".", ""]
     lines += ["**Reading.** cost > 0: the run is worse than its counterpart (accuracy: relative drop in % of the "
               "counterpart's score; training loss: signed per-step difference over the QAT phase in % of the "
-              "counterpart's loss; gold log-likelihood and margin: nats per item). Each row pools the same-seed "
-              "pairs; its 95 % CI combines between-seed spread and within-seed item (or step-block) variance. "
+              "counterpart's loss; gold log-likelihood and margin: nats per item; held-out NLL: paired per-token "
+              "difference on held-out text in % of the counterpart's). Each row pools the same-seed "
+              "pairs; its 95 % CI combines between-seed spread and within-seed item (step-block, or held-out window) variance. "
               "Equivalence: two one-sided tests against the margin ("
               + ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in margins.items())
               + "): \"equivalent within M\", \"not equivalent\" or \"inconclusive at this size\"; a "
@@ -124,7 +128,7 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
         for _, r in g.iterrows():
             if r["equivalence"] == NOT_RECORDED:
                 continue
-            flips = f"{int(r['lost'])} / {int(r['gained'])}" if r["metric"] != "train_loss" and \
+            flips = f"{int(r['lost'])} / {int(r['gained'])}" if r["metric"] not in ("train_loss", HELDOUT_METRIC) and \
                 np.isfinite(r.get("lost", np.nan)) else "-"
             lines.append(f"| {r['mode']} | {r['task']} | {r['metric']} | {r['n_seeds']} | {_num(r['cost'])} "
                          f"({_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {flips} | {_num(r['p_holm'], 3, False)} | "

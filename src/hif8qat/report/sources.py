@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from ..errors import RunError
+from ..heldout_stats import run_label
 
 
 def read_metrics(path: str | Path) -> pd.DataFrame:
@@ -124,7 +125,7 @@ def _tag(run: RunInfo) -> str:
 
 
 def _run_label(run: RunInfo | None) -> str:
-    return f"{run.path.parent.name}/{run.path.name}" if run is not None else ""
+    return run_label(run.path) if run is not None else ""
 
 
 def _dirty_of(run: RunInfo) -> bool | None:

@@ -71,6 +71,18 @@ def test_evaluate_mini_tasks_writes_contract_layout(tiny_model, tmp_path):
     assert "samples" not in lm and lm["n-shot"]["mini_mmlu"] == 2
 
 
+def test_per_item_log_likelihoods_are_not_rounded_to_bf16_under_autocast(tiny_model, tmp_path):
+    """Under bf16 autocast the logits are bf16, but each item's log-likelihood is summed in fp32: a bf16 sum
+    would round every value to a multiple of 2^-8 of its magnitude (0.125 nats at -20..-32)."""
+    model, tok = tiny_model
+    out = tmp_path / "eval" / "bf16"
+    ev.evaluate_model(model, tok, "mini_arc", out_dir=out, limit=6, batch_size=8, dtype="bf16")
+    lls = torch.tensor([float(r["gold_ll"]) for r in _read_csv(out / "samples_mini_arc.csv")])
+    assert lls.numel() == 6 and bool((lls < 0).all())
+    off_grid = lls.bfloat16().float() != lls
+    assert int(off_grid.sum()) >= 5  # an fp32 sum lands on the bf16 grid by chance at most rarely
+
+
 def test_hif8_mode_from_export(tmp_path):
     qlinear = pytest.importorskip("hif8qat.qlinear")
     from hif8qat.scaling import ScalingConfig

@@ -15,10 +15,11 @@ rounding boundary: 1e-3 + 1e-4 |ll| (measured: at most 8e-6). Masking the prefix
 log-likelihoods by more than these bounds on this model.
 
 On SmolLM2-135M (73 items of the mini profile's tasks, 0-shot) fp32 agreed to 6e-5 (2.5e-6 relative) with
-the same choices. Under bf16 autocast the logits and log-probabilities are bf16, so a 30-layer model
-differs by up to 0.5 nats (3.3 % relative) and one near-tied item of 73 picked another choice; lm-eval's
-own model differs from itself by as much when only its batch size changes (32 vs 7: 0.5 nats, 4.0 %).
-The bf16 bound here holds for the tiny model only.
+the same choices. Under bf16 autocast the logits and (here, as in HFLM's default) log-probabilities are bf16,
+so a 30-layer model differs by up to 0.5 nats (3.3 % relative) and one near-tied item of 73 picked another
+choice; lm-eval's own model differs from itself by as much when only its batch size changes (32 vs 7: 0.5
+nats, 4.0 %). The bf16 bound here holds for the tiny model only. The evaluator itself sums fp32
+log-probabilities (test_evaluate).
 """
 
 import functools

@@ -98,9 +98,12 @@ def evaluate_model(
         compute = eval_compute(dtype)
         device_type = torch.device(device).type
         ranks = Ranks.current()  # under torchrun: every rank scores its share (hif8qat.eval_ranks)
+        # log-probabilities in fp32 from the (bf16 under autocast) logits: summed in bf16, an item's
+        # log-likelihood of -20..-60 nats is rounded to 0.125-0.25, coarser than the paired per-item differences
+        # (gold_ll, gold_margin) that resolve quantization effects, and near-tied choices tie
         lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
                              numerics=functools.partial(numerics.forward_context, compute, device_type),
-                             ranks=ranks)
+                             ranks=ranks, softmax_dtype=torch.float32)
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
         raw = None
         with ctx, torch.inference_mode():

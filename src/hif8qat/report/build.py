@@ -17,6 +17,7 @@ from .pairing import pair_runs
 from .reach import reach_table
 from .readme import claims_section
 from .replay import replay_table
+from .saturation import saturation_section
 from .seeds import seed_null_table, seed_spread
 from .sources import FilesUsed, RunInfo, discover_runs
 from .sweeps import plot_sweeps, sweep_table
@@ -65,7 +66,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     null_df = seed_null_table(runs, n_boot, seed)
     contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache)
     claims_df = claims_table(contrasts_df, margins)
-    section = claims_section(claims_df, runs_df, profile, margins)
+    section = claims_section(claims_df, runs_df, profile, margins,
+                             saturation_section(pairs_df, replay_df, profile))
     sweeps_df = sweep_table(runs, claims_df, runs_df)
     heldout_df = heldout_table(claims_df, contrasts_df)
 

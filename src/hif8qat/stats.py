@@ -225,6 +225,14 @@ def relative_drop(base: float, quant: float) -> float:
     return float("nan") if base == 0 else (base - quant) / base * 100.0
 
 
+def _pointwise_ape(steps_q, loss_q, steps_b, loss_b) -> pd.Series:
+    """``|Lq - Lb| / |Lb| * 100`` per step logged by both runs (the last value of a step logged twice), by step."""
+    q = pd.Series(np.asarray(loss_q, float), index=np.asarray(steps_q)).groupby(level=0).last()
+    b = pd.Series(np.asarray(loss_b, float), index=np.asarray(steps_b)).groupby(level=0).last()
+    common = q.index.intersection(b.index).sort_values()
+    return (q[common] - b[common]).abs() / b[common].abs() * 100.0
+
+
 def loss_ape(steps_q: Sequence[int], loss_q: Sequence[float], steps_b: Sequence[int], loss_b: Sequence[float],
              *, last_frac: float = 0.1, last_n: int | None = None) -> dict[str, float]:
     """Training-loss APE over the steps logged by both runs (mean of ``|Lq - Lb| / |Lb| * 100``).
@@ -232,13 +240,11 @@ def loss_ape(steps_q: Sequence[int], loss_q: Sequence[float], steps_b: Sequence[
     ``last_n`` (or ``ceil(last_frac * n_common)``) common steps form the "last" window.
     Returns ``{n_common, ape_all, ape_last, last_n, first_step, last_step}``.
     """
-    q = pd.Series(np.asarray(loss_q, float), index=np.asarray(steps_q)).groupby(level=0).last()
-    b = pd.Series(np.asarray(loss_b, float), index=np.asarray(steps_b)).groupby(level=0).last()
-    common = q.index.intersection(b.index).sort_values()
+    err = _pointwise_ape(steps_q, loss_q, steps_b, loss_b)
+    common = err.index
     if len(common) == 0:
         return {"n_common": 0, "ape_all": float("nan"), "ape_last": float("nan"), "last_n": 0,
                 "first_step": None, "last_step": None}
-    err = (q[common] - b[common]).abs() / b[common].abs() * 100.0
     n_last = int(last_n) if last_n is not None else max(1, math.ceil(last_frac * len(common)))
     n_last = min(n_last, len(common))
     return {"n_common": int(len(common)), "ape_all": float(err.mean()), "ape_last": float(err.iloc[-n_last:].mean()),
@@ -260,11 +266,8 @@ def holm(pvalues: Sequence[float]) -> np.ndarray:
 
 def running_ape(steps_q, loss_q, steps_b, loss_b) -> pd.DataFrame:
     """Per common step: the pointwise APE and its running (cumulative) mean, for the loss figures."""
-    q = pd.Series(np.asarray(loss_q, float), index=np.asarray(steps_q)).groupby(level=0).last()
-    b = pd.Series(np.asarray(loss_b, float), index=np.asarray(steps_b)).groupby(level=0).last()
-    common = q.index.intersection(b.index).sort_values()
-    err = (q[common] - b[common]).abs() / b[common].abs() * 100.0
-    return pd.DataFrame({"step": common, "ape": err.values, "running_ape": err.expanding().mean().values})
+    err = _pointwise_ape(steps_q, loss_q, steps_b, loss_b)
+    return pd.DataFrame({"step": err.index, "ape": err.values, "running_ape": err.expanding().mean().values})
 
 
 @dataclass

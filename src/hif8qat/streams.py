@@ -90,7 +90,7 @@ class PackedTokenStream:
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "epoch": self.epoch, "position": self.position * self.micro_batch_size,
-                "batches": self.position, "base": self.base, "seed": self.seed, "seq_len": self.seq_len,
+                "base": self.base, "seed": self.seed, "seq_len": self.seq_len,
                 "micro_batch_size": self.micro_batch_size, "world_size": self.world_size, "rank": self.rank,
                 "num_windows": self.num_windows, "source": self.source}
 

@@ -25,7 +25,7 @@ import en_dtypes
 import numpy as np
 import torch
 
-from hif8qat import formats
+from hif8qat import formats, qdq_kernels
 
 
 def _int(s: str) -> int:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             examples["qdq"] = first_mismatch(y, ref, bits)
         mism["qdq"] += m
         if not args.no_eager:
-            ye = formats._eager_ta_into(x, None)
+            ye = qdq_kernels._eager_ta_into(x, None)
             m = count_value_mismatches(ye, ref)
             if m and "eager" not in examples:
                 examples["eager"] = first_mismatch(ye, ref, bits)

@@ -9,7 +9,7 @@ E5M2) uses torch's native casts under the same scaled fake quantization. The cod
   and dispatch, and the qdq call counter;
 * this module: the public functions, FP8 format specs and the per-format scale conventions.
 
-Every name that was importable from this module before the split still is.
+The private kernel helpers live in :mod:`hif8qat.qdq_kernels` and :mod:`hif8qat.hif8_codec`; import them from there.
 
 These functions are not differentiable (inputs are detached); straight-through gradients are the
 caller's business (see ``qlinear.py``).
@@ -22,34 +22,26 @@ import math
 
 import torch
 
-from hif8qat.hif8_codec import (  # noqa: F401 - re-exported
+from hif8qat.hif8_codec import (
     _FLOAT_DTYPES,
     HIF8_MAX,
     HIF8_MIN_DENORMAL,
     HIF8_OVERFLOW,
     HIF8_TIER3_MAX,
     ROUNDINGS,
-    _qdq_bits_arith,
-    _qdq_fp32_arith,
-    _qdq_fp32_lut_,
     _table,
     hif8_values,
 )
-from hif8qat.qdq_kernels import (  # noqa: F401 - re-exported
-    _MIN_COMPILED_NUMEL,
+from hif8qat.qdq_kernels import (
     _check_out,
     _check_out_dtype,
     _check_rounding,
     _check_scale,
     _check_x,
-    _compiled,
     _dispatch,
-    _eager,
-    _eager_ta_into,
     _empty_result,
     _flat_args,
     _fp8_run,
-    _kernel_body,
     _shaped_result,
     _with_out_dtype,
     compile_status,

@@ -35,7 +35,7 @@ ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check rehearse verify-hif8 clean-venv
+.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check rehearse verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -94,6 +94,9 @@ seeds: $(STAMP) ## exp1 exp7 exp8 exp6 exp3 at seeds 1 and 2 (bf16 evaluation), 
 	$(ESTIMATE) --experiments $(SEED_EXPERIMENTS) --seeds $(SEEDS) --label "make seeds"
 	for s in $(SEEDS); do for e in $(SEED_EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$$s stage=all 'eval.modes=[bf16]' $(ARGS) || exit 1; done; done
 	$(PY) run.py stage=report profile=$(PROFILE)
+
+seeds5: $(STAMP) ## seeds 3 and 4 of the same five experiments (after make seeds: five seeds for the claims' pairs), then the report
+	$(MAKE) seeds SEEDS="3 4"
 
 beyond-seeds: $(STAMP) ## exp10-exp13, exp2, exp8 and their baselines at seeds 1 and 2 (finished runs are skipped), then the report
 	$(MAKE) seeds SEED_EXPERIMENTS="$(BEYOND_SEED_EXPERIMENTS)"

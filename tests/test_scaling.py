@@ -14,7 +14,7 @@ import torch
 from hif8qat.bank import ScalerBank
 from hif8qat.bank_row import BankedScaler
 from hif8qat.forecast import ExpSmoothForecaster, ExpSmoothParams
-from hif8qat.scaling import STATE_KEYS, ScalingConfig
+from hif8qat.scaling import STATE_KEYS, ScalingConfig, replay, replay_rows
 
 NAN, INF = float("nan"), float("inf")
 
@@ -497,3 +497,16 @@ def test_no_host_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sc.history_values()[-1] == pytest.approx(x.abs().max().item() * 6)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent", "mean", "exp_smooth"])
+def test_replay_rows_equals_each_trace_replayed_alone(algo):
+    """Many traces in one bank (the report's replay) give every trace the scales of its own one-row replay."""
+    gen = torch.Generator().manual_seed(7)
+    traces = torch.rand(5, 23, generator=gen) * torch.logspace(-2, 3, 5).unsqueeze(1)
+    traces[1, 4] = 0.0  # an all-zero call
+    traces[2, :3] = 0.0  # a cold start on zeros
+    cfg = ScalingConfig.from_dict({"algo": algo, "history_len": 6, "interval": 1})
+    together = replay_rows(traces, cfg, role="G")
+    for i, trace in enumerate(traces):
+        assert torch.equal(together[i], replay(trace, cfg, role="G")), i

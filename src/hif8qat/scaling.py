@@ -236,7 +236,31 @@ def replay(amax_sequence: Sequence[float] | torch.Tensor, config: ScalingConfig 
     return torch.stack(out) if out else torch.zeros(0)
 
 
+def replay_rows(amax_rows: Sequence[Sequence[float]] | torch.Tensor, config: ScalingConfig | None = None, *,
+                role: str = "A") -> torch.Tensor:
+    """:func:`replay` of many equal-length traces at once (no step schedule given, default target): one bank
+    with a row per trace, each row called once per micro-batch, so the bank's per-micro-batch work runs once
+    per call index instead of once per trace and call. Returns ``[n_traces, n_calls]`` float32 scales, equal
+    to :func:`replay` of each trace on its own (rows of one bank never interact)."""
+    from hif8qat.bank import ScalerBank  # lazily: the bank imports this module
+
+    a = torch.as_tensor(amax_rows, dtype=torch.float32)
+    if a.ndim != 2:
+        raise ValueError(f"replay_rows: expected [n_traces, n_calls] amaxes, got shape {tuple(a.shape)}")
+    n, calls = a.shape
+    out = torch.zeros(n, calls, dtype=torch.float32)
+    if not n:
+        return out
+    bank = ScalerBank(config, [role] * n)
+    with torch.no_grad():
+        for t in range(calls):
+            for r in range(n):
+                out[r, t] = bank.observe(r, a[r, t])
+            bank.update()
+    return out
+
+
 __all__ = [
     "ALGOS", "AMAX_REDUCES", "EPS", "ESTIMATORS", "GRAD_ROUNDINGS", "HISTORY_UNITS", "OPTIONAL_STATE_KEYS", "ROLES",
-    "STATE_KEYS", "ScalingConfig", "check_state_keys", "lookup", "replay",
+    "STATE_KEYS", "ScalingConfig", "check_state_keys", "lookup", "replay", "replay_rows",
 ]

@@ -49,25 +49,28 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
                       ) -> pd.DataFrame:
     """How often, and by how much, each estimator's delayed estimate is exceeded on the same traces.
 
-    Every trace is replayed call by call through `scaling.replay` (interval 1); ratio = amax / estimate, where
-    estimate = target / scale is what the scale was computed from before the call's own amax was known.
+    Every trace is replayed call by call through `scaling.replay_rows` (interval 1; the traces of one role and
+    length in one bank); ratio = amax / estimate, where estimate = target / scale is what the scale was computed
+    from before the call's own amax was known.
     """
     import torch
 
-    from ..scaling import ScalingConfig, replay
+    from ..scaling import ScalingConfig, replay_rows
 
     rows = []
     for name, overrides in estimators.items():
         cfg = ScalingConfig.from_dict({**overrides, "interval": 1})
         for role in ("A", "W", "G"):
             ratios = []
+            target = cfg.target_bwd if role == "G" else cfg.target_fwd
+            by_len: dict[int, list[Sequence[float]]] = {}
             for key, trace in traces.items():
-                if not key.endswith("." + role) or not trace:
-                    continue
-                target = cfg.target_bwd if role == "G" else cfg.target_fwd
-                scales = replay(trace, cfg, role=role).double()
-                amax = torch.tensor(trace, dtype=torch.float64)
-                ratios.append((amax * scales / target).numpy())  # = amax / estimate
+                if key.endswith("." + role) and trace:
+                    by_len.setdefault(len(trace), []).append(trace)
+            for same in by_len.values():
+                amax = torch.tensor(same, dtype=torch.float64)
+                scales = replay_rows(amax.float(), cfg, role=role).double()
+                ratios += list((amax * scales / target).numpy())  # = amax / estimate, one array per trace
             if not ratios:
                 continue
             r = np.concatenate(ratios)

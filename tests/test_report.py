@@ -428,3 +428,19 @@ def test_sweep_table_reads_the_knob_from_the_configs(tmp_path):
     assert acc.loc[16.0, "cost"] == pytest.approx(30 / 120 * 100 / np.mean(base) * 100)
     assert acc.loc[16.0, "baseline_seed_sd_pct"] == pytest.approx(np.std(base, ddof=1) / np.mean(base) * 100)
     assert report.plot_sweeps(sw, tmp_path / "f", "smoke") == [str(tmp_path / "f" / "sweep_smoke_exp8.png")]
+
+
+def test_claims_pool_finished_runs_only(tmp_path):
+    from hif8qat.report.claims import all_contrasts
+    from hif8qat.report.pairing import pair_runs
+    from hif8qat.report.sources import discover_runs, read_metrics
+
+    runs_root = make_fake_runs(tmp_path / "runs", seeds=(0, 1))
+    (runs_root / "smoke" / "exp8" / "seed1" / "DONE").unlink()  # exp8 seed 1 still training
+    (runs_root / "smoke" / "exp7" / "seed0" / "DONE").unlink()  # exp7 seed 0 (exp8 seed 0's baseline) too
+    runs = discover_runs(runs_root, "smoke")
+    metrics = {str(r.path): read_metrics(r.path / "metrics.jsonl") for r in runs}
+    baseline_of, parent_of, _, _ = pair_runs(runs, runs_root, "smoke")
+    c = all_contrasts(runs, baseline_of, parent_of, metrics)
+    # exp8 seed 0 keeps only its own hif8-vs-bf16 contrast; seed 1 has none
+    assert set(zip(c["seed"], c["against"])) == {(0, "bf16_mode")}

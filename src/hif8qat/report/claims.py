@@ -226,11 +226,16 @@ def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
 
 def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
                   metrics_cache: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
-    """Every seed's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the same),
-    and its held-out-text ones (:func:`heldout_contrasts`)."""
+    """Every finished run's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the
+    same; a counterpart that is not finished counts as absent), and its held-out-text ones
+    (:func:`heldout_contrasts`)."""
     rows = []
     for r in runs:
+        if not r.done:  # a run still training (or killed) would pool a partial loss curve
+            continue
         b, p = baseline_of[str(r.path)], parent_of[str(r.path)]
+        b = b if b is not None and b.done else None
+        p = p if p is not None and p.done else None
         for against, other in (("baseline", b), ("derived_from", p if p is not b else None),
                                ("bf16_mode", r if r.quant else None)):
             if other is not None:

@@ -100,9 +100,11 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
     if len(runs_df) and "dirty" in runs_df:
         dirty = runs_df[runs_df["dirty"].fillna(False).astype(bool)]
         commits = runs_df.groupby("experiment")["git"].agg(lambda c: ", ".join(sorted({str(x)[:7] for x in c})))
-        lines += [f"**Provenance.** {len(runs_df)} runs; **{len(dirty)} of them were made from a tree with "
-                  "uncommitted changes** (`git.dirty` in their run_info.json): their commit does not hold their "
-                  "exact code. Commits per experiment: "
+        state = ("all made from a clean tree (`git.dirty` false in their run_info.json), so each commit holds "
+                 "the exact code of its runs" if dirty.empty else
+                 f"**{len(dirty)} of them were made from a tree with uncommitted changes** (`git.dirty` in their "
+                 "run_info.json): their commit does not hold their exact code")
+        lines += [f"**Provenance.** {len(runs_df)} runs, {state}. Commits per experiment: "
                   + "; ".join(f"{e} {c}" for e, c in commits.items()) + ".", ""]
     lines += ["**Reading.** cost > 0: the run is worse than its counterpart (accuracy: relative drop in % of the "
               "counterpart's score; training loss: signed per-step difference over the QAT phase in % of the "

@@ -125,10 +125,10 @@ def heldout_contrasts(run: RunInfo, baseline: RunInfo | None) -> list[dict[str, 
         if cmp["reference"] == "baseline":
             if baseline is None or doc.get("baseline_run") != _run_label(baseline):
                 continue
-            head, mode = _contrast_head(run, baseline, "baseline"), cmp["other"]
+            head = _contrast_head(run, baseline, "baseline")
         else:
-            head, mode = _contrast_head(run, run, "bf16_mode"), cmp["other"]
-        s = cmp["summary"]
+            head = _contrast_head(run, run, "bf16_mode")
+        mode, s = cmp["other"], cmp["summary"]
         pct = s["nll_diff_pct"]
         ok = bool(np.isfinite(pct["mean"]) and np.isfinite(pct["var"]))
         rows.append({**head, "mode": mode, "task": "heldout", "metric": HELDOUT_METRIC, "n": int(s["n_tokens"]),

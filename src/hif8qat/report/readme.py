@@ -57,9 +57,10 @@ def _claim_words(g: pd.DataFrame) -> list[str]:
     for _, r in continuous.iterrows():
         if r["equivalence"] == NOT_RECORDED:
             continue
-        what = ("Training loss: {} % of the counterpart's loss" if r["metric"] == "train_loss" else
-                "Held-out NLL ({} mode): {{}} % of the counterpart's held-out NLL".format(r["mode"]))
-        out.append(what.format(_num(r['cost'], 3)) + f" (95 % CI {_num(r['ci_lo'], 3)} to "
+        cost = _num(r["cost"], 3)
+        what = (f"Training loss: {cost} % of the counterpart's loss" if r["metric"] == "train_loss" else
+                f"Held-out NLL ({r['mode']} mode): {cost} % of the counterpart's held-out NLL")
+        out.append(what + f" (95 % CI {_num(r['ci_lo'], 3)} to "
                    f"{_num(r['ci_hi'], 3)}, {r['n_seeds']} seed(s)): {r['equivalence']}; difference "
                    f"{r['difference']} (p Holm {_num(r['p_holm'], 3, False)}; detectable: "
                    f"{_num(r['mde'], 3, False)} %).")

@@ -10,28 +10,16 @@ from typing import Any
 import pandas as pd
 
 from .anchor import anchor_beside
-from .claims import all_contrasts, claims_table, heldout_table, mde_table
+from .claims import heldout_table, mde_table
 from .figures import make_figures
 from .notes import multiple_comparisons, table_notes
-from .pairing import pair_runs
 from .reach import reach_table
-from .readme import claims_section
-from .replay import replay_table
-from .saturation import saturation_section
+from .readme import claims_parts
 from .seeds import seed_null_table, seed_spread
 from .sources import FilesUsed, RunInfo, discover_runs
 from .sweeps import plot_sweeps, sweep_table
 from .table_files import write_table
-from .tables import (
-    ablations_table,
-    ape_rows,
-    drops_table,
-    loss_pairs,
-    runs_table,
-    scaling_pairs_table,
-    telemetry_table,
-    vs_base_table,
-)
+from .tables import ablations_table, drops_table, telemetry_table, vs_base_table
 
 
 def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
@@ -49,49 +37,42 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         return {"tables": {}, "files": [], "message": msg}
     used = FilesUsed()
 
-    runs_df, metrics_cache = runs_table(runs, skipped, used)
-    baseline_of, parent_of, pairing_df, unpaired = pair_runs(runs, runs_root, profile)
-    # against the baseline (same seed): accuracy drops, loss APE
+    parts = claims_parts(runs, runs_root, profile, margins=margins, last_frac=last_frac,
+                         replay=figures if replay is None else replay, skipped=skipped, used=used)
+    runs_df, metrics_cache, claims_df = parts.runs_df, parts.metrics_cache, parts.claims_df
+    baseline_of, parent_of = parts.baseline_of, parts.parent_of
+    # against the baseline (same seed): accuracy drops; against the experiment each run derives from: one factor
     drops_df = drops_table(runs, baseline_of, used, n_boot, seed)
-    curves = loss_pairs(runs, baseline_of, metrics_cache)
-    ape = ape_rows(curves, last_frac)
     tel_df = telemetry_table(runs, metrics_cache)
-    # against the experiment each run derives from (same seed): one factor at a time
     abl_df = ablations_table(runs, parent_of, n_boot, seed)
-    pairs_df = scaling_pairs_table(runs, parent_of, metrics_cache, ape)
     vs_base_df = vs_base_table(runs, runs_root, profile, n_boot, seed)
-    replay_df = replay_table(runs if (figures if replay is None else replay) else [], used)
-    # seeds: the spread and the BF16-vs-BF16 seed null; the claims pooled over seeds, what they can detect
+    # seeds: the spread and the BF16-vs-BF16 seed null
     seeds_df = seed_spread(runs_df, drops_df)
     null_df = seed_null_table(runs, n_boot, seed)
-    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache)
-    claims_df = claims_table(contrasts_df, margins)
-    section = claims_section(claims_df, runs_df, profile, margins,
-                             saturation_section(pairs_df, replay_df, profile))
     sweeps_df = sweep_table(runs, claims_df, runs_df)
-    heldout_df = heldout_table(claims_df, contrasts_df)
+    heldout_df = heldout_table(claims_df, parts.contrasts_df)
 
-    tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": pd.DataFrame(ape),
-              f"telemetry_{profile}": tel_df, f"replay_{profile}": replay_df, f"ablations_{profile}": abl_df,
-              f"scaling_pairs_{profile}": pairs_df,
+    tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": pd.DataFrame(parts.ape),
+              f"telemetry_{profile}": tel_df, f"replay_{profile}": parts.replay_df, f"ablations_{profile}": abl_df,
+              f"scaling_pairs_{profile}": parts.scaling_pairs_df,
               f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_table(claims_df),
               f"reach_{profile}": reach_table(claims_df),
               "anchor": anchor_beside(runs_root),
-              f"pairing_{profile}": pairing_df, f"paired_{profile}": contrasts_df,
+              f"pairing_{profile}": parts.pairing_df, f"paired_{profile}": parts.contrasts_df,
               f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
     multiple, n_tests = multiple_comparisons(claims_df, profile)
     notes = table_notes(profile, n_boot=n_boot, seed=seed, last_frac=last_frac, margins=margins, multiple=multiple)
     sources = {"files": used.listing(), "runs_root": str(runs_root), "profile": profile, "runs_not_used": skipped}
     files = write_tables(tables, notes, sources, out_tables)
     section_p = out_tables / f"claims_section_{profile}.md"
-    section_p.write_text(section + "\n")
+    section_p.write_text(parts.section + "\n")
     files.append(str(section_p))
     if figures:
-        files += make_figures(curves, runs, metrics_cache, tel_df, out_figures, profile)
+        files += make_figures(parts.curves, runs, metrics_cache, tel_df, out_figures, profile)
         files += plot_sweeps(sweeps_df, out_figures, profile)
-    msg = report_message(runs, tables, profile, unpaired, skipped, multiple if n_tests else "")
-    return {"tables": tables, "files": files, "message": msg, "claims_section": section}
+    msg = report_message(runs, tables, profile, parts.unpaired, skipped, multiple if n_tests else "")
+    return {"tables": tables, "files": files, "message": msg, "claims_section": parts.section}
 
 
 def write_tables(tables: Mapping[str, pd.DataFrame], notes: Mapping[str, str], sources: Mapping[str, Any],

@@ -4,6 +4,7 @@ from the claims table alone; ``python -m hif8qat.report --readme`` rewrites it."
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,8 @@ from .pairing import pair_runs
 from .reach import reach_section, reach_table
 from .replay import replay_table
 from .saturation import saturation_section
-from .sources import FilesUsed, _dirty_of, _git_of, discover_runs, read_metrics
-from .tables import ape_rows, loss_pairs, scaling_pairs_table
+from .sources import FilesUsed, RunInfo, discover_runs
+from .tables import ape_rows, loss_pairs, runs_table, scaling_pairs_table
 
 # The paper's claims and ours, each answered by one comparison of the claims table:
 # (title, experiment, against, counterpart, what a cost > 0 means).
@@ -159,16 +160,46 @@ def between_markers(text: str) -> str | None:
     return text[i + len(CLAIMS_BEGIN): j].strip() if 0 <= i < j else None
 
 
+@dataclass
+class ClaimsParts:
+    """What the claims section is built from, and the section: shared by the report and the README."""
+
+    runs_df: pd.DataFrame
+    metrics_cache: dict[str, pd.DataFrame]
+    baseline_of: dict
+    parent_of: dict
+    pairing_df: pd.DataFrame
+    unpaired: list[str]
+    curves: list
+    ape: list[dict]
+    scaling_pairs_df: pd.DataFrame
+    replay_df: pd.DataFrame
+    contrasts_df: pd.DataFrame
+    claims_df: pd.DataFrame
+    section: str
+
+
+def claims_parts(runs: list[RunInfo], runs_root: Path, profile: str, *, margins: Mapping[str, float] | None = None,
+                 last_frac: float = 0.1, replay: bool = True, skipped: list[dict] | None = None,
+                 used: FilesUsed | None = None) -> ClaimsParts:
+    """The pairs, contrasts, claims, saturation telemetry and the claims section of ``runs`` (``replay=False``:
+    no estimator replay). ``skipped`` / ``used`` collect the runs left out and the files read."""
+    used = used if used is not None else FilesUsed()
+    runs_df, metrics_cache = runs_table(runs, skipped if skipped is not None else [], used)
+    baseline_of, parent_of, pairing_df, unpaired = pair_runs(runs, runs_root, profile)
+    curves = loss_pairs(runs, baseline_of, metrics_cache)
+    ape = ape_rows(curves, last_frac)
+    scaling_pairs_df = scaling_pairs_table(runs, parent_of, metrics_cache, ape)
+    replay_df = replay_table(runs if replay else [], used)
+    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache)
+    claims_df = claims_table(contrasts_df, margins)
+    section = claims_section(claims_df, runs_df, profile, margins,
+                             saturation_section(scaling_pairs_df, replay_df, profile))
+    return ClaimsParts(runs_df, metrics_cache, baseline_of, parent_of, pairing_df, unpaired, curves, ape,
+                       scaling_pairs_df, replay_df, contrasts_df, claims_df, section)
+
+
 def build_claims(runs_root: Path, profile: str, margins: Mapping[str, float] | None = None) -> str:
     """The claims section alone, from the run folders (what the README includes): no bootstrap, no figures."""
     runs_root = Path(runs_root)
-    runs = discover_runs(runs_root, profile)
-    metrics_cache = {str(r.path): read_metrics(r.path / "metrics.jsonl") if (r.path / "metrics.jsonl").exists()
-                     else pd.DataFrame() for r in runs}
-    baseline_of, parent_of, _, _ = pair_runs(runs, runs_root, profile)
-    claims = claims_table(all_contrasts(runs, baseline_of, parent_of, metrics_cache), margins)
-    runs_df = pd.DataFrame([{"experiment": r.experiment, "git": _git_of(r), "dirty": _dirty_of(r)} for r in runs])
-    ape = ape_rows(loss_pairs(runs, baseline_of, metrics_cache), last_frac=0.1)  # the pairs use the QAT-phase APE
-    telemetry = saturation_section(scaling_pairs_table(runs, parent_of, metrics_cache, ape),
-                                   replay_table(runs, FilesUsed()), profile)
-    return claims_section(claims, runs_df, profile, margins, telemetry)
+    return claims_parts(discover_runs(runs_root, profile), runs_root, profile, margins=margins).section

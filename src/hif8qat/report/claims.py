@@ -36,6 +36,9 @@ METRIC_UNITS = {"accuracy": "% of score", "train_loss": "% of loss", "gold_ll": 
                 HELDOUT_METRIC: "% of held-out NLL"}
 ITEM_METRICS = ("gold_ll", "gold_margin")  # per-item columns of samples_<task>.csv, when the run recorded them
 NOT_RECORDED = "not recorded in this run"
+# A continuous metric's test when its within-seed variance decides the interval, named by where it comes from.
+WITHIN_SEED_TEST = {"train_loss": "t over step blocks", HELDOUT_METRIC: "t over held-out windows",
+                    **{m: "normal, within-seed item variance" for m in ITEM_METRICS}}
 LOSS_BLOCK = 5  # consecutive steps per block for the within-seed variance of the loss difference
 
 
@@ -193,9 +196,7 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
         else:
             row.update(base=float(g["base"].mean()), cost=pooled.mean, ci_lo=pooled.lo, ci_hi=pooled.hi,
                        ci90_lo=pooled.lo90, ci90_hi=pooled.hi90, p=pooled.p,
-                       test="t over seeds" if pooled.variance_from == "between seeds" else
-                       "t over step blocks" if metric == "train_loss" else
-                       "t over held-out windows" if metric == HELDOUT_METRIC else "normal, within-seed item variance",
+                       test="t over seeds" if pooled.variance_from == "between seeds" else WITHIN_SEED_TEST[metric],
                        ci_method=f"seeds pooled ({pooled.variance_from})",
                        mde=mde_from_se(pooled.se, pooled.df, alpha=alpha, power=power))
             if metric in ITEM_METRICS:

@@ -142,20 +142,25 @@ def compile_status() -> dict[str, object]:
     return {"enabled": _compile_enabled(), "failed": _compile_failed}
 
 
-def _variant_function(key: tuple, flags: dict):
-    """A fresh function object *with its own code object* for one variant.
+def _own_code_variant(prefix: str, body, key: tuple, flags: dict):
+    """A fresh function calling ``body(*args, **flags)``, *with its own code object*, for one variant.
 
     Dynamo keeps its cache (and its recompile limit of 8) per code object. Giving every variant
     (flags, dtype, device type, out mode) its own copy of the code means each compiles once, with a
     dynamic length, and no mix of dtypes or out modes can exhaust a shared recompile budget.
     """
-    name = "hif8_kernel_" + "_".join(str(k).replace(".", "_") for k in key)
+    name = f"{prefix}_kernel_" + "_".join(str(k).replace(".", "_") for k in key)
 
-    def kernel(x, scale, rand, out):
-        return _kernel_body(x, scale, rand, out, **flags)
+    def kernel(*args):
+        return body(*args, **flags)
 
     code = kernel.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, kernel.__globals__, name, kernel.__defaults__, kernel.__closure__)
+
+
+def _variant_function(key: tuple, flags: dict):
+    """The HiF8 kernel of one variant: ``(x, scale, rand, out)``."""
+    return _own_code_variant("hif8", _kernel_body, key, flags)
 
 
 def _get_compiled(key: tuple, flags: dict, variant=None):
@@ -426,14 +431,8 @@ def _fp8_body(x, scale, out, *, fmax: float, dtype: torch.dtype, scaled: bool, w
 
 
 def _fp8_variant_function(key: tuple, flags: dict):
-    """Own code object per variant (as ``_variant_function``): one dynamo cache and recompile budget each."""
-    name = "fp8_kernel_" + "_".join(str(k).replace(".", "_") for k in key)
-
-    def kernel(x, scale, out):
-        return _fp8_body(x, scale, out, **flags)
-
-    code = kernel.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, kernel.__globals__, name, kernel.__defaults__, kernel.__closure__)
+    """The FP8 kernel of one variant: ``(x, scale, out)``."""
+    return _own_code_variant("fp8", _fp8_body, key, flags)
 
 
 _fp8_compile_failed: str | None = None

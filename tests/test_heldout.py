@@ -200,7 +200,7 @@ def test_run_against_its_baseline_and_its_own_modes(runs):
     assert table["kl_hif8_vs_bf16"].to_numpy(np.float64).mean() == pytest.approx(q["kl"]["mean"])
 
 
-def test_eval_hook_skips_a_baseline_without_export(runs, capsys):
+def test_eval_hook_skips_a_baseline_without_export_and_covers_modes_evaluated_later(runs, capsys):
     root, base, run = runs
     shutil.rmtree(base / "export")
     cfg = types.SimpleNamespace(quant=types.SimpleNamespace(enabled=True), force=False, results_root=str(root),
@@ -213,8 +213,14 @@ def test_eval_hook_skips_a_baseline_without_export(runs, capsys):
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=11)
     model.save_pretrained(base / "export")
     tok.save_pretrained(base / "export")
+    cfg.eval.modes = ["bf16"]
     doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
-    assert doc["baseline_run"] == "exp7/seed0" and "hif8_vs_baseline" in doc["comparisons"]
+    assert doc["baseline_run"] == "exp7/seed0" and list(doc["comparisons"]) == ["bf16_vs_baseline"]
+    # a mode evaluated later (stage=eval with eval.modes=[bf16,hif8]) gets its comparisons then
+    cfg.eval.modes = ["bf16", "hif8"]
+    doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
+    assert set(doc["comparisons"]) == {"bf16_vs_baseline", "hif8_vs_baseline", "hif8_vs_bf16"}
+    assert heldout.after_eval(cfg, run, device="cpu", dtype="fp32") is None
     # an unquantized run computes nothing in the eval stage
     cfg.quant.enabled = False
     assert heldout.after_eval(cfg, base, device="cpu", dtype="fp32") is None

@@ -213,14 +213,17 @@ def test_eval_hook_skips_a_baseline_without_export_and_covers_modes_evaluated_la
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=11)
     model.save_pretrained(base / "export")
     tok.save_pretrained(base / "export")
-    cfg.eval.modes = ["bf16"]
     doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
-    assert doc["baseline_run"] == "exp7/seed0" and list(doc["comparisons"]) == ["bf16_vs_baseline"]
-    # a mode evaluated later (stage=eval with eval.modes=[bf16,hif8]) gets its comparisons then
-    cfg.eval.modes = ["bf16", "hif8"]
+    assert doc["baseline_run"] == "exp7/seed0" and "hif8_vs_baseline" in doc["comparisons"]
+    # a comparison made in bf16 mode only, then hif8 evaluated later (stage=eval with eval.modes=[bf16,hif8]):
+    # its comparisons are added then; an eval of bf16 alone afterwards neither redoes nor narrows them
+    heldout.compute_heldout(run, modes=["bf16"])
     doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
     assert set(doc["comparisons"]) == {"bf16_vs_baseline", "hif8_vs_baseline", "hif8_vs_bf16"}
     assert heldout.after_eval(cfg, run, device="cpu", dtype="fp32") is None
+    cfg.eval.modes = ["bf16"]
+    assert heldout.after_eval(cfg, run, device="cpu", dtype="fp32") is None
+    assert "hif8" in heldout.read_summary(run)["models"]
     # an unquantized run computes nothing in the eval stage
     cfg.quant.enabled = False
     assert heldout.after_eval(cfg, base, device="cpu", dtype="fp32") is None

@@ -298,18 +298,22 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
 def after_eval(cfg, run_dir: Path, *, device: str, dtype: str) -> dict | None:
     """The eval stage's hook: a quantized run's held-out comparison, once (force=true redoes it). A baseline
     without an export, or none at all, is written down in the summary and skipped; never fails the run for it.
-    Redone when it lacks a mode now evaluated, or a baseline that has an export since."""
+    Redone when it lacks a mode now evaluated, or a baseline that has an export since; a redo keeps the modes
+    compared before, so evaluating one mode later never drops another's comparison."""
     if not cfg.quant.enabled:
         return None
     done = read_summary(run_dir)
+    modes = list(cfg.eval.modes)
     if done is not None and not cfg.force:
-        has_modes = set(cfg.eval.modes) <= set(done.get("models") or {})
+        compared = [m for m in (done.get("models") or {}) if m != "baseline"]
+        has_modes = set(modes) <= set(compared)
+        modes += [m for m in compared if m not in modes]
         # done without a baseline export: redone once the baseline has one (a baseline trained afterwards)
         if has_modes and (done.get("baseline_run")
                           or plan(run_dir, results_root=Path(cfg.results_root))["baseline_run"] is None):
             print(f"{run_dir}: held-out comparison already done (force=true redoes it)")
             return None
-    doc = compute_heldout(run_dir, modes=list(cfg.eval.modes), results_root=Path(cfg.results_root),
+    doc = compute_heldout(run_dir, modes=modes, results_root=Path(cfg.results_root),
                           device=device, dtype=dtype)
     print(format_summary(doc))
     return doc

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .config import NUMERICS as SETTINGS  # train.autocast: auto, bf16, bf16_emulated, none
+from .config import ConfigError
 
 RESOLVED = tuple(s for s in SETTINGS if s != "auto")
 NO_NATIVE_BF16_ENV = "HIF8QAT_NO_NATIVE_BF16"
@@ -78,58 +79,40 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(_BF16).to(torch.float32)
 
 
-class _EmulatedLinear(torch.autograd.Function):
-    """y = bf16(bf16(x) bf16(W)^T + bf16(b)) computed in FP32; backward rounds g and each gradient likewise."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        xr, wr = round_bf16(x), round_bf16(weight)
-        br = None if bias is None else round_bf16(bias)
-        ctx.save_for_backward(xr, wr)
-        ctx.has_bias = bias is not None
-        return round_bf16(F.linear(xr, wr, br))
-
-    @staticmethod
-    def backward(ctx, grad):
-        xr, wr = ctx.saved_tensors
-        g = round_bf16(grad)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = round_bf16(g.matmul(wr))
-        if ctx.needs_input_grad[1]:
-            dw = round_bf16(g.reshape(-1, g.shape[-1]).t().matmul(xr.reshape(-1, xr.shape[-1])))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = round_bf16(g.reshape(-1, g.shape[-1]).sum(0))
-        return dx, dw, db
+def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to BF16 and returned in ``dtype`` (BF16 itself, or float32 holding BF16 values)."""
+    return x.to(_BF16) if dtype == _BF16 else round_bf16(x)
 
 
-class _EmulatedOp(torch.autograd.Function):
-    """Any other GEMM-like op (matmul, bmm, attention): rounded operands, FP32 op, rounded result; backward
-    recomputes the op in FP32 from the rounded operands (cheaper in memory than keeping its graph) and
-    rounds the incoming and outgoing gradients."""
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """BF16 values as float32 (exact); float32 rounded to BF16 values."""
+    return x.float() if x.dtype == _BF16 else round_bf16(x)
 
-    @staticmethod
-    def forward(ctx, fn, *tensors):
-        rounded = [round_bf16(t) for t in tensors]
-        ctx.fn = fn
-        ctx.save_for_backward(*rounded)
-        return round_bf16(fn(*rounded))
 
-    @staticmethod
-    def backward(ctx, grad):
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])]
-        wanted = [t for t in inputs if t.requires_grad]
-        with torch.enable_grad():
-            out = ctx.fn(*inputs)
-        grads = iter(torch.autograd.grad(out, wanted, round_bf16(grad)))
-        return (None, *(round_bf16(next(grads)) if t.requires_grad else None for t in inputs))
+# The emulation is plain differentiable torch: round (x.to(bf16).to(fp32)), an FP32 op, round. Autograd then
+# rounds each incoming and outgoing gradient to BF16 (the backward of a cast casts the gradient) and runs the
+# op's backward in FP32: nothing in a backward, nor in an activation-checkpointing recompute, depends on a mode
+# being active, and torch.compile traces it without a graph break.
+def emulated_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """A BF16 GEMM with FP32 accumulation computed in FP32 (no gradient): for code that runs its own GEMMs on BF16
+    operands, such as the quantized linear's backward."""
+    with torch.autocast(a.device.type, enabled=False):
+        return _round_to(_fp32(a).matmul(_fp32(b)), _BF16).to(out_dtype)
+
+
+def emulated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on BF16 operands computed in FP32 with a BF16 result (no gradient: the quantized linear's forward)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(_fp32(x), _fp32(weight), None if bias is None else _fp32(bias)).to(_BF16)
 
 
 # The functions native CPU/CUDA autocast runs in BF16 that a causal LM calls (HF Llama-style models use
-# F.linear, F.scaled_dot_product_attention, and matmul in eager attention).
+# F.linear and F.scaled_dot_product_attention, eager attention matmul; others addmm (GPT-2's Conv1D), einsum).
 _LINEAR = {F.linear}
-_OTHER_GEMMS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
-                torch.bmm, torch.Tensor.bmm, F.scaled_dot_product_attention}
+_OTHER_GEMMS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.mm,
+                torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm, torch.baddbmm,
+                torch.Tensor.baddbmm, torch.addbmm, torch.einsum, F.scaled_dot_product_attention, F.conv1d,
+                F.conv2d}
 
 
 def _is_float_tensor(x: Any) -> bool:
@@ -137,7 +120,9 @@ def _is_float_tensor(x: Any) -> bool:
 
 
 class BF16Emulation(TorchFunctionMode):
-    """Runs BF16 GEMMs as FP32 GEMMs on BF16 values (see the module doc)."""
+    """Runs BF16 GEMMs as FP32 GEMMs on BF16 values (see the module doc). A GEMM whose operands are float32 under
+    BF16 autocast, or that meets a BF16 operand in any region, is emulated; FP32 regions (autocast turned off,
+    float32 operands) and other dtypes are left alone. No GEMM under this mode receives a BF16 operand."""
 
     def __init__(self, device_type: str = "cpu"):
         super().__init__()
@@ -147,30 +132,29 @@ class BF16Emulation(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in _LINEAR and func not in _OTHER_GEMMS:
             return func(*args, **kwargs)
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if any(t.dtype == _BF16 for t in tensors):
-            # BF16 operands outside autocast (the quantized linear's own casts): FP32 GEMM, BF16 result.
-            up = [a.float() if isinstance(a, torch.Tensor) and a.dtype == _BF16 else a for a in args]
-            kw = {k: v.float() if isinstance(v, torch.Tensor) and v.dtype == _BF16 else v for k, v in kwargs.items()}
-            return func(*up, **kw).to(_BF16)
-        if not torch.is_autocast_enabled(self.device_type) or not all(t.dtype == torch.float32 for t in tensors):
+        floats = [a for a in (*args, *kwargs.values()) if _is_float_tensor(a)]
+        dtypes = {t.dtype for t in floats}
+        autocast_bf16 = (torch.is_autocast_enabled(self.device_type)
+                         and torch.get_autocast_dtype(self.device_type) == _BF16)
+        emulate = bool(floats) and dtypes <= {torch.float32, _BF16} and (_BF16 in dtypes or autocast_bf16)
+        if not emulate:
             return func(*args, **kwargs)  # an FP32 region of the model (or a dtype autocast leaves alone)
+        out_dtype = _BF16 if _BF16 in dtypes else torch.float32  # the dtype the native kernel would return
         with torch.autocast(self.device_type, enabled=False):
-            if func in _LINEAR:
+            if func in _LINEAR and not torch.is_grad_enabled():
+                # evaluation: each weight is rounded once, not once per call
                 x, weight, bias = _linear_args(args, kwargs)
-                if not torch.is_grad_enabled():  # evaluation: each weight is rounded once, not once per call
+                if weight.dtype == torch.float32:
                     b = None if bias is None else _rounded_weight(bias)
-                    return round_bf16(F.linear(round_bf16(x), _rounded_weight(weight), b))
-                return _EmulatedLinear.apply(x, weight, bias)
-            positions = [i for i, a in enumerate(args) if _is_float_tensor(a)]
+                    return _round_to(F.linear(_fp32(x), _rounded_weight(weight), b), out_dtype)
+            up_args = [_fp32(a) if _is_float_tensor(a) else a for a in args]
+            up_kwargs = {k: _fp32(v) if _is_float_tensor(v) else v for k, v in kwargs.items()}
+            return _round_to(func(*up_args, **up_kwargs), out_dtype)
 
-            def call(*tensor_values, _args=args, _kwargs=kwargs, _pos=positions, _func=func):
-                full = list(_args)
-                for i, value in zip(_pos, tensor_values):
-                    full[i] = value
-                return _func(*full, **_kwargs)
 
-            return _EmulatedOp.apply(call, *(args[i] for i in positions))
+def emulation_active() -> bool:
+    """Whether a :class:`BF16Emulation` is on this thread's mode stack (asked in a forward, never a backward)."""
+    return any(isinstance(m, BF16Emulation) for m in torch.overrides._get_current_function_mode_stack())
 
 
 _ROUNDED_ATTR = "_hif8qat_bf16_rounded"  # on a parameter: ((version, data_ptr) when rounded, the rounded copy)
@@ -195,6 +179,16 @@ def _linear_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         if name in kwargs:
             values[i] = kwargs[name]
     return values[0], values[1], values[2]
+
+
+def checkpoint_kwargs(numerics: str, device_type: str) -> dict[str, Any]:
+    """``torch.utils.checkpoint`` arguments under which an activation-checkpointing recompute runs with the
+    forward's numerics: autocast is restored by torch, a mode is not, so the emulation is entered explicitly (a
+    recompute without it would run native BF16 GEMMs and produce tensors of another dtype than the forward's)."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if numerics == "bf16_emulated":
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), BF16Emulation(device_type))
+    return kwargs
 
 
 def forward_context(numerics: str, device_type: str) -> contextlib.AbstractContextManager:
@@ -235,6 +229,12 @@ def resolve_run(cfg):
     import dataclasses
 
     numerics = resolve(cfg.train.autocast, training_device_type(cfg.train.device))
+    if numerics == "bf16_emulated" and cfg.train.compile:
+        # torch.compile traces the backward under the forward's autocast, so the emulated GEMMs' gradients would
+        # run as BF16 GEMMs: torch's slow path on exactly the machines the emulation is for.
+        raise ConfigError(f"invalid setting train.compile=true with train.autocast={cfg.train.autocast} "
+                          "(bf16_emulated numerics on this machine): allowed train.compile=false, or "
+                          "train.autocast=none (FP32, compiles) or bf16 (native BF16)")
     if numerics == cfg.train.autocast:
         return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, autocast=numerics))

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hif8qat import numerics
 from hif8qat.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
 from hif8qat.bank_row import BankedScaler
 from hif8qat.blocks import parse_high_precision_blocks
@@ -85,14 +86,16 @@ class _QuantLinearFn(torch.autograd.Function):
         qa = bank_qdq(x, bank_id, rows[0], mode, cdt)  # written in the matmul's dtype by the kernel
         # eager: the bank keeps Q(W) for a checkpoint recompute (compiled graphs may reuse an op result's memory)
         qw = bank_qdq(weight, bank_id, rows[1], mode, cdt, keep_w and not torch.compiler.is_compiling())
-        if cdt is not None:
-            b = bias.to(cdt) if bias is not None else None
+        b = bias.to(cdt) if bias is not None and cdt is not None else bias
+        # BF16 emulation is decided here, in the forward, and kept for the backward, which may run where no mode is
+        emulate = qa.dtype == torch.bfloat16 and numerics.emulation_active()
+        if emulate:
+            out = numerics.emulated_linear(qa, qw, b)
+        else:
             with torch.autocast(dev, enabled=False):
                 out = F.linear(qa, qw, b)
-        else:
-            out = F.linear(qa, qw, bias)
         ctx.save_for_backward(qa, qw if keep_w else weight)
-        ctx.quant = (bank_id, rows, cdt, keep_w)
+        ctx.quant = (bank_id, rows, cdt, keep_w, emulate)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
@@ -100,7 +103,7 @@ class _QuantLinearFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         qa, w = ctx.saved_tensors
-        bank_id, rows, cdt, keep_w = ctx.quant
+        bank_id, rows, cdt, keep_w, emulate = ctx.quant
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         mm_dtype = cdt or w_dtype  # the dtype of Q(W) as the forward's matmul used it
         qg = bank_qdq(grad_out, bank_id, rows[2], RECORD, mm_dtype)
@@ -109,10 +112,17 @@ class _QuantLinearFn(torch.autograd.Function):
         if keep_w and not torch.compiler.is_compiling():
             release_kept(bank_id, rows[1])
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = qg.matmul(qw).to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            dw = qg.reshape(-1, qg.shape[-1]).t().matmul(qa.reshape(-1, qa.shape[-1])).to(w_dtype)
+        flat_g = qg.reshape(-1, qg.shape[-1])
+        if emulate:  # FP32 GEMMs on the BF16 values, BF16 results: never torch's slow BF16 path
+            if ctx.needs_input_grad[0]:
+                dx = numerics.emulated_matmul(qg, qw, x_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = numerics.emulated_matmul(flat_g.t(), qa.reshape(-1, qa.shape[-1]), w_dtype)
+        else:
+            if ctx.needs_input_grad[0]:
+                dx = qg.matmul(qw).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = flat_g.t().matmul(qa.reshape(-1, qa.shape[-1])).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = qg.reshape(-1, qg.shape[-1]).sum(0).to(b_dtype)
         return dx, dw, db, None, None, None, None

@@ -166,7 +166,8 @@ def _build_model(cfg: RunConfig, ctx: DistContext):
     model.to(ctx.device)
     model.train()
     if cfg.train.activation_checkpointing:  # the recompute reuses the forward's HiF8 scales, records nothing
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=numerics.checkpoint_kwargs(_numerics(cfg, ctx.device), ctx.device.type))
     return model, tokenizer, converted
 
 

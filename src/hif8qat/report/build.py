@@ -59,7 +59,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_table(claims_df),
               f"reach_{profile}": reach_table(claims_df),
               "anchor": anchor_beside(runs_root),
-              f"pairing_{profile}": parts.pairing_df, f"paired_{profile}": parts.contrasts_df,
+              f"pairing_{profile}": parts.pairing_df, f"paired_{profile}": parts.contrasts_df.drop(columns="units", errors="ignore"),
               f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
     multiple, n_tests = multiple_comparisons(claims_df, profile)
     notes = table_notes(profile, n_boot=n_boot, seed=seed, last_frac=last_frac, margins=margins, multiple=multiple)

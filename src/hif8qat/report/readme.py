@@ -191,7 +191,7 @@ def claims_parts(runs: list[RunInfo], runs_root: Path, profile: str, *, margins:
     ape = ape_rows(curves, last_frac)
     scaling_pairs_df = scaling_pairs_table(runs, parent_of, metrics_cache, ape)
     replay_df = replay_table(runs if replay else [], used)
-    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache)
+    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache, used)
     claims_df = claims_table(contrasts_df, margins)
     section = claims_section(claims_df, runs_df, profile, margins,
                              saturation_section(scaling_pairs_df, replay_df, profile))

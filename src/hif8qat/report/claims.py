@@ -243,6 +243,7 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
             row.update(base=base, cost=rel(c.mean), ci_lo=rel(hi95), ci_hi=rel(lo95), ci90_lo=rel(hi90),
                        ci90_hi=rel(lo90), diff_points=c.mean, lost=int(g["lost"].sum()), gained=int(g["gained"].sum()),
                        flip_items=int((y != 0).any(0).sum()), items_lost=items_lost, items_gained=items_gained,
+                       item_change_ms=float(np.mean((net / len(g)) ** 2)),
                        p=p, test="exact permutation test over items (net flips over seeds)", ci_method=method,
                        mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts,
                        boot_lo=rel(boot[1]), boot_hi=rel(boot[0]))

@@ -143,16 +143,19 @@ def test_heldout_claims_cross_seeds_with_windows_and_list_the_token_files(tmp_pa
     runs = make_fake_runs(tmp_path / "runs", seeds=(0, 1, 2))
     rng = np.random.default_rng(4)
     window_effect = rng.normal(0, 0.05, 16)  # the same windows in every seed
-    pct = []  # per seed, each window's NLL difference in % of the seed's baseline NLL
+    pct, kls = [], []  # per seed, each window's NLL difference in % of the seed's baseline NLL, and mean KL
     for sd in range(3):
         d = runs / "smoke" / "exp8" / f"seed{sd}" / "eval" / "heldout"
         d.mkdir(parents=True)
         base = rng.gamma(3, 1, 16 * 8)
         bf16 = base + np.repeat(window_effect, 8) + 0.01 * sd + rng.normal(0, 0.01, base.size)
+        kl, top1 = rng.gamma(1, 0.01, base.size), (rng.random(base.size) < 0.9).astype(int)
         pd.DataFrame({"window": np.repeat(np.arange(16), 8), "pos": np.tile(np.arange(8), 16),
-                      "nll_baseline": base, "nll_bf16": bf16}).to_csv(d / "tokens.csv.gz", index=False)
+                      "nll_baseline": base, "nll_bf16": bf16, "kl_bf16_vs_baseline": kl,
+                      "top1_bf16_vs_baseline": top1}).to_csv(d / "tokens.csv.gz", index=False)
+        kls.append(kl.reshape(16, 8).mean(1))
         pct.append((bf16 - base).reshape(16, 8).mean(1) * 100 / base.mean())
-        s = heldout_stats.comparison_summary(base, bf16, np.zeros(base.size), np.ones(base.size), 8)
+        s = heldout_stats.comparison_summary(base, bf16, kl, top1, 8)
         (d / "summary.json").write_text(json.dumps({
             "baseline_run": f"exp7/seed{sd}", "tokens_file": "tokens.csv.gz",
             "comparisons": {"bf16_vs_baseline": {"reference": "baseline", "other": "bf16", "summary": s}}}))
@@ -160,6 +163,11 @@ def test_heldout_claims_cross_seeds_with_windows_and_list_the_token_files(tmp_pa
     row = rep["tables"]["heldout_smoke"].iloc[0]
     assert row["n_seeds"] == 3 and "16 windows crossed" in row["ci_method"]
     assert row["cost"] == pytest.approx(np.mean(pct), rel=1e-5)
+    # the mean KL's interval: the crossed model (checked against REML above) on each window's mean KL, read
+    # from the token files (the window means here come from the generated columns, not from those files)
+    c = stats.crossed_mean(np.array(kls), "windows")
+    assert (row["kl_ci_lo"], row["kl_ci_hi"]) == pytest.approx((c.lo, c.hi), rel=1e-5)
+    assert row["top1_ci_lo"] < row["top1_agreement"] < row["top1_ci_hi"]
     # a shared window effect: far fewer degrees of freedom than 3 seeds x 15 windows, and wider than each
     # seed's own window interval divided by the seeds (the rule before)
     assert row["df"] < 3 * 15

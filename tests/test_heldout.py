@@ -152,7 +152,7 @@ def test_pooled_over_seeds_crosses_seeds_with_windows():
     half = st.t.ppf(0.975, 2) * np.std(pct, ddof=1) / math.sqrt(3)
     assert wide["cost"] == pytest.approx(np.mean(pct))
     assert (wide["ci_lo"], wide["ci_hi"]) == pytest.approx((np.mean(pct) - half, np.mean(pct) + half), rel=0.02)
-    assert "32 windows crossed" in wide["test"] and wide["equivalence"].startswith("equivalent")
+    assert "32 windows crossed" in wide["ci_method"] and wide["equivalence"].startswith("equivalent")
     tight = claims_table(pd.DataFrame(rows), {"heldout_nll": 0.05}).iloc[0]
     assert tight["equivalence"] == "not equivalent"
 
@@ -252,7 +252,7 @@ def test_report_keeps_only_the_baseline_they_were_computed_against(runs):
     contrasts = pd.DataFrame(paired)
     table = heldout_table(claims_table(contrasts), contrasts)
     assert len(table) == 3 and set(table["against"]) == {"baseline", "bf16_mode"}
-    assert table["test"].str.contains("one seed: t over 128 windows").all()
+    assert table["ci_method"].str.contains("one seed: t over 128 windows").all()
     assert table["top1_agreement"].between(0, 1).all()
 
 

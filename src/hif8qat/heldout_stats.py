@@ -130,3 +130,12 @@ def window_costs(tokens: pd.DataFrame, reference: str, other: str) -> pd.Series 
     out = diff.groupby(tokens["window"]).mean()
     out.index = out.index.astype(str)
     return out
+
+
+def window_means(tokens: pd.DataFrame, column: str) -> pd.Series | None:
+    """Per held-out window, the mean of a per-token column (KL, top-1 agreement); None when it is absent."""
+    if not {"window", column} <= set(tokens.columns):
+        return None
+    out = tokens[column].astype(float).groupby(tokens["window"]).mean()
+    out.index = out.index.astype(str)
+    return out

@@ -1,13 +1,14 @@
-"""Paired statistics for run-vs-baseline claims: per-seed differences pooled over seeds, exact tests for few
-discordant items, equivalence (two one-sided tests) against a stated margin, and detectable effects.
+"""Paired statistics for run-vs-baseline claims: one model per paired metric, exact tests for few discordant
+items, equivalence (two one-sided tests) against a stated margin, and detectable effects.
 
 The unit of comparison is a seed: a run and its same-seed baseline share data order and initial weights, so each
-seed gives one paired difference. Its mean over seeds has two sources of noise: between seeds (the seed's
-effect on the difference) and within a seed (which items or steps happened to be measured). With k seeds,
-per-seed differences d_s and their within-seed variances v_s, the variance of the mean is estimated as
-``max(var(d_s), mean(v_s)) / k``: the sample variance over seeds already contains the within-seed noise, and
-when it is smaller than that noise (few seeds, or one) the within-seed variance is the floor. The interval uses
-Student's t with k - 1 degrees of freedom when the between-seed term is used, the normal quantile otherwise.
+seed gives one paired difference. Every seed scores the same evaluation items and held-out windows, so an item's
+(window's) effect on the difference recurs in every seed: seeds and items are crossed random effects, and the
+variance of the mean comes from both (:func:`crossed_mean`); a quantity with no shared units (the training
+loss) has the seeds alone (:func:`seeds_t`). Which model applies is fixed by the metric, never by which variance
+turns out larger. Accuracy adds an exact permutation test over items of their net flips summed over seeds
+(:func:`item_permutation_test`) and its minimum detectable effect under a stated flip model
+(:func:`mde_item_flips`); :func:`hierarchical_bootstrap` gives a second interval where there are seeds enough.
 
 Also the report's per-seed measures: the relative drop with its paired bootstrap interval, the training-loss
 APE, Holm's adjustment.
@@ -54,7 +55,9 @@ def _quantile(q: float, df: float) -> float:
 
 
 def pool_seeds(diffs: Sequence[float], within_vars: Sequence[float], within_df: float = math.inf) -> Pooled:
-    """Mean of per-seed differences with a variance combining between-seed spread and within-seed variance.
+    """The earlier pooling rule, ``max(var(d_s), mean(v_s)) / k`` with the df of whichever is larger. The claims
+    no longer use it (it picks the variance after seeing the data and counts shared items as fresh per seed);
+    the tests keep it to show what the crossed model corrects.
 
     ``within_df``: degrees of freedom of the within-seed variance (infinite for hundreds of items; the number
     of blocks minus one, summed over seeds, for a variance from a few blocks of training steps)."""

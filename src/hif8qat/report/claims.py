@@ -16,7 +16,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..heldout_stats import HELDOUT_MARGIN_PCT, HELDOUT_METRIC, heldout_dir, read_summary, window_costs
+from ..heldout_stats import (
+    HELDOUT_MARGIN_PCT,
+    HELDOUT_METRIC,
+    heldout_dir,
+    read_summary,
+    window_costs,
+    window_means,
+)
 from ..stats import (
     Contrast,
     block_variance_of_mean,
@@ -157,7 +164,9 @@ def heldout_contrasts(run: RunInfo, baseline: RunInfo | None, used: FilesUsed | 
                      "recorded": ok, "diff": pct["mean"], "var": pct["var"],
                      "within_df": max(int(pct["n_windows"]) - 1, 0), "base": s["nll_ref"], "lost": 0, "gained": 0,
                      "nll_diff_nats": s["nll_diff"]["mean"], "kl_mean": s["kl"]["mean"], "kl_p99": s["kl"]["p99"],
-                     "top1_agreement": s["top1"]["mean"], "units": units})
+                     "top1_agreement": s["top1"]["mean"], "units": units,
+                     **{f"{what}_units": window_means(table, f"{what}_{mode}_vs_{cmp['reference']}")
+                        if table is not None else None for what in ("kl", "top1")}})
     return rows
 
 
@@ -249,7 +258,7 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
                        boot_lo=rel(boot[1]), boot_hi=rel(boot[0]))
         else:
             row.update(base=float(g["base"].mean()), cost=c.mean, ci_lo=c.lo, ci_hi=c.hi, ci90_lo=c.lo90,
-                       ci90_hi=c.hi90, p=c.p, test=f"t: {c.method}", ci_method=c.method,
+                       ci90_hi=c.hi90, p=c.p, test=f"t on the interval's model, {c.df:.1f} df", ci_method=c.method,
                        mde=mde_from_se(c.se, c.df, alpha=alpha, power=power), boot_lo=boot[0], boot_hi=boot[1])
             if metric in ITEM_METRICS:
                 row.update(lost=int(g["lost"].sum()), gained=int(g["gained"].sum()))
@@ -301,15 +310,28 @@ def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
 
 
 HELDOUT_COLUMNS = ["nll_diff_nats", "kl_mean", "kl_p99", "top1_agreement"]
+UNIT_COLUMNS = ["units", "kl_units", "top1_units"]  # per-unit values the claims pool, not table columns
 
 
 def heldout_table(claims: pd.DataFrame, contrasts: pd.DataFrame) -> pd.DataFrame:
     """The held-out-text claims (``heldout_nll`` rows of the claims table: pooled NLL difference, its test,
-    MDE and equivalence verdict) with the distances beside them, each the mean over the claim's seeds."""
+    MDE and equivalence verdict) with the distances beside them, each the mean over the claim's seeds, and for
+    the mean KL and the top-1 agreement a 95 % interval from the same crossed seeds x windows model
+    (``kl_ci_lo`` / ``kl_ci_hi``, ``top1_ci_lo`` / ``top1_ci_hi``; descriptive, no test)."""
     if claims.empty or contrasts.empty or HELDOUT_METRIC not in set(claims["metric"]):
         return pd.DataFrame()
     keys = CLAIM_KEYS + ["mode"]
     per_seed = contrasts[contrasts["metric"] == HELDOUT_METRIC]
     beside = per_seed.groupby(keys, sort=False)[HELDOUT_COLUMNS].mean().reset_index()
+    for what in ("kl", "top1"):
+        col = f"{what}_units"
+        if col not in per_seed:
+            continue
+        ci = []
+        for _, g in per_seed.groupby(keys, sort=False):
+            ok = g[col].map(lambda u: u is not None and not (isinstance(u, float) and np.isnan(u))).all()
+            c = crossed_mean(_unit_table(g.assign(units=g[col])).to_numpy(float), "windows") if ok else None
+            ci.append((c.lo, c.hi) if c is not None else (float("nan"), float("nan")))
+        beside[f"{what}_ci_lo"], beside[f"{what}_ci_hi"] = [x[0] for x in ci], [x[1] for x in ci]
     rows = claims[claims["metric"] == HELDOUT_METRIC].drop(columns=["lost", "gained"], errors="ignore")
     return rows.merge(beside, on=keys, how="left").reset_index(drop=True)

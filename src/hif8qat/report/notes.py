@@ -64,7 +64,9 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                               "the other claim metrics), with beside them, as means over the seeds: nll_diff_nats (the cost "
                               "in nats per token), kl_mean / kl_p99 (each seed's mean and 99th percentile over "
                               "tokens of KL(P_reference || P_run), nats) and top1_agreement (share of tokens whose "
-                              "most likely next token is the same).",
+                              "most likely next token is the same); kl_ci_lo / kl_ci_hi and top1_ci_lo / top1_ci_hi: "
+                              "95 % intervals of the mean KL and top-1 agreement from the same crossed seeds x "
+                              "windows model (descriptive, no test).",
         f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
         f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
                                 "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "

@@ -49,7 +49,8 @@ tables.get(f"runs_{profile}", pd.DataFrame())
 # %% [markdown]
 # ## Accuracy drops against the baseline, per seed
 # Descriptive: a paired bootstrap 95 % CI per seed and task. With a few flips per task it is anti-conservative;
-# the tests behind the claims (seeds pooled, exact McNemar, equivalence) are in the Claims section below.
+# the tests behind the claims (seeds pooled, items counted once over their seeds, equivalence) are in the
+# Claims section below.
 
 # %%
 tables.get(f"drops_{profile}", pd.DataFrame())
@@ -71,9 +72,11 @@ tables.get(f"telemetry_{profile}", pd.DataFrame())
 # Each run against its baseline and the experiment it derives from (pairs: same seed, same training settings;
 # `pairing` lists every run left without a pair and why). Cost > 0: the run is worse. Per mode, task and metric
 # (accuracy, the signed training-loss difference, per-item gold log-likelihood and margin where recorded): the
-# mean cost with a 95 % CI from between- and within-seed variance, the equivalence verdict (two one-sided
-# tests against the margin), one test with the seeds pooled (Holm within the claim), and what that test can
-# detect (MDE). The section below is what experiments/README.md includes.
+# mean cost with a 95 % CI from the design's own units (training loss: t on the seed means; items and held-out
+# windows: crossed with the seeds, since every seed scores the same ones; `ci_method` and `df` say which), the
+# equivalence verdict (two one-sided tests against the margin), one test with the seeds pooled (accuracy: an
+# exact permutation test over items; Holm within the claim), and what that test can detect (MDE). The section
+# below is what experiments/README.md includes.
 
 # %%
 from IPython.display import Markdown  # noqa: E402
@@ -96,7 +99,7 @@ tables.get(f"pairing_{profile}", pd.DataFrame())
 # %%
 claims = tables.get(f"claims_{profile}", pd.DataFrame())
 cols = ["experiment", "against", "counterpart", "mode", "task", "metric", "unit", "n_seeds", "cost", "ci_lo",
-        "ci_hi", "mde", "margin", "equivalence", "difference"]
+        "ci_hi", "df", "boot_lo", "boot_hi", "mde", "margin", "equivalence", "difference"]
 claims[claims["metric"] != "accuracy"][cols].round(4) if not claims.empty else claims
 
 # %% [markdown]

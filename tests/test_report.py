@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from scipy import stats as st
 
 from hif8qat import report
 
@@ -289,7 +290,7 @@ def _claim(claims, exp="exp8", against="baseline", mode="hif8", metric="accuracy
     return c[c.task == task].iloc[0] if metric != "train_loss" else c.iloc[0]
 
 
-def test_claims_pool_seeds_into_one_exact_test(tmp_path):
+def test_claims_pool_seeds_into_one_exact_test_over_items(tmp_path):
     runs = make_fake_runs(tmp_path / "runs", seeds=(0, 1, 2))
     rep = report.build_report(runs, "smoke", tmp_path / "tables", tmp_path / "figures", n_boot=100, figures=False)
     claims = rep["tables"]["claims_smoke"]
@@ -298,7 +299,9 @@ def test_claims_pool_seeds_into_one_exact_test(tmp_path):
                     ["correct"].mean() * 100 for k in range(3)])
     c = _claim(claims)
     assert (c["n_seeds"], c["lost"], c["gained"], c["n_items"]) == (3, 60, 0, 360)
-    assert c["p"] == pytest.approx(2 * 0.5 ** 60)  # one exact test over the three seeds' flips
+    # the same 20 items are lost in every seed: 20 items net lost, one exact test over items (not 60 flips)
+    assert (c["flip_items"], c["items_lost"], c["items_gained"]) == (20, 20, 0)
+    assert c["p"] == pytest.approx(2 * 0.5 ** 20)
     assert c["cost"] == pytest.approx(20 / 120 * 100 / base * 100)
     assert c["ci_lo"] > 1.0 and c["equivalence"] == "not equivalent" and c["difference"] == "worse"
     # the signed training-loss difference over the QAT phase (steps 6-40), % of the baseline's loss
@@ -335,7 +338,8 @@ def test_claims_read_per_item_log_likelihoods_when_recorded(tmp_path):
     c = _claim(rep["tables"]["claims_smoke"], mode="bf16", metric="gold_ll")
     cost = gold["exp7"]["gold_ll"] - gold["exp8"]["gold_ll"]
     assert c["cost"] == pytest.approx(cost.mean())
-    assert c["ci_hi"] - c["cost"] == pytest.approx(1.959964 * cost.std(ddof=1) / math.sqrt(len(cost)), rel=1e-5)
+    half = st.t.ppf(0.975, len(cost) - 1) * cost.std(ddof=1) / math.sqrt(len(cost))  # one seed: t over its items
+    assert c["ci_hi"] - c["cost"] == pytest.approx(half, rel=1e-5)
     assert (c["lost"], c["gained"]) == ((cost > 0).sum(), (cost < 0).sum())
     m = _claim(rep["tables"]["claims_smoke"], mode="bf16", metric="gold_margin")
     assert m["cost"] == pytest.approx((gold["exp7"]["gold_margin"] - gold["exp8"]["gold_margin"]).mean())

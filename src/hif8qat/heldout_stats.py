@@ -7,9 +7,10 @@ actual next token, KL(P_ref || P_other) of the next-token distributions and whet
 Tokens of one window share their context, so they are not independent: the variance of a token mean is taken
 from the window means (batch means, one block per window; all windows have the same number of tokens, so the
 mean of the window means is the token mean), with ``n_windows - 1`` degrees of freedom
-(:func:`hif8qat.stats.block_variance_of_mean`). Over seeds, the report pools the per-seed paired NLL differences
-as one more claim metric (``heldout_nll``, :func:`hif8qat.report.claims.claims_table`): same Holm family, MDE and
-equivalence test as the training loss.
+(:func:`hif8qat.stats.block_variance_of_mean`). Over seeds the windows are the same in every seed, so the report
+crosses seeds with windows (:func:`window_costs`, :func:`hif8qat.stats.crossed_mean`) for one more claim metric
+(``heldout_nll``, :func:`hif8qat.report.claims.claims_table`): same Holm family, MDE and equivalence test as the
+other claim metrics.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 from scipy import stats as st
 
 from .stats import _quantile, block_variance_of_mean, mde_from_se
@@ -112,3 +114,28 @@ def read_summary(run_dir) -> dict | None:
         return json.loads((heldout_dir(run_dir) / SUMMARY_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def window_costs(tokens: pd.DataFrame, reference: str, other: str) -> pd.Series | None:
+    """Per held-out window, the paired NLL cost ``other - reference`` in % of the reference's mean NLL over all
+    tokens (windows hold equal token counts, so their mean is the comparison's ``nll_diff_pct`` mean): the units
+    the claims cross with seeds, since every seed scores the same windows. None when the columns are absent."""
+    ref, oth = f"nll_{reference}", f"nll_{other}"
+    if not {"window", ref, oth} <= set(tokens.columns):
+        return None
+    base = float(tokens[ref].mean())
+    if not base > 0:
+        return None
+    diff = (tokens[oth].astype(float) - tokens[ref].astype(float)) * (100.0 / base)
+    out = diff.groupby(tokens["window"]).mean()
+    out.index = out.index.astype(str)
+    return out
+
+
+def window_means(tokens: pd.DataFrame, column: str) -> pd.Series | None:
+    """Per held-out window, the mean of a per-token column (KL, top-1 agreement); None when it is absent."""
+    if not {"window", column} <= set(tokens.columns):
+        return None
+    out = tokens[column].astype(float).groupby(tokens["window"]).mean()
+    out.index = out.index.astype(str)
+    return out

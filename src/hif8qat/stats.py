@@ -1,13 +1,14 @@
-"""Paired statistics for run-vs-baseline claims: per-seed differences pooled over seeds, exact tests for few
-discordant items, equivalence (two one-sided tests) against a stated margin, and detectable effects.
+"""Paired statistics for run-vs-baseline claims: one model per paired metric, exact tests for few discordant
+items, equivalence (two one-sided tests) against a stated margin, and detectable effects.
 
 The unit of comparison is a seed: a run and its same-seed baseline share data order and initial weights, so each
-seed gives one paired difference. Its mean over seeds has two sources of noise: between seeds (the seed's
-effect on the difference) and within a seed (which items or steps happened to be measured). With k seeds,
-per-seed differences d_s and their within-seed variances v_s, the variance of the mean is estimated as
-``max(var(d_s), mean(v_s)) / k``: the sample variance over seeds already contains the within-seed noise, and
-when it is smaller than that noise (few seeds, or one) the within-seed variance is the floor. The interval uses
-Student's t with k - 1 degrees of freedom when the between-seed term is used, the normal quantile otherwise.
+seed gives one paired difference. Every seed scores the same evaluation items and held-out windows, so an item's
+(window's) effect on the difference recurs in every seed: seeds and items are crossed random effects, and the
+variance of the mean comes from both (:func:`crossed_mean`); a quantity with no shared units (the training
+loss) has the seeds alone (:func:`seeds_t`). Which model applies is fixed by the metric, never by which variance
+turns out larger. Accuracy adds an exact permutation test over items of their net flips summed over seeds
+(:func:`item_permutation_test`) and its minimum detectable effect under a stated flip model
+(:func:`mde_item_flips`); :func:`hierarchical_bootstrap` gives a second interval where there are seeds enough.
 
 Also the report's per-seed measures: the relative drop with its paired bootstrap interval, the training-loss
 APE, Holm's adjustment.
@@ -54,7 +55,9 @@ def _quantile(q: float, df: float) -> float:
 
 
 def pool_seeds(diffs: Sequence[float], within_vars: Sequence[float], within_df: float = math.inf) -> Pooled:
-    """Mean of per-seed differences with a variance combining between-seed spread and within-seed variance.
+    """The earlier pooling rule, ``max(var(d_s), mean(v_s)) / k`` with the df of whichever is larger. The claims
+    no longer use it (it picks the variance after seeing the data and counts shared items as fresh per seed);
+    the tests keep it to show what the crossed model corrects.
 
     ``within_df``: degrees of freedom of the within-seed variance (infinite for hundreds of items; the number
     of blocks minus one, summed over seeds, for a variance from a few blocks of training steps)."""
@@ -315,3 +318,178 @@ def paired_bootstrap_drop(base_correct: Sequence[float], quant_correct: Sequence
 def binomial_se_pp(p_pct: float, n: int) -> float:
     p = p_pct / 100.0
     return math.sqrt(p * (1 - p) / n) * 100.0
+
+
+# ------------------------------------------------------------------ one model per paired metric's design
+# Every seed scores the same items (or held-out windows), so an item's effect on a paired difference recurs in
+# every seed: seeds and items are crossed, not nested. The variance of a contrast's mean comes from the design's
+# own units, chosen by the metric before any data are seen, never by which variance turns out larger.
+BOOT_MIN_SEEDS = 5  # the hierarchical bootstrap resamples seeds; with fewer it underestimates their spread badly
+BOOT_MIN_UNITS = 10
+
+
+@dataclass
+class Contrast:
+    """The mean of a paired difference over a design's units with its uncertainty and where that comes from."""
+
+    k: int  # seeds
+    n: int  # items or windows per seed (1 for a seeds-only design)
+    mean: float
+    se: float
+    df: float
+    lo: float  # 95 % interval
+    hi: float
+    lo90: float  # 90 % interval: the two one-sided tests at 5 % each
+    hi90: float
+    p: float  # two-sided test of mean 0 on the same variance and df
+    seed_var: float  # variance components (NaN where the design cannot estimate one)
+    unit_var: float
+    resid_var: float
+    method: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_contrast(k: int, n: int, mean: float, var: float, df: float, comps: tuple[float, float, float],
+              method: str) -> Contrast:
+    nan = float("nan")
+    if not (np.isfinite(var) and var >= 0 and df > 0):
+        return Contrast(k, n, mean, nan, nan, nan, nan, nan, nan, nan, *comps, method)
+    se = math.sqrt(var)
+    q95, q90 = _quantile(0.975, df), _quantile(0.95, df)
+    p = float(2 * st.t.sf(abs(mean) / se, df)) if se > 0 else (1.0 if mean == 0 else 0.0)
+    return Contrast(k, n, mean, se, df, mean - q95 * se, mean + q95 * se, mean - q90 * se, mean + q90 * se, p,
+                    *comps, method)
+
+
+def seeds_t(diffs: Sequence[float]) -> Contrast:
+    """Seeds as the only unit (training loss: every seed its own curve): t on the k per-seed means with k - 1
+    degrees of freedom. No interval from one seed."""
+    d = np.asarray(diffs, float)
+    d = d[np.isfinite(d)]
+    k = len(d)
+    mean = float(d.mean()) if k else float("nan")
+    var = float(np.var(d, ddof=1)) if k > 1 else float("nan")
+    return make_contrast(k, 1, mean, var / k if k > 1 else var, float(k - 1),
+                     (var, float("nan"), float("nan")), f"t over {k} seed means, {k - 1} df")
+
+
+def crossed_mean(y, unit: str = "units") -> Contrast:
+    """Mean of a balanced seeds x units table of paired differences (units: items or held-out windows, the same
+    in every seed), with seeds, units and their interaction as crossed random effects.
+
+    Method of moments from the two-way analysis of variance: with k seeds, n units and the mean squares MS_s
+    (seeds, k - 1 df), MS_u (units, n - 1 df) and MS_e (interaction, (k-1)(n-1) df), the components are
+    sigma_s^2 = (MS_s - MS_e) / n, sigma_u^2 = (MS_u - MS_e) / k and sigma_e^2 = MS_e; a negative estimate means
+    no such component and is set to 0 (as REML does). Var(mean) = sigma_s^2/k + sigma_u^2/n + sigma_e^2/(kn),
+    with Satterthwaite's degrees of freedom for that combination of mean squares. One seed: the units' variance
+    alone, n - 1 df (the seed's own effect cannot be seen). ``unit``: what the columns are, for the method text."""
+    y = np.asarray(y, float)
+    if y.ndim == 1:
+        y = y[None, :]
+    k, n = y.shape
+    nan = float("nan")
+    if n < 2 or not np.isfinite(y).all():
+        return make_contrast(k, n, float(y.mean()) if y.size else nan, nan, nan, (nan, nan, nan), "none")
+    mean = float(y.mean())
+    if k == 1:
+        ms_u = float(np.var(y[0], ddof=1))
+        return make_contrast(1, n, mean, ms_u / n, float(n - 1), (nan, ms_u, nan),
+                         f"one seed: t over {n} {unit}, {n - 1} df (no seed variance)")
+    r, c = y.mean(1), y.mean(0)
+    df_s, df_u, df_e = k - 1, n - 1, (k - 1) * (n - 1)
+    ms_s, ms_u = n * float(np.var(r, ddof=1)), k * float(np.var(c, ddof=1))
+    ms_e = float(((y - r[:, None] - c[None, :] + mean) ** 2).sum() / df_e)
+    s2_s, s2_u = max(ms_s - ms_e, 0.0) / n, max(ms_u - ms_e, 0.0) / k
+    # the same variance as a combination of mean squares, kn Var = c_s MS_s + c_u MS_u + c_e MS_e (what
+    # Satterthwaite's df needs): each component kept adds its mean square and takes one MS_e away
+    c_s, c_u = float(s2_s > 0), float(s2_u > 0)
+    terms = [(c_s, ms_s, df_s), (c_u, ms_u, df_u), (1.0 - c_s - c_u, ms_e, df_e)]
+    total = sum(w * ms for w, ms, _ in terms)
+    denom = sum((w * ms) ** 2 / d for w, ms, d in terms if w)
+    df = total**2 / denom if denom > 0 else float(df_e)
+    return make_contrast(k, n, mean, total / (k * n), df, (s2_s, s2_u, ms_e),
+                     f"seeds x {n} {unit} crossed (method of moments), Satterthwaite {df:.1f} df")
+
+
+def hierarchical_bootstrap(y, *, n_boot: int = 2000, seed: int = 0, conf: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the mean of a seeds x units table, resampling seeds and units independently (both
+    are random samples; a unit recurs in every seed, so its rows are not resampled per seed). A 1-column table
+    resamples seeds alone. NaN when the counts do not allow it (fewer than BOOT_MIN_SEEDS seeds, or than
+    BOOT_MIN_UNITS units where there are units)."""
+    y = np.asarray(y, float)
+    if y.ndim == 1:
+        y = y[:, None]
+    k, n = y.shape
+    if k < BOOT_MIN_SEEDS or (1 < n < BOOT_MIN_UNITS) or not np.isfinite(y).all():
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_boot)
+    for b in range(n_boot):
+        rows = rng.integers(0, k, k)
+        cols = rng.integers(0, n, n) if n > 1 else np.zeros(1, int)
+        means[b] = y[np.ix_(rows, cols)].mean()
+    a = (1 - conf) / 2
+    lo, hi = np.quantile(means, [a, 1 - a])
+    return float(lo), float(hi)
+
+
+def _sign_flip_dist(mags: Sequence[int]) -> np.ndarray:
+    """P(the +-signed sum of integer ``mags`` = 2s - sum(mags)) for s = 0..sum(mags), every sign equally likely."""
+    total = int(np.sum(mags))
+    dist = np.zeros(total + 1)
+    dist[0] = 1.0
+    for m in mags:
+        m = int(m)
+        shifted = np.zeros_like(dist)
+        shifted[m:] = dist[: total + 1 - m]
+        dist = 0.5 * (dist + shifted)
+    return dist
+
+
+def item_permutation_test(net: Sequence[float]) -> tuple[int, int, float]:
+    """Exact permutation (sign-flip) test over items of their net change summed over seeds, in answers: under no
+    effect each item's net change is as likely negative as positive, so the statistic sum(net) is referred to all
+    2^m sign assignments of the m items that changed (their exact distribution, built by convolution). An item
+    that flips the same way in every seed counts once, with its weight; at one seed this is the exact McNemar
+    test. Returns ``(items net lost, items net gained, two-sided p)``; p = 1.0 when no item changed."""
+    a = np.rint(np.asarray(net, float)).astype(np.int64)
+    a = a[a != 0]
+    lost, gained = int((a < 0).sum()), int((a > 0).sum())
+    if not len(a):
+        return lost, gained, 1.0
+    dist = _sign_flip_dist(np.abs(a))
+    total = len(dist) - 1
+    stat = 2 * np.arange(total + 1) - total
+    return lost, gained, min(1.0, float(dist[np.abs(stat) >= abs(int(a.sum()))].sum()))
+
+
+def mde_item_flips(n_items: int, net: Sequence[float], k: int, *, alpha: float = 0.05, power: float = 0.8
+                   ) -> float:
+    """Smallest accuracy difference (a proportion of the items) the item permutation test detects with ``power``
+    under a stated flip model: an effect of a items makes a further a items lose in every one of the k seeds
+    (net change -k each), on top of the items whose net change here is not zero, which keep their sizes and
+    take either sign with probability 1/2. Exact: the test's rejection region for those m + a items, and the
+    probability that the null items' signed sum plus the effect's -a k falls in it. Returns a / n_items for the
+    smallest a that reaches ``power``; NaN when none up to n_items - m does."""
+    a0 = np.rint(np.asarray(net, float)).astype(np.int64)
+    null = np.abs(a0[a0 != 0])
+    if n_items <= 0 or k <= 0:
+        return float("nan")
+    null_dist = _sign_flip_dist(null)
+    t_null = 2 * np.arange(len(null_dist)) - int(null.sum())
+    for a in range(1, int(n_items) - len(null) + 1):
+        dist = _sign_flip_dist(np.concatenate([null, np.full(a, int(k))]))
+        total = len(dist) - 1
+        stat = 2 * np.arange(total + 1) - total
+        absstat = np.abs(stat)
+        # P(|T| >= |t|) for each t, from the distribution sorted by |T|
+        sorted_abs = np.sort(absstat)
+        cum = np.cumsum(dist[np.argsort(absstat, kind="stable")][::-1])[::-1]
+        p_of = {int(v): float(cum[np.searchsorted(sorted_abs, v, side="left")]) for v in np.unique(absstat)}
+        t = np.abs(t_null - a * int(k))
+        hit = np.array([p_of.get(int(v), 1.0) < alpha for v in t])
+        if float(null_dist[hit].sum()) >= power:
+            return a / n_items
+    return float("nan")

@@ -11,9 +11,11 @@ Definitions (the paper's, as in the authors' log_visualizer and evaluation summa
   unsigned: it measures noise and a systematic gap alike, so the claims use the signed difference instead;
 * claims: every run against its same-seed baseline and the experiment it derives from (one pairing rule,
   :func:`hif8qat.runs.find_baseline_run`), pooled over seeds per mode, task and metric (accuracy, the per-item
-  gold log-likelihood and margin when recorded, the signed training-loss difference), with an interval from
-  between- and within-seed variance, an equivalence verdict against a stated margin, one test per row with
-  the seeds pooled, Holm within the claim, and the minimum detectable cost of that test (``hif8qat.stats``);
+  gold log-likelihood and margin when recorded, the signed training-loss difference, the held-out NLL), with
+  an interval from the design's own units (training loss: t on the per-seed means; items and held-out windows:
+  crossed with the seeds, since every seed scores the same ones), an equivalence verdict against a stated
+  margin, one test per row with the seeds pooled (accuracy: exact permutation test over items), Holm within the
+  claim, and the minimum detectable cost of that test (``hif8qat.stats``);
 * seeds: the spread (mean, sd) of each score and drop over seeds and a descriptive seed null (a BF16
   experiment against itself at another seed).
 

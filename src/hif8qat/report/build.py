@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from .anchor import anchor_beside
-from .claims import heldout_table, mde_table
+from .claims import UNIT_COLUMNS, heldout_table, mde_table
 from .figures import make_figures
 from .notes import multiple_comparisons, table_notes
 from .reach import reach_table
@@ -59,7 +59,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_table(claims_df),
               f"reach_{profile}": reach_table(claims_df),
               "anchor": anchor_beside(runs_root),
-              f"pairing_{profile}": parts.pairing_df, f"paired_{profile}": parts.contrasts_df,
+              f"pairing_{profile}": parts.pairing_df, f"paired_{profile}": parts.contrasts_df.drop(columns=UNIT_COLUMNS, errors="ignore"),
               f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
     multiple, n_tests = multiple_comparisons(claims_df, profile)
     notes = table_notes(profile, n_boot=n_boot, seed=seed, last_frac=last_frac, margins=margins, multiple=multiple)

@@ -1,6 +1,11 @@
 """Claims: every run against its baseline, the experiment it derives from and its own bf16 evaluation, as
 same-seed paired contrasts pooled over seeds, with an interval, an equivalence verdict, one Holm-adjusted test
-per row and the minimum detectable cost of that test."""
+per row and the minimum detectable cost of that test.
+
+One model per paired metric, fixed by its design before any data are seen: the training loss has seeds as its
+only unit (t on the per-seed means, k - 1 df); the per-item metrics and the held-out ones score the same items
+or windows in every seed, so seeds and items (windows) are crossed random effects
+(:func:`hif8qat.stats.crossed_mean`); accuracy is tested by an exact permutation test over items of their net flips."""
 
 from __future__ import annotations
 
@@ -11,21 +16,32 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..heldout_stats import HELDOUT_MARGIN_PCT, HELDOUT_METRIC, read_summary
+from ..heldout_stats import (
+    HELDOUT_MARGIN_PCT,
+    HELDOUT_METRIC,
+    heldout_dir,
+    read_summary,
+    window_costs,
+    window_means,
+)
 from ..stats import (
+    Contrast,
     block_variance_of_mean,
+    crossed_mean,
     equivalence_verdict,
     exact_difference_ci,
-    exact_mcnemar_p,
+    hierarchical_bootstrap,
     holm,
     item_pair,
-    mde_exact_mcnemar,
+    item_permutation_test,
+    make_contrast,
     mde_from_se,
+    mde_item_flips,
     mean_variance,
-    pool_seeds,
+    seeds_t,
 )
 from .items import EXACT_BELOW_DISCORDANT
-from .sources import RunInfo, _dirty_of, _eval_results, _qat_start, _read_samples, _run_label, _tag
+from .sources import FilesUsed, RunInfo, _dirty_of, _eval_results, _qat_start, _read_samples, _run_label, _tag
 
 # Equivalence margins (two one-sided tests), in the unit of each metric's cost; positive cost = the run is worse.
 # accuracy: % of the baseline score (the paper's drops are 0.2-0.6 %); train_loss: % of the baseline's loss
@@ -36,9 +52,7 @@ METRIC_UNITS = {"accuracy": "% of score", "train_loss": "% of loss", "gold_ll": 
                 HELDOUT_METRIC: "% of held-out NLL"}
 ITEM_METRICS = ("gold_ll", "gold_margin")  # per-item columns of samples_<task>.csv, when the run recorded them
 NOT_RECORDED = "not recorded in this run"
-# A continuous metric's test when its within-seed variance decides the interval, named by where it comes from.
-WITHIN_SEED_TEST = {"train_loss": "t over step blocks", HELDOUT_METRIC: "t over held-out windows",
-                    **{m: "normal, within-seed item variance" for m in ITEM_METRICS}}
+UNITS_OF = {"accuracy": "items", HELDOUT_METRIC: "windows", **{m: "items" for m in ITEM_METRICS}}
 LOSS_BLOCK = 5  # consecutive steps per block for the within-seed variance of the loss difference
 
 
@@ -93,9 +107,12 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
             m = bs.drop_duplicates("doc_id").merge(qs.drop_duplicates("doc_id"), on="doc_id", suffixes=("_b", "_q"))
             ip = item_pair(m["correct_b"].to_numpy(float), m["correct_q"].to_numpy(float))
             at = {**head, "mode": mode, "task": task}
+            ids = m["doc_id"].astype(str).to_numpy()
+            flips = pd.Series(((m["correct_q"].to_numpy(float) > 0.5).astype(float)
+                               - (m["correct_b"].to_numpy(float) > 0.5)) * 100.0, index=ids)
             rows.append({**at, "metric": "accuracy", "n": ip.n, "recorded": ip.n > 0, "diff": ip.diff * 100.0,
-                         "var": ip.var * 1e4, "within_df": math.inf, "base": float(m["correct_b"].mean()) * 100.0, "lost": ip.lost,
-                         "gained": ip.gained})
+                         "var": ip.var * 1e4, "within_df": math.inf, "base": float(m["correct_b"].mean()) * 100.0,
+                         "lost": ip.lost, "gained": ip.gained, "units": flips})
             for col in ITEM_METRICS:
                 cb, cq = f"{col}_b", f"{col}_q"
                 ok = cb in m and cq in m and bool(np.isfinite(m[[cb, cq]].to_numpy(float)).all()) and len(m) > 1
@@ -104,7 +121,8 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
                              "diff": float(cost.mean()) if ok else float("nan"),
                              "var": mean_variance(cost) if ok else float("nan"), "within_df": math.inf,
                              "base": float(m[cb].mean()) if ok else float("nan"),
-                             "lost": int((cost > 0).sum()), "gained": int((cost < 0).sum())})
+                             "lost": int((cost > 0).sum()), "gained": int((cost < 0).sum()),
+                             "units": pd.Series(cost, index=ids) if ok else None})
     return rows
 
 
@@ -114,16 +132,23 @@ def _contrast_head(run: RunInfo, other: RunInfo, against: str) -> dict[str, Any]
             "dirty": bool(_dirty_of(run) or _dirty_of(other))}
 
 
-def heldout_contrasts(run: RunInfo, baseline: RunInfo | None) -> list[dict[str, Any]]:
+def heldout_contrasts(run: RunInfo, baseline: RunInfo | None, used: FilesUsed | None = None
+                      ) -> list[dict[str, Any]]:
     """One seed's held-out-text contrasts (``<run>/eval/heldout/summary.json``, :mod:`hif8qat.heldout`): each
     evaluation mode against the baseline, and the quantized mode against the bf16 one, as ``heldout_nll`` rows
     (cost: the paired per-token NLL difference in % of the reference's held-out NLL, variance from window
-    means), with the seed's mean / p99 KL and top-1 agreement beside. A comparison against a baseline counts only
-    when it was computed against the run the report pairs it with (the summary names it), so pairings never mix."""
+    means), with the seed's mean / p99 KL and top-1 agreement beside, and each window's cost (``units``, read
+    from the per-token file, which ``used`` records with the summary). A comparison against a baseline counts
+    only when it was computed against the run the report pairs it with (the summary names it), so pairings never
+    mix."""
     doc = read_summary(run.path)
     if doc is None:
         return []
     rows = []
+    tokens = heldout_dir(run.path) / str(doc.get("tokens_file") or "tokens.csv.gz")
+    table = pd.read_csv(tokens) if tokens.exists() else None
+    if used is not None:
+        used.add(run, heldout_dir(run.path) / "summary.json", *([tokens] if table is not None else []))
     for cmp in (doc.get("comparisons") or {}).values():
         if cmp["reference"] == "baseline":
             if baseline is None or doc.get("baseline_run") != _run_label(baseline):
@@ -133,25 +158,47 @@ def heldout_contrasts(run: RunInfo, baseline: RunInfo | None) -> list[dict[str, 
             head = _contrast_head(run, run, "bf16_mode")
         mode, s = cmp["other"], cmp["summary"]
         pct = s["nll_diff_pct"]
-        ok = bool(np.isfinite(pct["mean"]) and np.isfinite(pct["var"]))
+        units = window_costs(table, cmp["reference"], mode) if table is not None else None
+        ok = bool(np.isfinite(pct["mean"]) and np.isfinite(pct["var"])) and units is not None
         rows.append({**head, "mode": mode, "task": "heldout", "metric": HELDOUT_METRIC, "n": int(s["n_tokens"]),
                      "recorded": ok, "diff": pct["mean"], "var": pct["var"],
                      "within_df": max(int(pct["n_windows"]) - 1, 0), "base": s["nll_ref"], "lost": 0, "gained": 0,
                      "nll_diff_nats": s["nll_diff"]["mean"], "kl_mean": s["kl"]["mean"], "kl_p99": s["kl"]["p99"],
-                     "top1_agreement": s["top1"]["mean"]})
+                     "top1_agreement": s["top1"]["mean"], "units": units,
+                     **{f"{what}_units": window_means(table, f"{what}_{mode}_vs_{cmp['reference']}")
+                        if table is not None else None for what in ("kl", "top1")}})
     return rows
 
 
 CLAIM_KEYS = ["experiment", "run_tag", "against", "counterpart"]
 
 
+def _unit_table(g: pd.DataFrame) -> pd.DataFrame:
+    """Seeds x units (items or windows) of a claim row's per-seed costs, on the units every seed scored."""
+    return pd.concat([u.rename(seed) for seed, u in zip(g["seed"], g["units"], strict=True)], axis=1,
+                     join="inner").T
+
+
+def _loss_contrast(g: pd.DataFrame) -> Contrast:
+    """Training loss: t on the per-seed means; one seed has no seed spread to use, so its interval comes from
+    blocks of its own steps, and says so."""
+    if len(g) > 1:
+        return seeds_t(g["diff"])
+    d, v, df = float(g["diff"].iloc[0]), float(g["var"].iloc[0]), float(g["within_df"].iloc[0])
+    return make_contrast(1, 1, d, v, df, (float("nan"),) * 3, f"one seed: t over step blocks, {df:g} df (no seed "
+                     "variance)")
+
+
 def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = None, *, alpha: float = 0.05,
-                 power: float = 0.8) -> pd.DataFrame:
+                 power: float = 0.8, n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
     """Per claim (a run against its baseline or the experiment it derives from), mode, task and metric: the
-    mean over seeds of the same-seed paired cost with a 95 % interval (between- and within-seed variance,
-    :func:`hif8qat.stats.pool_seeds`), the equivalence verdict against the metric's margin (two one-sided
-    tests), one test of a difference with the seeds pooled (accuracy: exact McNemar over all seeds' discordant
-    items), Holm-adjusted within the claim, and the minimum detectable cost of that same test.
+    mean over seeds of the same-seed paired cost with a 95 % interval from the design's own units (training
+    loss: t on the per-seed means, k - 1 df; per-item and held-out metrics: seeds x items or windows as crossed
+    random effects, Satterthwaite df, :func:`hif8qat.stats.crossed_mean`), the equivalence verdict against the
+    metric's margin (two one-sided tests on the 90 % interval), one test of a difference per row (accuracy: an
+    exact permutation test over items of their net flips summed over seeds, :func:`hif8qat.stats.item_permutation_test`; else
+    the t test of the same model), Holm-adjusted within the claim, the minimum detectable cost of that same test
+    and, where the seeds and units allow, a hierarchical bootstrap interval beside (``boot_lo`` / ``boot_hi``).
 
     cost > 0: the run is worse (accuracy: relative drop, % of the baseline score; train_loss: relative loss
     increase, % of the baseline loss; gold_ll / gold_margin: nats lost per item).
@@ -170,39 +217,55 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
         if not g["recorded"].all():
             rows.append({**row, "equivalence": NOT_RECORDED, "difference": NOT_RECORDED})
             continue
-        # a loss (held-out NLL) variance comes from a few blocks of steps (windows) per seed: t with their df
-        within_df = float(g["within_df"].sum())
-        pooled = pool_seeds(g["diff"], g["var"], within_df)
+        if metric == "train_loss":
+            c = _loss_contrast(g)
+            y = g["diff"].to_numpy(float)
+        else:
+            y = _unit_table(g).to_numpy(float)
+            c = crossed_mean(y, UNITS_OF[metric])
+            row["n_units"] = y.shape[1]
+        boot = hierarchical_bootstrap(y, n_boot=n_boot, seed=seed)
         if metric == "accuracy":
             base = float(g["base"].mean())
-            lost, gained, n = int(g["lost"].sum()), int(g["gained"].sum()), int(g["n"].sum())
-            m = lost + gained
 
             def rel(points, _b=base):
                 return -points / _b * 100.0 if _b > 0 else float("nan")
 
-            lo95, hi95, lo90, hi90 = pooled.lo, pooled.hi, pooled.lo90, pooled.hi90
-            method = f"seeds pooled ({pooled.variance_from})"
-            if m < EXACT_BELOW_DISCORDANT:  # few flips: widen to the exact interval of all seeds' items
-                e95, e90 = (exact_difference_ci(lost, gained, n, c) for c in (0.95, 0.90))
+            n_units = y.shape[1]
+            net = y.sum(0) / 100.0  # each item's net change over the seeds, in answers
+            items_lost, items_gained, p = item_permutation_test(net)
+            lo95, hi95, lo90, hi90 = c.lo, c.hi, c.lo90, c.hi90
+            method = c.method
+            if not (y != 0).any():  # no flip in any seed: a zero-width interval would claim too much
+                lo95 = lo90 = -100.0 / n_units
+                hi95 = hi90 = 100.0 / n_units
+                method = "no flip in any seed: +-1 item"
+            elif len(g) == 1 and items_lost + items_gained < EXACT_BELOW_DISCORDANT:
+                # one seed, few flips: a t interval on a handful of items is unreliable; the exact conditional
+                # McNemar interval of that seed is not (over several seeds the crossed t interval is
+                # conservative for sparse flips, and the bootstrap stands beside it)
+                e95, e90 = (exact_difference_ci(items_lost, items_gained, n_units, cf) for cf in (0.95, 0.90))
                 lo95, hi95 = min(lo95, e95[0] * 100), max(hi95, e95[1] * 100)
                 lo90, hi90 = min(lo90, e90[0] * 100), max(hi90, e90[1] * 100)
-                method += " and exact"
-            mde_pts = mde_exact_mcnemar(n, m, alpha=alpha, power=power) * 100.0
-            row.update(base=base, cost=rel(pooled.mean), ci_lo=rel(hi95), ci_hi=rel(lo95), ci90_lo=rel(hi90),
-                       ci90_hi=rel(lo90), diff_points=pooled.mean, lost=lost, gained=gained,
-                       p=exact_mcnemar_p(lost, gained), test="exact McNemar, seeds pooled", ci_method=method,
-                       mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts)
+                method += "; widened to the exact McNemar interval"
+            mde_pts = mde_item_flips(n_units, net, len(g), alpha=alpha, power=power) * 100.0
+            row.update(base=base, cost=rel(c.mean), ci_lo=rel(hi95), ci_hi=rel(lo95), ci90_lo=rel(hi90),
+                       ci90_hi=rel(lo90), diff_points=c.mean, lost=int(g["lost"].sum()), gained=int(g["gained"].sum()),
+                       flip_items=int((y != 0).any(0).sum()), items_lost=items_lost, items_gained=items_gained,
+                       item_change_ms=float(np.mean((net / len(g)) ** 2)),
+                       p=p, test="exact permutation test over items (net flips over seeds)", ci_method=method,
+                       mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts,
+                       boot_lo=rel(boot[1]), boot_hi=rel(boot[0]))
         else:
-            row.update(base=float(g["base"].mean()), cost=pooled.mean, ci_lo=pooled.lo, ci_hi=pooled.hi,
-                       ci90_lo=pooled.lo90, ci90_hi=pooled.hi90, p=pooled.p,
-                       test="t over seeds" if pooled.variance_from == "between seeds" else WITHIN_SEED_TEST[metric],
-                       ci_method=f"seeds pooled ({pooled.variance_from})",
-                       mde=mde_from_se(pooled.se, pooled.df, alpha=alpha, power=power))
+            row.update(base=float(g["base"].mean()), cost=c.mean, ci_lo=c.lo, ci_hi=c.hi, ci90_lo=c.lo90,
+                       ci90_hi=c.hi90, p=c.p, test=f"t on the interval's model, {c.df:.1f} df", ci_method=c.method,
+                       mde=mde_from_se(c.se, c.df, alpha=alpha, power=power), boot_lo=boot[0], boot_hi=boot[1])
             if metric in ITEM_METRICS:
                 row.update(lost=int(g["lost"].sum()), gained=int(g["gained"].sum()))
-        row.update(between_seed_sd=pooled.between_sd, equivalence=equivalence_verdict(
-            row["ci90_lo"], row["ci90_hi"], margin, "" if unit == "nats" else " %"))
+        row.update(df=c.df, seed_var=c.seed_var, unit_var=c.unit_var, resid_var=c.resid_var,
+                   between_seed_sd=float(np.std(g["diff"].to_numpy(float), ddof=1)) if len(g) > 1 else float("nan"),
+                   equivalence=equivalence_verdict(row["ci90_lo"], row["ci90_hi"], margin,
+                                                   "" if unit == "nats" else " %"))
         rows.append(row)
     df = pd.DataFrame(rows)
     df["p_holm"] = np.nan
@@ -226,10 +289,11 @@ def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
 
 
 def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
-                  metrics_cache: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+                  metrics_cache: Mapping[str, pd.DataFrame], used: FilesUsed | None = None) -> pd.DataFrame:
     """Every finished run's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the
     same; a counterpart that is not finished counts as absent), and its held-out-text ones
-    (:func:`heldout_contrasts`)."""
+    (:func:`heldout_contrasts`; ``used`` records the held-out files read). Column ``units``: each seed's cost per
+    item or window (None for the training loss), what the claims' crossed model pools; not a table column."""
     rows = []
     for r in runs:
         if not r.done:  # a run still training (or killed) would pool a partial loss curve
@@ -241,20 +305,33 @@ def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
                                ("bf16_mode", r if r.quant else None)):
             if other is not None:
                 rows += seed_contrasts(r, other, against, metrics_cache)
-        rows += heldout_contrasts(r, b)
+        rows += heldout_contrasts(r, b, used)
     return pd.DataFrame(rows)
 
 
 HELDOUT_COLUMNS = ["nll_diff_nats", "kl_mean", "kl_p99", "top1_agreement"]
+UNIT_COLUMNS = ["units", "kl_units", "top1_units"]  # per-unit values the claims pool, not table columns
 
 
 def heldout_table(claims: pd.DataFrame, contrasts: pd.DataFrame) -> pd.DataFrame:
     """The held-out-text claims (``heldout_nll`` rows of the claims table: pooled NLL difference, its test,
-    MDE and equivalence verdict) with the distances beside them, each the mean over the claim's seeds."""
+    MDE and equivalence verdict) with the distances beside them, each the mean over the claim's seeds, and for
+    the mean KL and the top-1 agreement a 95 % interval from the same crossed seeds x windows model
+    (``kl_ci_lo`` / ``kl_ci_hi``, ``top1_ci_lo`` / ``top1_ci_hi``; descriptive, no test)."""
     if claims.empty or contrasts.empty or HELDOUT_METRIC not in set(claims["metric"]):
         return pd.DataFrame()
     keys = CLAIM_KEYS + ["mode"]
     per_seed = contrasts[contrasts["metric"] == HELDOUT_METRIC]
     beside = per_seed.groupby(keys, sort=False)[HELDOUT_COLUMNS].mean().reset_index()
+    for what in ("kl", "top1"):
+        col = f"{what}_units"
+        if col not in per_seed:
+            continue
+        ci = []
+        for _, g in per_seed.groupby(keys, sort=False):
+            ok = g[col].map(lambda u: u is not None and not (isinstance(u, float) and np.isnan(u))).all()
+            c = crossed_mean(_unit_table(g.assign(units=g[col])).to_numpy(float), "windows") if ok else None
+            ci.append((c.lo, c.hi) if c is not None else (float("nan"), float("nan")))
+        beside[f"{what}_ci_lo"], beside[f"{what}_ci_hi"] = [x[0] for x in ci], [x[1] for x in ci]
     rows = claims[claims["metric"] == HELDOUT_METRIC].drop(columns=["lost", "gained"], errors="ignore")
     return rows.merge(beside, on=keys, how="left").reset_index(drop=True)

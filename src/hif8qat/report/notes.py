@@ -6,7 +6,6 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from ..stats import min_one_way_flips
 from .claims import CLAIM_KEYS, DEFAULT_MARGINS, METRIC_UNITS
 from .items import EXACT_BELOW_DISCORDANT
 
@@ -47,7 +46,8 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "counterpart in points; train_loss: signed loss difference, % of the counterpart's "
                              "loss; gold_ll / gold_margin: counterpart minus run, nats per item; heldout_nll: "
                              "run minus counterpart per held-out token, % of the counterpart's held-out NLL), var "
-                             "(its within-seed variance: items, blocks of 5 steps, or held-out windows), "
+                             "(its within-seed variance: items, blocks of 5 steps, or held-out windows; the claims "
+                             "use it only for a training loss measured at one seed), "
                              "within_df (its degrees of freedom; inf for items), lost / gained (items right only "
                              "in the counterpart / only in the run; for the per-item metrics, items worse / "
                              "better), recorded (false: the run files lack the metric).",
@@ -60,11 +60,13 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                               f"claims_{profile} (per token of a fixed held-out set, the same for every run of "
                               "the profile: the run's NLL of the actual next token against its baseline's, or its "
                               "quantized mode against its own bf16 mode; cost in % of the reference's held-out "
-                              "NLL, seeds pooled, same test, Holm family, MDE and equivalence verdict as the other "
-                              "claim metrics), with beside them, as means over the seeds: nll_diff_nats (the cost "
+                              "NLL, seeds crossed with the windows, same Holm family, MDE and equivalence verdict as "
+                              "the other claim metrics), with beside them, as means over the seeds: nll_diff_nats (the cost "
                               "in nats per token), kl_mean / kl_p99 (each seed's mean and 99th percentile over "
                               "tokens of KL(P_reference || P_run), nats) and top1_agreement (share of tokens whose "
-                              "most likely next token is the same).",
+                              "most likely next token is the same); kl_ci_lo / kl_ci_hi and top1_ci_lo / top1_ci_hi: "
+                              "95 % intervals of the mean KL and top-1 agreement from the same crossed seeds x "
+                              "windows model (descriptive, no test).",
         f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
         f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
                                 "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
@@ -75,14 +77,24 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "of the baseline score; train_loss: signed per-step loss difference over the QAT "
                              "phase, % of the baseline loss; gold_ll / gold_margin: nats per item; heldout_nll: "
                              "paired per-token NLL difference on the held-out text, % of the counterpart's "
-                             "held-out NLL) with a 95 % CI "
-                             "whose variance is the larger of the between-seed spread and the within-seed item or "
-                             "step-block variance (t over seeds when the spread dominates), widened to the exact "
-                             f"interval when fewer than {EXACT_BELOW_DISCORDANT} items flip. equivalence: two "
-                             "one-sided tests (90 % CI) against `margin`; difference: one test with the seeds "
-                             "pooled (accuracy: exact McNemar over every seed's flips), Holm within the claim. "
-                             f"mde: the cost that test detects with 80 % power. Margins: {margins_text}. Runs "
-                             "made from a tree with uncommitted changes count in dirty_runs.",
+                             "held-out NLL) with a 95 % CI from the design's own units, fixed by the metric: "
+                             "train_loss, t on the per-seed means (k - 1 df); accuracy, gold_ll, gold_margin and "
+                             "heldout_nll, seeds x items (or held-out windows) as crossed random effects, since "
+                             "every seed scores the same items and windows (method of moments, components below 0 "
+                             "set to 0, Satterthwaite df; ci_method names it, df gives it; seed_var / unit_var / "
+                             "resid_var: the components). One seed: the units alone (no seed variance; accuracy "
+                             f"widened to the exact McNemar interval when fewer than {EXACT_BELOW_DISCORDANT} items "
+                             "flip). boot_lo / boot_hi: hierarchical bootstrap 95 % interval (seeds and units "
+                             "resampled, 2000 times, seed 0) where there are at least 5 seeds. equivalence: two "
+                             "one-sided tests (90 % CI) against `margin`; difference: one test per row, Holm within "
+                             "the claim (accuracy: exact permutation test over items of each item's net flips "
+                             "summed over the seeds, so an item flipping in several seeds counts once, with its "
+                             "weight; lost / gained: flips summed over seeds; flip_items: distinct items behind "
+                             "them; items_lost / items_gained: items whose net change is a loss / a gain; else the "
+                             "t test of the interval). mde: the cost that test detects with 80 % power (accuracy: "
+                             "under the flip model of mde_" + profile + "). n_items: scored pairs summed over "
+                             "seeds; n_units: items or windows common to every seed. Margins: "
+                             f"{margins_text}. Runs made from a tree with uncommitted changes count in dirty_runs.",
         "anchor": "The base SmolLM2-135M on the full real benchmarks (make anchor; our weights: the Instruct model "
                   "dequantized from Q4_1, lm-eval's prompts) next to the scores HuggingFace published (lighteval, "
                   "0-shot; results/anchor/published_smollm2_135m.csv names the source). ARC (Average) = mean of "
@@ -92,15 +104,17 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                             "training loss, the signed per-step difference over the paper's QAT phase in % of the "
                             "baseline's loss (authors' logs); accuracy, the relative drop of the newest summary "
                             "holding the pair (few-shot, MMLU lettered: another form than here). needed: the seeds "
-                            "(train_loss: n x (mde / effect)^2) or items per seed (accuracy: normal approximation "
-                            "to McNemar at the share of items that flip here) that would resolve the paper's effect "
-                            "at 80 % power, two-sided alpha 0.05.",
+                            "(train_loss: n x (mde / effect)^2) or the items (accuracy: normal approximation to the "
+                            "item test, at the mean square of the items' mean change over the seeds here; the "
+                            "seeds share their items, so more seeds do not add items) that would resolve the "
+                            "paper's effect at 80 % power, two-sided alpha 0.05.",
         f"mde_{profile}": "Minimum detectable cost per claim (80 % power, two-sided alpha 0.05) under the test "
-                          "the claim uses: accuracy, the exact McNemar test on the claim's own pooled flips "
-                          f"(it needs at least {min_one_way_flips()} flips all one way; empty: fewer flips than "
-                          "that), in % of the baseline score and in points; train_loss, the t (or normal) test "
-                          "on the seeds' mean. Only the claim's own runs enter. The paper's drops are 0.2-0.6 % "
-                          "of the score, its loss APE 0.11 %.",
+                          "the claim uses: accuracy, the exact permutation test over items, under a stated flip "
+                          "model (an effect of a items makes a further a items lose in every seed, on top of the "
+                          "items whose net change here is not zero, which keep their sizes and take either sign), "
+                          "in % of the baseline score and in points (a / n_units); the others, the t test of their "
+                          "interval. Only the claim's own runs enter. The paper's drops are 0.2-0.6 % of the "
+                          "score, its loss APE 0.11 %.",
         f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl, per run and role: share of steps and of "
                                 "calls whose amax outgrew the delayed estimate (amax/estimate > 1), the largest "
                                 "ratio, and the clipped values on statistics calls (clipped_total, "

@@ -52,14 +52,15 @@ BENCHMARK_ITEMS = {"mmlu_continuation": 14_042, "hellaswag": 10_042, "arc_challe
 _Z = 1.959964 + 0.841621  # two-sided alpha 0.05, 80 % power
 
 
-def items_needed(paper_effect: float, base_pct: float, discordant_share: float) -> float:
-    """Items per seed a paired accuracy test needs to detect the paper's relative drop, at the share of items
-    that flip either way here: the net flip share to detect is effect x score, its standard error
-    sqrt(discordant share / n) (normal approximation to McNemar's test)."""
+def items_needed(paper_effect: float, base_pct: float, item_change_ms: float) -> float:
+    """Items a paired accuracy test over items needs to detect the paper's relative drop: the mean change per
+    item to detect is effect x score, its standard error sqrt(ms / n), where ms is the mean square of each item's
+    mean change over the seeds here (at one seed, the share of items that flip: McNemar's normal approximation).
+    The seeds score the same items, so this counts items, not items per seed."""
     net = abs(paper_effect) / 100 * base_pct / 100
-    if net == 0 or not discordant_share > 0:
+    if net == 0 or not item_change_ms > 0:
         return math.nan
-    return _Z ** 2 * discordant_share / net ** 2
+    return _Z ** 2 * item_change_ms / net ** 2
 
 
 def reach_verdict(paper_effect: float, mde: float, ci_lo: float, ci_hi: float, n: float, unit_of_n: str) -> str:
@@ -91,13 +92,13 @@ def reach_table(claims: pd.DataFrame, effects: pd.DataFrame | None = None) -> pd
     def needed(r) -> float:
         if r.metric == "train_loss":  # between-seed spread dominates: more seeds, not more steps
             return math.ceil(r.n_seeds * (r.mde / abs(r.paper_effect)) ** 2) if math.isfinite(r.mde) else math.nan
-        pooled = items_needed(r.paper_effect, r.base, (r.lost + r.gained) / max(r.n_items, 1))
-        return math.ceil(pooled / max(r.n_seeds, 1)) if math.isfinite(pooled) else math.nan  # seeds pool items
+        items = items_needed(r.paper_effect, r.base, r.item_change_ms)
+        return math.ceil(items) if math.isfinite(items) else math.nan
 
     merged["needed"] = [needed(r) for r in merged.itertuples()]
     merged["reach"] = [reach_verdict(r.paper_effect, r.mde, r.ci_lo, r.ci_hi, r.needed,
                                      "seeds" if r.metric == "train_loss"
-                                     else f"items per seed at {r.n_seeds} seeds (the benchmark holds {BENCHMARK_ITEMS[r.task]:,})")
+                                     else f"items at {r.n_seeds} seed(s) (the benchmark holds {BENCHMARK_ITEMS[r.task]:,})")
                        for r in merged.itertuples()]
     cols = ["experiment", "counterpart", "mode", "task", "metric", "unit", "n_seeds", "cost", "ci_lo", "ci_hi",
             "margin", "equivalence", "mde", "paper_effect", "paper_basis", "needed", "reach"]

@@ -11,7 +11,6 @@ import numpy as np
 import pandas as pd
 
 from ..heldout_stats import HELDOUT_METRIC
-from ..stats import min_one_way_flips
 from .claims import DEFAULT_MARGINS, METRIC_UNITS, NOT_RECORDED, all_contrasts, claims_table
 from .pairing import pair_runs
 from .reach import reach_section, reach_table
@@ -51,6 +50,14 @@ def _num(v: float, nd: int = 2, sign: bool = True) -> str:
     return f"{v:+.{nd}f}" if sign else f"{v:.{nd}f}"
 
 
+def _df(r) -> str:
+    """A row's degrees of freedom as the table shows them: whole when they are, else one decimal."""
+    df = r.get("df", np.nan)
+    if df is None or not np.isfinite(df):
+        return "-"
+    return f"{df:.0f}" if abs(df - round(df)) < 0.05 else f"{df:.1f}"
+
+
 def _claim_words(g: pd.DataFrame) -> list[str]:
     """Sentences for one claim from its rows: the loss difference, then accuracy and per-item metrics by verdict."""
     out = []
@@ -62,7 +69,7 @@ def _claim_words(g: pd.DataFrame) -> list[str]:
         what = (f"Training loss: {cost} % of the counterpart's loss" if r["metric"] == "train_loss" else
                 f"Held-out NLL ({r['mode']} mode): {cost} % of the counterpart's held-out NLL")
         out.append(what + f" (95 % CI {_num(r['ci_lo'], 3)} to "
-                   f"{_num(r['ci_hi'], 3)}, {r['n_seeds']} seed(s)): {r['equivalence']}; difference "
+                   f"{_num(r['ci_hi'], 3)}, {r['n_seeds']} seed(s), {_df(r)} df): {r['equivalence']}; difference "
                    f"{r['difference']} (p Holm {_num(r['p_holm'], 3, False)}; detectable: "
                    f"{_num(r['mde'], 3, False)} %).")
     for metric, label in (("accuracy", "Accuracy"), ("gold_ll", "Gold log-likelihood"),
@@ -84,10 +91,12 @@ def _claim_words(g: pd.DataFrame) -> list[str]:
         if metric == "accuracy":
             flips = int(rows["lost"].sum() + rows["gained"].sum())
             mde = rows["mde"].dropna()
-            text += (f" {flips} items flipped in all ({int(rows['lost'].sum())} lost, {int(rows['gained'].sum())} "
-                     f"gained); the exact test needs {min_one_way_flips()} one way per row, and "
-                     + (f"where the flips allow it, it detects {mde.min():.1f} % of the score or more"
-                        if len(mde) else "no row has flips enough to detect any drop") + ".")
+            text += (f" {flips} flips in all ({int(rows['lost'].sum())} lost, {int(rows['gained'].sum())} gained) "
+                     f"from {int(rows['flip_items'].sum())} distinct items (summed over the mode x task rows), each item "
+                     "tested once over its seeds; "
+                     + (f"the smallest cost a row's item test detects with 80 % power, under the flip model (the "
+                        f"effect's items lose in every seed), is {mde.min():.1f} % of the score"
+                        if len(mde) else "no row can size a detectable drop") + ".")
         out.append(text)
     return out
 
@@ -112,13 +121,18 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
               "counterpart's score; training loss: signed per-step difference over the QAT phase in % of the "
               "counterpart's loss; gold log-likelihood and margin: nats per item; held-out NLL: paired per-token "
               "difference on held-out text in % of the counterpart's). Each row pools the same-seed "
-              "pairs; its 95 % CI combines between-seed spread and within-seed item (step-block, or held-out window) variance. "
+              "pairs; its 95 % CI comes from the design's own units, fixed by the metric: training loss, t on the "
+              "per-seed means (seeds - 1 df); the other metrics score the same items (held-out windows) in every "
+              "seed, so seeds and items are crossed random effects (Satterthwaite df; one seed: the items alone). "
+              "df: the interval's degrees of freedom. "
               "Equivalence: two one-sided tests against the margin ("
               + ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in margins.items())
               + "): \"equivalent within M\", \"not equivalent\" or \"inconclusive at this size\"; a "
               "non-significant difference is never read as no effect. Difference: one test per row with the "
-              "seeds pooled (accuracy: exact McNemar on every seed's flips), Holm within the claim. MDE: the cost "
-              "that test detects with 80 % power.", ""]
+              "seeds pooled (accuracy: an exact permutation test over items of each item's net flips over the "
+              "seeds, so an item flipping in several seeds counts once), Holm within the claim. MDE: the cost "
+              "that test detects with 80 % power (accuracy: under a flip model where the effect's items lose in "
+              "every seed). Flips: lost / gained summed over seeds, and the distinct items behind them.", ""]
     if claims.empty:
         return "\n".join(lines + ["_(no claims: no paired runs)_", ""])
     for title, exp, against, counterpart, meaning in PAPER_CLAIMS:
@@ -131,15 +145,18 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
             lines += [f"No paired runs of {exp} and {counterpart} (see `pairing_{profile}`).", ""]
             continue
         lines += [f"cost > 0: {meaning}.", ""]
-        lines += ["| mode | task | metric | seeds | cost (95 % CI) | lost / gained | p Holm | MDE | margin | "
-                  "equivalence | difference |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| mode | task | metric | seeds | cost (95 % CI) | df | lost / gained | p Holm | MDE | margin | "
+                  "equivalence | difference |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for _, r in g.iterrows():
             if r["equivalence"] == NOT_RECORDED:
                 continue
             flips = f"{int(r['lost'])} / {int(r['gained'])}" if r["metric"] not in ("train_loss", HELDOUT_METRIC) and \
                 np.isfinite(r.get("lost", np.nan)) else "-"
+            if r["metric"] == "accuracy" and np.isfinite(r.get("flip_items", np.nan)):
+                flips += f" ({int(r['flip_items'])} items)"
             lines.append(f"| {r['mode']} | {r['task']} | {r['metric']} | {r['n_seeds']} | {_num(r['cost'])} "
-                         f"({_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {flips} | {_num(r['p_holm'], 3, False)} | "
+                         f"({_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {_df(r)} | {flips} | "
+                         f"{_num(r['p_holm'], 3, False)} | "
                          f"{_num(r['mde'], 2, False)} | {r['margin']:g} | {r['equivalence']} | "
                          f"{r['difference']} |")
         lines += [""] + [f"- {w}" for w in _claim_words(g)] + [""]
@@ -191,7 +208,7 @@ def claims_parts(runs: list[RunInfo], runs_root: Path, profile: str, *, margins:
     ape = ape_rows(curves, last_frac)
     scaling_pairs_df = scaling_pairs_table(runs, parent_of, metrics_cache, ape)
     replay_df = replay_table(runs if replay else [], used)
-    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache)
+    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache, used)
     claims_df = claims_table(contrasts_df, margins)
     section = claims_section(claims_df, runs_df, profile, margins,
                              saturation_section(scaling_pairs_df, replay_df, profile))

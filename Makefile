@@ -66,6 +66,8 @@ lint: $(STAMP) ## ruff
 # The baseline comes first under the same launcher (torchrun too); a finished one is skipped in seconds.
 $(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp13) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
 	@base=$$(PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.config --baseline $@) || exit 1; \
+	$(OFFLINE) $(PY) run.py --estimate --profile $(PROFILE) --experiments $@ --seeds $(SEED) --label "make $@" \
+		$${base:+--baseline $$base --baseline-overrides $(BASELINE_ARGS)} --overrides $(ARGS) || true; \
 	if [ -n "$$base" ]; then \
 		echo "== $@: baseline $$base first"; \
 		$(LAUNCH) experiment=$$base profile=$(PROFILE) seed=$(SEED) stage=all $(BASELINE_ARGS) || exit 1; \

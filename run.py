@@ -360,11 +360,11 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-def config_for(profile: str, experiment: str, seed: int) -> RunConfig:
-    """The RunConfig `python run.py profile=... experiment=... seed=...` would run (for hif8qat.estimate)."""
+def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] = ()) -> RunConfig:
+    """The RunConfig `python run.py profile=... experiment=... seed=... EXTRA...` would run (for hif8qat.estimate)."""
     from hydra import compose, initialize_config_dir
 
-    overrides = [f"profile={profile}", f"experiment={experiment}", f"seed={seed}"]
+    overrides = [f"profile={profile}", f"experiment={experiment}", f"seed={seed}", *extra]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=overrides), overrides)
 

@@ -205,3 +205,18 @@ def test_time_estimate_measures_with_no_bf16_operand(monkeypatch):
     assert counter.bf16() == {}, counter.bf16()
     assert counter.total() > 0
 
+
+
+def test_the_numerics_check_a_user_runs_reports_the_counts_and_no_bf16(monkeypatch):
+    """`python -m hif8qat.numerics` as a user runs it (a fresh process, the module as __main__)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HIF8QAT_NO_NATIVE_BF16": "1"}
+    done = subprocess.run([sys.executable, "-m", "hif8qat.numerics"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "bf16_emulated"  # stdout is the numerics alone: the Makefile reads it
+    counts = [line for line in done.stderr.splitlines() if "GEMM-class calls by operand dtype" in line]
+    assert len(counts) == 1 and "float32" in counts[0] and "bfloat16" not in counts[0], done.stderr[-2000:]

@@ -1,6 +1,7 @@
 """How long a batch of runs will take on this machine, from a short measured training step.
 
     python run.py --estimate --profile mini --experiments exp1 exp2 ... --seeds 0 [--label "make all"]
+        [--baseline exp1 --baseline-overrides K=V ...] [--overrides K=V ...]
 
 Loads the profile's model (timed), times a few training steps at the profile's batch, sequence length and
 numerics (``train.autocast=auto`` resolved here) and an evaluation-sized forward pass, plain and quantized;
@@ -125,22 +126,33 @@ def measure(cfg, repeats: int = 2) -> Costs:
     return Costs(mode, load_s, plain_step, qat_step, plain_token, quant_token)
 
 
-def main(argv, config_for: Callable[[str, str, int], Any]) -> int:
-    """``config_for(profile, experiment, seed)``: the resolved RunConfig run.py would build (run.py composes it)."""
+def main(argv, config_for: Callable[..., Any]) -> int:
+    """``config_for(profile, experiment, seed, overrides)``: the resolved RunConfig run.py would build (run.py
+    composes it)."""
     ap = argparse.ArgumentParser(prog="run.py --estimate", description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="mini")
     ap.add_argument("--experiments", nargs="+", required=True)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--results-root", default="results/runs")
     ap.add_argument("--label", default="these runs")
+    ap.add_argument("--baseline", default="", help="an experiment run first with --baseline-overrides (make expN)")
+    ap.add_argument("--overrides", nargs="*", default=[], help="the command line's settings (make's ARGS)")
+    ap.add_argument("--baseline-overrides", nargs="*", default=[], help="the baseline's settings (BASELINE_ARGS)")
     args = ap.parse_args(argv)
+    plain_config_for = config_for
+
+    def config_for(profile, experiment, seed):  # every run with the settings it will be started with
+        extra = args.baseline_overrides if experiment == args.baseline else args.overrides
+        return plain_config_for(profile, experiment, seed, tuple(extra))
+
+    experiments = [e for e in (args.baseline, *args.experiments) if e]
     if args.profile != "mini":
         return 0
     from .runs import is_done, run_dir_for
 
     pending = []
     for seed in args.seeds:
-        for experiment in args.experiments:
+        for experiment in experiments:
             cfg = config_for(args.profile, experiment, seed)
             if not is_done(run_dir_for(cfg)) and (experiment, seed) not in pending:
                 pending.append((experiment, seed))

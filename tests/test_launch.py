@@ -86,3 +86,64 @@ def test_runs_made_alike_or_recorded_before_still_pair(tmp_path, baseline):
     base = _run(tmp_path, "exp7", False, baseline)
     run = _run(tmp_path, "exp8", True, _shape(8, 8))
     assert find_baseline_run(tmp_path, "paper", "exp7", run) == (base, "")
+
+
+def test_process_group_outlives_a_slow_rank0_and_binds_the_rank_gpu(monkeypatch):
+    """Two ranks on a node with 2 GPUs: the process group gets this rank's GPU and a timeout longer than torch's
+    10-minute default (rank 0 exports and prunes while the others wait)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hif8qat import train
+
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    ctx = train.setup_distributed("auto")
+    assert ctx.device == torch.device("cuda", 1)
+    assert seen["backend"] == "nccl" and seen.get("device_id") == torch.device("cuda", 1)
+    assert seen.get("timeout", timedelta(minutes=10)) >= timedelta(minutes=30)
+
+
+def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
+    """Under srun (SLURM variables, no WORLD_SIZE) an FSDP step that fits 8 ranks' memory but not one rank's
+    passes preflight: SLURM's variables are mapped before it runs."""
+    import importlib.util
+    import sys
+
+    from hif8qat import preflight as preflight_module
+    from hif8qat.models import model_config_facts
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "x")  # recorded, so the mapping below is undone after the test
+        monkeypatch.delenv(name)
+    for name, value in {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_NODEID": "0",
+                        "SLURM_STEP_TASKS_PER_NODE": "8", "SLURM_STEP_NODELIST": "gpu01", "SLURM_JOB_ID": "7"}.items():
+        monkeypatch.setenv(name, value)
+    overrides = ["experiment=exp1", "profile=smoke", "stage=train", "train.distributed=fsdp",
+                 "train.global_batch_size=16", "train.micro_batch_size=2", f"results_root={tmp_path}"]
+    cfg = _smoke(tmp_path, "train.distributed=fsdp", "train.global_batch_size=16", "train.micro_batch_size=2")
+    facts = model_config_facts(cfg.model.name)
+    one, eight = (sum(preflight_module.step_memory(cfg, facts, w).values()) for w in (1, 8))
+    assert one > eight
+    monkeypatch.setattr(preflight_module, "_machine_memory", lambda device: (eight, "memory on GPU 0"))
+
+    spec = importlib.util.spec_from_file_location("hif8qat_run_srun", ROOT / "run.py")
+    run_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_module)
+    dispatched = []
+    monkeypatch.setattr(run_module, "dispatch", dispatched.append)
+    # hydra finds conf/ beside the file of a __main__ function, as when run.py is started as a script
+    monkeypatch.setattr(run_module.main.__wrapped__, "__module__", "__main__")
+    monkeypatch.setattr(sys, "argv", ["run.py", *overrides, f"hydra.run.dir={tmp_path / 'hydra'}",
+                                      "hydra.output_subdir=null"])
+    run_module.main()
+    assert len(dispatched) == 1

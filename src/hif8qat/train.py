@@ -14,6 +14,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,10 @@ from .trainlog import MetricsSink, progress_bar, train_summary, truncate_metrics
 
 # Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
 _KILL_AT_STEP_ENV = "HIF8QAT_TEST_KILL_AT_STEP"
+
+
+# torch's default is 10 minutes; a 1B model's export or checkpoint to a network filesystem can take longer.
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=60)
 
 
 class TrainingDiverged(RunError):
@@ -88,7 +93,10 @@ def setup_distributed(device_pref: str = "auto") -> DistContext:
     if use_cuda:
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        # device_id binds NCCL to this rank's GPU up front; the long timeout covers what one rank does while the
+        # others wait at a barrier (rank 0's export and pruning, a checkpoint on a slow shared filesystem)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT,
+                                device_id=device if use_cuda else None)
     rank = dist.get_rank() if world_size > 1 else 0
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 

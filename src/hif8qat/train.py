@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import get_cosine_schedule_with_warmup
 
 from . import checkpoint as ckpt
 from . import numerics
+from .chunked_loss import install_loss_head, lm_loss
 from .config import RunConfig
 from .data import build_eval_windows, build_train_stream
 from .distributed import grad_sync
@@ -116,21 +116,6 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def lm_loss(model: torch.nn.Module, tokens: torch.Tensor, *, double_label_shift: bool = False) -> torch.Tensor:
-    """Next-token cross entropy on packed windows of seq_len + 1 tokens.
-
-    double_label_shift reproduces the authors' bug: labels shifted once by them and again by the HF loss, so
-    position t is trained on token t + 2.
-    """
-    inputs = tokens[:, :-1]
-    logits = model(input_ids=inputs).logits
-    if double_label_shift:
-        logits, targets = logits[:, :-1], tokens[:, 2:]
-    else:
-        targets = tokens[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-
-
 def _numerics(cfg: RunConfig, device: torch.device) -> str:
     return numerics.resolve(cfg.train.autocast, device.type)
 
@@ -171,6 +156,7 @@ def _build_model(cfg: RunConfig, ctx: DistContext):
         scaling = ScalingConfig.from_dict(cfg.quant.scaling_dict())
         converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), scaling)
         set_quantization(model, False)
+    install_loss_head(model)  # the loss in chunks: the micro-batch's whole FP32 logits never exist
     model.to(ctx.device)
     model.train()
     if cfg.train.activation_checkpointing:  # the recompute reuses the forward's HiF8 scales, records nothing

@@ -3,7 +3,9 @@ openPangu's tokenizer.model is a SentencePiece BPE model) converted to a fast to
 `models.pangu_tokenizer`, run the way the streaming data path runs it (`tokens.tokenize_documents`, 64 documents
 per call), against what one paper step consumes (1,048,576 tokens; per rank on 8 GPUs, 131,072).
 
-    PYTHONPATH=src python benchmarks/bench_tokenizer.py [--vocab 16000] [--threads N]
+    PYTHONPATH=src python benchmarks/bench_tokenizer.py [--vocab 16000] [--threads N] [--synthetic]
+
+--synthetic: documents of random words made here (a machine without the offline corpus or a network).
 """
 
 from __future__ import annotations
@@ -18,10 +20,19 @@ from pathlib import Path
 PAPER_STEP_TOKENS = 1024 * 1024
 
 
+def _synthetic(docs: int = 2000) -> list[str]:
+    import random
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9))) for _ in range(5000)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(50, 1500))) + "." for _ in range(docs)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--threads", type=int, default=None, help="RAYON_NUM_THREADS for the Rust tokenizer")
+    ap.add_argument("--synthetic", action="store_true", help="random-word documents instead of the offline corpus")
     args = ap.parse_args()
     if args.threads:
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)
@@ -31,7 +42,7 @@ def main() -> None:
     from hif8qat.models import pangu_tokenizer
     from hif8qat.tokens import tokenize_documents
 
-    texts = [d["text"] for d in mini_corpus_documents()]
+    texts = _synthetic() if args.synthetic else [d["text"] for d in mini_corpus_documents()]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "pangu"
         folder.mkdir()

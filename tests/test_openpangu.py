@@ -30,14 +30,14 @@ def _corpus(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 12))) for _ in range(n)]
 
 
-def _weights(cfg: dict, bias: bool) -> dict[str, torch.Tensor]:
+def _weights(cfg: dict, bias: bool, std: float = 0.2) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * d
 
     def r(*shape):
-        return torch.randn(*shape, generator=g) * 0.2
+        return torch.randn(*shape, generator=g) * std
 
     w = {"model.embed_tokens.weight": r(v, h), "model.norm.weight": 1 + r(h), "lm_head.weight": r(v, h)}
     for i in range(cfg["num_hidden_layers"]):

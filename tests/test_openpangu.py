@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hif8qat import models
+from hif8qat import pangu as pangu_module
 from hif8qat.models import load_causal_lm
 
 spm = pytest.importorskip("sentencepiece")
@@ -166,7 +166,7 @@ def test_openpangu_loads_as_llama_and_matches_a_plain_forward(tmp_path, monkeypa
 def test_the_converted_tokenizer_gives_sentencepiece_ids_and_is_cached(pangu):
     folder, _, _ = pangu
     sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
-    tok = models.pangu_tokenizer(str(folder))
+    tok = pangu_module.pangu_tokenizer(str(folder))
     assert tok.is_fast
     rng = random.Random(7)
     texts = _corpus(3000, 1) + ["", " ", "  two  spaces ", "\n\nx", "tab\tend\t", "ÿ€𝄞 unseen ✓"]
@@ -175,5 +175,5 @@ def test_the_converted_tokenizer_gives_sentencepiece_ids_and_is_cached(pangu):
     assert not wrong, wrong[:5]
     cached = list((folder.parent / "cache" / "tokenizers").iterdir())
     assert len(cached) == 1 and (cached[0] / "tokenizer.json").is_file()
-    models.pangu_tokenizer(str(folder))  # the second time from the cache, converted once
+    pangu_module.pangu_tokenizer(str(folder))  # the second time from the cache, converted once
     assert list((folder.parent / "cache" / "tokenizers").iterdir()) == cached

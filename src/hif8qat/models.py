@@ -17,7 +17,7 @@ Names understood by :func:`load_causal_lm`:
 ``"openpangu_embedded_1b"``
     The paper's model; see :data:`OPENPANGU_EMBEDDED_1B`. Weights are not downloaded by this project. Any
     checkpoint whose config.json says ``model_type: PanguEmbedded`` loads as ``LlamaForCausalLM`` with a fast
-    tokenizer converted from its SentencePiece model (:func:`load_pangu_as_llama`, :func:`pangu_tokenizer`).
+    tokenizer converted from its SentencePiece model (:mod:`hif8qat.pangu`).
 
 Anything else is a hub id (``org/name``) or a local ``save_pretrained`` folder.
 
@@ -29,7 +29,6 @@ model's config declares it (``auto_map``) *and* the caller passed ``trust_remote
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -70,6 +69,9 @@ OPENPANGU_EMBEDDED_1B = {
         "model.trust_remote_code=true (or pass the hub id directly on a machine with hub access)"
     ),
 }
+
+#: ``model_type`` of openPangu-Embedded checkpoints, which load as Llama (:mod:`hif8qat.pangu`).
+PANGU_MODEL_TYPES = ("PanguEmbedded",)
 
 _TINY_SPECIALS = ("<|pad|>", "<|bos|>", "<|endoftext|>")
 
@@ -350,110 +352,6 @@ def _read_config_json(source: str, *, revision: str | None) -> dict:
         ) from exc
 
 
-# ----------------------------------------------------------------------------------------------------------
-# openPangu as transformers' Llama
-# ----------------------------------------------------------------------------------------------------------
-#: ``model_type`` of openPangu-Embedded checkpoints. Their remote code (modeling_openpangu_dense.py) imports names
-#: the pinned transformers no longer has, and takes ``past_key_value(s)`` where Llama takes ``cache``; the
-#: architecture is Llama's (RMSNorm, rotary, GQA with a bias on q/k/v/o when ``bias``, SwiGLU without bias) with
-#: the same parameter names, so it loads as ``LlamaForCausalLM`` without running any remote code.
-PANGU_MODEL_TYPES = ("PanguEmbedded",)
-# PanguEmbeddedConfig's defaults where they differ from LlamaConfig's: a config.json that omits a key means these.
-_PANGU_DEFAULTS = {"bias": True, "rope_theta": 16000000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-                   "max_position_embeddings": 32768, "tie_word_embeddings": False, "attention_dropout": 0.0,
-                   "vocab_size": 153376, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 45892}
-_PANGU_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads")
-_PANGU_DROPPED = ("auto_map", "architectures", "model_type", "transformers_version", "_name_or_path")
-
-
-def is_pangu(config: dict) -> bool:
-    return config.get("model_type") in PANGU_MODEL_TYPES
-
-
-def pangu_llama_config(pangu: dict):
-    """The ``LlamaConfig`` of an openPangu config.json: ``bias`` becomes ``attention_bias`` (all four attention
-    projections), the MLP has no bias, every other key is kept; the remote-code keys are dropped."""
-    from transformers import LlamaConfig
-
-    missing = [k for k in _PANGU_REQUIRED if k not in pangu]
-    if missing:
-        raise ValueError(f"openPangu config.json lacks {', '.join(missing)}: not a complete model config")
-    kwargs = {**_PANGU_DEFAULTS, **{k: v for k, v in pangu.items() if k not in _PANGU_DROPPED}}
-    kwargs["attention_bias"] = bool(kwargs.pop("bias"))
-    kwargs["mlp_bias"] = False
-    if "torch_dtype" in kwargs:
-        kwargs["dtype"] = kwargs.pop("torch_dtype")
-    return LlamaConfig(**kwargs, architectures=["LlamaForCausalLM"])
-
-
-def load_pangu_as_llama(source: str, config: dict, *, dtype: torch.dtype, revision: str | None = None):
-    """``LlamaForCausalLM`` with the checkpoint's own safetensors; every tensor must land on a parameter and every
-    parameter must come from the checkpoint."""
-    from transformers import LlamaForCausalLM
-
-    model, info = LlamaForCausalLM.from_pretrained(source, config=pangu_llama_config(config), dtype=dtype,
-                                                   revision=revision, use_safetensors=True, output_loading_info=True)
-    bad = {k: sorted(v)[:8] for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys")
-           and v}
-    if bad:
-        raise ValueError(f"openPangu checkpoint {source} does not map onto Llama's parameters: {bad}")
-    return model
-
-
-def _repo_file(source: str, filename: str, revision: str | None) -> Path | None:
-    """A file of a local model folder or hub repo (downloaded to the hub cache); None when it has none."""
-    local = Path(source).expanduser()
-    if local.is_dir():
-        return local / filename if (local / filename).is_file() else None
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return Path(hf_hub_download(source, filename, revision=revision))
-    except Exception:  # noqa: BLE001 - absent from the repo (or unreachable): the caller decides
-        return None
-
-
-def pangu_tokenizer(source: str, *, revision: str | None = None):
-    """openPangu's tokenizer as a fast (Rust ``tokenizers``) tokenizer, converted once from the repo's SentencePiece
-    ``tokenizer.model`` and cached under ``$HIF8QAT_CACHE/tokenizers``, keyed by the files' hash.
-
-    The repo's own ``PanguTokenizer`` is remote code over ``sentencepiece`` (a slow, per-string Python loop); the
-    conversion follows the SentencePiece model's normalizer and merges, so ids are the same (BOS first, as
-    ``add_bos_token``), tested on a SentencePiece model built in the tests.
-    """
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    model_file = _repo_file(source, "tokenizer.model", revision)
-    if model_file is None:
-        raise FileNotFoundError(f"model.name={source!r}: an openPangu checkpoint needs its tokenizer.model")
-    config_file = _repo_file(source, "tokenizer_config.json", revision)
-    config_bytes = config_file.read_bytes() if config_file else b"{}"
-    digest = hashlib.sha256(model_file.read_bytes() + b"\0" + config_bytes).hexdigest()[:16]
-    out = cache_root() / "tokenizers" / f"openpangu-{digest}"
-    if not (out / "tokenizer.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=".convert-") as tmp:
-            spm_dir, fast_dir = Path(tmp) / "spm", Path(tmp) / "fast"
-            spm_dir.mkdir()
-            shutil.copyfile(model_file, spm_dir / "tokenizer.model")
-            settings = json.loads(config_bytes)
-            for key in ("auto_map", "tokenizer_class"):  # the remote class is what is being replaced
-                settings.pop(key, None)
-            (spm_dir / "tokenizer_config.json").write_text(json.dumps(settings))
-            TokenizersBackend.from_pretrained(spm_dir).save_pretrained(fast_dir)
-            try:
-                os.rename(fast_dir, out)  # atomic; another process may have won the race
-            except OSError:
-                if not (out / "tokenizer.json").is_file():
-                    raise
-        log.info("openPangu tokenizer converted to a fast tokenizer in %s", out)
-    tok = TokenizersBackend.from_pretrained(out)
-    if tok.pad_token is None and tok.eos_token is not None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
 class RemoteCodeError(ValueError):
     """A model ships its own modeling code and the caller did not opt in to running it."""
 
@@ -527,7 +425,9 @@ def load_causal_lm(
             )
 
     config = {} if gguf_file else _read_config_json(source, revision=revision)
-    if is_pangu(config):  # transformers' own Llama code: the repo's modeling and tokenizer code never runs
+    if config.get("model_type") in PANGU_MODEL_TYPES:  # transformers' own Llama code: the repo's modeling and tokenizer code never runs
+        from .pangu import load_pangu_as_llama, pangu_tokenizer
+
         t0 = time.time()
         tok = pangu_tokenizer(source, revision=revision)
         model = load_pangu_as_llama(source, config, dtype=dtype, revision=revision)

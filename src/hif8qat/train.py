@@ -31,6 +31,7 @@ from .distributed import grad_sync
 from .errors import RunError
 from .export import export_or_explain
 from .models import load_causal_lm
+from .prefetch import PrefetchedStream
 from .qlinear import (
     convert_model,
     dump_telemetry,
@@ -195,6 +196,8 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     stream = build_train_stream(cfg.data.source, tokenizer, seq_len=cfg.train.seq_len,
                                 micro_batch_size=cfg.train.micro_batch_size, rank=ctx.rank,
                                 world_size=ctx.world_size, seed=cfg.seed, cache_dir=cfg.data.cache_dir)
+    if stream.kind == "stream":  # tokenized on the fly: the next batches are read in a thread during the step
+        stream = PrefetchedStream(stream)
     accum = cfg.grad_accum_steps(ctx.world_size)
     compute = _numerics(cfg, ctx.device)  # bf16 | bf16_emulated | none (the run's config has it resolved already)
 
@@ -335,6 +338,8 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         save(cfg.train.steps)
     val_loss = held_out()
     sink.close()
+    if hasattr(stream, "close"):  # a prefetching reader's thread ends with the run (a sweep runs many per process)
+        stream.close(rewind=False)
     summary: dict[str, Any] = {}
     from .distributed import full_model_state_dict, is_fsdp
 

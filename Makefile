@@ -13,10 +13,11 @@ ARGS ?=
 BASELINE_ARGS ?= $(filter-out quant.% +quant.% ++quant.% run_tag=%,$(ARGS))
 comma := ,
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
-# Paper-scale runs use every local GPU through torchrun; the mini profile runs in one process.
+# Paper-scale runs use every local GPU through torchrun; the mini profile runs in one process. Both are expanded
+# only when a recipe runs (`=`, not `:=`): on a fresh checkout .venv's torch exists by then, not at parse time.
 NPROC ?= $(shell $(PY) -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
 ifeq ($(PROFILE),paper)
-LAUNCH := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) run.py
+LAUNCH = $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) run.py
 else
 LAUNCH := $(PY) run.py
 endif

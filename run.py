@@ -348,11 +348,13 @@ def dispatch(cfg: RunConfig) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from hif8qat.distributed import env_from_slurm
     from hif8qat.preflight import preflight
 
     overrides = list(HydraConfig.get().overrides.task)
     try:
         run_cfg = to_run_config(replace_typed_dicts(cfg, overrides), overrides)
+        env_from_slurm()  # under srun, preflight's memory check must know the world size
         preflight(run_cfg)
         dispatch(run_cfg)
     except (RunError, ConfigError) as err:

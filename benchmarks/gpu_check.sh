@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command that checks the CUDA path on one GPU and prints one summary table (target: under 8 minutes on
+# One command that checks the CUDA path on one GPU and prints one summary table (target: under 12 minutes on
 # an H200). Stages, each with its own timeout so that one hang or failure does not eat the others' time:
 #
 #   compile_warmup          compiles the quantizer kernels once (a tiny QAT model's steps on the device), so the
@@ -13,6 +13,14 @@
 #   exp8_paper_shapes       run.py experiment=exp8 stage=all (train, evaluate in both modes on the GPU) on the
 #                           1B Llama at seq 1024 with gradient accumulation, for a few steps, writing no
 #                           checkpoint (17 GB of weights and AdamW state at 1B would be written and hashed)
+#   paper_memory            the paper's micro-batch (16 x 1024) through the 1B Llama with exp8's quantization, bf16
+#                           autocast and the chunked loss, two micro-batches and an AdamW step: the peak must fit an
+#                           80 GB GPU; prints it beside the preflight estimate
+#   checkpoint              save_checkpoint and load_checkpoint of the 1B model with its AdamW state (weights and
+#                           moments compared after the load)
+#   openpangu               a checkpoint laid out like openPangu's hub repo at 1B shapes, loaded as Llama on the
+#                           GPU (no remote code) in FP32 and compared with a float64 plain-torch forward; its
+#                           SentencePiece tokenizer converted, and the tokenizer throughput (bench_tokenizer.py)
 #
 # Usage:   benchmarks/gpu_check.sh [OUT_DIR]        (default: results/gpu_check/<date-time>; must not exist)
 # Results: OUT_DIR/<stage>.log, the benchmarks' JSON, the exp8 run folder, summary.md and summary.json.
@@ -42,13 +50,15 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, whatever is installed
 
 if [ "$DEVICE" = cuda ]; then
-    # Caps summing to 430 s, so that a run where every stage hits its cap still ends 50 s inside 8 minutes
-    # (estimates, not yet calibrated on a GPU). The warm-up pays the quantizer's compilation once.
+    # Caps summing to 690 s, so that a run where every stage hits its cap still ends 30 s inside 12 minutes
+    # (estimates, not yet calibrated on a GPU: a cold torch.compile of the 1B model's step takes minutes, hence
+    # its 130 s). The warm-up pays the quantizer's compilation once.
     WARMUP_T=50; PYTEST_T=110; QDQ_T=25; QDQ_ARGS=(--sizes 24,28 --no-en-dtypes)
     STEPS=(smollm2_eager smollm2_compiled llama1b_compiled)
     STEP_ARGS=(--batch 8 --seq 1024 --repeats 5 --warmup 2 --no-counts)
-    STEP_T_EAGER=30; STEP_T_COMPILED=50; STEP_T_1B=75
+    STEP_T_EAGER=30; STEP_T_COMPILED=50; STEP_T_1B=130
     EXP8_MODEL=llama1b; EXP8_T=90
+    MEM_MODEL=llama1b; MEM_SHAPE="16 1024"; MEM_T=60; CKPT_T=75; PANGU_SIZE=1b; PANGU_T=70
     EXP8_ARGS=(train.device=cuda train.autocast=bf16 train.seq_len=1024 train.micro_batch_size=8
                train.global_batch_size=16 train.keep_checkpoints_when_done=0 eval.limit=8)
 else  # a rehearsal of every stage, small enough for a shared CPU
@@ -59,11 +69,12 @@ else  # a rehearsal of every stage, small enough for a shared CPU
     EXP8_ARGS=(train.device=cpu train.autocast=bf16 train.seq_len=32 train.micro_batch_size=1
                train.global_batch_size=2 train.num_threads=1 train.keep_checkpoints_when_done=0 eval.limit=2
                'eval.tasks=[mini_arc]')
+    MEM_MODEL=small; MEM_SHAPE="2 32"; MEM_T=300; CKPT_T=300; PANGU_SIZE=tiny; PANGU_T=300
 fi
 
 STAGES=(compile_warmup pytest_gpu qdq)
 for s in "${STEPS[@]}"; do STAGES+=("step_$s"); done
-STAGES+=(exp8_paper_shapes)
+STAGES+=(exp8_paper_shapes paper_memory checkpoint openpangu)
 if [ -n "${GPU_CHECK_ONLY:-}" ]; then
     for s in $GPU_CHECK_ONLY; do
         [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: GPU_CHECK_ONLY: unknown stage $s; allowed: ${STAGES[*]}" >&2; exit 2; }
@@ -162,6 +173,143 @@ print(f"RESULT {s['steps']} steps, QAT step {s['median_step_s_qat']:.2f} s"
 EOF
 }
 
+stage_paper_memory() {
+    # shellcheck disable=SC2086
+    "$PY" - "$MEM_MODEL" "$DEVICE" $MEM_SHAPE <<'EOF'
+import sys, time
+from types import SimpleNamespace as NS
+import torch
+sys.path.insert(0, "benchmarks")
+from bench_step import build_model
+from hif8qat.chunked_loss import install_loss_head, lm_loss
+from hif8qat.preflight import step_memory
+from hif8qat.qlinear import convert_model, set_quantization
+from hif8qat.scaling import ScalingConfig
+name, dev, micro, seq = sys.argv[1], torch.device(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+model = build_model(name, sys.argv[2]).to(dev).float().train()
+c = model.config
+hp = [0, 1, 2, c.num_hidden_layers - 2, c.num_hidden_layers - 1]  # exp8: mlp scope, first 3 and last 2 in BF16
+convert_model(model, "mlp", hp, ScalingConfig(algo="max", history_len=64))
+set_quantization(model, True)
+install_loss_head(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
+tokens = torch.randint(0, c.vocab_size, (micro, seq + 1), device=dev)
+def step():
+    for _ in range(2):  # gradient accumulation: the second micro-batch runs with the first one's gradients held
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = lm_loss(model, tokens)
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+step()  # AdamW state exists from here on
+if dev.type == "cuda":
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+t0 = time.time()
+step()
+peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
+cfg = NS(train=NS(micro_batch_size=micro, seq_len=seq, autocast="bf16", distributed="ddp",
+                  activation_checkpointing=False), quirks=NS(bf16_params=False))
+facts = dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
+             intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+             num_key_value_heads=c.num_key_value_heads, tie_word_embeddings=c.tie_word_embeddings,
+             attn_implementation=c._attn_implementation)
+estimate = sum(step_memory(cfg, facts).values())
+gib = 2 ** 30
+if peak is None:
+    print(f"RESULT {micro}x{seq} step in {time.time() - t0:.1f} s; estimate {estimate / gib:.2f} GiB (no peak on CPU)")
+else:
+    print(f"RESULT {micro}x{seq}: peak {peak / gib:.1f} GiB, estimate {estimate / gib:.1f} GiB "
+          f"(x{estimate / peak:.2f}), step {time.time() - t0:.1f} s")
+    if peak > 80e9:
+        raise SystemExit(f"the paper's micro-batch needs {peak / 1e9:.1f} GB: more than an 80 GB GPU")
+EOF
+}
+
+stage_checkpoint() {
+    "$PY" - "$MEM_MODEL" "$DEVICE" "$OUT/ckpt" <<'EOF'
+import sys, time
+from pathlib import Path
+import torch
+sys.path.insert(0, "benchmarks")
+from bench_step import build_model
+from hif8qat import checkpoint as ckpt
+name, dev, root = sys.argv[1], torch.device(sys.argv[2]), Path(sys.argv[3])
+def fresh(seed):
+    torch.manual_seed(seed)
+    model = build_model(name, sys.argv[2]).to(dev).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 17), device=dev)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+model, opt, sched = fresh(0)
+t0 = time.time()
+path = ckpt.save_checkpoint(root, 1, model=model, optimizer=opt, scheduler=sched,
+                            rank_state={"rng": ckpt.rng_state()})
+saved_s, size = time.time() - t0, sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+other, other_opt, other_sched = fresh(1)
+t0 = time.time()
+step, state = ckpt.load_checkpoint(path, model=other, optimizer=other_opt, scheduler=other_sched)
+loaded_s = time.time() - t0
+ckpt.set_rng_state(state["rng"])
+same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+moments = all(torch.equal(opt.state[p]["exp_avg_sq"], other_opt.state[q]["exp_avg_sq"])
+              for p, q in zip(model.parameters(), other.parameters()))
+if not (step == 1 and same and moments):
+    raise SystemExit(f"the loaded checkpoint differs: step {step}, weights equal {same}, AdamW equal {moments}")
+ckpt.prune_checkpoints(root, 0)
+print(f"RESULT {size / 1e9:.2f} GB saved in {saved_s:.0f} s, loaded in {loaded_s:.0f} s, equal")
+EOF
+}
+
+stage_openpangu() {
+    local res
+    res=$("$PY" - "$PANGU_SIZE" "$DEVICE" "$OUT/pangu" <<'EOF'
+import json, sys, time
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+sys.path.insert(0, "tests")
+import test_openpangu as tp
+from hif8qat.models import load_causal_lm
+size, dev, folder = sys.argv[1], torch.device(sys.argv[2]), Path(sys.argv[3])
+cfg, _ = tp.write_pangu_checkpoint(folder)  # the hub layout and its tokenizer at tiny sizes
+if size == "1b":  # then openPangu-Embedded-1B's shapes, written over the tiny ones
+    cfg.update(vocab_size=153376, hidden_size=1536, intermediate_size=6144, num_hidden_layers=26,
+               num_attention_heads=12, num_key_value_heads=6)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+weights = tp._weights(cfg, True, std=0.02)
+index = json.loads((folder / "model.safetensors.index.json").read_text())
+shards = sorted(set(index["weight_map"].values()))
+names = sorted(weights)
+parts = {shards[0]: names[: len(names) // 2], shards[1]: names[len(names) // 2:]}
+for shard, keys in parts.items():
+    save_file({k: weights[k] for k in keys}, str(folder / shard), metadata={"format": "pt"})
+index["weight_map"] = {k: shard for shard, keys in parts.items() for k in keys}
+(folder / "model.safetensors.index.json").write_text(json.dumps(index))
+t0 = time.time()
+model, tok = load_causal_lm(str(folder), trust_remote_code=True, dtype=torch.float32)
+load_s = time.time() - t0
+torch.backends.cuda.matmul.allow_tf32 = False
+ids = torch.randint(0, cfg["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    got = model.to(dev)(input_ids=ids.to(dev)).logits.double().cpu()
+want = tp.reference_logits(cfg, weights, ids)
+err = ((got - want).abs().max() / want.abs().max()).item()
+if type(model).__name__ != "LlamaForCausalLM" or err > 1e-4 or not tok.is_fast:
+    raise SystemExit(f"{type(model).__name__}, relative logit error {err:.2e}, fast tokenizer {tok.is_fast}")
+print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters loaded as Llama in {load_s:.0f} s, "
+      f"logits within {err:.1e} of the plain forward")
+EOF
+) || { echo "$res"; return 1; }
+    rm -rf "$OUT/pangu"
+    echo "$res"
+    "$PY" benchmarks/bench_tokenizer.py --synthetic --vocab 8000 > "$OUT/tokenizer.txt" || return
+    cat "$OUT/tokenizer.txt"
+    echo "RESULT $res; tokenizer $(grep -m1 '^fast' "$OUT/tokenizer.txt" | sed 's/.*= //')"
+}
+
 run_stage() {
     case "$1" in
         compile_warmup) echo "$WARMUP_T stage_compile_warmup" ;;
@@ -171,6 +319,9 @@ run_stage() {
         step_*_eager) local m=${1#step_}; echo "$STEP_T_EAGER stage_step ${m%_eager} eager" ;;
         step_*_compiled) local m=${1#step_}; echo "$STEP_T_COMPILED stage_step ${m%_compiled} compiled" ;;
         exp8_paper_shapes) echo "$EXP8_T stage_exp8_paper_shapes" ;;
+        paper_memory) echo "$MEM_T stage_paper_memory" ;;
+        checkpoint) echo "$CKPT_T stage_checkpoint" ;;
+        openpangu) echo "$PANGU_T stage_openpangu" ;;
     esac
 }
 
@@ -187,8 +338,9 @@ if [ -n "${GPU_CHECK_PLAN:-}" ]; then
     rmdir "$OUT" 2>/dev/null
     exit 0
 fi
-export -f stage_compile_warmup stage_pytest_gpu stage_qdq stage_step stage_exp8_paper_shapes
-export PY OUT DEVICE EXP8_MODEL
+export -f stage_compile_warmup stage_pytest_gpu stage_qdq stage_step stage_exp8_paper_shapes stage_paper_memory \
+    stage_checkpoint stage_openpangu
+export PY OUT DEVICE EXP8_MODEL MEM_MODEL MEM_SHAPE PANGU_SIZE
 ROWS=()
 T_ALL=$SECONDS
 echo "gpu_check: device $DEVICE, stages: ${STAGES[*]}, results in $OUT"

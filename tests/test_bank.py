@@ -409,3 +409,38 @@ def test_exp_smooth_costs_one_host_copy_per_refresh_round_for_the_whole_model(mo
         copies.clear()
     # the cold start's block covers calls 0-2 (interval 3), refreshes at 3 and 6: one copy for 63 quantizers
     assert per_mb == [0, 0, 0, 1, 0, 0, 1, 0]
+
+
+def test_host_decisions_reach_the_bank_device_only_through_the_sync_free_copy():
+    """Every numpy mask, index or forecast the bank moves to its device goes through host_to_device: a direct
+    `torch.from_numpy(x).to(device)` is a blocking copy from pageable memory on CUDA (a host sync per
+    micro-batch, an error under torch.cuda.set_sync_debug_mode("error"))."""
+    import ast
+
+    src = Path(__file__).resolve().parents[1] / "src" / "hif8qat"
+    direct = []
+    for path in sorted(src.glob("bank*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to"
+                    and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Attribute)
+                    and node.func.value.func.attr == "from_numpy"):
+                direct.append(f"{path.name}:{node.lineno}")
+    assert not direct, f"blocking host-to-device copies: {direct}"
+
+
+def test_host_to_device_pins_and_copies_without_blocking_on_cuda(monkeypatch):
+    """What the copy asks of torch on a CUDA device (emulated: no GPU here): page-locked memory first, then a
+    non-blocking copy; on CPU the array is used in place."""
+    import numpy as np
+
+    from hif8qat.bank import host_to_device
+
+    mask = np.array([True, False, True])
+    on_cpu = host_to_device(mask, torch.device("cpu"))
+    mask[1] = True
+    assert on_cpu.tolist() == [True, True, True]  # shared, no copy
+    asked = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: asked.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: asked.append(("to", a, k)) or self)
+    host_to_device(mask, torch.device("cuda", 0))
+    assert asked[0] == "pin" and asked[1:] == [("to", (torch.device("cuda", 0),), {"non_blocking": True})]

@@ -346,3 +346,50 @@ def test_checkpoints_save_and_verify_without_hashlib_file_digest(tmp_path, monke
     for name, entry in manifest["files"].items():
         assert entry["sha256"] == hashlib.sha256((path / name).read_bytes()).hexdigest()
     assert _loaded_seed(path) == 1
+
+
+class _FakeCuda:
+    """Per-device generator states of a node with ``count`` visible GPUs; an index past them raises, as
+    torch.cuda does."""
+
+    def __init__(self, count: int, current: int):
+        self.count, self.current = count, current
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(count)}
+
+    def _check(self, device: int) -> int:
+        if not 0 <= device < self.count:
+            raise IndexError(f"device {device} of {self.count}")
+        return device
+
+    def get_rng_state(self, device: int = 0) -> torch.Tensor:
+        return self.states[self._check(device)].clone()
+
+    def set_rng_state(self, state: torch.Tensor, device: int = 0) -> None:
+        self.states[self._check(device)] = state.clone()
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [self.get_rng_state(i) for i in range(self.count)]
+
+    def set_rng_state_all(self, states) -> None:
+        for i, state in enumerate(states):
+            self.set_rng_state(state, i)
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+
+def test_rng_state_resumes_on_a_node_with_fewer_visible_gpus(monkeypatch):
+    """Rank 3 of an 8-GPU node saves; the resume runs with one visible GPU per task (SLURM binding): its
+    cuda:0 generator continues from what rank 3's own GPU had, and nothing indexes a GPU that is not there."""
+    saving = _FakeCuda(count=8, current=3)
+    saving.states[3] = torch.arange(16, dtype=torch.uint8) * 7
+    saving.install(monkeypatch)
+    state = ckpt.rng_state()
+    resuming = _FakeCuda(count=1, current=0)
+    resuming.install(monkeypatch)
+    ckpt.set_rng_state(state)
+    assert torch.equal(resuming.states[0], torch.arange(16, dtype=torch.uint8) * 7)

@@ -90,6 +90,16 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(mx.float(), -mn.float())
 
 
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host decision (mask, index, forecast) on the bank's device without a host sync. A copy from pageable
+    memory blocks until the GPU has caught up, every micro-batch; a page-locked one runs asynchronously, and
+    torch's pinned allocator keeps its block until the copy has run. On CPU the array's memory is shared."""
+    host = torch.from_numpy(array)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 class QuantizerCalledTwice(RunError):
     """A quantizer ran twice in one micro-batch outside an activation-checkpointing recompute."""
 
@@ -267,7 +277,7 @@ class ScalerBank(nn.Module):
         self.update()
         mask = np.zeros(self.n, dtype=bool)
         mask[np.arange(self.n) if rows is None else np.asarray(rows, dtype=np.int64)] = True
-        m = torch.from_numpy(mask).to(self.device)
+        m = host_to_device(mask, self.device)
         for name, value in (("history", 0), ("total", 0), ("pending", 0), ("pending_valid", False),
                             ("est", 1.0), ("blk_scale", 0), ("blk_est", 0), ("tel_max", 0), ("tel_cnt", 0),
                             ("last_vals", math.nan), ("last_stats", math.nan)):
@@ -398,7 +408,7 @@ class ScalerBank(nn.Module):
             new_unit = self.pending_step != step
             commit = new_unit & init
             if commit.any():
-                m = torch.from_numpy(commit).to(self.device)
+                m = host_to_device(commit, self.device)
                 self.history, self.total = rules.append(self.history, self.total, self.pending,
                                                         self.pending_valid & m)
                 self.pending = self.pending.masked_fill(m, 0.0)
@@ -423,11 +433,11 @@ class ScalerBank(nn.Module):
                 est = rules.history_estimate(self.history, self.total, algo, self.est)
                 self._set_rows(refresh, est, rules.scale_of(self.target, est))
         if es_adv.any():
-            j = torch.from_numpy(np.minimum(self.block_j, self.blk_size - 1)).to(self.device).view(-1, 1)
+            j = host_to_device(np.minimum(self.block_j, self.blk_size - 1), self.device).view(-1, 1)
             self._set_rows(es_adv, self.blk_est.gather(1, j).view(-1), self.blk_scale.gather(1, j).view(-1))
 
     def _mask(self, rows: np.ndarray) -> torch.Tensor | bool:
-        return True if rows.all() else torch.from_numpy(rows).to(self.device)
+        return True if rows.all() else host_to_device(rows, self.device)
 
     def _set_rows(self, rows: np.ndarray, est: torch.Tensor, scale: torch.Tensor) -> None:
         if rows.all():
@@ -448,10 +458,10 @@ class ScalerBank(nn.Module):
         idx = np.flatnonzero(rows)
         ests, scales = forecast.exp_smooth_rows(self._forecasters, self.roles, self._targets, idx, hist, total,
                                                 self.seen_total, cur, k, self._kmax)
-        ix = torch.from_numpy(idx).to(self.device)
-        self.blk_est = self.blk_est.index_copy(0, ix, torch.from_numpy(ests).to(self.device))
+        ix = host_to_device(idx, self.device)
+        self.blk_est = self.blk_est.index_copy(0, ix, host_to_device(ests, self.device))
         self.blk_scale = self.blk_scale.index_copy(
-            0, ix, torch.from_numpy(scales).to(device=self.device, dtype=torch.float32))
+            0, ix, host_to_device(scales.astype(np.float32), self.device))
         self.blk_size[rows] = k
         self._set_rows(rows, self.blk_est[:, 0], self.blk_scale[:, 0])
 
@@ -482,7 +492,7 @@ class ScalerBank(nn.Module):
         snap = self._snap
         for k, v in snap["py"].items():
             getattr(self, k)[rows] = v[rows]
-        m = torch.from_numpy(rows).to(self.device)
+        m = host_to_device(rows, self.device)
         for k, v in snap["t"].items():
             cur = getattr(self, k)
             new = torch.where(m.view(-1, *([1] * (cur.dim() - 1))), v, cur)

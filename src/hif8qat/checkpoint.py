@@ -169,17 +169,25 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's RNG states. On CUDA only the current device's generator: a rank draws from its own GPU
+    only, and a resume may see another number of GPUs (fewer per node, CUDA_VISIBLE_DEVICES, SLURM binding)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return
+    device = torch.cuda.current_device()
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], device)
+    elif state.get("cuda"):  # older checkpoints: one state per GPU then visible; take this device's if saved
+        states = state["cuda"]
+        torch.cuda.set_rng_state(states[device if device < len(states) else 0], device)
 
 
 def _save_full_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], filename: str) -> None:

@@ -49,9 +49,9 @@ A checkpoint of another world size is continued by ``resize(states)`` (every sav
 of the epoch is shared out so that no window / document is read twice in it (docs/design.md, "Resuming on
 another world size").
 
-Workers: everything runs in the calling process (no DataLoader workers). The packed path is array slicing
-after a one-off cached tokenization; the streaming path tokenizes 64 documents at a time with the fast
-(Rust, multi-threaded) tokenizer, a small cost next to a GPU training step at paper scale.
+Workers: no DataLoader workers. The packed path is array slicing after a one-off cached tokenization; the
+streaming path tokenizes 64 documents at a time with the fast (Rust) tokenizer, and the trainer reads it through
+`prefetch.PrefetchedStream`: a thread of the training process reads and tokenizes the next batches during the step.
 """
 
 from __future__ import annotations

@@ -41,6 +41,31 @@ from torch import nn
 _PORT_BASE, _PORT_SPAN = 15000, 15000  # below Linux's ephemeral range (32768+)
 
 
+def distributed_info(cfg: Any, environ: Mapping[str, str] | None = None) -> dict[str, int]:
+    """How one optimizer step is made, for run_info.json: ranks, ranks per node, micro-batches per rank. The
+    amax history counts micro-batches, so runs that differ here differ in what a window spans."""
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE") or 1)
+    return {"world_size": world, "ranks_per_node": int(env.get("LOCAL_WORLD_SIZE") or world),
+            "grad_accum_steps": cfg.grad_accum_steps(world)}
+
+
+def launch_differences(info_a: Mapping[str, Any], info_b: Mapping[str, Any]) -> list[str]:
+    """The step-shaping keys of two run_info.json contents that differ, over every start of each run (a resume
+    may change the world size); a run recorded before these keys existed differs in nothing."""
+    def shapes(info: Mapping[str, Any], key: str) -> set:
+        starts = [info, *(info.get("history") or [])]
+        return {s["distributed"][key] for s in starts if isinstance(s, Mapping)
+                and isinstance(s.get("distributed"), Mapping) and key in s["distributed"]}
+
+    diff = []
+    for key in ("world_size", "grad_accum_steps"):
+        a, b = shapes(info_a, key), shapes(info_b, key)
+        if a and b and a != b:
+            diff.append(f"distributed.{key} ({'/'.join(map(str, sorted(a)))} vs {'/'.join(map(str, sorted(b)))})")
+    return diff
+
+
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand a SLURM hostlist expression: "gpu[001-003,7],login1" -> gpu001 gpu002 gpu003 gpu7 login1."""
     hosts: list[str] = []

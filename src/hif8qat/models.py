@@ -15,7 +15,9 @@ Names understood by :func:`load_causal_lm`:
     Always the offline weights (reproducible regardless of network access).
 
 ``"openpangu_embedded_1b"``
-    The paper's model; see :data:`OPENPANGU_EMBEDDED_1B`. Weights are not downloaded by this project.
+    The paper's model; see :data:`OPENPANGU_EMBEDDED_1B`. Weights are not downloaded by this project. Any
+    checkpoint whose config.json says ``model_type: PanguEmbedded`` loads as ``LlamaForCausalLM`` with a fast
+    tokenizer converted from its SentencePiece model (:mod:`hif8qat.pangu`).
 
 Anything else is a hub id (``org/name``) or a local ``save_pretrained`` folder.
 
@@ -57,7 +59,9 @@ OPENPANGU_EMBEDDED_1B = {
         "openpangu/openPangu-Embedded-1B-V1.1 (official hub org, V1.1 weights)",
         "https://ai.gitcode.com/ascend-tribe/openpangu-embedded-1b-model (original Ascend NPU release)",
     ],
-    "trust_remote_code": True,  # the repo ships modeling_openpangu_dense.py via config.json auto_map
+    # the repo ships modeling_openpangu_dense.py via config.json auto_map; load_causal_lm never runs it (it loads
+    # the checkpoint as LlamaForCausalLM, see PANGU_MODEL_TYPES), so this is only needed by other loaders
+    "trust_remote_code": True,
     "num_blocks": 26,
     "how_to": (
         "git lfs install && git clone https://huggingface.co/FreedomIntelligence/openPangu-Embedded-1B "
@@ -65,6 +69,9 @@ OPENPANGU_EMBEDDED_1B = {
         "model.trust_remote_code=true (or pass the hub id directly on a machine with hub access)"
     ),
 }
+
+#: ``model_type`` of openPangu-Embedded checkpoints, which load as Llama (:mod:`hif8qat.pangu`).
+PANGU_MODEL_TYPES = ("PanguEmbedded",)
 
 _TINY_SPECIALS = ("<|pad|>", "<|bos|>", "<|endoftext|>")
 
@@ -418,6 +425,15 @@ def load_causal_lm(
             )
 
     config = {} if gguf_file else _read_config_json(source, revision=revision)
+    if config.get("model_type") in PANGU_MODEL_TYPES:  # transformers' own Llama code: the repo's modeling and tokenizer code never runs
+        from .pangu import load_pangu_as_llama, pangu_tokenizer
+
+        t0 = time.time()
+        tok = pangu_tokenizer(source, revision=revision)
+        model = load_pangu_as_llama(source, config, dtype=dtype, revision=revision)
+        model.eval()
+        log.info("loaded %s (%s) as Llama in %.1f s", name, source, time.time() - t0)
+        return model, tok
     remote = _decide_remote_code(source, config, trust_remote_code)
     kwargs = dict(trust_remote_code=remote, revision=revision)
     if gguf_file:

@@ -105,9 +105,13 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1) -> dict[str, i
     weights, gradients and the two AdamW moments (4 copies of the parameters); the activations autograd keeps
     per block (the residual stream, q/k/v, the attention output and the MLP's gate, up and product at the
     autocast width; eager attention adds its probability matrix), only each block's input under
-    activation checkpointing; the logits and their fp32 copy for the loss. Counted low on purpose (no
-    temporaries, no allocator slack, no quantizer buffers), so a step it says will not fit cannot fit.
+    activation checkpointing; the loss's vocabulary-wide tensors: over the whole micro-batch, 12 bytes per logit
+    (the log-softmax kept for backward and two FP32 gradients; measured), or, when the loss runs in chunks
+    (`chunked_loss`), one chunk's logits at the autocast width plus three FP32 tensors. Counted low (no
+    allocator slack, no quantizer buffers): within 20 % of a measured CPU peak, below it on a GPU.
     """
+    from .chunked_loss import CHUNK_ELEMENTS, chunk_rows
+
     t = cfg.train
     h, layers, vocab = facts["hidden_size"], facts["num_hidden_layers"], facts["vocab_size"]
     inter = facts.get("intermediate_size") or 4 * h
@@ -122,7 +126,10 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1) -> dict[str, i
         block += t.micro_batch_size * heads * t.seq_len ** 2 * width  # the softmax output, kept for backward
     kept = tokens * h * width if t.activation_checkpointing else block
     activations = (layers - 1) * kept + block
-    logits = tokens * vocab * (width + 4)
+    if tokens * vocab > CHUNK_ELEMENTS:
+        logits = min(tokens, chunk_rows(vocab)) * vocab * (width + 12)
+    else:
+        logits = tokens * vocab * 12
     return {"weights, gradients and AdamW state": states, "activations": activations, "logits": logits}
 
 

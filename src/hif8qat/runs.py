@@ -166,6 +166,20 @@ def _load_config(path: Path) -> dict[str, Any] | None:
     return cfg if isinstance(cfg, dict) else None
 
 
+def _launch_differences(info_a: dict[str, Any], info_b: dict[str, Any]) -> list[str]:
+    from .distributed import launch_differences  # torch is imported only where a run is compared
+
+    return launch_differences(info_a, info_b)
+
+
+def _run_info_or_empty(run_dir: Path) -> dict[str, Any]:
+    try:
+        info = json.loads((run_dir / INFO_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def find_baseline_run(results_root: Path, profile: str, baseline_experiment: str, run_dir: Path, *,
                       may_differ: Any = ("quant",)) -> tuple[Path | None, str]:
     """The run of ``baseline_experiment`` that ``run_dir`` is compared with, or None and why there is none.
@@ -191,7 +205,8 @@ def find_baseline_run(results_root: Path, profile: str, baseline_experiment: str
         seeds.add(other.get("seed"))
         if other.get("seed") != cfg.get("seed"):
             continue
-        diff = training_differences(cfg, other, may_differ=may_differ)
+        diff = training_differences(cfg, other, may_differ=may_differ) or _launch_differences(
+            _run_info_or_empty(Path(run_dir)), _run_info_or_empty(d))
         if diff:
             rejected.append(f"{d.name} differs in {', '.join(diff)}")
         else:
@@ -365,10 +380,12 @@ def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]
         run_dir.mkdir(parents=True, exist_ok=True)
         if status == "new" or not config_path.exists():
             write_text(config_path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        from .distributed import distributed_info
         from .numerics import describe, training_device_type
 
         info = {"status": status, "argv": sys.argv, **provenance(),
-                "numerics": describe(cfg.train.autocast, training_device_type(cfg.train.device))}
+                "numerics": describe(cfg.train.autocast, training_device_type(cfg.train.device)),
+                "distributed": distributed_info(cfg)}
         history = _read_run_info(info_path).get("history", [])
         history.append(info)
         write_json(info_path, {**info, "history": history}, indent=2, sort_keys=True, default=str)

@@ -14,22 +14,24 @@ import random
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import get_cosine_schedule_with_warmup
 
 from . import checkpoint as ckpt
 from . import numerics
+from .chunked_loss import install_loss_head, lm_loss
 from .config import RunConfig
 from .data import build_eval_windows, build_train_stream
 from .distributed import grad_sync
 from .errors import RunError
 from .export import export_or_explain
 from .models import load_causal_lm
+from .prefetch import PrefetchedStream
 from .qlinear import (
     convert_model,
     dump_telemetry,
@@ -46,6 +48,10 @@ from .trainlog import MetricsSink, progress_bar, train_summary, truncate_metrics
 
 # Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
 _KILL_AT_STEP_ENV = "HIF8QAT_TEST_KILL_AT_STEP"
+
+
+# torch's default is 10 minutes; a 1B model's export or checkpoint to a network filesystem can take longer.
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=60)
 
 
 class TrainingDiverged(RunError):
@@ -88,7 +94,10 @@ def setup_distributed(device_pref: str = "auto") -> DistContext:
     if use_cuda:
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        # device_id binds NCCL to this rank's GPU up front; the long timeout covers what one rank does while the
+        # others wait at a barrier (rank 0's export and pruning, a checkpoint on a slow shared filesystem)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT,
+                                device_id=device if use_cuda else None)
     rank = dist.get_rank() if world_size > 1 else 0
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
@@ -106,21 +115,6 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
             continue
         (decay if param.ndim >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def lm_loss(model: torch.nn.Module, tokens: torch.Tensor, *, double_label_shift: bool = False) -> torch.Tensor:
-    """Next-token cross entropy on packed windows of seq_len + 1 tokens.
-
-    double_label_shift reproduces the authors' bug: labels shifted once by them and again by the HF loss, so
-    position t is trained on token t + 2.
-    """
-    inputs = tokens[:, :-1]
-    logits = model(input_ids=inputs).logits
-    if double_label_shift:
-        logits, targets = logits[:, :-1], tokens[:, 2:]
-    else:
-        targets = tokens[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
 def _numerics(cfg: RunConfig, device: torch.device) -> str:
@@ -163,6 +157,7 @@ def _build_model(cfg: RunConfig, ctx: DistContext):
         scaling = ScalingConfig.from_dict(cfg.quant.scaling_dict())
         converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), scaling)
         set_quantization(model, False)
+    install_loss_head(model)  # the loss in chunks: the micro-batch's whole FP32 logits never exist
     model.to(ctx.device)
     model.train()
     if cfg.train.activation_checkpointing:  # the recompute reuses the forward's HiF8 scales, records nothing
@@ -202,6 +197,8 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     stream = build_train_stream(cfg.data.source, tokenizer, seq_len=cfg.train.seq_len,
                                 micro_batch_size=cfg.train.micro_batch_size, rank=ctx.rank,
                                 world_size=ctx.world_size, seed=cfg.seed, cache_dir=cfg.data.cache_dir)
+    if stream.kind == "stream":  # tokenized on the fly: the next batches are read in a thread during the step
+        stream = PrefetchedStream(stream)
     accum = cfg.grad_accum_steps(ctx.world_size)
     compute = _numerics(cfg, ctx.device)  # bf16 | bf16_emulated | none (the run's config has it resolved already)
 
@@ -342,6 +339,8 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
         save(cfg.train.steps)
     val_loss = held_out()
     sink.close()
+    if hasattr(stream, "close"):  # a prefetching reader's thread ends with the run (a sweep runs many per process)
+        stream.close(rewind=False)
     summary: dict[str, Any] = {}
     from .distributed import full_model_state_dict, is_fsdp
 

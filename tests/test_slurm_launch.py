@@ -94,3 +94,21 @@ def test_launch_record_names_the_launcher(env, launcher, world, per_node, job):
     rec = launch_record(env)
     assert (rec["launcher"], rec["world_size"], rec["ranks_per_node"]) == (launcher, world, per_node)
     assert (rec["slurm"] or {}).get("job_id") == job
+
+
+def test_a_slurm_sweep_that_cannot_know_its_resources_stops_before_submitting(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "SLURM_CONF": str(tmp_path / "no-such-slurm.conf")}
+    out = subprocess.run([sys.executable, str(root / "run.py"), "-m", "hydra/launcher=slurm", "experiment=exp8",
+                          "profile=smoke", "stage=train", "seed=0,1", f"results_root={tmp_path / 'runs'}",
+                          f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "hydra.launcher.gpus_per_node=" in errors[0] and "slurm_cpu" in errors[0], errors
+    assert "Traceback" not in out.stderr and not (tmp_path / "sweep").exists()

@@ -9,10 +9,12 @@ the setting and the fix; run.py prints it as ``error: ...`` before any job is su
 
 `quiet_sacct()`: submitit follows its jobs with ``sacct``; on a cluster without accounting storage every poll
 printed an error three times. After the first failure the watcher says so once and asks ``squeue`` instead.
+``HIF8QAT_SLURM_POLL_S`` caps the time between polls (submitit's own cap is 10 minutes).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from collections.abc import Mapping
@@ -182,3 +184,5 @@ def quiet_sacct(note=print) -> None:
 
     watcher_cls.update = update
     watcher_cls._hif8qat_quiet = True
+    if os.environ.get("HIF8QAT_SLURM_POLL_S"):  # submitit polls ever more slowly (up to 10 min) otherwise
+        slurm.SlurmJob.watcher._delay_s = float(os.environ["HIF8QAT_SLURM_POLL_S"])

@@ -39,3 +39,19 @@ def _has_conf(proc: Path, work: Path) -> bool:
         return str(work).encode() in (proc / "environ").read_bytes()
     except OSError:
         return False
+
+
+def test_a_cluster_that_cannot_start_is_a_skip_with_its_reason(tmp_path, monkeypatch, capsys):
+    from hif8qat import slurm_rehearsal
+    from hif8qat.slurm_cluster import ClusterUnavailable, LocalCluster
+
+    def refuse(self):
+        raise ClusterUnavailable("slurmctld did not start (exit 1): no munge here")
+
+    monkeypatch.setattr(LocalCluster, "start", refuse)
+    ran = []
+    monkeypatch.setattr(slurm_rehearsal, "rehearse", lambda *a: ran.append(a) or {})
+    assert slurm_rehearsal.main(["--work", str(tmp_path / "w")]) == 0
+    assert not ran
+    reason = json.loads((tmp_path / "w" / "checks.json").read_text())["skipped"]
+    assert "slurmctld did not start" in reason and f"skipped: {reason}" in capsys.readouterr().out

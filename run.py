@@ -174,13 +174,17 @@ def slurm_launcher_overrides(argv: list[str]) -> list[str]:
     submitted; returns [] for any other launcher."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
+    from hydra.errors import HydraException
 
     args = get_args_parser().parse_args(argv)
     if not args.multirun or args.config_path or args.config_name or args.config_dir:
         return []
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        first = override_combinations(args.overrides, True)[0]
-        launcher = compose(config_name="config", overrides=first, return_hydra_config=True).hydra.launcher
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            first = override_combinations(args.overrides, True)[0]
+            launcher = compose(config_name="config", overrides=first, return_hydra_config=True).hydra.launcher
+    except HydraException:
+        return []  # Hydra reports it itself
     if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
         return []
     from hif8qat.slurm_launch import RESOURCE_KEYS, launcher_overrides, quiet_sacct

@@ -197,6 +197,18 @@ def slurm_launcher_overrides(argv: list[str]) -> list[str]:
     return pinned
 
 
+def insert_overrides(argv: list[str], extra: list[str]) -> list[str]:
+    """argv with `extra` overrides right after its last override (Hydra's overrides are one positional run: an
+    override after ``--cfg hydra -p x`` would be an unrecognized argument)."""
+    if not extra:
+        return argv
+    from hydra._internal.utils import get_args_parser
+
+    overrides = get_args_parser().parse_args(argv[1:]).overrides
+    at = max((i for i, a in enumerate(argv) if i and a in overrides), default=len(argv) - 1) + 1
+    return argv[:at] + extra + argv[at:]
+
+
 def replace_typed_dicts(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """A dict typed on the command line replaces the configured one: Hydra would merge them, so exp3's
     ``quant.interval={0: 1, 1000: 10}`` overridden by ``{0: 5}`` would silently run ``{0: 5, 1000: 10}``."""
@@ -413,7 +425,7 @@ if __name__ == "__main__":
     from hif8qat.slurm_launch import LauncherError
 
     try:
-        sys.argv += slurm_launcher_overrides(sys.argv[1:])
+        sys.argv = insert_overrides(sys.argv, slurm_launcher_overrides(sys.argv[1:]))
     except LauncherError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -112,3 +112,21 @@ def test_a_slurm_sweep_that_cannot_know_its_resources_stops_before_submitting(tm
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "hydra.launcher.gpus_per_node=" in errors[0] and "slurm_cpu" in errors[0], errors
     assert "Traceback" not in out.stderr and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("argv", [["-m", "seed=0,1", "--cfg", "hydra", "-p", "hydra.launcher"],
+                                  ["--cfg", "job", "-m", "seed=0,1", "stage=train"], ["-m"]])
+def test_pinned_launcher_settings_join_the_overrides_wherever_the_options_are(argv):
+    import sys
+    from pathlib import Path
+
+    from hydra._internal.utils import get_args_parser
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from run import insert_overrides
+
+    extra = ["hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=2"]
+    before = get_args_parser().parse_args(argv)
+    after = get_args_parser().parse_args(insert_overrides(["run.py", *argv], extra)[1:])  # no SystemExit
+    assert after.overrides == before.overrides + extra
+    assert (after.cfg, after.package, after.multirun) == (before.cfg, before.package, before.multirun)

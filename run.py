@@ -167,6 +167,48 @@ def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str 
     return None
 
 
+def slurm_launcher_overrides(argv: list[str]) -> list[str]:
+    """Under -m with hydra/launcher=slurm or slurm_cpu: the launcher's GPUs, tasks and CPUs per node pinned as
+    overrides, read from the partition where the config leaves them to it (hif8qat.slurm_launch), and the
+    sacct-less job watching made quiet. Raises LauncherError (a setting that cannot work) before any job is
+    submitted; returns [] for any other launcher."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.errors import HydraException
+
+    args = get_args_parser().parse_args(argv)
+    if not args.multirun or args.config_path or args.config_name or args.config_dir:
+        return []
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            first = override_combinations(args.overrides, True)[0]
+            launcher = compose(config_name="config", overrides=first, return_hydra_config=True).hydra.launcher
+    except HydraException:
+        return []  # Hydra reports it itself
+    if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
+        return []
+    from hif8qat.slurm_launch import RESOURCE_KEYS, launcher_overrides, quiet_sacct
+
+    values = OmegaConf.to_container(launcher, resolve=True, throw_on_missing=False)
+    explicit = {o.split("=", 1)[0].lstrip("+~").removeprefix("hydra.launcher.") for o in args.overrides}
+    pinned, note = launcher_overrides(values, explicit & set(RESOURCE_KEYS))
+    print(note, file=sys.stderr)
+    quiet_sacct(note=lambda line: print(line, file=sys.stderr))
+    return pinned
+
+
+def insert_overrides(argv: list[str], extra: list[str]) -> list[str]:
+    """argv with `extra` overrides right after its last override (Hydra's overrides are one positional run: an
+    override after ``--cfg hydra -p x`` would be an unrecognized argument)."""
+    if not extra:
+        return argv
+    from hydra._internal.utils import get_args_parser
+
+    overrides = get_args_parser().parse_args(argv[1:]).overrides
+    at = max((i for i, a in enumerate(argv) if i and a in overrides), default=len(argv) - 1) + 1
+    return argv[:at] + extra + argv[at:]
+
+
 def replace_typed_dicts(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """A dict typed on the command line replaces the configured one: Hydra would merge them, so exp3's
     ``quant.interval={0: 1, 1000: 10}`` overridden by ``{0: 5}`` would silently run ``{0: 5, 1000: 10}``."""
@@ -381,5 +423,12 @@ if __name__ == "__main__":
     problem = check_command_line(sys.argv[1:], typed)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    from hif8qat.slurm_launch import LauncherError
+
+    try:
+        sys.argv = insert_overrides(sys.argv, slurm_launcher_overrides(sys.argv[1:]))
+    except LauncherError as err:
+        print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     main()

@@ -13,6 +13,7 @@
 - `env_from_slurm()` fills torch's RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from SLURM's
   variables when a process was started by `srun` (one task per GPU, e.g. by `hydra/launcher=slurm`) instead
   of `torchrun`. torchrun sets WORLD_SIZE itself; then nothing is changed.
+- `launch_record()`: world size, ranks per node, launcher and SLURM job ids, recorded in run_info.json.
 - `full_model_state_dict` / `load_full_model_state_dict` / `full_optimizer_state_dict` /
   `load_full_optimizer_state_dict`: whole (gathered, CPU) state under FSDP through
   `torch.distributed.checkpoint.state_dict`, so checkpoints and exports keep the single-process format
@@ -150,6 +151,35 @@ def _env_from_submitit_local(env: dict[str, str]) -> dict[str, str]:
     set_now = {k: v for k, v in new.items() if not env.get(k)}
     env.update(set_now)
     return set_now
+
+
+def launch_record(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """How this process was launched, for run_info.json's "distributed" entry: world size, ranks per node,
+    ``launcher`` (slurm: an srun task; torchrun; submitit_local: hydra/launcher=local; local: one plain
+    process) and ``slurm`` (job, array job and array task ids, restarts; None outside a SLURM job).
+    Read after env_from_slurm, so an srun task has its WORLD_SIZE and LOCAL_WORLD_SIZE."""
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE") or 1)
+    if env.get("TORCHELASTIC_RUN_ID"):  # set by torchrun only (also inside a SLURM allocation)
+        launcher = "torchrun"
+    elif env.get("SLURM_JOB_ID") and env.get("SLURM_PROCID") is not None and _slurm_world_size(env):
+        launcher = "slurm"
+    elif env.get("SUBMITIT_LOCAL_JOB_ID"):
+        launcher = "submitit_local"
+    else:
+        launcher = "local"
+
+    def number(key: str) -> int | None:
+        value = env.get(key)
+        return int(value) if value and value.isdigit() else None
+
+    slurm = None
+    if env.get("SLURM_JOB_ID"):
+        slurm = {"job_id": number("SLURM_JOB_ID"), "array_job_id": number("SLURM_ARRAY_JOB_ID"),
+                 "array_task_id": number("SLURM_ARRAY_TASK_ID"),
+                 "restart_count": number("SLURM_RESTART_COUNT") or 0}  # > 0 after a requeue
+    return {"world_size": world, "ranks_per_node": int(env.get("LOCAL_WORLD_SIZE") or world),
+            "launcher": launcher, "slurm": slurm}
 
 
 def all_gather_objects(obj: Any, world_size: int) -> list[Any]:

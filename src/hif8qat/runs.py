@@ -380,12 +380,12 @@ def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]
         run_dir.mkdir(parents=True, exist_ok=True)
         if status == "new" or not config_path.exists():
             write_text(config_path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        from .distributed import distributed_info
+        from .distributed import distributed_info, launch_record
         from .numerics import describe, training_device_type
 
         info = {"status": status, "argv": sys.argv, **provenance(),
                 "numerics": describe(cfg.train.autocast, training_device_type(cfg.train.device)),
-                "distributed": distributed_info(cfg)}
+                "distributed": {**launch_record(), **distributed_info(cfg)}}
         history = _read_run_info(info_path).get("history", [])
         history.append(info)
         write_json(info_path, {**info, "history": history}, indent=2, sort_keys=True, default=str)

@@ -48,6 +48,7 @@ from .trainlog import MetricsSink, progress_bar, train_summary, truncate_metrics
 
 # Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
 _KILL_AT_STEP_ENV = "HIF8QAT_TEST_KILL_AT_STEP"
+_PAUSE_AT_STEP_ENV, _PAUSE_FILE_ENV = "HIF8QAT_TEST_PAUSE_AT_STEP", "HIF8QAT_TEST_PAUSE_FILE"
 
 
 # torch's default is 10 minutes; a 1B model's export or checkpoint to a network filesystem can take longer.
@@ -430,8 +431,31 @@ class _KilledStream:
         return getattr(self._stream, name)
 
 
+class _PausedStream(_KilledStream):
+    """The training stream, stopping (until the process is signalled or killed) when step `pause_at` asks for its
+    first batch, after writing `marker`. Every rank of a run that started without `marker` pauses (a rank blocked
+    in a collective instead could not run a signal handler); a rerun that finds it does not.
+
+    For the SLURM rehearsal only (HIF8QAT_TEST_PAUSE_AT_STEP, HIF8QAT_TEST_PAUSE_FILE): a job caught
+    mid-run at a known step, to requeue, signal or kill it there."""
+
+    def __init__(self, stream, batches_before_pause: int, marker: Path):
+        super().__init__(stream, batches_before_pause)
+        self._marker = marker
+
+    def __next__(self):
+        if self._left == 0:
+            self._marker.write_text(f"job={os.environ.get('SLURM_JOB_ID', '')} pid={os.getpid()}\n")
+            time.sleep(600)
+        self._left -= 1
+        return next(self._stream)
+
+
 def _maybe_killed_stream(stream, accum: int, start_step: int):
     kill_at = int(os.environ.get(_KILL_AT_STEP_ENV, "-1"))
+    pause_at = int(os.environ.get(_PAUSE_AT_STEP_ENV, "-1"))
+    if pause_at >= start_step and os.environ.get(_PAUSE_FILE_ENV) and not Path(os.environ[_PAUSE_FILE_ENV]).exists():
+        return _PausedStream(stream, (pause_at - start_step) * accum, Path(os.environ[_PAUSE_FILE_ENV]))
     if kill_at < start_step:
         return stream
     return _KilledStream(stream, (kill_at - start_step) * accum)

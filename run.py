@@ -321,7 +321,7 @@ def on_rank0(ctx, decide):
 
 def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
     """Tables and figures for the profile; with only_experiment, print that experiment's rows."""
-    from hif8qat.report import build_report, format_report, to_markdown
+    from hif8qat.report import build_report, format_report
 
     # Tables and figures live in the results root they come from (<results_root>/{tables,figures}/<profile>/):
     # a user's report never rewrites the committed tables of results/reference_runs.
@@ -331,11 +331,19 @@ def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
     if only_experiment is None:
         print(format_report(rep))
         return
-    for name, table in rep["tables"].items():
-        if len(table) and "experiment" in table and not name.startswith("runs_"):
-            rows = table[table["experiment"] == only_experiment]
-            if len(rows):
-                print(f"\n{name} ({only_experiment})\n" + to_markdown(rows, 3))
+    # The console gets the experiment's verdicts against its baseline; the tables (hundreds of characters wide)
+    # stay in their files.
+    claims = rep["tables"].get(f"claims_{cfg.profile.name}")
+    if claims is not None and len(claims) and "experiment" in claims:
+        rows = claims[(claims["experiment"] == only_experiment) & (claims["against"] == "baseline")]
+        if len(rows):
+            print(f"\n{only_experiment} against {rows['counterpart'].iloc[0]} "
+                  f"({int(rows['n_seeds'].max())} seed(s); difference, 95 % CI, verdict):")
+        for row in rows.itertuples():
+            where = "training" if row.mode == "train" else f"{row.mode} {row.task}"
+            print(f"  {where:<30} {row.metric:<12} {row.cost:+9.3f} [{row.ci_lo:+.3f}, {row.ci_hi:+.3f}] "
+                  f"{row.unit}: {row.difference}, {row.equivalence}")
+    print(f"tables: {root / 'tables' / cfg.profile.name}/ (claims, drops, ape, heldout, ...: .md and .csv)")
 
 
 def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:

@@ -53,7 +53,9 @@ def test_run_info_records_ranks_and_accumulation(tmp_path, monkeypatch):
     run_dir, _ = prepare_run_dir(cfg)
     release_run_dir(run_dir)
     info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["distributed"] == {"world_size": 4, "ranks_per_node": 2, "grad_accum_steps": 24 // (2 * 4)}
+    shape = {k: info["distributed"][k] for k in ("world_size", "ranks_per_node", "grad_accum_steps")}
+    assert shape == {"world_size": 4, "ranks_per_node": 2, "grad_accum_steps": 24 // (2 * 4)}
+    assert info["distributed"]["launcher"] == "local" and info["distributed"]["slurm"] is None  # the launch record
 
 
 def _run(root: Path, exp: str, quant: bool, distributed: dict | None) -> Path:

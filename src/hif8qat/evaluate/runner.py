@@ -105,8 +105,9 @@ def evaluate_model(
                              numerics=functools.partial(numerics.forward_context, compute, device_type),
                              ranks=ranks, softmax_dtype=torch.float32)
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
+        log_path = None if out_dir is None else Path(out_dir).parent / f"{Path(out_dir).name}.lm_eval.log"
         raw = None
-        with ctx, torch.inference_mode():
+        with ctx, torch.inference_mode(), _lm_eval_log(log_path):
             # one simple_evaluate per distinct shot count (num_fewshot is global in lm-eval)
             for k in sorted(set(shots.values())):
                 names = [n for n, kk in shots.items() if kk == k]
@@ -156,6 +157,31 @@ def evaluate_model(
     if out_dir is not None:
         write_eval_dir(Path(out_dir), results, samples, raw)
     return results
+
+
+@contextlib.contextmanager
+def _lm_eval_log(path: Path | None):
+    """lm-eval's INFO and WARNING records (hundreds per evaluation: "Building contexts ...", one line per task)
+    go to ``path`` (beside the mode's eval folder) instead of the console, which keeps its errors and the
+    progress bars; without a path they are dropped below ERROR."""
+    logger = logging.getLogger("lm_eval")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    console = logging.StreamHandler()
+    console.setLevel(logging.ERROR)
+    handlers: list[logging.Handler] = [console]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        to_file = logging.FileHandler(path, mode="w", encoding="utf-8")
+        to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handlers.append(to_file)
+    logger.handlers, logger.propagate = handlers, False
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.close()
+        logger.handlers, logger.level, logger.propagate = saved
 
 
 def _select_subsets(tm, names: list[str], sizes: Mapping[str, int], seed: int, limit) -> tuple[list, dict]:

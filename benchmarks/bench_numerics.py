@@ -5,8 +5,10 @@ and the same on this CPU limited to AVX2, the class of CPU without native BF16 (
     python benchmarks/bench_numerics.py --classes              # also limited to AVX2, plus the FP32 GEMM ratio
     python benchmarks/bench_numerics.py --model small --repeats 3
 
-Printed, measured in this run: the median step (forward + backward + AdamW) under ``none`` (FP32),
-``bf16_emulated`` and ``bf16`` (native autocast), and the ratios to FP32 (target: emulated <= 1.3x FP32).
+Printed, measured in this run, for an unquantized model (exp1) and one with exp3's quantized linears: the median
+step (forward + backward + AdamW) under ``none`` (FP32), ``bf16_emulated`` and ``bf16`` (native autocast), the
+ratios to FP32 (target: emulated <= 1.3x FP32 for both), and how many GEMMs of an emulated step received a BF16
+operand (must be 0: on a CPU without native BF16 each one is torch's slow path).
 ``--classes`` reruns it in a child process with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2``: torch then reports no native BF16 and runs BF16 GEMMs through its slow path,
 as on an AVX2-only CPU, and the FP32 GEMM throughput of both classes gives the factor by which times measured
@@ -31,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 NUMERICS = ("none", "bf16_emulated", "bf16")
+SCOPES = {"none": "exp1 (unquantized)", "attn_mlp": "exp3 (q/k/v/o + MLP quantized)", "mlp": "exp6/exp8 (MLP)"}
+bf16_gemms: dict[str, int] = {}  # per scope: GEMMs of one emulated step that received a BF16 operand
 
 
 def gemm_gflops(repeats: int = 20) -> float:
@@ -45,12 +49,18 @@ def gemm_gflops(repeats: int = 20) -> float:
     return 2 * 512 * 576 * 1536 / statistics.median(times) / 1e9
 
 
-def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_list: list[str]) -> dict[str, float]:
+def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_list: list[str],
+               scope: str = "none") -> dict[str, float]:
     from bench_step import build_model
 
     from hif8qat import numerics
+    from hif8qat.qlinear import convert_model, set_quantization
+    from hif8qat.scaling import ScalingConfig
 
     model = build_model(model_name).float().train()
+    if scope != "none":  # exp3's quantized linears (attn_mlp), or exp6/exp8's (mlp), every block quantized
+        convert_model(model, scope, None, ScalingConfig())
+        set_quantization(model, True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -68,6 +78,11 @@ def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_lis
 
     for mode in numerics_list:
         step(mode)  # warm-up
+    # what reaches torch's kernels under emulation: a BF16 GEMM there is the slow path on CPUs without native BF16
+    counter = numerics.GemmOperandCount()
+    with counter:
+        step("bf16_emulated")
+    bf16_gemms[scope] = counter.bf16_calls()
     times: dict[str, list[float]] = {m: [] for m in numerics_list}
     for r in range(repeats):
         for mode in (numerics_list if r % 2 == 0 else list(reversed(numerics_list))):
@@ -81,19 +96,23 @@ def measure(args) -> dict:
     modes = [m for m in NUMERICS if m != "bf16" or numerics.native_bf16_supported("cpu") or args.slow_native]
     result = {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "native_bf16": numerics.native_bf16_supported("cpu"), "threads": torch.get_num_threads(),
-              "fp32_gemm_gflops": round(gemm_gflops(), 2),
-              "step_s": {m: round(t, 3) for m, t in step_times(args.model, args.batch, args.seq, args.repeats,
-                                                               modes).items()}}
-    base = result["step_s"]["none"]
-    result["ratio_to_fp32"] = {m: round(t / base, 3) for m, t in result["step_s"].items()}
+              "fp32_gemm_gflops": round(gemm_gflops(), 2), "step_s": {}, "ratio_to_fp32": {}}
+    for scope in args.scopes.split(","):
+        times = step_times(args.model, args.batch, args.seq, args.repeats, modes, scope)
+        result["step_s"][scope] = {m: round(t, 3) for m, t in times.items()}
+        result["ratio_to_fp32"][scope] = {m: round(t / times["none"], 3) for m, t in times.items()}
+    result["bf16_gemms_in_emulated_step"] = dict(bf16_gemms)
     return result
 
 
 def show(label: str, r: dict) -> None:
     print(f"{label}: cpu {r['cpu_capability']}, native BF16 {r['native_bf16']}, {r['threads']} threads, "
           f"FP32 GEMM {r['fp32_gemm_gflops']} GFLOP/s")
-    for mode, t in r["step_s"].items():
-        print(f"  {mode:14s} step {t:7.3f} s   {r['ratio_to_fp32'][mode]:6.2f}x fp32")
+    for scope, steps in r["step_s"].items():
+        print(f"  {SCOPES.get(scope, scope)}: GEMMs with a BF16 operand in an emulated step: "
+              f"{r['bf16_gemms_in_emulated_step'][scope]}")
+        for mode, t in steps.items():
+            print(f"    {mode:14s} step {t:7.3f} s   {r['ratio_to_fp32'][scope][mode]:6.2f}x fp32")
 
 
 def main(argv=None) -> dict:
@@ -102,6 +121,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--scopes", default="none,attn_mlp", help="comma-separated: none (exp1), attn_mlp (exp3), mlp")
     ap.add_argument("--classes", action="store_true", help="also measure this CPU limited to AVX2 (a child process)")
     ap.add_argument("--slow-native", action="store_true", help="time native BF16 autocast even without native BF16")
     ap.add_argument("--json", action="store_true")
@@ -109,7 +129,7 @@ def main(argv=None) -> dict:
     out = {"this_cpu": measure(args)}
     if args.classes:
         cmd = [sys.executable, __file__, "--json", "--model", args.model, "--batch", str(args.batch), "--seq",
-               str(args.seq), "--repeats", str(args.repeats)] + (["--slow-native"] if args.slow_native else [])
+               str(args.seq), "--repeats", str(args.repeats), "--scopes", args.scopes] + (["--slow-native"] if args.slow_native else [])
         child = subprocess.run(cmd, env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, check=True)
         out["avx2"] = json.loads(child.stdout.strip().splitlines()[-1])["this_cpu"]
         out["fp32_gemm_speed_this_over_avx2"] = round(out["this_cpu"]["fp32_gemm_gflops"]

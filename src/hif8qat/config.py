@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -34,6 +35,13 @@ NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
 KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
 TINY_DEFAULT_DEPTH = 4
+# One rule for every user string that becomes one component of a run's path (experiment.name, profile.name):
+# a letter or digit first (no "..", no hidden or empty name), then letters, digits and _ . + = -. No "/" can
+# enter, so a run folder is always <results_root>/<profile>/<experiment>/seed<k>[-<tag>].
+PATH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,99}")
+PATH_NAME_RULE = "a name of 1-100 letters, digits and _ . + = - starting with a letter or digit (no /, no ..)"
+# Seeds feed numpy's generator (below 2**32) and enter the folder name.
+MAX_SEED = 2**32 - 1
 
 
 class ConfigError(RunError, ValueError):
@@ -53,10 +61,44 @@ def _check_choice(setting: str, value: Any, choices: tuple) -> None:
 def _check_positive(setting: str, value: Any, *, integer: bool = False, allow_zero: bool = False) -> None:
     kind = int if integer else (int, float)
     ok = isinstance(value, kind) and not isinstance(value, bool)
-    if ok:
-        ok = value >= 0 if allow_zero else value > 0
+    if ok:  # inf passes "> 0" and nan fails every comparison: a finite number only
+        ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
     if not ok:
-        _fail(setting, value, ("an integer" if integer else "a number") + (" >= 0" if allow_zero else " > 0"))
+        _fail(setting, value, ("an integer" if integer else "a finite number") + (" >= 0" if allow_zero else " > 0"))
+
+
+def check_path_name(setting: str, value: Any) -> None:
+    """The path rule: ``value`` becomes one folder name under results_root, never a way out of it."""
+    if not isinstance(value, str) or not PATH_NAME.fullmatch(value):
+        _fail(setting, value, PATH_NAME_RULE)
+
+
+# Each setting's type, declared once by its dataclass annotation and checked for every setting (whether or
+# not the experiment uses it) before any value is compared or any folder exists.
+_TYPE_RULES: dict[str, tuple[Any, str]] = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+              "a finite number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "list[float]": (lambda v: isinstance(v, (list, tuple)) and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v),
+        "a list of finite numbers, e.g. [0.9,0.95]"),
+    "list[str]": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+                  "a list of names, e.g. [a,b]"),
+    "dict[str, int]": (lambda v: isinstance(v, dict), "a mapping, e.g. {name: 1}"),
+    "dict[str, str]": (lambda v: isinstance(v, dict), "a mapping, e.g. {name: value}"),
+}
+
+
+def _check_type(setting: str, annotation: str, value: Any) -> None:
+    optional = annotation.endswith(" | None")
+    base = annotation[: -len(" | None")] if optional else annotation
+    rule = _TYPE_RULES.get(base)
+    if rule is None or (optional and value is None):
+        return  # bool is checked by _validate_booleans; Any-typed settings by their own rules
+    ok, allowed = rule
+    if not ok(value):
+        _fail(setting, value, allowed + (" or null" if optional else ""))
 
 
 def _from_mapping(cls, data: dict[str, Any], prefix: str):
@@ -234,16 +276,18 @@ class RunConfig:
     # ------------------------------------------------------------------ validation
     def validate(self, *, known_experiments: list[str] | None = None, check_paths: bool = True) -> None:
         self._validate_booleans()
+        self._validate_types()
         _check_choice("stage", self.stage, STAGES)
-        if not isinstance(self.seed, int) or self.seed < 0:
-            _fail("seed", self.seed, "an integer >= 0")
+        if not 0 <= self.seed <= MAX_SEED:
+            _fail("seed", self.seed, f"an integer from 0 to {MAX_SEED}")
+        self._validate_paths()
         for key in ("baseline", "derived_from"):
             value = getattr(self.experiment, key)
             if known_experiments is not None and value is not None:
                 _check_choice(f"experiment.{key}", value, tuple(known_experiments))
         self._validate_model(check_paths)
         self._validate_data(check_paths)
-        self._validate_train()
+        self._validate_train(check_paths)
         self._validate_quant()
         self._validate_eval(check_paths)
         if self.profile.steps is not None:
@@ -261,6 +305,22 @@ class RunConfig:
                     _fail(setting, v, "true or false")
                 if annotation == "bool | None" and v is not None and not isinstance(v, bool):
                     _fail(setting, v, "true, false or null")
+
+    def _validate_types(self) -> None:
+        for section in fields(self):
+            value = getattr(self, section.name)
+            if dataclasses.is_dataclass(value):
+                for f in fields(value):
+                    _check_type(f"{section.name}.{f.name}", f.type, getattr(value, f.name))
+            else:
+                _check_type(section.name, section.type, value)
+
+    def _validate_paths(self) -> None:
+        """Every user string that becomes part of a run's path, by the one path rule; results_root non-empty."""
+        if not self.results_root.strip():
+            _fail("results_root", self.results_root, "a non-empty folder path (default results/runs)")
+        check_path_name("experiment.name", self.experiment.name)
+        check_path_name("profile.name", self.profile.name)
 
     def _validate_model(self, check_paths: bool) -> None:
         name = self.model.name
@@ -288,11 +348,18 @@ class RunConfig:
                 why = str(err) if Path(source).expanduser().exists() else "no such file or folder, no glob match"
                 raise ConfigError(f"invalid setting data.source={source!r} ({why}): allowed {forms}") from None
         _check_positive("data.eval_windows", self.data.eval_windows, integer=True)
+        if check_paths and self.data.cache_dir:
+            from .files import folder_problem
 
-    def _validate_train(self) -> None:
+            problem = folder_problem(self.data.cache_dir)
+            if problem:
+                _fail("data.cache_dir", self.data.cache_dir, f"a folder this process can write ({problem})")
+
+    def _validate_train(self, check_paths: bool = True) -> None:
         t = self.train
         _check_positive("train.steps", t.steps, integer=True)
         _check_positive("train.lr", t.lr)
+        _check_positive("train.eps", t.eps)
         _check_positive("train.lr_warmup_steps", t.lr_warmup_steps, integer=True, allow_zero=True)
         if t.lr_warmup_steps >= t.steps:
             _fail("train.lr_warmup_steps", t.lr_warmup_steps, f"fewer than train.steps={t.steps}")
@@ -315,14 +382,14 @@ class RunConfig:
         _check_choice("train.autocast", t.autocast, NUMERICS)
         _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
         _check_choice("train.distributed", t.distributed, ("ddp", "fsdp"))
-        if t.resume not in ("auto", "never") and not Path(t.resume).exists():
-            _fail("train.resume", t.resume, "auto, never, or an existing checkpoint directory")
+        if t.resume not in ("auto", "never") and check_paths and not _is_checkpoint_dir(Path(t.resume)):
+            _fail("train.resume", t.resume, "auto, never, or an existing, complete checkpoint directory "
+                  "(one holding a COMPLETE marker, e.g. <run>/checkpoints/step_0000008)")
 
     def _validate_quant(self) -> None:
         q = self.quant
         _check_choice("quant.enabled", q.enabled, (True, False))
-        if not q.enabled:
-            return
+        # Checked for a BF16 run too: a bad value is a typo whatever experiment it was typed for.
         _check_choice("quant.scope", q.scope, SCOPES)
         _check_positive("quant.bf16_warmup_steps", q.bf16_warmup_steps, integer=True, allow_zero=True)
         if q.bf16_warmup_steps >= self.train.steps:
@@ -331,10 +398,13 @@ class RunConfig:
             ScalingConfig.validate(q)
         except ValueError as err:
             raise _as_config_error(err, "quant") from None
-        self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
+        if q.enabled:
+            self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
 
     def _validate_eval(self, check_paths: bool) -> None:
         e = self.eval
+        if not e.modes:  # stage=all would train, evaluate nothing and exit 0
+            _fail("eval.modes", e.modes, "a non-empty list of " + ", ".join(EVAL_MODES))
         for mode in e.modes:
             _check_choice("eval.modes[]", mode, EVAL_MODES)
         if e.limit is not None:
@@ -410,6 +480,11 @@ class RunConfig:
         if self.profile.steps is None:
             return 1.0
         return self.profile.steps / self.train.steps
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    """A checkpoint folder as checkpoint.save_checkpoint writes it, marked complete (checked without torch)."""
+    return (path.expanduser() / "COMPLETE").is_file()
 
 
 def _scale_steps(value: int, factor: float) -> int:

@@ -22,7 +22,6 @@ from test_train import SMOKE, run
 
 from hif8qat import checkpoint as ckpt
 from hif8qat.errors import RunError
-from hif8qat.files import StorageError
 from hif8qat.report.table_files import write_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +92,7 @@ def test_metrics_append_on_a_full_disk_is_a_storage_error_naming_the_file(tmp_pa
         return real_open(self, *a, **k)
 
     monkeypatch.setattr(pathlib.Path, "open", full)
-    with pytest.raises(StorageError) as err:
+    with pytest.raises(RunError) as err:
         sink.log({"step": 1, "loss": 2.0})
     text = str(err.value)
     assert str(sink.path) in text and "no space left" in text and " free" in text
@@ -132,7 +131,7 @@ def test_table_files_are_replaced_atomically_when_the_disk_fills(tmp_path, monke
         raise _enospc(self)
 
     monkeypatch.setattr(pathlib.Path, "write_text", half_then_full)
-    with pytest.raises(StorageError, match="no space left"):
+    with pytest.raises(RunError, match="no space left"):
         write_table(pd.DataFrame({"a": [4, 5, 6, 7]}), out, "t", title="T2", sources={"files": ["y"]})
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no torn file, no temporary left

@@ -5,6 +5,8 @@ of a multirun before the first job starts and before any folder exists; interpol
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +28,7 @@ BAD_VALUES = [
     (["train.grad_clip=inf"], "train.grad_clip"),
     (["train.betas=[a,b]"], "train.betas"),
     (["train.betas=0.9"], "train.betas"),
-    (["train.betas=[0.9,nan]"], "train.betas"),
-    (["train.steps=abc"], "train.steps"),
     (["eval.modes=[]"], "eval.modes"),
-    (["eval.modes=bf16"], "eval.modes"),
     (["quant.history_len=-5"], "quant.history_len"),  # exp1 is BF16: checked all the same
     (["quant.target_fwd=inf"], "quant.target_fwd"),
     (["quant.scope=everything"], "quant.scope"),
@@ -60,20 +59,30 @@ _WRONG = {"int": "word", "float": "word", "str": 5, "list[float]": ["word"], "li
           "dict[str, int]": "word", "dict[str, str]": "word"}
 
 
-@pytest.mark.parametrize("setting,annotation", [s for s in _annotated_settings()
-                                                if s[1].removesuffix(" | None") in _WRONG])
-def test_every_typed_setting_refuses_a_value_of_another_type(setting, annotation):
+def test_every_typed_setting_refuses_a_value_of_another_type():
     """The class, not the cases: every setting declared int, float, str, list or dict is type-checked by name,
-    including those no experiment reads."""
+    including those no experiment reads (one test over all of them, so a setting left out of the schema fails
+    it)."""
     base = cli_config(["experiment=exp1", "profile=smoke"]).to_dict()
-    section, _, key = setting.partition(".")
-    wrong = _WRONG[annotation.removesuffix(" | None")]
-    if key:
-        base[section][key] = wrong
-    else:
-        base[section] = wrong
-    with pytest.raises(ConfigError, match=rf"invalid setting {setting}[=.\[]"):
-        RunConfig.from_dict(base, check_paths=False)
+    typed = [s for s in _annotated_settings() if s[1].removesuffix(" | None") in _WRONG]
+    assert len(typed) > 50  # the walk over the dataclasses found the settings
+    unchecked = []
+    for setting, annotation in typed:
+        data = json.loads(json.dumps(base))
+        section, _, key = setting.partition(".")
+        wrong = _WRONG[annotation.removesuffix(" | None")]
+        if key:
+            data[section][key] = wrong
+        else:
+            data[section] = wrong
+        try:
+            RunConfig.from_dict(data, check_paths=False)
+        except ConfigError as err:
+            if not re.search(rf"invalid setting {re.escape(setting)}[=.\[]", str(err)):
+                unchecked.append(f"{setting}: refused for another reason ({err})")
+        else:
+            unchecked.append(f"{setting}={wrong!r} accepted")
+    assert unchecked == []
 
 
 def test_train_resume_names_a_complete_checkpoint(tmp_path):
@@ -104,9 +113,7 @@ def test_every_multirun_point_is_validated_before_the_first_job(line, needles):
     assert problem is not None
     for needle in needles:
         assert needle in problem, (needle, problem)
-
-
-def test_a_valid_sweep_still_passes_the_check():
+    # the control: the same sweep with valid values passes the check
     assert run_module.check_command_line(["-m", "experiment=exp1", "profile=smoke", "train.lr=1e-4,2e-4",
                                           "seed=0,1"]) is None
 

@@ -60,11 +60,15 @@ def test_dumping_a_step_twice_leaves_one_copy_and_keeps_other_steps(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_and_resumed_run_writes_the_same_telemetry_as_an_uninterrupted_one(tmp_path):
-    """Killed at step 6 with the last checkpoint at step 3, the resume reruns the telemetry dump of step 4."""
+    """Killed at the start of step 5 with the last checkpoint after step 2 (step_0000003), the resume reruns
+    steps 3 and 4, and with them the telemetry dump of step 4."""
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
     run(SMOKE + [f"results_root={whole}"])
-    out = run(SMOKE + [f"results_root={crashed}"], env_extra={"HIF8QAT_TEST_KILL_AT_STEP": "6"}, check=False)
+    out = run(SMOKE + [f"results_root={crashed}"], env_extra={"HIF8QAT_TEST_KILL_AT_STEP": "5"}, check=False)
     assert out.returncode != 0
+    (folder,) = (crashed / "smoke" / "exp8").glob("seed0*")
+    assert (folder / "telemetry" / "step0000004_rank0.jsonl").exists()  # dumped before the kill
+    assert [p.name for p in ckpt.list_checkpoints(folder / "checkpoints")] == ["step_0000003"]
     run(SMOKE + [f"results_root={crashed}", "train.resume=auto"])
 
     def dumps(root: Path) -> dict[str, list[dict]]:

@@ -25,6 +25,7 @@ from .eval_tasks import DTYPES as EVAL_DTYPES
 from .eval_tasks import MODES as EVAL_MODES
 from .eval_tasks import SUITES, TASKS, resolve_tasks
 from .scaling import ScalingConfig
+from .schema import MAX_SEED, PATH_NAME_RULE, is_path_name, type_problem
 
 PAPER_TOTAL_STEPS = 10_000
 STAGES = ("train", "eval", "report", "all")
@@ -35,13 +36,6 @@ NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
 KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
 TINY_DEFAULT_DEPTH = 4
-# One rule for every user string that becomes one component of a run's path (experiment.name, profile.name):
-# a letter or digit first (no "..", no hidden or empty name), then letters, digits and _ . + = -. No "/" can
-# enter, so a run folder is always <results_root>/<profile>/<experiment>/seed<k>[-<tag>].
-PATH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,99}")
-PATH_NAME_RULE = "a name of 1-100 letters, digits and _ . + = - starting with a letter or digit (no /, no ..)"
-# Seeds feed numpy's generator (below 2**32) and enter the folder name.
-MAX_SEED = 2**32 - 1
 
 
 class ConfigError(RunError, ValueError):
@@ -69,36 +63,14 @@ def _check_positive(setting: str, value: Any, *, integer: bool = False, allow_ze
 
 def check_path_name(setting: str, value: Any) -> None:
     """The path rule: ``value`` becomes one folder name under results_root, never a way out of it."""
-    if not isinstance(value, str) or not PATH_NAME.fullmatch(value):
+    if not is_path_name(value):
         _fail(setting, value, PATH_NAME_RULE)
 
 
-# Each setting's type, declared once by its dataclass annotation and checked for every setting (whether or
-# not the experiment uses it) before any value is compared or any folder exists.
-_TYPE_RULES: dict[str, tuple[Any, str]] = {
-    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-              "a finite number"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "list[float]": (lambda v: isinstance(v, (list, tuple)) and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v),
-        "a list of finite numbers, e.g. [0.9,0.95]"),
-    "list[str]": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
-                  "a list of names, e.g. [a,b]"),
-    "dict[str, int]": (lambda v: isinstance(v, dict), "a mapping, e.g. {name: 1}"),
-    "dict[str, str]": (lambda v: isinstance(v, dict), "a mapping, e.g. {name: value}"),
-}
-
-
 def _check_type(setting: str, annotation: str, value: Any) -> None:
-    optional = annotation.endswith(" | None")
-    base = annotation[: -len(" | None")] if optional else annotation
-    rule = _TYPE_RULES.get(base)
-    if rule is None or (optional and value is None):
-        return  # bool is checked by _validate_booleans; Any-typed settings by their own rules
-    ok, allowed = rule
-    if not ok(value):
-        _fail(setting, value, allowed + (" or null" if optional else ""))
+    allowed = type_problem(annotation, value)
+    if allowed:
+        _fail(setting, value, allowed)
 
 
 def _from_mapping(cls, data: dict[str, Any], prefix: str):

@@ -133,3 +133,12 @@ def test_an_interpolation_that_does_not_resolve_is_an_error_line(tmp_path, overr
     out = cli(["experiment=exp1", "stage=train", override], tmp_path / "runs")
     assert_user_error(out, "cannot resolve train.seq_len")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_model_folder_without_config_json_is_refused_before_any_run_folder(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="model.name=.*no config.json"):
+        cli_config(["experiment=exp1", "profile=smoke", f"model.name={tmp_path / 'model'}"])
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # the control: a local GGUF file is a model source
+    assert cli_config(["experiment=exp1", "profile=smoke", f"model.name={tmp_path / 'model.gguf'}"]).model.name

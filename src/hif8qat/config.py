@@ -300,11 +300,12 @@ class RunConfig:
             _fail("model.name", name, "a named model (" + ", ".join(NAMED_MODELS) + "), a hub id or a local path")
         if name.startswith("tiny:") and not (name[5:].isdigit() and int(name[5:]) >= 1):
             _fail("model.name", name, "tiny or tiny:N with N >= 1 blocks")
-        if check_paths and name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
-            _fail("model.name", name, "an existing local model directory (this path does not exist), "
-                  "a hub id, or one of " + ", ".join(NAMED_MODELS))
-        if self.model.trust_remote_code not in (None, True, False):
-            _fail("model.trust_remote_code", self.model.trust_remote_code, "true, false or null")
+        local = Path(name).expanduser()  # a folder without config.json failed in transformers, after a run folder
+        usable = (local / "config.json").is_file() or (local.is_file() and local.suffix == ".gguf")
+        if check_paths and name.startswith(("/", "./", "../", "~")) and not usable:
+            why = "this folder has no config.json" if local.is_dir() else "this path does not exist or is a file"
+            _fail("model.name", name, f"an existing local model directory ({why}), a hub id, or one of "
+                  + ", ".join(NAMED_MODELS))  # model.trust_remote_code: checked with the other booleans
 
     def _validate_data(self, check_paths: bool) -> None:
         source = self.data.source

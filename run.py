@@ -161,9 +161,15 @@ def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str 
     try:
         for combo in override_combinations(args.overrides, args.multirun):
             with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-                compose(config_name="config", overrides=combo)
+                cfg = compose(config_name="config", overrides=combo)
+            if args.multirun:  # every point's settings, before the first job starts (one job would train)
+                to_run_config(replace_typed_dicts(cfg, combo), combo)
+            else:  # an interpolation that cannot resolve fails inside Hydra's job setup, as a traceback
+                _resolve(cfg)
     except HydraException as err:
         return _hydra_error_message(err, combo, typed_overrides)
+    except RunError as err:
+        return f"{err} (sweep point: {' '.join(combo)})" if args.multirun else str(err)
     return None
 
 
@@ -221,8 +227,21 @@ def replace_typed_dicts(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def _resolve(cfg: DictConfig) -> dict:
+    """The config as plain values; an interpolation that does not resolve is the user's ConfigError."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:  # ${oc.env:UNSET}, ${train.nonexistent}: the user's interpolation
+        key = getattr(err, "full_key", None) or "a setting"
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"cannot resolve {key}: {message}. An interpolation names an existing setting "
+                          "(${train.lr}) or a set environment variable (${oc.env:NAME,default})") from None
+
+
 def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
-    data = OmegaConf.to_container(cfg, resolve=True)
+    data = _resolve(cfg)
     data.pop("hydra", None)
     if not data.get("run_tag"):
         data["run_tag"] = run_tag_from_overrides(overrides)
@@ -293,7 +312,23 @@ def _modes_to_evaluate(cfg: RunConfig, run_dir: Path) -> list[str]:
                            "writes it again from the run's final checkpoint (or says how to retrain it)")
         raise RunError(f"{run_dir} has no export/ to evaluate; train it first (stage=train or all)")
     lock_run_dir(run_dir)  # eval/ is written into the run folder: one writer at a time
-    return [m for m in cfg.eval.modes if cfg.force or not (run_dir / "eval" / m / "results.json").exists()]
+    return [m for m in cfg.eval.modes if cfg.force or not _mode_done(run_dir / "eval" / m)]
+
+
+def _mode_done(mode_dir: Path) -> bool:
+    """A mode is done when its results.json and the files it recorded read back intact; a truncated or
+    edited one is evaluated again rather than kept."""
+    from hif8qat.artefacts import CorruptArtefact
+    from hif8qat.evaluate.outputs import verify_eval_dir
+
+    if not (mode_dir / "results.json").exists():
+        return False
+    try:
+        verify_eval_dir(mode_dir)
+    except CorruptArtefact as err:
+        print(f"{err.path} is corrupt or truncated: evaluating {mode_dir.name} again")
+        return False
+    return True
 
 
 def on_rank0(ctx, decide):
@@ -402,14 +437,53 @@ def main(cfg: DictConfig) -> None:
     from hif8qat.preflight import preflight
 
     overrides = list(HydraConfig.get().overrides.task)
-    try:
+
+    def run() -> None:
         run_cfg = to_run_config(replace_typed_dicts(cfg, overrides), overrides)
         env_from_slurm()  # under srun, preflight's memory check must know the world size
+        check_cache_env()
         preflight(run_cfg)
         dispatch(run_cfg)
-    except (RunError, ConfigError) as err:
+
+    code = guarded(run)
+    if code:
+        sys.exit(code)
+
+
+def check_cache_env() -> None:
+    """$HIF8QAT_CACHE (models, tokens, evaluation data) must be a folder this process can write, before any
+    run folder exists."""
+    import os
+
+    from hif8qat.files import folder_problem
+
+    path = os.environ.get("HIF8QAT_CACHE")
+    problem = folder_problem(path) if path else None
+    prefilled = bool(path) and Path(path).expanduser().is_dir() and any(Path(path).expanduser().iterdir())
+    if problem and not (prefilled and "not writable" in problem):  # a shared read-only cache, filled: used
+        raise RunError(f"HIF8QAT_CACHE={path} cannot hold the project's cache: {problem}. Point it at a "
+                       "writable folder, or unset it (default ~/.cache/hif8qat)")
+
+
+def guarded(job) -> int:
+    """The exception boundary: the project's own errors (RunError: bad input, files, environment) and a disk
+    that refuses a write (full, read-only: files.storage_error, whatever library raised it) become one
+    ``error:`` line and exit status 2. Anything else propagates as a traceback: it is a bug to fix, not a
+    message to print."""
+    from hif8qat.files import storage_error
+
+    try:
+        job()
+    except RunError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except OSError as err:
+        mapped = storage_error(err)
+        if mapped is None:
+            raise
+        print(f"error: {mapped}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] = ()) -> RunConfig:

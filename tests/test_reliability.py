@@ -201,9 +201,12 @@ def test_corrupt_run_file_is_reported_by_name(tmp_path, name, text):
 
 def test_settings_differ_refusal_is_an_error_message(tmp_path):
     root = tmp_path / "runs"
-    _prepared(_smoke_cfg(root, "run_tag=mine", "train.lr=3e-4"))  # an unfinished run with another lr
+    folder = _prepared(_smoke_cfg(root, "run_tag=mine", "train.lr=3e-4"))  # an unfinished run with another lr
+    before = sorted((p.name, p.read_bytes()) for p in folder.iterdir() if p.name != runs.LOCK_FILE)
     out = cli(["experiment=exp1", "stage=train", "run_tag=mine"], root)
     assert_user_error(out, "cannot resume", "train.lr", "config_resolved.yaml")
+    # nothing written: the saved config and the run's history of starts are as they were
+    assert sorted((p.name, p.read_bytes()) for p in folder.iterdir() if p.name != runs.LOCK_FILE) == before
 
 
 def test_second_process_is_refused_and_touches_nothing(tmp_path):

@@ -69,6 +69,7 @@ def test_every_setting_exists_under_every_profile_and_experiment(profile):
 def test_a_setting_the_smoke_profile_used_to_lack_is_validated_not_refused_by_hydra(tmp_path):
     out = cli(["experiment=exp1", "stage=all", "eval.subset=bogus"], tmp_path / "runs")
     assert_user_error(out, "eval.subset='bogus'", "allowed full")
+    assert not (tmp_path / "runs").exists()  # refused before any folder
 
 
 # ------------------------------------------------------------------ booleans
@@ -83,7 +84,11 @@ def test_boolean_settings_take_a_boolean_only(setting, value):
     with pytest.raises(ConfigError) as err:
         cli_config(["experiment=exp8", "profile=smoke", f"{setting}={value}"])
     assert f"{setting}=" in str(err.value) and "true or false" in str(err.value)
-    assert cli_config(["experiment=exp8", "profile=smoke", f"{setting}=false"]) is not None
+    for text, want in (("false", False), ("true", True)):
+        cfg = cli_config(["experiment=exp8", "profile=smoke", f"{setting}={text}"])
+        section, _, key = setting.partition(".")
+        got = getattr(getattr(cfg, section), key) if key else getattr(cfg, section)
+        assert got is want, (setting, text, got)
 
 
 def test_trust_remote_code_takes_a_boolean_or_null():
@@ -254,7 +259,8 @@ def test_truncated_eval_results_are_an_error_naming_the_file(tmp_path):
     results = runs_root / "smoke" / "exp7" / "seed0" / "eval" / "bf16" / "results.json"
     results.write_text(results.read_text()[:25])
     out = cli(["experiment=exp7", "stage=report"], runs_root)
-    assert_user_error(out, str(results), "stage=eval force=true")
+    assert_user_error(out, str(results), "stage=eval")
+    assert not (runs_root / "tables").exists() and not (runs_root / "figures").exists()  # no table written
 
 
 def test_report_lists_the_runs_it_could_not_use(tmp_path):

@@ -94,12 +94,14 @@ def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
     (torch.save's "file write failed" names no cause) less free space left than the write needed."""
     import errno
 
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # an OSError or files.StorageError
         return True
     text = str(err)
     if any(s in text for s in ("No space left", "StorageFull", "Disk quota exceeded", "os error 28")):
         return True
-    if isinstance(err, RuntimeError) and "write failed" in text:
+    # torch.save names no cause: "file write failed", or the C++ stream's "basic_ios::clear" when the disk
+    # filled exactly at a write; a disk without room for the write is the cause then.
+    if isinstance(err, RuntimeError) and ("write failed" in text or "basic_ios::clear" in text):
         return free_bytes(where) < need
     return False
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,6 +25,7 @@ from .eval_tasks import DTYPES as EVAL_DTYPES
 from .eval_tasks import MODES as EVAL_MODES
 from .eval_tasks import SUITES, TASKS, resolve_tasks
 from .scaling import ScalingConfig
+from .schema import MAX_SEED, PATH_NAME_RULE, is_path_name, type_problem
 
 PAPER_TOTAL_STEPS = 10_000
 STAGES = ("train", "eval", "report", "all")
@@ -53,10 +55,22 @@ def _check_choice(setting: str, value: Any, choices: tuple) -> None:
 def _check_positive(setting: str, value: Any, *, integer: bool = False, allow_zero: bool = False) -> None:
     kind = int if integer else (int, float)
     ok = isinstance(value, kind) and not isinstance(value, bool)
-    if ok:
-        ok = value >= 0 if allow_zero else value > 0
+    if ok:  # inf passes "> 0" and nan fails every comparison: a finite number only
+        ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
     if not ok:
-        _fail(setting, value, ("an integer" if integer else "a number") + (" >= 0" if allow_zero else " > 0"))
+        _fail(setting, value, ("an integer" if integer else "a finite number") + (" >= 0" if allow_zero else " > 0"))
+
+
+def check_path_name(setting: str, value: Any) -> None:
+    """The path rule: ``value`` becomes one folder name under results_root, never a way out of it."""
+    if not is_path_name(value):
+        _fail(setting, value, PATH_NAME_RULE)
+
+
+def _check_type(setting: str, annotation: str, value: Any) -> None:
+    allowed = type_problem(annotation, value)
+    if allowed:
+        _fail(setting, value, allowed)
 
 
 def _from_mapping(cls, data: dict[str, Any], prefix: str):
@@ -234,16 +248,18 @@ class RunConfig:
     # ------------------------------------------------------------------ validation
     def validate(self, *, known_experiments: list[str] | None = None, check_paths: bool = True) -> None:
         self._validate_booleans()
+        self._validate_types()
         _check_choice("stage", self.stage, STAGES)
-        if not isinstance(self.seed, int) or self.seed < 0:
-            _fail("seed", self.seed, "an integer >= 0")
+        if not 0 <= self.seed <= MAX_SEED:
+            _fail("seed", self.seed, f"an integer from 0 to {MAX_SEED}")
+        self._validate_paths()
         for key in ("baseline", "derived_from"):
             value = getattr(self.experiment, key)
             if known_experiments is not None and value is not None:
                 _check_choice(f"experiment.{key}", value, tuple(known_experiments))
         self._validate_model(check_paths)
         self._validate_data(check_paths)
-        self._validate_train()
+        self._validate_train(check_paths)
         self._validate_quant()
         self._validate_eval(check_paths)
         if self.profile.steps is not None:
@@ -262,17 +278,34 @@ class RunConfig:
                 if annotation == "bool | None" and v is not None and not isinstance(v, bool):
                     _fail(setting, v, "true, false or null")
 
+    def _validate_types(self) -> None:
+        for section in fields(self):
+            value = getattr(self, section.name)
+            if dataclasses.is_dataclass(value):
+                for f in fields(value):
+                    _check_type(f"{section.name}.{f.name}", f.type, getattr(value, f.name))
+            else:
+                _check_type(section.name, section.type, value)
+
+    def _validate_paths(self) -> None:
+        """Every user string that becomes part of a run's path, by the one path rule; results_root non-empty."""
+        if not self.results_root.strip():
+            _fail("results_root", self.results_root, "a non-empty folder path (default results/runs)")
+        check_path_name("experiment.name", self.experiment.name)
+        check_path_name("profile.name", self.profile.name)
+
     def _validate_model(self, check_paths: bool) -> None:
         name = self.model.name
         if not isinstance(name, str) or not name:
             _fail("model.name", name, "a named model (" + ", ".join(NAMED_MODELS) + "), a hub id or a local path")
         if name.startswith("tiny:") and not (name[5:].isdigit() and int(name[5:]) >= 1):
             _fail("model.name", name, "tiny or tiny:N with N >= 1 blocks")
-        if check_paths and name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
-            _fail("model.name", name, "an existing local model directory (this path does not exist), "
-                  "a hub id, or one of " + ", ".join(NAMED_MODELS))
-        if self.model.trust_remote_code not in (None, True, False):
-            _fail("model.trust_remote_code", self.model.trust_remote_code, "true, false or null")
+        local = Path(name).expanduser()  # a folder without config.json failed in transformers, after a run folder
+        usable = (local / "config.json").is_file() or (local.is_file() and local.suffix == ".gguf")
+        if check_paths and name.startswith(("/", "./", "../", "~")) and not usable:
+            why = "this folder has no config.json" if local.is_dir() else "this path does not exist or is a file"
+            _fail("model.name", name, f"an existing local model directory ({why}), a hub id, or one of "
+                  + ", ".join(NAMED_MODELS))  # model.trust_remote_code: checked with the other booleans
 
     def _validate_data(self, check_paths: bool) -> None:
         source = self.data.source
@@ -288,11 +321,18 @@ class RunConfig:
                 why = str(err) if Path(source).expanduser().exists() else "no such file or folder, no glob match"
                 raise ConfigError(f"invalid setting data.source={source!r} ({why}): allowed {forms}") from None
         _check_positive("data.eval_windows", self.data.eval_windows, integer=True)
+        if check_paths and self.data.cache_dir:
+            from .files import folder_problem
 
-    def _validate_train(self) -> None:
+            problem = folder_problem(self.data.cache_dir)
+            if problem:
+                _fail("data.cache_dir", self.data.cache_dir, f"a folder this process can write ({problem})")
+
+    def _validate_train(self, check_paths: bool = True) -> None:
         t = self.train
         _check_positive("train.steps", t.steps, integer=True)
         _check_positive("train.lr", t.lr)
+        _check_positive("train.eps", t.eps)
         _check_positive("train.lr_warmup_steps", t.lr_warmup_steps, integer=True, allow_zero=True)
         if t.lr_warmup_steps >= t.steps:
             _fail("train.lr_warmup_steps", t.lr_warmup_steps, f"fewer than train.steps={t.steps}")
@@ -315,14 +355,14 @@ class RunConfig:
         _check_choice("train.autocast", t.autocast, NUMERICS)
         _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
         _check_choice("train.distributed", t.distributed, ("ddp", "fsdp"))
-        if t.resume not in ("auto", "never") and not Path(t.resume).exists():
-            _fail("train.resume", t.resume, "auto, never, or an existing checkpoint directory")
+        if t.resume not in ("auto", "never") and check_paths and not _is_checkpoint_dir(Path(t.resume)):
+            _fail("train.resume", t.resume, "auto, never, or an existing, complete checkpoint directory "
+                  "(one holding a COMPLETE marker, e.g. <run>/checkpoints/step_0000008)")
 
     def _validate_quant(self) -> None:
         q = self.quant
         _check_choice("quant.enabled", q.enabled, (True, False))
-        if not q.enabled:
-            return
+        # Checked for a BF16 run too: a bad value is a typo whatever experiment it was typed for.
         _check_choice("quant.scope", q.scope, SCOPES)
         _check_positive("quant.bf16_warmup_steps", q.bf16_warmup_steps, integer=True, allow_zero=True)
         if q.bf16_warmup_steps >= self.train.steps:
@@ -331,10 +371,13 @@ class RunConfig:
             ScalingConfig.validate(q)
         except ValueError as err:
             raise _as_config_error(err, "quant") from None
-        self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
+        if q.enabled:
+            self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
 
     def _validate_eval(self, check_paths: bool) -> None:
         e = self.eval
+        if not e.modes:  # stage=all would train, evaluate nothing and exit 0
+            _fail("eval.modes", e.modes, "a non-empty list of " + ", ".join(EVAL_MODES))
         for mode in e.modes:
             _check_choice("eval.modes[]", mode, EVAL_MODES)
         if e.limit is not None:
@@ -410,6 +453,11 @@ class RunConfig:
         if self.profile.steps is None:
             return 1.0
         return self.profile.steps / self.train.steps
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    """A checkpoint folder as checkpoint.save_checkpoint writes it, marked complete (checked without torch)."""
+    return (path.expanduser() / "COMPLETE").is_file()
 
 
 def _scale_steps(value: int, factor: float) -> int:

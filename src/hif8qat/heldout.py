@@ -32,6 +32,7 @@ import gzip
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .artefacts import CorruptArtefact
 from .errors import RunError
 from .files import sha256_file, write_bytes, write_json
 from .heldout_stats import SUMMARY_FILE, heldout_dir, read_summary, run_label
@@ -302,7 +304,11 @@ def after_eval(cfg, run_dir: Path, *, device: str, dtype: str) -> dict | None:
     compared before, so evaluating one mode later never drops another's comparison."""
     if not cfg.quant.enabled:
         return None
-    done = read_summary(run_dir)
+    try:
+        done = read_summary(run_dir)
+    except CorruptArtefact as err:  # a cut token table or summary is not "done": computed again
+        print(f"{err.path} is corrupt or truncated: redoing the held-out comparison")
+        done = None
     modes = list(cfg.eval.modes)
     if done is not None and not cfg.force:
         compared = [m for m in (done.get("models") or {}) if m != "baseline"]
@@ -355,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from .runs import lock_run_dir, release_run_dir
 
+    if not (args.run / "config_resolved.yaml").is_file():  # locking would create the folder
+        print(f"error: --run {args.run} is not a run folder (no config_resolved.yaml); name one under "
+              "<results_root>/<profile>/<experiment>/", file=sys.stderr)
+        return 2
     try:
         lock_run_dir(args.run)  # eval/heldout/ is written into the run folder: one writer at a time
         try:
@@ -365,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             release_run_dir(args.run)
     except RunError as err:
-        print(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
         return 2
     print(format_summary(doc))
     return 0

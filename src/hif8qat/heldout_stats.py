@@ -15,7 +15,6 @@ other claim metrics.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -108,12 +107,25 @@ def heldout_dir(run_dir) -> Path:
     return Path(run_dir) / "eval" / HELDOUT_DIR
 
 
+HELDOUT_REDO = ("Write it again with `python run.py ... stage=eval` (it redoes a corrupt held-out comparison) or "
+                "`python -m hif8qat.heldout --run <run folder>`")
+
+
 def read_summary(run_dir) -> dict | None:
-    """A run's ``eval/heldout/summary.json``, or None (the report reads it without importing torch)."""
-    try:
-        return json.loads((heldout_dir(run_dir) / SUMMARY_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+    """A run's ``eval/heldout/summary.json``, None when there is none (the report reads it without torch).
+
+    Read through the verified reader: a summary that does not parse, or whose token table no longer has the
+    sha256 it recorded, raises artefacts.CorruptArtefact naming the file and what to run."""
+    from .artefacts import read_json, verify_sha256
+
+    path = heldout_dir(run_dir) / SUMMARY_FILE
+    if not path.exists():
         return None
+    doc = read_json(path, HELDOUT_REDO)
+    tokens = doc.get("tokens_file")
+    if tokens:
+        verify_sha256(heldout_dir(run_dir) / tokens, doc.get("tokens_sha256"), HELDOUT_REDO)
+    return doc
 
 
 def window_costs(tokens: pd.DataFrame, reference: str, other: str) -> pd.Series | None:

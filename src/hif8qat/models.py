@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import RunError
 from .registry import hub_reachable, pip_download
 
 log = logging.getLogger(__name__)
@@ -352,8 +353,9 @@ def _read_config_json(source: str, *, revision: str | None) -> dict:
         ) from exc
 
 
-class RemoteCodeError(ValueError):
-    """A model ships its own modeling code and the caller did not opt in to running it."""
+class RemoteCodeError(RunError, ValueError):
+    """A model ships its own modeling code and the caller did not opt in to running it (a user's decision to
+    make: reported as an ``error:`` line; a ValueError too, for callers that catch it as one)."""
 
 
 def _decide_remote_code(source: str, config: dict, trust_remote_code: bool | None) -> bool:

@@ -58,6 +58,7 @@ from hif8qat import numerics
 from hif8qat.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
 from hif8qat.bank_row import BankedScaler
 from hif8qat.blocks import parse_high_precision_blocks
+from hif8qat.files import replace_step_records
 from hif8qat.models import ATTN_CONTAINERS as _ATTN_CONTAINERS
 from hif8qat.models import MLP_CONTAINERS as _MLP_CONTAINERS
 from hif8qat.models import find_transformer_blocks
@@ -413,7 +414,9 @@ def _json_value(v: Any) -> Any:
 
 
 def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | None = None) -> int:
-    """Append one JSON line per scaler (last call values + accumulators since the last step_telemetry).
+    """Write one JSON line per scaler (last call values + accumulators since the last step_telemetry) into
+    ``path``, replacing the lines of the same step already there (a resumed run that redoes a step leaves one
+    copy) and keeping other steps' lines; the file is replaced atomically.
 
     Call it before :func:`step_telemetry` in a step to get that step's per-layer aggregates.
     Returns the number of lines written.
@@ -429,9 +432,7 @@ def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | Non
             rec = {"step": mod.bank.step if step is None else int(step), "layer": name, "role": role}
             rec.update(records[id(mod.bank)][row])
             lines.append(json.dumps({k: _json_value(v) for k, v in rec.items()}))
-    with open(path, "a", encoding="utf-8") as fh:
-        for line in lines:
-            fh.write(line + "\n")
+    replace_step_records(path, lines)
     return len(lines)
 
 

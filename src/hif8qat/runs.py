@@ -79,7 +79,16 @@ def is_archive(path: Path) -> bool:
 
 
 def run_dir_for(cfg: RunConfig) -> Path:
-    name = f"seed{cfg.seed}" + (f"-{sanitize_tag(cfg.run_tag)}" if cfg.run_tag else "")
+    """<results_root>/<profile>/<experiment>/seed<k>[-<tag>]; never a folder outside results_root."""
+    from .config import check_path_name
+
+    # The config checked these already; checked again where the path is made, so no caller that built a
+    # RunConfig another way can write outside results_root (a symlink placed there by the user is followed).
+    if not str(cfg.results_root).strip():
+        raise RunFolderError("results_root is empty: name the folder that holds the runs (default results/runs)")
+    check_path_name("profile.name", cfg.profile.name)
+    check_path_name("experiment.name", cfg.experiment.name)
+    name = f"seed{int(cfg.seed)}" + (f"-{sanitize_tag(cfg.run_tag)}" if cfg.run_tag else "")
     return Path(cfg.results_root) / cfg.profile.name / cfg.experiment.name / name
 
 
@@ -402,4 +411,4 @@ def update_summary(run_dir: Path, **fields: Any) -> dict[str, Any]:
 
 
 def mark_done(run_dir: Path) -> None:
-    (run_dir / DONE_MARKER).write_text(time.strftime("%Y-%m-%dT%H:%M:%S%z") + "\n")
+    write_text(run_dir / DONE_MARKER, time.strftime("%Y-%m-%dT%H:%M:%S%z") + "\n")

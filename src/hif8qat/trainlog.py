@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunConfig
-from .files import write_text
+from .files import append_text, write_text
 from .runs import METRICS_FILE
 
 
@@ -58,8 +58,7 @@ class MetricsSink:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(self.path, json.dumps(record) + "\n")  # repeated steps of a resume: truncate_metrics
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..eval_tasks import TaskSpec
-from ..files import write_json
+from ..files import atomic_path, sha256_file, write_json, write_text
 
 
 def _sample_correct(sample: dict, metric: str) -> int:
@@ -102,17 +102,23 @@ def gold_scores(compact: Mapping[str, Any]) -> tuple[float, float]:
     return lls[target], lls[target] - max(wrong)
 
 
+FILES_KEY = "_files"  # results.json: sha256 of each file written beside it, checked when it is read back
+EVAL_REDO = "Rerun the same `python run.py ... stage=eval` (it redoes a mode whose files are corrupt)"
+
+
 def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    written = []
     for task, rows in samples.items():
-        with (out / f"samples_{task}.csv").open("w", newline="") as fh:
+        written += [out / f"samples_{task}.csv", out / f"samples_{task}.jsonl.gz"]
+        with atomic_path(out / f"samples_{task}.csv") as tmp, tmp.open("w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["doc_id", "correct", "gold_ll", "gold_margin"])
             for doc_id, correct, compact in rows:
                 ll, margin = gold_scores(compact)
                 # repr keeps every digit, so paired differences are recomputable exactly; NaN as empty
                 w.writerow([doc_id, correct, *("" if math.isnan(v) else repr(v) for v in (ll, margin))])
-        with gzip.open(out / f"samples_{task}.jsonl.gz", "wt", encoding="utf-8") as fh:
+        with atomic_path(out / f"samples_{task}.jsonl.gz") as tmp, gzip.open(tmp, "wt", encoding="utf-8") as fh:
             for _, _, compact in rows:
                 fh.write(json.dumps(compact) + "\n")
     if raw is not None:
@@ -121,8 +127,24 @@ def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict
         lm_json = {k: v for k, v in raw.items() if k != "samples"}
         # lm-eval records the offline copies' machine paths: name them relative to the cache root instead
         text = json.dumps(_jsonable(lm_json), indent=1).replace(str(cache_root()), "$HIF8QAT_CACHE")
-        (out / "lm_eval_results.json").write_text(text + "\n")
-    write_json(out / "results.json", _jsonable(results), indent=1)  # last: its presence marks a finished eval
+        write_text(out / "lm_eval_results.json", text + "\n")
+    hashes = {p.name: sha256_file(p) for p in written}
+    # last: its presence marks a finished eval
+    write_json(out / "results.json", {**_jsonable(results), FILES_KEY: hashes}, indent=1)
+
+
+def verify_eval_dir(out: Path) -> dict:
+    """A finished mode's results.json, read through the verified reader with every file whose sha256 it
+    recorded (and every samples_*.csv, whole rows only); CorruptArtefact names the first bad file."""
+    from ..artefacts import read_csv, read_json, verify_sha256
+
+    results = read_json(out / "results.json", EVAL_REDO)
+    recorded = results.get(FILES_KEY) or {}
+    for name, digest in recorded.items():
+        verify_sha256(out / name, digest, EVAL_REDO)
+    for path in sorted(out.glob("samples_*.csv")):
+        read_csv(path, EVAL_REDO, dtype={"doc_id": str})
+    return results
 
 
 def load_eval_results(path: str | Path) -> dict[str, dict]:

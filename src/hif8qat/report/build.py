@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..files import write_text
 from .anchor import anchor_beside
 from .claims import UNIT_COLUMNS, heldout_table, mde_table
 from .figures import make_figures
@@ -66,7 +67,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     sources = {"files": used.listing(), "runs_root": str(runs_root), "profile": profile, "runs_not_used": skipped}
     files = write_tables(tables, notes, sources, out_tables)
     section_p = out_tables / f"claims_section_{profile}.md"
-    section_p.write_text(parts.section + "\n")
+    write_text(section_p, parts.section + "\n")
     files.append(str(section_p))
     if figures:
         files += make_figures(parts.curves, runs, metrics_cache, tel_df, out_figures, profile)

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..files import write_text
 from .build import build_report
 from .claims import DEFAULT_MARGINS
 from .paper import build_paper_tables, format_paper_tables
@@ -54,7 +55,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         text = args.readme.read_text()
         if between_markers(text) is None:
             ap.error(f"{args.readme} has no {CLAIMS_BEGIN} ... {CLAIMS_END} block")
-        args.readme.write_text(replace_between_markers(text, build_claims(args.runs_root, args.profile, margins)))
+        write_text(args.readme, replace_between_markers(text, build_claims(args.runs_root, args.profile, margins)))
         print(f"claims section written to {args.readme} from {args.runs_root / args.profile}")
         return 0
     if args.paper:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..files import save_figure
 from ..stats import running_ape
 from .sources import read_telemetry_dumps
 
@@ -37,7 +38,7 @@ def plot_loss_pair(steps_q, loss_q, steps_b, loss_b, *, label_q: str, label_b: s
     ax.set_title(title or f"{label_q} vs {label_b}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -81,7 +82,7 @@ def make_figures(curves, runs, metrics_cache, tel_df, out: Path, profile: str) -
         fig.suptitle(f"{r.experiment} seed {r.seed} ({r.estimator})", fontsize=9)
         fig.tight_layout()
         p = out / f"scales_{profile}_{r.experiment}_seed{r.seed}.png"
-        fig.savefig(p, dpi=110)
+        save_figure(fig, p, dpi=110)
         plt.close(fig)
         files.append(str(p))
     if len(tel_df):
@@ -95,7 +96,7 @@ def make_figures(curves, runs, metrics_cache, tel_df, out: Path, profile: str) -
         ax.tick_params(axis="x", labelrotation=20, labelsize=7)
         fig.tight_layout()
         p = out / f"saturation_{profile}.png"
-        fig.savefig(p, dpi=110)
+        save_figure(fig, p, dpi=110)
         plt.close(fig)
         files.append(str(p))
     return files

@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from ..errors import RunError
+from ..artefacts import CorruptArtefact, read_csv, read_json, read_yaml
 from ..heldout_stats import run_label
 
 
@@ -31,19 +31,20 @@ def read_metrics(path: str | Path) -> pd.DataFrame:
     return df
 
 
-class UnreadableResultFile(RunError):
-    """A run's result file (results.json, summary.json) that does not parse: a truncated or edited file."""
+class UnreadableResultFile(CorruptArtefact):
+    """A run's result file (results.json, summary.json, samples) that does not read back: truncated or edited."""
+
+
+REPORT_REDO = ("Write it again (for a file under eval/<mode>/: run.py ... stage=eval, which redoes a corrupt "
+               "mode; for summary.json: retrain with force=true) or move the run out of the results folder")
 
 
 def _read_json(path: Path) -> Any:
-    """json.loads of a result file, naming the file and the way out when it does not parse."""
+    """A result file through the verified reader, naming the file and the way out when it does not parse."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UnreadableResultFile(f"{path} is unreadable ({type(err).__name__}: {err}); it was truncated or "
-                                   "edited. Write it again (for eval/<mode>/results.json: run.py ... stage=eval "
-                                   "force=true; for summary.json: retrain with force=true) or move the run out of "
-                                   "the results folder") from None
+        return read_json(path, REPORT_REDO)
+    except CorruptArtefact as err:
+        raise UnreadableResultFile(path, err.why, REPORT_REDO) from None
 
 
 def read_telemetry_dumps(run_dir: Path) -> pd.DataFrame:
@@ -83,7 +84,6 @@ def _get(d: Mapping, dotted: str, default=None):
 
 def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = None) -> list[RunInfo]:
     """The runs under runs_root/profile; a folder that cannot be used is appended to `skipped` with why."""
-    import yaml
 
     from ..runs import is_archive
 
@@ -95,19 +95,16 @@ def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = No
         d = cfg_p.parent
         if is_archive(d):  # set aside by force=true: its rerun is the run
             continue
-        try:
-            cfg = yaml.load(cfg_p.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
-        except yaml.YAMLError as err:
+        try:  # the verified reader: a file that does not parse, is not UTF-8 or not a mapping is named
+            cfg = read_yaml(cfg_p, REPORT_REDO, expect=None) or {}
+            if not isinstance(cfg, dict):
+                raise CorruptArtefact(cfg_p, f"a YAML {type(cfg).__name__} where a mapping belongs", REPORT_REDO)
+            info = read_json(d / "run_info.json", REPORT_REDO) if (d / "run_info.json").exists() else {}
+        except CorruptArtefact as err:
             if skipped is not None:
-                skipped.append({"run_dir": str(d), "reason": f"config_resolved.yaml does not parse ({str(err)[:120]})"
+                skipped.append({"run_dir": str(d), "reason": f"{err.path.name} does not parse ({err.why[:120]})"
                                                              ": left out of every table"})
             continue
-        info = {}
-        if (d / "run_info.json").exists():
-            try:
-                info = json.loads((d / "run_info.json").read_text())
-            except json.JSONDecodeError:
-                info = {}
         algo = _get(cfg, "quant.algo")
         runs.append(RunInfo(
             path=d, experiment=str(_get(cfg, "experiment.name", d.parent.name)),
@@ -140,7 +137,12 @@ def _git_of(run: RunInfo):
 
 
 def _read_samples(p: Path) -> pd.DataFrame | None:
-    return pd.read_csv(p, dtype={"doc_id": str}) if p.exists() else None
+    """A mode's samples_<task>.csv, whole rows only, with the sha256 its results.json recorded (if any)."""
+    if not p.exists():
+        return None
+    results = p.parent / "results.json"
+    recorded = (_read_json(results).get("_files") or {}) if results.exists() else {}
+    return read_csv(p, REPORT_REDO, sha256=recorded.get(p.name), dtype={"doc_id": str})
 
 
 def _eval_results(run: RunInfo, mode: str) -> dict:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..files import save_figure
 from .claims import NOT_RECORDED
 from .figures import _plt
 from .sources import RunInfo, _get, _tag
@@ -89,7 +90,7 @@ def plot_sweeps(sweeps: pd.DataFrame, out: Path, profile: str) -> list[str]:
         fig.tight_layout()
         path = out / f"sweep_{profile}_{exp}.png"
         out.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, dpi=110)
         plt.close(fig)
         files.append(str(path))
     return files

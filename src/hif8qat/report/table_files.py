@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..files import write_text
+
 
 def _fmt(v, nd=4):
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
@@ -37,13 +39,14 @@ def write_table(df: pd.DataFrame, out_dir: Path, name: str, *, title: str, sourc
     """``<name>.csv``, ``<name>.md`` (title + source note) and ``<name>.sources.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_p, md_p, src_p = out_dir / f"{name}.csv", out_dir / f"{name}.md", out_dir / f"{name}.sources.json"
-    df.to_csv(csv_p, index=False)
+    # each file replaced atomically: a failure (a full disk) leaves every earlier table file whole
+    write_text(csv_p, df.to_csv(index=False))
     note = sources.get("note", "")
     files = sources.get("files", [])
     md = [f"# {title}", "", f"<!-- sources: {src_p.name} ({len(files)} files) -->"]
     if note:
         md += ["", note]
     md += ["", to_markdown(df, nd)]
-    md_p.write_text("\n".join(md))
-    src_p.write_text(json.dumps(sources, indent=1, default=str) + "\n")
+    write_text(md_p, "\n".join(md))
+    write_text(src_p, json.dumps(sources, indent=1, default=str) + "\n")
     return {"csv": str(csv_p), "md": str(md_p), "sources": str(src_p)}

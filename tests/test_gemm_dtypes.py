@@ -220,3 +220,22 @@ def test_the_numerics_check_a_user_runs_reports_the_counts_and_no_bf16(monkeypat
     assert done.stdout.strip() == "bf16_emulated"  # stdout is the numerics alone: the Makefile reads it
     counts = [line for line in done.stderr.splitlines() if "GEMM-class calls by operand dtype" in line]
     assert len(counts) == 1 and "float32" in counts[0] and "bfloat16" not in counts[0], done.stderr[-2000:]
+
+
+def test_the_chunked_loss_recomputes_under_the_emulation(monkeypatch):
+    """The paper profile's loss head recomputes each chunk's logits in backward (a checkpoint): under emulation the
+    recompute must run emulated too, or it would hand BF16 operands to the head's GEMM."""
+    from hif8qat import chunked_loss
+
+    monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 8 * 259)  # chunks of 8 tokens at the tiny vocabulary
+    model, _ = _model("mlp", seed=4)
+    assert chunked_loss.install_loss_head(model) is not None
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))
+    counter = GemmOperandDtypes()
+    with numerics.forward_context("bf16_emulated", "cpu"), counter:
+        loss = chunked_loss.lm_loss(model, ids)
+    with numerics.backward_context("bf16_emulated", "cpu"), counter:
+        loss.backward()
+    assert torch.isfinite(loss) and model.lm_head.weight.grad is not None
+    assert counter.bf16() == {}, counter.bf16()

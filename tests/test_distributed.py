@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_state
 
 from hif8qat.distributed import env_from_slurm, expand_hostlist
 
@@ -286,6 +287,7 @@ def test_without_grad_sync_fsdp2_reduce_scatters_every_micro_batch_and_drifts_fr
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_fsdp_two_cpu_ranks_resume_bit_exact_and_export_like_ddp(tmp_path):
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from hif8qat.models import load_causal_lm
@@ -338,6 +340,19 @@ def test_fsdp_two_cpu_ranks_resume_bit_exact_and_export_like_ddp(tmp_path):
     assert any(".A." in k for k in quant_state_dict(hf))
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["converted_linears"] > 0
+
+    # The resumed run ends in the uninterrupted run's state, bit for bit: the weights and optimizer state of its
+    # final checkpoint, each rank's scaler histories, data position and RNG, and the exported weights.
+    other = load_causal_lm("tiny:8")[0]
+    other_opt = torch.optim.AdamW(parameter_groups(other, 0.1), lr=1e-3)
+    other_sched = torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 1.0)
+    whole_final = whole_folder / "checkpoints" / "step_0000008"
+    assert ckpt.load_checkpoint(whole_final, model=other, optimizer=other_opt, scheduler=other_sched)[0] == 8
+    assert_same_state(plain.state_dict(), other.state_dict(), "model")
+    assert_same_state(plain_opt.state_dict(), other_opt.state_dict(), "optimizer")
+    assert_same_state(sched.state_dict(), other_sched.state_dict(), "scheduler")
+    assert_same_state(ranks, rank_states(whole_final), "rank states")
+    assert_same_state(*(load_file(f / "export" / "model.safetensors") for f in (folder, whole_folder)), "export")
     # FSDP against DDP: test_trainer_fsdp_equals_ddp_bitwise_with_gradient_accumulation.
 
 

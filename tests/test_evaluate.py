@@ -8,10 +8,11 @@ import time
 
 import pytest
 import torch
+from conftest import smollm2_weights_missing
 
 from hif8qat import evaluate as ev
-
-tiny = pytest.importorskip("hif8qat.models")
+from hif8qat import models as tiny
+from hif8qat import qlinear
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,6 @@ def test_per_item_log_likelihoods_are_not_rounded_to_bf16_under_autocast(tiny_mo
 
 
 def test_hif8_mode_from_export(tmp_path):
-    qlinear = pytest.importorskip("hif8qat.qlinear")
     from hif8qat.scaling import ScalingConfig
 
     model, tok = tiny.build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=1)
@@ -334,10 +334,10 @@ def test_base_model_on_a_fixed_arc_challenge_slice(tmp_path):
     per-sample file and lies in a band a 135M model reaches (chance ~25 %, published ARC average 37-44 %)."""
     from hif8qat.models import load_causal_lm
 
-    try:
-        model, tok = load_causal_lm("smollm2_135m", dtype=torch.float32)
-    except Exception as err:  # noqa: BLE001 - weights not installed
-        pytest.skip(f"SmolLM2 offline weights unavailable: {err}")
+    reason = smollm2_weights_missing()
+    if reason:
+        pytest.skip(reason)
+    model, tok = load_causal_lm("smollm2_135m", dtype=torch.float32)
     model.eval()
     res = ev.evaluate_model(model, tok, ["arc_challenge"], batch_size=16, offline_data=True,
                             subset={"arc_challenge": 16}, num_fewshot={"arc_challenge": 0}, out_dir=tmp_path / "o")

@@ -11,11 +11,12 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import write_quantized_export
+from conftest import mini_corpus_missing, write_quantized_export
 from scipy import stats as st
 
 from hif8qat import heldout, heldout_stats
 from hif8qat.models import build_tiny_llama
+from hif8qat.report.claims import DEFAULT_MARGINS
 
 ONE_THREAD = True
 
@@ -179,7 +180,9 @@ def _run(root, experiment, baseline, quantized, seed=0):
 
 @pytest.fixture
 def runs(tmp_path):
-    pytest.importorskip("hif8qat.data").mini_corpus_documents()  # the offline corpus (skips when absent)
+    reason = mini_corpus_missing()  # the held-out windows come from the offline corpus
+    if reason:
+        pytest.skip(reason)
     return tmp_path, _run(tmp_path, "exp7", None, False), _run(tmp_path, "exp8", "exp7", True)
 
 
@@ -217,7 +220,9 @@ def test_eval_hook_skips_a_baseline_without_export_and_covers_modes_evaluated_la
     model.save_pretrained(base / "export")
     tok.save_pretrained(base / "export")
     doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
-    assert doc["baseline_run"] == "exp7/seed0" and "hif8_vs_baseline" in doc["comparisons"]
+    assert doc["baseline_run"] == "exp7/seed0" and doc["baseline_skipped"] is None
+    # exactly the three comparisons: the baseline's two added, the one made before kept, nothing else
+    assert sorted(doc["comparisons"]) == ["bf16_vs_baseline", "hif8_vs_baseline", "hif8_vs_bf16"]
     # a comparison made in bf16 mode only, then hif8 evaluated later (stage=eval with eval.modes=[bf16,hif8]):
     # its comparisons are added then; an eval of bf16 alone afterwards neither redoes nor narrows them
     heldout.compute_heldout(run, modes=["bf16"])
@@ -305,12 +310,43 @@ def test_hif8_mode_logits_equal_a_frozen_scale_forward_rounded_by_en_dtypes(tmp_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_report_cli_takes_a_heldout_margin_and_names_it_among_the_metrics(tmp_path, capsys):
+def test_the_report_cli_takes_a_heldout_margin_and_applies_it_to_the_heldout_claims(runs, capsys):
     from hif8qat.report.cli import main
+    from hif8qat.report.readme import CLAIMS_BEGIN, CLAIMS_END
 
+    root, base, run = runs
     with pytest.raises(SystemExit) as bad:
-        main(["--runs-root", str(tmp_path), "--margin", "heldout=1"])
+        main(["--runs-root", str(root), "--margin", "heldout=1"])
     assert bad.value.code == 2 and "heldout_nll" in capsys.readouterr().err
-    # accepted (nothing to report in an empty folder), and kept out of the README's claims margins
-    assert main(["--runs-root", str(tmp_path), "--tables", str(tmp_path / "t"), "--figures", str(tmp_path / "f"),
-                 "--margin", "heldout_nll=0.5"]) in (0, None)
+    heldout.compute_heldout(run)
+    for d in (base, run):
+        (d / "DONE").touch()
+
+    def claims(out, *margin):
+        assert main(["--runs-root", str(root), "--profile", "smoke", "--tables", str(out / "t"),
+                     "--figures", str(out / "f"), *margin]) == 0
+        return pd.read_csv(out / "t" / "heldout_smoke.csv"), pd.read_csv(out / "t" / "claims_smoke.csv")
+
+    held, table = claims(root / "wide", "--margin", "heldout_nll=0.5")
+    assert len(held) == 3 and (held["margin"] == 0.5).all()
+    assert (held["equivalence"] == "equivalent within 0.5 %").all()
+    # the other metrics keep their default margins
+    assert (table.loc[table["metric"] == "train_loss", "margin"] == DEFAULT_MARGINS["train_loss"]).all()
+    # the margin decides the verdict: one below the hif8 rows' cost makes them no longer equivalent, while the
+    # bf16-vs-baseline row (same weights, cost exactly 0) stays equivalent
+    tight = float(f"{held.loc[held['mode'] == 'hif8', 'cost'].min() / 4:.1g}")
+    assert tight > 0
+    held, _ = claims(root / "tight", "--margin", f"heldout_nll={tight}")
+    assert (held["margin"] == tight).all()
+    hif8 = held["mode"] == "hif8"
+    assert not held.loc[hif8, "equivalence"].str.startswith("equivalent").any()
+    assert held.loc[~hif8, "equivalence"].str.startswith("equivalent within").all()
+    # the README's claims section takes the same margin (its held-out rows and the margins it lists)
+    readme = root / "README.md"
+    readme.write_text(f"intro\n{CLAIMS_BEGIN}\nold\n{CLAIMS_END}\n")
+    assert main(["--runs-root", str(root), "--profile", "smoke", "--readme", str(readme),
+                 "--margin", "heldout_nll=0.5"]) == 0
+    section = readme.read_text()
+    assert "heldout_nll 0.5 % of held-out NLL" in section
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and "| heldout_nll |" in ln]
+    assert len(rows) == 3 and all("| 0.5 | equivalent within 0.5 % |" in ln for ln in rows)

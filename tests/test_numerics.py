@@ -4,6 +4,8 @@ Oracles are float64 products of BF16-rounded operands (an independent formula), 
 kernels where this CPU has them.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,8 +105,25 @@ def test_emulated_attention_rounds_operands_and_backpropagates():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     want = F.scaled_dot_product_attention(*(t.detach().to(torch.bfloat16).float() for t in (q, k, v)), is_causal=True)
     assert torch.equal(out.detach(), want.to(torch.bfloat16).float())
-    out.sum().backward()
+    g = torch.randn(out.shape)  # an upstream gradient that is not BF16 yet: the backward must round it
+    out.backward(g)
     assert all(t.grad is not None and torch.equal(t.grad, t.grad.to(torch.bfloat16).float()) for t in (q, k, v))
+    # value oracle: causal attention's gradients by hand in float64 from the BF16 operands and the BF16 upstream
+    # gradient (S = q k^T / sqrt(d), P = softmax(S), O = P v), each rounded once to BF16
+    q64, k64, v64, g64 = (_to_bf16(t.detach().double()).double() for t in (q, k, v, g))
+    n, d = q64.shape[-2], q64.shape[-1]
+    s_ = q64 @ k64.transpose(-1, -2) / math.sqrt(d)
+    s_ = s_.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    p_ = torch.softmax(s_, dim=-1)
+    dp = g64 @ v64.transpose(-1, -2)
+    ds = p_ * (dp - (dp * p_).sum(-1, keepdim=True))
+    want = {"q": ds @ k64 / math.sqrt(d), "k": ds.transpose(-1, -2) @ q64 / math.sqrt(d),
+            "v": p_.transpose(-1, -2) @ g64}
+    for name, t in zip("qkv", (q, k, v)):
+        w = _to_bf16(want[name])
+        # one BF16 step of the exact value (FP32 summation order), plus FP32 noise on near-cancelled entries
+        tol = _ulp_bf16(w) + 1e-6 * want[name].abs().max().float()
+        assert ((t.grad - w).abs() <= tol).all(), (name, (t.grad - w).abs().max())
 
 
 def test_tiny_llama_step_under_emulation_tracks_native_bf16():

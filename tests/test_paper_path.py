@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hif8qat.config import RunConfig, resolve_profile
+from hif8qat.models import load_causal_lm
 from hif8qat.standins import write_remote_code_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +105,9 @@ def test_telemetry_dumps_hold_the_counts_of_their_own_steps(tmp_path, monkeypatc
     train(cfg, run_dir)
     dumps = sorted((run_dir / "telemetry").glob("*.jsonl"))
     assert [p.name for p in dumps] == [f"step{s:07d}_rank0.jsonl" for s in (0, 3, 6)]
+    initial, _ = load_causal_lm(cfg.model.name)  # the same seeded weights the run starts from
+    target = {"A": cfg.quant.target_fwd, "W": cfg.quant.target_fwd, "G": cfg.quant.target_bwd}
+    below = beyond = 0
     for path in dumps:
         step = int(path.name[4:11])
         records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -112,7 +116,25 @@ def test_telemetry_dumps_hold_the_counts_of_their_own_steps(tmp_path, monkeypatc
             assert r["step"] == step
             # this step's calls, each with saturation statistics (a dump step is a statistics step)
             assert (r["calls"], r["stats_calls"]) == (2, 2), (path.name, r)
-            assert r["exceed_frac"] is not None and r["amax"] is not None
+            # the last call's numbers obey their definitions: ratio = amax / estimate, scale = target / estimate
+            assert r["ratio"] == pytest.approx(r["amax"] / r["estimate"], rel=1e-5), r
+            assert r["scale"] == pytest.approx(target[r["role"]] / r["estimate"], rel=1e-5), r
+            # |x * s| tops the target only where the amax outgrew the estimate: none when ratio < 1, at least
+            # the largest element when ratio > 1. At ratio 1 the largest element lands on the target up to
+            # float32 rounding of amax * s (15.000001 is counted), so at most a few ties count there
+            if r["ratio"] < 1 - 1e-6:
+                assert r["exceed_frac"] == 0, r
+                below += 1
+            elif r["ratio"] > 1 + 1e-6:
+                assert r["exceed_frac"] > 0, r
+                beyond += 1
+            else:
+                assert r["exceed_frac"] <= 1e-3, r
+            assert r["exceed_frac"] <= r["exceed_frac_max"] <= 1 and r["amax"] <= r["amax_max"], r
+            if step == 0 and r["role"] == "W":  # not yet updated: the largest |weight| of the initial model
+                weight = initial.get_submodule(r["layer"]).weight
+                assert r["amax"] == weight.abs().max().item(), r["layer"]
+    assert below > 0 and beyond > 0  # both sides of the rule above are exercised in this run
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import random
 
 import pytest
 import torch
+from conftest import smollm2_weights_missing
 from lm_eval.models.huggingface import HFLM
 
 from hif8qat import evaluate as ev
@@ -174,10 +175,10 @@ def test_smollm2_matches_hflm():
     """The real model (SDPA attention, grouped-query heads, BPE tokenizer) on a few multiple-choice items."""
     from hif8qat.models import load_causal_lm
 
-    try:
-        model, tok = load_causal_lm("smollm2_135m", dtype=torch.float32)
-    except Exception as err:  # noqa: BLE001 - weights not installed
-        pytest.skip(f"SmolLM2 offline weights unavailable: {err}")
+    reason = smollm2_weights_missing()
+    if reason:
+        pytest.skip(reason)
+    model, tok = load_causal_lm("smollm2_135m", dtype=torch.float32)
     model.eval()
     items = [
         ("Question: Which gas do plants take in from the air to make food?\nAnswer:",

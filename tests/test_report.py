@@ -351,6 +351,46 @@ def test_holm_adjustment():
     assert math.isnan(report.holm([0.01, float("nan")])[1])
 
 
+def _holm_by_hand(ps):
+    """Holm step-down: the i-th smallest of m p-values times (m - i), running maximum, capped at 1."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    out, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+def test_claims_table_applies_holm_within_each_claim():
+    from scipy import stats as st
+
+    from hif8qat.report.claims import CLAIM_KEYS, claims_table
+
+    def row(against, counterpart, mode, task, p):
+        # one seed's held-out contrast whose within-seed t test (127 df) has two-sided p-value p
+        return {"experiment": "exp8", "run_tag": "", "against": against, "counterpart": counterpart, "seed": 0,
+                "dirty": False, "mode": mode, "task": task, "metric": "heldout_nll", "n": 4096, "recorded": True,
+                "diff": float(st.t.isf(p / 2, 127)) * 0.01, "var": 1e-4, "within_df": 127, "base": 3.0,
+                "lost": 0, "gained": 0}
+
+    rows = [row("baseline", "exp7", "bf16", "heldout", 0.012), row("baseline", "exp7", "hif8", "heldout", 0.03),
+            row("baseline", "exp7", "bf16", "heldout_b", 0.02), row("baseline", "exp7", "hif8", "heldout_b", 0.2),
+            row("bf16_mode", "exp8", "hif8", "heldout", 0.03)]
+    df = claims_table(pd.DataFrame(rows))
+    assert len(df) == 5
+    # one family per claim (experiment, tag, against, counterpart), from the rows' own p-values
+    for _, g in df.groupby(CLAIM_KEYS, sort=False):
+        assert g["p_holm"].tolist() == pytest.approx(_holm_by_hand(g["p"].tolist()), rel=1e-9)
+    assert (df["p_holm"] >= df["p"]).all()
+    # the verdict reads the adjusted p: raw p 0.03 is "worse" alone in its claim, "not detected" in a family of 4
+    base = df[df["against"] == "baseline"]
+    assert sorted(base["p"].round(6)) == [0.012, 0.02, 0.03, 0.2]  # the family the adjustment acts on
+    alone = df[df["against"] == "bf16_mode"].iloc[0]
+    assert alone["p_holm"] == pytest.approx(alone["p"]) and alone["difference"] == "worse"
+    assert (base["difference"] == np.where(base["p_holm"] < 0.05, "worse", "not detected")).all()
+    assert (base["difference"] == "worse").sum() == 1 and (base["p"] < 0.05).sum() == 3
+
+
 def test_anchor_table_puts_ours_next_to_published(tmp_path):
     d = tmp_path / "anchor" / "smollm2_135m" / "0shot"
     d.mkdir(parents=True)

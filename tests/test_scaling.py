@@ -351,11 +351,19 @@ def test_exp_smooth_counts_new_entries_exactly_with_nan_and_intervals(impl):
 
 
 def test_exp_smooth_scale_is_clipped_relative_to_history_median(impl):
-    cfg = ScalingConfig(algo="exp_smooth", history_len=30)
-    amax = [1.0] * 40 + [1e6] * 3
+    cfg = ScalingConfig(algo="exp_smooth", history_len=5)
+    # 60 calls at 1e6 teach the forecaster a level of 1e6; then the amax drops to 1. Once three of the five
+    # history entries are 1 the history median is 1, while the forecast (pulled only 10 % toward the median)
+    # stays near 1e6, so its scale 15 / ~2.5e5 ~ 6e-5 falls below the floor 0.01 x 15 / median = 0.15
+    amax = [1e6] * 60 + [1.0] * 6
     got = impl.replay(amax, cfg)
     assert torch.isfinite(got).all() and (got > 0).all()
-    assert got[-1].item() >= 15.0 / 1e6 * 0.99
+    for call in (63, 64):  # history (calls call-5 .. call-1) holds three or four 1s: median 1
+        window = amax[call - 5:call]
+        median = sorted(window)[2]
+        assert median == 1.0
+        assert got[call].item() == pytest.approx(0.01 * 15.0 / median, rel=1e-6), call
+    assert got[59].item() == pytest.approx(15.0 / 1e6, rel=1e-6)  # steady level: no clip, target / amax
 
 
 # ------------------------------------------------------------------------------------------------ telemetry

@@ -17,6 +17,18 @@ def test_exact_mcnemar_needs_six_one_way_flips():
     assert stats.exact_mcnemar_p(0, 0) == 1.0
 
 
+@pytest.mark.parametrize("lost,gained", [(7, 3), (3, 7), (1, 12), (20, 35), (10, 10), (0, 1), (5, 6)])
+def test_exact_mcnemar_uses_both_counts(lost, gained):
+    # two-sided exact binomial test of the discordant items at 1/2: twice the smaller tail, written out here,
+    # and scipy's binomtest; symmetric in which way the flips went
+    m, k = lost + gained, min(lost, gained)
+    by_hand = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2**m)
+    got = stats.exact_mcnemar_p(lost, gained)
+    assert got == pytest.approx(by_hand, rel=1e-9)
+    assert got == pytest.approx(st.binomtest(lost, m, 0.5).pvalue, rel=1e-9)
+    assert got == stats.exact_mcnemar_p(gained, lost)
+
+
 def test_mde_under_the_exact_test():
     # 6 discordant items of 100: only 0 or 6 one way reject (5 of 6: p = 2 * 7/64 = 0.22), so the power at a
     # one-way share theta is theta**6; 80 % power at theta = 0.8**(1/6), a difference of (2 theta - 1) * 6/100
@@ -40,6 +52,21 @@ def test_exact_difference_interval():
     # 4 flips one way: the exact interval contains 0, as the exact test does not reject (p = 0.125)
     assert lo < 0 < hi
     assert stats.exact_difference_ci(0, 0, 50) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("lost,gained,n,conf", [(3, 7, 200, 0.95), (7, 3, 200, 0.95), (12, 30, 500, 0.95),
+                                                (5, 0, 50, 0.90), (1, 1, 10, 0.99)])
+def test_exact_difference_interval_with_flips_both_ways(lost, gained, n, conf):
+    # Clopper-Pearson from beta quantiles (x gained of m discordant), mapped to (gained - lost) / n
+    m, a = lost + gained, 1 - conf
+    p_lo = 0.0 if gained == 0 else st.beta.ppf(a / 2, gained, m - gained + 1)
+    p_hi = 1.0 if gained == m else st.beta.ppf(1 - a / 2, gained + 1, m - gained)
+    lo, hi = stats.exact_difference_ci(lost, gained, n, conf=conf)
+    assert (lo, hi) == pytest.approx(((2 * p_lo - 1) * m / n, (2 * p_hi - 1) * m / n), rel=1e-7, abs=1e-12)
+    assert lo <= (gained - lost) / n <= hi
+    # swapping the two counts mirrors the interval around 0
+    lo_s, hi_s = stats.exact_difference_ci(gained, lost, n, conf=conf)
+    assert (lo_s, hi_s) == pytest.approx((-hi, -lo), rel=1e-7, abs=1e-12)
 
 
 def test_item_pair_counts_and_variance():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_state
 
 from hif8qat import checkpoint as ckpt
 
@@ -151,6 +152,17 @@ def test_corrupt_latest_checkpoint_and_torn_metrics_still_resume_bit_for_bit(tmp
     assert "unparsable line" in out.stdout
     assert losses(folder) == losses(run_folder(whole))  # redone from step 3, bit for bit
     assert len(list((folder / "checkpoints").glob("step_0000006.corrupt-*"))) == 1
+    # and it ends in the uninterrupted run's state: weights, optimizer moments and step counts, scheduler,
+    # scaler histories, and the exported weights
+    from safetensors.torch import load_file
+
+    mine, theirs = (f / "checkpoints" / "step_0000008" for f in (folder, run_folder(whole)))
+    assert_same_state(load_file(mine / "model.safetensors"), load_file(theirs / "model.safetensors"), "model")
+    for name in ("trainer.pt", "rank000.pt"):
+        assert_same_state(torch.load(mine / name, weights_only=True), torch.load(theirs / name, weights_only=True),
+                          name)
+    assert_same_state(*(load_file(f / "export" / "model.safetensors") for f in (folder, run_folder(whole))),
+                      "export")
 
 
 @pytest.mark.slow

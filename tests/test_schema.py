@@ -142,3 +142,25 @@ def test_a_model_folder_without_config_json_is_refused_before_any_run_folder(tmp
         cli_config(["experiment=exp1", "profile=smoke", f"model.name={tmp_path / 'model'}"])
     (tmp_path / "model.gguf").write_bytes(b"GGUF")  # the control: a local GGUF file is a model source
     assert cli_config(["experiment=exp1", "profile=smoke", f"model.name={tmp_path / 'model.gguf'}"]).model.name
+
+
+@pytest.mark.parametrize("config, needle", [({"model_type": "surely_not_an_architecture"}, "surely_not_an_architecture"),
+                                             ({"hidden_size": 8}, "model_type=None"),
+                                             ("{not json", "cannot be read")])
+def test_a_model_folder_transformers_cannot_build_is_refused_before_any_run_folder(tmp_path, config, needle):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    out = cli(["experiment=exp1", "stage=train", f"model.name={folder}"], tmp_path / "runs")
+    assert_user_error(out, "model.name=", needle)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_folder_with_a_known_model_type_passes_the_model_check(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    cfg = cli_config(["experiment=exp1", "profile=smoke", f"model.name={folder}"])
+    from hif8qat import preflight
+
+    preflight.check_model(cfg)  # raises on a refusal

@@ -19,6 +19,31 @@ MODEL_FORMS = ("tiny or tiny:N (N >= 1 blocks), smollm2_135m, smollm2_135m_offli
                "an existing local save_pretrained folder, or a Hugging Face hub id that is cached or reachable")
 
 
+def check_local_model_type(name: str, config_file: Path, trust_remote_code: bool | None) -> None:
+    """A local folder's config.json must parse and name a model_type transformers knows (or openPangu's, loaded as
+    Llama, or one its remote code defines, when model.trust_remote_code allows it): otherwise transformers fails
+    after the run folder exists."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    from .models import PANGU_MODEL_TYPES
+
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"invalid setting model.name={name!r}: its config.json cannot be read ({err}); "
+                          f"allowed {MODEL_FORMS}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type in CONFIG_MAPPING or model_type in PANGU_MODEL_TYPES:
+        return
+    if isinstance(config, dict) and config.get("auto_map") and trust_remote_code:
+        return  # the folder's own code defines it
+    raise ConfigError(f"invalid setting model.name={name!r}: its config.json has model_type={model_type!r}, which "
+                      "this transformers does not know; allowed a model_type of transformers (e.g. llama, qwen2), "
+                      "openPangu's PanguEmbedded, or a folder with remote code and model.trust_remote_code=true")
+
+
 def check_model(cfg: RunConfig) -> None:
     """model.name must name something `models.load_causal_lm` can load without failing later."""
     from .models import OPENPANGU_EMBEDDED_1B, _hub_cached, _looks_like_path, hub_offline
@@ -32,6 +57,8 @@ def check_model(cfg: RunConfig) -> None:
     if local.exists():
         if not (local.is_dir() or local.suffix == ".gguf"):
             raise ConfigError(f"invalid setting model.name={name!r}: a file; allowed {MODEL_FORMS}")
+        if local.is_dir():
+            check_local_model_type(name, local / "config.json", cfg.model.trust_remote_code)
         return
     if _looks_like_path(name) or local.is_absolute():
         raise ConfigError(f"invalid setting model.name={name!r}: no such local folder and not a hub id "

@@ -358,3 +358,14 @@ def test_samples_csv_records_gold_log_likelihood_and_margin(tmp_path):
     assert [r["gold_ll"] for r in got] == ["-1.0", "-1.25", "", ""]  # no integer gold, or one choice: empty
     assert [r["gold_margin"] for r in got] == ["1.5", "-0.75", "", ""]
     assert [r["correct"] for r in got] == ["1", "0", "0", "1"]
+
+
+def test_lm_eval_records_go_to_the_log_beside_the_eval_folder_not_the_console(tiny_model, tmp_path, capfd):
+    model, tok = tiny_model
+    out = tmp_path / "eval" / "bf16"
+    ev.evaluate_model(model, tok, "mini_arc", out_dir=out, limit=2, batch_size=4)
+    console = capfd.readouterr()
+    log = (tmp_path / "eval" / "bf16.lm_eval.log").read_text()
+    assert "Building contexts" in log and "mini_arc" in log  # lm-eval's INFO records are kept, in the file
+    assert "Building contexts" not in console.out + console.err
+    assert "already-initialized model" not in console.out + console.err  # said while the model is wrapped

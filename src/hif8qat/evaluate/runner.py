@@ -88,7 +88,8 @@ def evaluate_model(
 
         data_root = ensure_installed()
     subset_meta: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp:
+    log_path = None if out_dir is None else Path(out_dir).parent / f"{Path(out_dir).name}.lm_eval.log"
+    with tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp, _lm_eval_log(log_path):
         extra, force_offline = prepare_paper_tasks(specs, local_datasets, Path(tmp), data_root=data_root)
         lm_dirs = lm_eval_task_dirs(specs)
         # later include paths override earlier ones: lm-eval's folders, then the local-dataset overrides
@@ -105,9 +106,8 @@ def evaluate_model(
                              numerics=functools.partial(numerics.forward_context, compute, device_type),
                              ranks=ranks, softmax_dtype=torch.float32)
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
-        log_path = None if out_dir is None else Path(out_dir).parent / f"{Path(out_dir).name}.lm_eval.log"
         raw = None
-        with ctx, torch.inference_mode(), _lm_eval_log(log_path):
+        with ctx, torch.inference_mode():
             # one simple_evaluate per distinct shot count (num_fewshot is global in lm-eval)
             for k in sorted(set(shots.values())):
                 names = [n for n, kk in shots.items() if kk == k]

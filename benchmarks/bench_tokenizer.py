@@ -1,6 +1,6 @@
 """Throughput of openPangu's tokenizer path: a SentencePiece BPE model (trained here on the offline corpus, as
 openPangu's tokenizer.model is a SentencePiece BPE model) converted to a fast tokenizer by
-`models.pangu_tokenizer`, run the way the streaming data path runs it (`tokens.tokenize_documents`, 64 documents
+`pangu.pangu_tokenizer`, run the way the streaming data path runs it (`tokens.tokenize_documents`, 64 documents
 per call), against what one paper step consumes (1,048,576 tokens; per rank on 8 GPUs, 131,072).
 
     PYTHONPATH=src python benchmarks/bench_tokenizer.py [--vocab 16000] [--threads N] [--synthetic]
@@ -39,7 +39,7 @@ def main() -> None:
     import sentencepiece as spm
 
     from hif8qat.corpus import mini_corpus_documents
-    from hif8qat.models import pangu_tokenizer
+    from hif8qat.pangu import pangu_tokenizer
     from hif8qat.tokens import tokenize_documents
 
     texts = _synthetic() if args.synthetic else [d["text"] for d in mini_corpus_documents()]

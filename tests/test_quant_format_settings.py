@@ -28,7 +28,7 @@ BAD = [
     ("quant.format=fp8", "quant.format", "hybrid"),
     ("quant.format=e4m3fn", "quant.format", "e5m2"),
     ("quant.margin=-1", "quant.margin", "integer >= 0"),
-    ("quant.margin=0.5", "quant.margin", "integer >= 0"),
+    ("quant.margin=0.5", "quant.margin", "an integer"),  # the declared type answers first
     ("quant.margin=1", "quant.margin", "format=hif8"),  # the default format is hif8
     ("quant.algo=oracle", "quant.algo", "current"),
     ("quant.algo={0:max,4:now}", "quant.algo", "current"),

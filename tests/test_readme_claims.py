@@ -39,13 +39,13 @@ def _claim_rows(title: str) -> tuple[str, list[dict[str, str]]]:
     return section, [dict(zip(names, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[1:]]
 
 
-def _flips(run_csv, base_csv, metric: str) -> tuple[int, int]:
-    """Items the run does worse / better on than its counterpart, paired by document."""
+def _flips(run_csv, base_csv, metric: str) -> tuple[int, int, set]:
+    """Items the run does worse / better on than its counterpart, paired by document, and those documents."""
     run, base = pd.read_csv(run_csv, index_col="doc_id"), pd.read_csv(base_csv, index_col="doc_id")
     assert sorted(run.index) == sorted(base.index)
     col = "correct" if metric == "accuracy" else metric
     worse = base[col] - run.loc[base.index, col]  # accuracy: 1 = lost; log-likelihoods: lower in the run
-    return int((worse > 0).sum()), int((worse < 0).sum())
+    return int((worse > 0).sum()), int((worse < 0).sum()), set(worse.index[worse != 0])
 
 
 def test_readme_final_recipe_claim_matches_counts_made_here_from_the_sample_files():
@@ -58,21 +58,25 @@ def test_readme_final_recipe_claim_matches_counts_made_here_from_the_sample_file
     seeds = sorted(int(d.name[4:]) for d in (root / "exp8").glob("seed*")
                    if (d / "DONE").exists() and (root / "exp7" / d.name / "DONE").exists())
     assert section.splitlines()[0].endswith(f"(seeds {', '.join(map(str, seeds))})") and len(seeds) >= 2
-    checked = lost_acc = gained_acc = 0
+    checked = lost_acc = gained_acc = items_acc = 0
     for r in rows:
         if r["metric"] not in ("accuracy", "gold_ll", "gold_margin"):
             continue
         lost = gained = 0
+        items: set = set()
         for k in seeds:
             name = f"samples_{r['task']}.csv"
-            a, b = _flips(root / "exp8" / f"seed{k}" / "eval" / r["mode"] / name,
-                          root / "exp7" / f"seed{k}" / "eval" / "bf16" / name, r["metric"])
-            lost, gained = lost + a, gained + b
-        assert r["lost / gained"] == f"{lost} / {gained}", r
+            a, b, docs = _flips(root / "exp8" / f"seed{k}" / "eval" / r["mode"] / name,
+                                root / "exp7" / f"seed{k}" / "eval" / "bf16" / name, r["metric"])
+            lost, gained, items = lost + a, gained + b, items | docs
+        # accuracy rows also name the distinct items behind the flips (the unit the item test counts)
+        want = f"{lost} / {gained}" + (f" ({len(items)} items)" if r["metric"] == "accuracy" else "")
+        assert r["lost / gained"] == want, r
         assert r["seeds"] == str(len(seeds)), r
         if r["metric"] == "accuracy":
-            lost_acc, gained_acc = lost_acc + lost, gained_acc + gained
+            lost_acc, gained_acc, items_acc = lost_acc + lost, gained_acc + gained, items_acc + len(items)
         checked += 1
     assert checked == 18  # 2 modes x 3 tasks x 3 per-item metrics
-    summary = f"{lost_acc + gained_acc} items flipped in all ({lost_acc} lost, {gained_acc} gained)"
+    summary = (f"{lost_acc + gained_acc} flips in all ({lost_acc} lost, {gained_acc} gained) from {items_acc} "
+               "distinct items")
     assert summary in section

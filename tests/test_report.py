@@ -366,12 +366,16 @@ def test_claims_table_applies_holm_within_each_claim():
 
     from hif8qat.report.claims import CLAIM_KEYS, claims_table
 
+    z = np.linspace(-1.0, 1.0, 128)
+    z = (z - z.mean()) / z.std(ddof=1)  # 128 window costs of sample sd 1: their mean's t test has 127 df
+
     def row(against, counterpart, mode, task, p):
-        # one seed's held-out contrast whose within-seed t test (127 df) has two-sided p-value p
+        # one seed's held-out contrast whose t test over its 128 windows (127 df) has two-sided p-value p
+        diff = float(st.t.isf(p / 2, 127)) * 0.01
         return {"experiment": "exp8", "run_tag": "", "against": against, "counterpart": counterpart, "seed": 0,
                 "dirty": False, "mode": mode, "task": task, "metric": "heldout_nll", "n": 4096, "recorded": True,
-                "diff": float(st.t.isf(p / 2, 127)) * 0.01, "var": 1e-4, "within_df": 127, "base": 3.0,
-                "lost": 0, "gained": 0}
+                "diff": diff, "var": 1e-4, "within_df": 127, "base": 3.0, "lost": 0, "gained": 0,
+                "units": pd.Series(diff + 0.01 * np.sqrt(128) * z, index=[str(i) for i in range(128)])}
 
     rows = [row("baseline", "exp7", "bf16", "heldout", 0.012), row("baseline", "exp7", "hif8", "heldout", 0.03),
             row("baseline", "exp7", "bf16", "heldout_b", 0.02), row("baseline", "exp7", "hif8", "heldout_b", 0.2),

@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,7 +131,11 @@ def main(argv=None) -> dict:
     if args.classes:
         cmd = [sys.executable, __file__, "--json", "--model", args.model, "--batch", str(args.batch), "--seq",
                str(args.seq), "--repeats", str(args.repeats), "--scopes", args.scopes] + (["--slow-native"] if args.slow_native else [])
-        child = subprocess.run(cmd, env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, check=True)
+        # its own inductor cache: the ISA limits change the generated code but not inductor's cache key, and a
+        # kernel cached for one ISA and loaded under the other was seen to return NaN and corrupt the heap
+        with tempfile.TemporaryDirectory(prefix="inductor-avx2-") as cache:
+            child = subprocess.run(cmd, env={**os.environ, **AVX2_ENV, "TORCHINDUCTOR_CACHE_DIR": cache},
+                                   capture_output=True, text=True, check=True)
         out["avx2"] = json.loads(child.stdout.strip().splitlines()[-1])["this_cpu"]
         out["fp32_gemm_speed_this_over_avx2"] = round(out["this_cpu"]["fp32_gemm_gflops"]
                                                       / out["avx2"]["fp32_gemm_gflops"], 3)

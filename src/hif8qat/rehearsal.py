@@ -441,27 +441,41 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
     return checks
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hif8qat.rehearsal", description=__doc__.split("\n")[0])
+def parse_work_args(prog: str, description: str, prefix: str, argv: list[str] | None):
+    """A rehearsal's command line (``--work``, ``--repo``): (args, work folder), or exit status 2 when --work is a
+    folder that is not empty (a rehearsal never writes into earlier files)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--work", help="folder for the rehearsal's files (default: a new temporary folder, removed "
                                    "when every check passed)")
     ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]),
                     help="the checkout whose run.py and src/ are rehearsed (default: this one)")
     args = ap.parse_args(argv)
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hif8qat-rehearsal-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=prefix))
     if args.work and work.exists() and any(work.iterdir()):
         print(f"error: --work {work} is not empty; give a new folder", file=sys.stderr)
         return 2
-    t0 = time.time()
-    print(f"rehearsal of the paper profile in {work} (repo {args.repo})", flush=True)
-    checks = rehearse(work, Path(args.repo).resolve())
+    return args, work
+
+
+def finish(checks: dict[str, str | None], work: Path, t0: float, keep: bool) -> int:
+    """Print and record (``checks.json``) a rehearsal's checks; remove its folder when all passed and not kept."""
     failed = [name for name, why in checks.items() if why]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {time.time() - t0:.0f} s"
           + (f"; failed: {', '.join(failed)} (files kept in {work})" if failed else ""))
     (work / "checks.json").write_text(json.dumps({"checks": checks, "wall_s": time.time() - t0}, indent=1) + "\n")
-    if not failed and not args.work:
+    if not failed and not keep:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = parse_work_args("python -m hif8qat.rehearsal", __doc__.split("\n")[0], "hif8qat-rehearsal-", argv)
+    if isinstance(parsed, int):
+        return parsed
+    args, work = parsed
+    t0 = time.time()
+    print(f"rehearsal of the paper profile in {work} (repo {args.repo})", flush=True)
+    return finish(rehearse(work, Path(args.repo).resolve()), work, t0, keep=bool(args.work))
 
 
 if __name__ == "__main__":

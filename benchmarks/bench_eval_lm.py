@@ -5,7 +5,7 @@
 
 The mini profile's evaluation (conf/eval/mini.yaml: tasks, shots, batch size, subsets scaled by --fraction)
 runs through ``hif8qat.evaluate.evaluate_model`` twice per numerics, once with
-:class:`hif8qat.prefix_lm.SharedContextLM` and once with lm-eval's ``HFLM`` under the same numerics context,
+:class:`hif8qat.evaluate.prefix_lm.SharedContextLM` and once with lm-eval's ``HFLM`` under the same numerics context,
 alternating which goes first. Printed: seconds for each, their ratio, and both scores (identical in FP32; under
 BF16 the two round differently, their GEMM shapes differing, so a near-tied item can flip).
 """
@@ -37,10 +37,10 @@ def main(argv=None) -> int:
     import yaml
     from lm_eval.models.huggingface import HFLM
 
-    from hif8qat import numerics as nm
-    from hif8qat import prefix_lm
+    from hif8qat import compute_dtype as nm
+    from hif8qat.evaluate import prefix_lm
     from hif8qat.evaluate import evaluate_model
-    from hif8qat.models import load_causal_lm
+    from hif8qat.models.loading import load_causal_lm
 
     class StockLM(HFLM):
         """lm-eval's HF model, every forward under the evaluation's numerics."""

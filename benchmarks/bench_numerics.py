@@ -54,9 +54,9 @@ def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_lis
                scope: str = "none") -> dict[str, float]:
     from bench_step import build_model
 
-    from hif8qat import numerics
-    from hif8qat.qlinear import convert_model, set_quantization
-    from hif8qat.scaling import ScalingConfig
+    from hif8qat import compute_dtype as numerics
+    from hif8qat.quant.linear import convert_model, set_quantization
+    from hif8qat.scaling.settings import ScalingConfig
 
     model = build_model(model_name).float().train()
     if scope != "none":  # exp3's quantized linears (attn_mlp), or exp6/exp8's (mlp), every block quantized
@@ -92,7 +92,7 @@ def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_lis
 
 
 def measure(args) -> dict:
-    from hif8qat import numerics
+    from hif8qat import compute_dtype as numerics
 
     modes = [m for m in NUMERICS if m != "bf16" or numerics.native_bf16_supported("cpu") or args.slow_native]
     result = {"cpu_capability": torch.backends.cpu.get_cpu_capability(),

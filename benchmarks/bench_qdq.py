@@ -66,8 +66,8 @@ import en_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from hif8qat import formats  # noqa: E402
-from hif8qat.formats import fp8_qdq, fp8_qdq_scaled_amax, hif8_qdq, hif8_qdq_scaled_amax  # noqa: E402
+from hif8qat.formats import qdq as formats  # noqa: E402
+from hif8qat.formats.qdq import fp8_qdq, fp8_qdq_scaled_amax, hif8_qdq, hif8_qdq_scaled_amax  # noqa: E402
 
 
 def _sync() -> None:

@@ -58,7 +58,7 @@ def build_llama(kind: str, seed: int = 0, device: str = "cpu"):
 def build_model(name: str, device: str = "cpu"):
     if name in ("small", "llama1b"):
         return build_llama(name, device=device)
-    from hif8qat.models import load_causal_lm
+    from hif8qat.models.loading import load_causal_lm
 
     model, _ = load_causal_lm("smollm2_135m")
     return model
@@ -75,7 +75,7 @@ def count_aten_ops(step) -> int:
 def graph_breaks(model, inp) -> int:
     import torch._dynamo
 
-    from hif8qat.qlinear import update_scales
+    from hif8qat.quant.linear import update_scales
 
     torch._dynamo.reset()
     with torch.no_grad():
@@ -116,8 +116,8 @@ def main(argv=None) -> dict:
         raise SystemExit("--device cuda: no CUDA device is available")
     dev = torch.device(args.device)
 
-    from hif8qat.qlinear import convert_model
-    from hif8qat.scaling import ScalingConfig
+    from hif8qat.quant.linear import convert_model
+    from hif8qat.scaling.settings import ScalingConfig
 
     base = build_model(args.model, args.device).float().train().to(dev)
     quant = copy.deepcopy(base)
@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in base.parameters())
     eager = {"plain": base, "qat": quant}
     if args.recompute_too:
-        from hif8qat.qlinear import set_weight_recompute
+        from hif8qat.quant.linear import set_weight_recompute
 
         eager["qat_recompute"] = copy.deepcopy(quant)
         set_weight_recompute(eager["qat_recompute"])
@@ -165,7 +165,7 @@ def main(argv=None) -> dict:
     for _ in range(args.warmup):
         for name in models:
             step(name)
-    from hif8qat.formats import count_qdq
+    from hif8qat.formats.qdq import count_qdq
 
     counts_qdq = {}
     for name in [k for k in models if k != "plain"]:

@@ -38,9 +38,9 @@ def main() -> None:
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)
     import sentencepiece as spm
 
-    from hif8qat.corpus import mini_corpus_documents
-    from hif8qat.pangu import pangu_tokenizer
-    from hif8qat.tokens import tokenize_documents
+    from hif8qat.data.corpus import mini_corpus_documents
+    from hif8qat.models.pangu import pangu_tokenizer
+    from hif8qat.data.tokens import tokenize_documents
 
     texts = _synthetic() if args.synthetic else [d["text"] for d in mini_corpus_documents()]
     with tempfile.TemporaryDirectory() as tmp:

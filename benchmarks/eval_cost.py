@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import torch
 
     from hif8qat.evaluate import evaluate_model
-    from hif8qat.models import load_causal_lm
+    from hif8qat.models.loading import load_causal_lm
 
     model, tok = load_causal_lm(args.model, dtype=torch.float32)
     model.eval()

@@ -7,7 +7,7 @@ The evaluation runs as ``hif8qat.evaluate.evaluate_model`` runs it (tasks, shots
 the eval config; lm-eval builds and tokenizes the requests), but the scoring of each batch is replaced by
 a stub: no model forward runs, so this takes seconds and its scores are meaningless. Printed per task and
 in total: requests, ``per_request`` (the sum of the requests' input lengths, what lm-eval's HFLM forwards)
-and ``forwarded`` (what :class:`hif8qat.prefix_lm.SharedContextLM` forwards; ``padded`` with padding;
+and ``forwarded`` (what :class:`hif8qat.evaluate.prefix_lm.SharedContextLM` forwards; ``padded`` with padding;
 ``calls``: its model calls). ``ratio``: per_request / forwarded.
 """
 
@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     import yaml
 
     from hif8qat.evaluate import evaluate_model
-    from hif8qat.models import load_causal_lm
-    from hif8qat.prefix_lm import SharedContextLM
+    from hif8qat.models.loading import load_causal_lm
+    from hif8qat.evaluate.prefix_lm import SharedContextLM
 
     cfg = yaml.safe_load(args.eval_config.read_text()) or {}
     model, tok = load_causal_lm(args.model, dtype=torch.float32)

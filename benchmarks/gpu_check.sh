@@ -88,10 +88,10 @@ stage_compile_warmup() {
     "$PY" - "$DEVICE" <<'EOF'
 import sys, time
 import torch
-from hif8qat.formats import compile_status
-from hif8qat.models import build_tiny_llama
-from hif8qat.qlinear import convert_model, set_quantization
-from hif8qat.scaling import ScalingConfig
+from hif8qat.formats.qdq import compile_status
+from hif8qat.models.loading import build_tiny_llama
+from hif8qat.quant.linear import convert_model, set_quantization
+from hif8qat.scaling.settings import ScalingConfig
 t0, dev = time.time(), torch.device(sys.argv[1])
 for rounding in ("ta", "stochastic"):  # the gradient quantizer's two roundings: distinct kernels
     model, _ = build_tiny_llama(num_layers=2, hidden_size=256, intermediate_size=512)
@@ -150,7 +150,7 @@ import sys, time
 import torch
 sys.path.insert(0, "benchmarks")
 from bench_step import build_model
-from hif8qat.models import build_tiny_tokenizer
+from hif8qat.models.loading import build_tiny_tokenizer
 t0 = time.time()
 model = build_model(sys.argv[1], sys.argv[3])
 model.to(torch.bfloat16).save_pretrained(sys.argv[2])
@@ -181,10 +181,10 @@ from types import SimpleNamespace as NS
 import torch
 sys.path.insert(0, "benchmarks")
 from bench_step import build_model
-from hif8qat.chunked_loss import install_loss_head, lm_loss
-from hif8qat.preflight import step_memory
-from hif8qat.qlinear import convert_model, set_quantization
-from hif8qat.scaling import ScalingConfig
+from hif8qat.train.chunked_loss import install_loss_head, lm_loss
+from hif8qat.launch.preflight import step_memory
+from hif8qat.quant.linear import convert_model, set_quantization
+from hif8qat.scaling.settings import ScalingConfig
 name, dev, micro, seq = sys.argv[1], torch.device(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 model = build_model(name, sys.argv[2]).to(dev).float().train()
 c = model.config
@@ -272,7 +272,7 @@ import torch
 from safetensors.torch import save_file
 sys.path.insert(0, "tests")
 import test_openpangu as tp
-from hif8qat.models import load_causal_lm
+from hif8qat.models.loading import load_causal_lm
 size, dev, folder = sys.argv[1], torch.device(sys.argv[2]), Path(sys.argv[3])
 cfg, _ = tp.write_pangu_checkpoint(folder)  # the hub layout and its tokenizer at tiny sizes
 if size == "1b":  # then openPangu-Embedded-1B's shapes, written over the tiny ones

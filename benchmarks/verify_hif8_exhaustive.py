@@ -25,7 +25,8 @@ import en_dtypes
 import numpy as np
 import torch
 
-from hif8qat import formats, qdq_kernels
+from hif8qat.formats import qdq as formats
+from hif8qat.formats import kernels as qdq_kernels
 
 
 def _int(s: str) -> int:

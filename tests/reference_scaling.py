@@ -1,10 +1,10 @@
 """Reference delayed scaler for tests: one quantizer, plain Python numbers, written from the contract.
 
 The contract is docs/design.md, section 2 (delayed tensor scaling). This file restates it as directly as
-possible, so that the fast implementation (``hif8qat.bank`` with ``hif8qat.rules`` and ``hif8qat.forecast``)
+possible, so that the fast implementation (``hif8qat.scaling.bank`` with ``hif8qat.scaling.rules`` and ``hif8qat.scaling.forecast``)
 can be checked against it, as Transformer Engine and torchao keep their reference scalers with their tests.
 It imports none of the scaling code it checks: only ``ScalingConfig`` (the settings and their step
-schedules) and ``hif8qat.formats`` (the element formats: the qdq kernel, targets, the clipped-value count).
+schedules) and ``hif8qat.formats.qdq`` (the element formats: the qdq kernel, targets, the clipped-value count).
 
 State is Python lists and floats (the history is the list of the last ``history_len`` finite amaxes, each a
 float32 value; estimates are float64; a scale is ``float32(target / (estimate + 1e-12))``); tensors are made
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hif8qat import formats
-from hif8qat.scaling import ScalingConfig
+from hif8qat.formats import qdq as formats
+from hif8qat.scaling.settings import ScalingConfig
 
 ALGOS = ("max", "most_recent", "mean", "exp_smooth", "current")  # index = saved ``block_algo``
 CANDIDATES = ("most_recent", "damped_holt", "trend_following", "ar1")  # saved ``es_scores`` order
@@ -376,7 +376,7 @@ class DelayedScaler(nn.Module):
                    algo=self.block_algo, interval=self.block_len, format=self.fmt)
         return rec
 
-    # -- saved state, in the per-quantizer format (keys and layout of hif8qat.scaling.STATE_KEYS / _META)
+    # -- saved state, in the per-quantizer format (keys and layout of hif8qat.scaling.settings.STATE_KEYS / _META)
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         if args or kwargs.get("destination") is not None:
             return kwargs.get("destination")  # called by an enclosing module: not part of the model's weights

@@ -13,10 +13,10 @@ from reference_scaling import DelayedScaler
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hif8qat.bank import QuantizerCalledTwice, ScalerBank
-from hif8qat.bank_row import BankedScaler
-from hif8qat.formats import hif8_qdq_scaled
-from hif8qat.qlinear import (
+from hif8qat.scaling.bank import QuantizerCalledTwice, ScalerBank
+from hif8qat.scaling.bank_row import BankedScaler
+from hif8qat.formats.qdq import hif8_qdq_scaled
+from hif8qat.quant.linear import (
     QuantLinear,
     convert_model,
     freeze_scales,
@@ -27,7 +27,7 @@ from hif8qat.qlinear import (
     set_step,
     update_scales,
 )
-from hif8qat.scaling import ROLES, ScalingConfig
+from hif8qat.scaling.settings import ROLES, ScalingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -266,7 +266,7 @@ def test_compiled_training_step_records_like_eager():
 def test_backward_saves_quantized_weight_unless_told_to_recompute_it(recompute):
     """Unsharded: the forward's Q(W) is saved for the backward. FSDP (set_weight_recompute): W itself is saved
     and re-quantized in the backward, which records nothing."""
-    from hif8qat.qlinear import set_weight_recompute
+    from hif8qat.quant.linear import set_weight_recompute
 
     torch.manual_seed(0)
     layer = QuantLinear(32, 48, config=ScalingConfig())
@@ -433,7 +433,7 @@ def test_host_to_device_pins_and_copies_without_blocking_on_cuda(monkeypatch):
     non-blocking copy; on CPU the array is used in place."""
     import numpy as np
 
-    from hif8qat.bank import host_to_device
+    from hif8qat.scaling.bank import host_to_device
 
     mask = np.array([True, False, True])
     on_cpu = host_to_device(mask, torch.device("cpu"))

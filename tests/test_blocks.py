@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from hif8qat.blocks import parse_high_precision_blocks
-from hif8qat.config import ConfigError, RunConfig
-from hif8qat.models import build_tiny_llama, find_transformer_blocks, transformer_blocks
-from hif8qat.qlinear import find_transformer_blocks as qlinear_finder
-from hif8qat.qlinear import parse_high_precision_blocks as qlinear_parser
+from hif8qat.config.blocks import parse_high_precision_blocks
+from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.models.loading import build_tiny_llama, find_transformer_blocks, transformer_blocks
+from hif8qat.quant.linear import find_transformer_blocks as qlinear_finder
+from hif8qat.quant.linear import parse_high_precision_blocks as qlinear_parser
 
 
 # ------------------------------------------------------------------------------------ the parser's edges

@@ -14,11 +14,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from hif8qat import checkpoint as ckpt
-from hif8qat.config import RunConfig, resolve_profile
+from hif8qat.train import checkpoint as ckpt
+from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.errors import RunError
-from hif8qat.train import TrainingDiverged, _first_nonfinite, train
-from hif8qat.trainlog import truncate_metrics
+from hif8qat.train.loop import TrainingDiverged, _first_nonfinite, train
+from hif8qat.train.log import truncate_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -232,7 +232,7 @@ def test_torn_and_malformed_metrics_lines_are_dropped_with_a_note(tmp_path, caps
 
 
 def test_first_nonfinite_names_the_weight_or_optimizer_state():
-    from hif8qat.train import DistContext
+    from hif8qat.train.loop import DistContext
 
     model, optimizer, _ = _model(0)
     assert _first_nonfinite(model, optimizer, DistContext()) is None
@@ -329,7 +329,7 @@ def test_an_explicitly_named_damaged_checkpoint_is_refused_not_replaced(tmp_path
 
 @pytest.mark.parametrize("setting", ["train.max_consecutive_skips", "train.keep_checkpoints_when_done"])
 def test_checkpoint_counts_must_be_counts(tmp_path, setting):
-    from hif8qat.config import ConfigError
+    from hif8qat.config.run_config import ConfigError
 
     with pytest.raises(ConfigError, match=rf"{setting}=-1.*integer >= 0"):
         _smoke(tmp_path, f"{setting}=-1")

@@ -11,8 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
-from hif8qat.config import ConfigError, RunConfig, resolve_profile
-from hif8qat.runs import config_differences
+from hif8qat.config.run_config import ConfigError, RunConfig, resolve_profile
+from hif8qat.runs.folders import config_differences
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("hif8qat_run", ROOT / "run.py")
@@ -171,7 +171,7 @@ def test_cli_rejects_bad_setting_before_loading_anything(tmp_path):
 
 
 def test_baseline_helper_reads_each_experiment_file_like_the_composed_config():
-    from hif8qat.config import experiment_baseline, main
+    from hif8qat.config.run_config import experiment_baseline, main
 
     for name in EXPERIMENTS:
         assert experiment_baseline(name) == run_config([f"experiment={name}"], resolve=False).experiment.baseline

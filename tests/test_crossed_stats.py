@@ -1,4 +1,4 @@
-"""The claims' one model per paired metric (hif8qat.stats): seeds x items (windows) as crossed random effects,
+"""The claims' one model per paired metric (hif8qat.stats.paired): seeds x items (windows) as crossed random effects,
 t on per-seed means for the training loss, the exact permutation test over items for accuracy and its MDE
 under a stated flip model, each against an independent oracle (a REML mixed model from statsmodels, scipy's
 t and permutation tests, brute-force enumeration) or a coverage simulation."""
@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from scipy import stats as st
 
-from hif8qat import stats
+from hif8qat.stats import paired as stats
 
 
 def _crossed(rng, k, n, sd_seed, sd_unit, sd_resid, mean=0.0):
@@ -138,7 +138,8 @@ def test_hierarchical_bootstrap_resamples_units_as_well_as_seeds():
 def test_heldout_claims_cross_seeds_with_windows_and_list_the_token_files(tmp_path):
     from test_report import make_fake_runs
 
-    from hif8qat import heldout_stats, report
+    from hif8qat import report
+    from hif8qat.stats import heldout as heldout_stats
 
     runs = make_fake_runs(tmp_path / "runs", seeds=(0, 1, 2))
     rng = np.random.default_rng(4)

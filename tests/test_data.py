@@ -9,15 +9,15 @@ import pytest
 import torch
 from conftest import mini_corpus_missing
 
-from hif8qat import data
-from hif8qat.data import (
+from hif8qat.data import loader as data
+from hif8qat.data.loader import (
     PackedTokenStream,
     StreamingTokenStream,
     build_eval_windows,
     build_train_stream,
     tokenize_documents,
 )
-from hif8qat.models import build_tiny_tokenizer
+from hif8qat.models.loading import build_tiny_tokenizer
 
 WORDS = ("the king queen love night day sword crown heart fair lord lady good speak hear see go come "
          "death life sweet noble gentle time world").split()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import assert_same_state
 
-from hif8qat.distributed import env_from_slurm, expand_hostlist
+from hif8qat.train.distributed import env_from_slurm, expand_hostlist
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ["experiment=exp8", "profile=smoke", "stage=train", "logger.progress_bar=false", "train.num_threads=1"]
@@ -151,8 +151,8 @@ def _one_step(model):
 def test_fsdp_checkpoint_is_the_plain_format_and_loads_both_ways(tmp_path, single_rank_group, tied):
     from safetensors.torch import load_file, load_model
 
-    from hif8qat import checkpoint as ckpt
-    from hif8qat.distributed import apply_fsdp, full_model_state_dict, full_optimizer_state_dict
+    from hif8qat.train import checkpoint as ckpt
+    from hif8qat.train.distributed import apply_fsdp, full_model_state_dict, full_optimizer_state_dict
 
     sharded = apply_fsdp(_tiny(tied))
     opt, sched = _one_step(sharded)
@@ -209,7 +209,7 @@ def _accumulation_worker(rank: int, world: int, store: str, out: str, fsdp_grad_
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from hif8qat.distributed import apply_fsdp, grad_sync
+    from hif8qat.train.distributed import apply_fsdp, grad_sync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
@@ -290,8 +290,8 @@ def test_fsdp_two_cpu_ranks_resume_bit_exact_and_export_like_ddp(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hif8qat.models import load_causal_lm
-    from hif8qat.qlinear import load_quant_export, quant_state_dict
+    from hif8qat.models.loading import load_causal_lm
+    from hif8qat.quant.linear import load_quant_export, quant_state_dict
 
     # Uninterrupted run: two ranks started by submitit's local executor (the launcher's srun-like path:
     # env_from_slurm maps its task variables to torch's), FSDP over gloo, amax all-reduced.
@@ -322,8 +322,8 @@ def test_fsdp_two_cpu_ranks_resume_bit_exact_and_export_like_ddp(tmp_path):
     assert [r["data"]["rank"] for r in ranks] == [0, 1]
 
     # The two ranks' sharded checkpoint loads into a plain (unsharded) model in one process.
-    from hif8qat import checkpoint as ckpt
-    from hif8qat.train import parameter_groups
+    from hif8qat.train import checkpoint as ckpt
+    from hif8qat.train.loop import parameter_groups
 
     assert json.loads((final / ckpt.COMPLETE_MARKER).read_text())["layout"] == "dcp"
     plain, _ = load_causal_lm("tiny:8")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_reliability import cli_config
 
-from hif8qat.estimate import EVAL_SETUP_S, Costs, run_seconds
+from hif8qat.launch.time_estimate import EVAL_SETUP_S, Costs, run_seconds
 
 COSTS = Costs(numerics="bf16", load_s=5.0, train_step_s=2.0, qat_step_s=3.0, eval_token_s=1e-3,
               quant_eval_token_s=2e-3)

@@ -1,4 +1,4 @@
-"""Data-parallel evaluation (hif8qat.eval_ranks) against a single process, the oracle: two gloo ranks spawned
+"""Data-parallel evaluation (hif8qat.evaluate.ranks) against a single process, the oracle: two gloo ranks spawned
 in process score the same requests / evaluate the same export, and must give the single-process answers
 (log-likelihoods within test_prefix_lm's fp32 tolerance, the same is_greedy and choices), each rank scoring
 only part of the requests, with whole context groups per rank; rank 0 alone writes the files."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from hif8qat.eval_ranks import deal
+from hif8qat.evaluate.ranks import deal
 
 ONE_THREAD = True
 TOL = (1e-4, 1e-5)  # test_prefix_lm's fp32 tolerance: other batch shapes, other summation orders
@@ -28,7 +28,7 @@ def test_deal_keeps_equal_keys_together_and_balances_by_cost():
 
 
 def _tiny():
-    from hif8qat.models import build_tiny_llama
+    from hif8qat.models.loading import build_tiny_llama
 
     return build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=3)
 
@@ -46,10 +46,10 @@ def _worker(rank: int, world: int, store: str, out: str, what: str, export: str)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
-        from hif8qat.eval_ranks import Ranks
+        from hif8qat.evaluate.ranks import Ranks
 
         if what == "tokens":
-            from hif8qat.prefix_lm import SharedContextLM
+            from hif8qat.evaluate.prefix_lm import SharedContextLM
 
             model, tok = _tiny()
             lm = SharedContextLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=4, max_length=64,
@@ -79,7 +79,7 @@ def _close(a: float, b: float) -> bool:
 
 
 def test_two_ranks_score_each_context_group_once_and_return_the_single_process_answers(tmp_path):
-    from hif8qat.prefix_lm import SharedContextLM
+    from hif8qat.evaluate.prefix_lm import SharedContextLM
 
     model, tok = _tiny()
     reqs = _requests(model)

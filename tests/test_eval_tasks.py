@@ -15,18 +15,19 @@ def _modules_after(statement: str) -> set[str]:
 
 
 def test_task_table_imports_neither_torch_nor_lm_eval_nor_the_evaluation():
-    loaded = _modules_after("import hif8qat.eval_tasks")
-    assert not {"torch", "lm_eval", "hif8qat.evaluate", "hif8qat.runs", "hif8qat.config"} & loaded
+    loaded = _modules_after("import hif8qat.config.eval_tasks")
+    assert not {"torch", "lm_eval", "hif8qat.evaluate", "hif8qat.runs.folders", "hif8qat.config.run_config"} & loaded
 
 
 def test_config_imports_the_task_table_but_not_the_evaluation_or_the_runs():
-    loaded = _modules_after("import hif8qat.config")
-    assert "hif8qat.eval_tasks" in loaded
-    assert not {"hif8qat.evaluate", "hif8qat.runs", "lm_eval"} & loaded
+    loaded = _modules_after("import hif8qat.config.run_config")
+    assert "hif8qat.config.eval_tasks" in loaded
+    assert not {"hif8qat.evaluate", "hif8qat.runs.folders", "lm_eval"} & loaded
 
 
 def test_the_evaluation_package_keeps_its_names():
-    from hif8qat import eval_tasks, evaluate
+    from hif8qat import evaluate
+    from hif8qat.config import eval_tasks
 
     assert evaluate.TASKS is eval_tasks.TASKS and evaluate.resolve_tasks is eval_tasks.resolve_tasks
     for name in evaluate.__all__:

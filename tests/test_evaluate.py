@@ -11,8 +11,8 @@ import torch
 from conftest import smollm2_weights_missing
 
 from hif8qat import evaluate as ev
-from hif8qat import models as tiny
-from hif8qat import qlinear
+from hif8qat.models import loading as tiny
+from hif8qat.quant import linear as qlinear
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_per_item_log_likelihoods_are_not_rounded_to_bf16_under_autocast(tiny_mo
 
 
 def test_hif8_mode_from_export(tmp_path):
-    from hif8qat.scaling import ScalingConfig
+    from hif8qat.scaling.settings import ScalingConfig
 
     model, tok = tiny.build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=1)
     export = tmp_path / "export"
@@ -277,7 +277,7 @@ def test_real_tasks_on_offline_copies_with_subsets(tiny_model, tmp_path, monkeyp
     through lm-eval's `samples`, doc ids of the full split, few-shot without a train split."""
     from test_evaldata import make_wheel
 
-    from hif8qat import evaldata
+    from hif8qat.evaluate import offline_benchmarks as evaldata
 
     model, tok = tiny_model
     monkeypatch.setenv("HIF8QAT_CACHE", str(tmp_path / "cache"))
@@ -303,13 +303,13 @@ def test_real_tasks_on_offline_copies_with_subsets(tiny_model, tmp_path, monkeyp
 
 # ----------------------------------------------------------------------------- the real offline copies
 def _real_data():
-    from hif8qat import evaldata
+    from hif8qat.evaluate import offline_benchmarks as evaldata
 
     return evaldata.installed_root()
 
 
 real = pytest.mark.skipif(_real_data() is None,
-                          reason="offline benchmark data not installed (python -m hif8qat.evaldata --install)")
+                          reason="offline benchmark data not installed (python -m hif8qat.evaluate.offline_benchmarks --install)")
 
 
 @real
@@ -332,7 +332,7 @@ def test_mmlu_subset_is_stratified_by_subject_on_real_data(tiny_model, tmp_path)
 def test_base_model_on_a_fixed_arc_challenge_slice(tmp_path):
     """SmolLM2 (offline weights) on 16 fixed ARC-Challenge test items, 0-shot: the score is the mean of the
     per-sample file and lies in a band a 135M model reaches (chance ~25 %, published ARC average 37-44 %)."""
-    from hif8qat.models import load_causal_lm
+    from hif8qat.models.loading import load_causal_lm
 
     reason = smollm2_weights_missing()
     if reason:

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from hif8qat.evaluate import main
-from hif8qat.standins import write_remote_code_model
+from hif8qat.rehearse.standins import write_remote_code_model
 
 
 @pytest.fixture

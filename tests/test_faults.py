@@ -20,7 +20,7 @@ from test_reliability import FAST, assert_user_error, cli
 from test_report import make_fake_runs
 from test_train import SMOKE, run
 
-from hif8qat import checkpoint as ckpt
+from hif8qat.train import checkpoint as ckpt
 from hif8qat.errors import RunError
 from hif8qat.report.table_files import write_table
 
@@ -33,9 +33,9 @@ def _enospc(path) -> OSError:
 
 # ------------------------------------------------------------------ per-step telemetry: idempotent
 def _tiny_quantized():
-    from hif8qat.models import build_tiny_llama
-    from hif8qat.qlinear import convert_model
-    from hif8qat.scaling import ScalingConfig
+    from hif8qat.models.loading import build_tiny_llama
+    from hif8qat.quant.linear import convert_model
+    from hif8qat.scaling.settings import ScalingConfig
 
     model, _ = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=0)
     names = convert_model(model, "mlp", None, ScalingConfig(telemetry_dump_every=1))
@@ -44,7 +44,7 @@ def _tiny_quantized():
 
 
 def test_dumping_a_step_twice_leaves_one_copy_and_keeps_other_steps(tmp_path):
-    from hif8qat.qlinear import dump_telemetry
+    from hif8qat.quant.linear import dump_telemetry
 
     model, names = _tiny_quantized()
     path = tmp_path / "telemetry" / "dump.jsonl"
@@ -84,7 +84,7 @@ def test_a_killed_and_resumed_run_writes_the_same_telemetry_as_an_uninterrupted_
 
 # ------------------------------------------------------------------ full disk, wherever it happens
 def test_metrics_append_on_a_full_disk_is_a_storage_error_naming_the_file(tmp_path, monkeypatch):
-    from hif8qat.trainlog import MetricsSink
+    from hif8qat.train.log import MetricsSink
 
     sink = MetricsSink.__new__(MetricsSink)
     sink.enabled, sink.path, sink.wandb = True, tmp_path / "metrics.jsonl", None
@@ -208,7 +208,7 @@ def test_boundary_does_not_swallow_bugs(bug):
 
 
 def test_refusing_remote_code_is_a_run_error():
-    from hif8qat.models import RemoteCodeError
+    from hif8qat.models.loading import RemoteCodeError
 
     assert issubclass(RemoteCodeError, RunError) and issubclass(RemoteCodeError, ValueError)
 

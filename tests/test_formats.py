@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from hif8qat import formats, qdq_kernels
-from hif8qat.formats import (
+from hif8qat.formats import qdq as formats
+from hif8qat.formats import kernels as qdq_kernels
+from hif8qat.formats.qdq import (
     HIF8_MAX,
     HIF8_OVERFLOW,
     hif8_decode,

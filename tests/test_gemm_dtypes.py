@@ -20,9 +20,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hif8qat import numerics, qlinear
-from hif8qat.models import build_tiny_llama
-from hif8qat.scaling import ScalingConfig
+from hif8qat import compute_dtype as numerics
+from hif8qat.quant import linear as qlinear
+from hif8qat.models.loading import build_tiny_llama
+from hif8qat.scaling.settings import ScalingConfig
 
 ONE_THREAD = True
 
@@ -129,7 +130,7 @@ def test_the_quantized_backward_under_emulation_computes_what_torchs_bf16_kernel
 def test_compiled_training_in_fp32_sends_no_bf16_operand_and_emulated_compile_is_refused():
     from test_reliability import cli_config
 
-    from hif8qat.config import ConfigError
+    from hif8qat.config.run_config import ConfigError
 
     model, _ = _model("attn_mlp")
     model.train()
@@ -159,7 +160,7 @@ def _with_autocast(cfg, value):
 
 
 def test_held_out_comparison_sends_no_bf16_operand_to_a_gemm():
-    from hif8qat.heldout import stream_token_stats
+    from hif8qat.evaluate.heldout import stream_token_stats
 
     base, _ = _model("plain", seed=2)
     quant, _ = _model("attn_mlp", seed=2)
@@ -195,7 +196,7 @@ def test_evaluation_sends_no_bf16_operand_to_a_gemm(mode, tmp_path):
 def test_time_estimate_measures_with_no_bf16_operand(monkeypatch):
     from test_reliability import cli_config
 
-    from hif8qat import estimate
+    from hif8qat.launch import time_estimate as estimate
 
     cfg = _with_autocast(cli_config(["experiment=exp3", "profile=smoke"]), "bf16_emulated")
     counter = GemmOperandDtypes()
@@ -208,13 +209,13 @@ def test_time_estimate_measures_with_no_bf16_operand(monkeypatch):
 
 
 def test_the_numerics_check_a_user_runs_reports_the_counts_and_no_bf16(monkeypatch):
-    """`python -m hif8qat.numerics` as a user runs it (a fresh process, the module as __main__)."""
+    """`python -m hif8qat.compute_dtype` as a user runs it (a fresh process, the module as __main__)."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "HIF8QAT_NO_NATIVE_BF16": "1"}
-    done = subprocess.run([sys.executable, "-m", "hif8qat.numerics"], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-m", "hif8qat.compute_dtype"], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "bf16_emulated"  # stdout is the numerics alone: the Makefile reads it
@@ -225,7 +226,7 @@ def test_the_numerics_check_a_user_runs_reports_the_counts_and_no_bf16(monkeypat
 def test_the_chunked_loss_recomputes_under_the_emulation(monkeypatch):
     """The paper profile's loss head recomputes each chunk's logits in backward (a checkpoint): under emulation the
     recompute must run emulated too, or it would hand BF16 operands to the head's GEMM."""
-    from hif8qat import chunked_loss
+    from hif8qat.train import chunked_loss
 
     monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 8 * 259)  # chunks of 8 tokens at the tiny vocabulary
     model, _ = _model("mlp", seed=4)

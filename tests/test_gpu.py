@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hif8qat import formats, qdq_kernels
-from hif8qat.bank_row import BankedScaler
-from hif8qat.formats import hif8_encode, hif8_qdq, hif8_qdq_scaled, hif8_qdq_scaled_amax
-from hif8qat.scaling import ScalingConfig
+from hif8qat.formats import qdq as formats
+from hif8qat.formats import kernels as qdq_kernels
+from hif8qat.scaling.bank_row import BankedScaler
+from hif8qat.formats.qdq import hif8_encode, hif8_qdq, hif8_qdq_scaled, hif8_qdq_scaled_amax
+from hif8qat.scaling.settings import ScalingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -87,7 +88,7 @@ def qat_step(device: str, autocast: bool, steps: int = 3) -> list[float]:
     """A small Llama with MLP + attention linears in HiF8: forward/backward/AdamW steps; returns the losses."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hif8qat.qlinear import convert_model, quant_linears, set_quantization, set_step
+    from hif8qat.quant.linear import convert_model, quant_linears, set_quantization, set_step
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -204,8 +205,8 @@ def fsdp_checkpoint_roundtrip(device: str, backend: str, tmp_path: Path) -> None
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hif8qat import checkpoint as ckpt
-    from hif8qat.distributed import apply_fsdp, full_model_state_dict
+    from hif8qat.train import checkpoint as ckpt
+    from hif8qat.train.distributed import apply_fsdp, full_model_state_dict
 
     dist.init_process_group(backend, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
@@ -241,8 +242,8 @@ def test_fsdp_checkpoint_roundtrip_over_nccl(tmp_path):
 
 def test_evaluation_defaults_to_the_gpu_with_bf16_autocast_over_fp32_weights(tmp_path):
     from hif8qat import evaluate as ev
-    from hif8qat.models import build_tiny_llama
-    from hif8qat.qlinear import convert_model, save_quant_export, set_quantization
+    from hif8qat.models.loading import build_tiny_llama
+    from hif8qat.quant.linear import convert_model, save_quant_export, set_quantization
 
     model, tok = build_tiny_llama(num_layers=2, hidden_size=64, intermediate_size=128)
     model.save_pretrained(tmp_path / "export")

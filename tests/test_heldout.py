@@ -1,4 +1,4 @@
-"""Held-out per-token distances (hif8qat.heldout, hif8qat.heldout_stats): the per-token values against a float64
+"""Held-out per-token distances (hif8qat.evaluate.heldout, hif8qat.stats.heldout): the per-token values against a float64
 oracle from plain forwards, the block interval against simulation, the files, pooling and the eval-stage hook."""
 
 import json
@@ -14,8 +14,9 @@ import yaml
 from conftest import mini_corpus_missing, write_quantized_export
 from scipy import stats as st
 
-from hif8qat import heldout, heldout_stats
-from hif8qat.models import build_tiny_llama
+from hif8qat.evaluate import heldout
+from hif8qat.stats import heldout as heldout_stats
+from hif8qat.models.loading import build_tiny_llama
 from hif8qat.report.claims import DEFAULT_MARGINS
 
 ONE_THREAD = True
@@ -128,7 +129,7 @@ def test_tokens_file_round_trips(tmp_path):
 
 def _heldout_row(seed, summary, units=None):
     """A paired-contrast row as the report's held-out reader writes it (test input for claims_table); ``units``:
-    the per-window costs (:func:`hif8qat.heldout_stats.window_costs`)."""
+    the per-window costs (:func:`hif8qat.stats.heldout.window_costs`)."""
     pct = summary["nll_diff_pct"]
     return {"experiment": "exp8", "run_tag": "", "against": "baseline", "counterpart": "exp7", "seed": seed,
             "dirty": False, "mode": "hif8", "task": "heldout", "metric": "heldout_nll", "n": summary["n_tokens"],

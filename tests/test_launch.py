@@ -13,8 +13,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hif8qat.config import RunConfig, resolve_profile
-from hif8qat.runs import find_baseline_run, prepare_run_dir, release_run_dir
+from hif8qat.config.run_config import RunConfig, resolve_profile
+from hif8qat.runs.folders import find_baseline_run, prepare_run_dir, release_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_process_group_outlives_a_slow_rank0_and_binds_the_rank_gpu(monkeypatch)
     import torch
     import torch.distributed as dist
 
-    from hif8qat import train
+    from hif8qat.train import loop as train
 
     seen = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -121,8 +121,8 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
     import importlib.util
     import sys
 
-    from hif8qat import preflight as preflight_module
-    from hif8qat.models import model_config_facts
+    from hif8qat.launch import preflight as preflight_module
+    from hif8qat.models.loading import model_config_facts
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "x")  # recorded, so the mapping below is undone after the test

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from hif8qat.minitasks import generate as gen
+from hif8qat.evaluate.minitasks import generate as gen
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def generated():
 
 def test_deterministic_and_committed_data_up_to_date(generated):
     assert gen.generate_all() == generated
-    assert gen.check() == [], "run python -m hif8qat.minitasks.generate and commit data/"
+    assert gen.check() == [], "run python -m hif8qat.evaluate.minitasks.generate and commit data/"
 
 
 def test_check_detects_stale_file(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from hif8qat import models
-from hif8qat.models import (
+from hif8qat.models import loading as models
+from hif8qat.models.loading import (
     build_tiny_llama,
     build_tiny_tokenizer,
     load_causal_lm,
@@ -136,7 +136,7 @@ def test_tiny_works_with_lm_eval_hflm():
 def smollm2_offline():
     path = models.cache_root() / models.SMOLLM2_CACHE_SUBDIR
     if not (path / "model.safetensors").is_file():
-        pytest.skip("offline SmolLM2 weights not installed (python -m hif8qat.models --install-offline-weights)")
+        pytest.skip("offline SmolLM2 weights not installed (python -m hif8qat.models.loading --install-offline-weights)")
     return path
 
 

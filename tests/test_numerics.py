@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hif8qat import numerics
+from hif8qat import compute_dtype as numerics
 
 ONE_THREAD = True
 
@@ -157,7 +157,7 @@ def test_tiny_llama_step_under_emulation_tracks_native_bf16():
 def test_quantized_linear_under_emulation_matches_native_autocast():
     import copy
 
-    from hif8qat.qlinear import QuantLinear
+    from hif8qat.quant.linear import QuantLinear
 
     torch.manual_seed(4)
     emulated_layer = QuantLinear(64, 32, name="probe")

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hif8qat import pangu as pangu_module
-from hif8qat.models import load_causal_lm
+from hif8qat.models import pangu as pangu_module
+from hif8qat.models.loading import load_causal_lm
 
 spm = pytest.importorskip("sentencepiece")
 

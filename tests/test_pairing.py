@@ -2,7 +2,7 @@
 
 import yaml
 
-from hif8qat.runs import find_baseline_run
+from hif8qat.runs.folders import find_baseline_run
 
 
 def _cfg(exp, seed, *, lr=1e-4, quant=False, tag="", **extra):

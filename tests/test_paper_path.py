@@ -12,9 +12,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hif8qat.config import RunConfig, resolve_profile
-from hif8qat.models import load_causal_lm
-from hif8qat.standins import write_remote_code_model
+from hif8qat.config.run_config import RunConfig, resolve_profile
+from hif8qat.models.loading import load_causal_lm
+from hif8qat.rehearse.standins import write_remote_code_model
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("hif8qat_run", ROOT / "run.py")
@@ -42,8 +42,8 @@ def remote_model(tmp_path):
 @pytest.mark.parametrize("trusted", [True, None])
 def test_evaluation_loads_a_remote_code_export_only_when_the_run_trusted_remote_code(tmp_path, remote_model,
                                                                                     trusted):
-    from hif8qat.export import export_model
-    from hif8qat.models import load_causal_lm
+    from hif8qat.train.export import export_model
+    from hif8qat.models.loading import load_causal_lm
 
     cfg = _smoke(tmp_path, "experiment=exp1", f"model.name={remote_model}", "eval.tasks=[mini_arc]",
                  "eval.limit=2", "eval.modes=[bf16]", "eval.batch_size=2",
@@ -67,10 +67,10 @@ def test_an_fsdp_run_exports_a_remote_code_model_with_its_own_modeling_code(tmp_
     the export and pointed auto_map at them, so the export of every paper run failed to load."""
     import torch.distributed as dist
 
-    from hif8qat.distributed import apply_fsdp, full_model_state_dict
+    from hif8qat.train.distributed import apply_fsdp, full_model_state_dict
     from hif8qat.evaluate import load_for_eval
-    from hif8qat.export import export_model
-    from hif8qat.models import load_causal_lm
+    from hif8qat.train.export import export_model
+    from hif8qat.models.loading import load_causal_lm
 
     cfg = _smoke(tmp_path, "experiment=exp1", f"model.name={remote_model}", "model.trust_remote_code=true")
     model, tok = load_causal_lm(str(remote_model), trust_remote_code=True)
@@ -93,7 +93,7 @@ def test_an_fsdp_run_exports_a_remote_code_model_with_its_own_modeling_code(tmp_
 # per-layer telemetry dumps
 # ------------------------------------------------------------------------------------------------
 def test_telemetry_dumps_hold_the_counts_of_their_own_steps(tmp_path, monkeypatch):
-    from hif8qat.train import train
+    from hif8qat.train.loop import train
 
     monkeypatch.setenv("HIF8QAT_COMPILE", "0")  # the eager quantizer: no cold compile for an 8-step run
     # 2 micro-batches per step: each quantizer runs twice a step (A, W in forward; G in backward).
@@ -142,9 +142,9 @@ def test_telemetry_dumps_hold_the_counts_of_their_own_steps(tmp_path, monkeypatc
 # ------------------------------------------------------------------------------------------------
 _NORM_WORKER = '''
 import json, sys, torch, torch.distributed as dist
-from hif8qat.distributed import apply_fsdp
-from hif8qat.models import build_tiny_llama
-from hif8qat.train import clip_gradients
+from hif8qat.train.distributed import apply_fsdp
+from hif8qat.models.loading import build_tiny_llama
+from hif8qat.train.loop import clip_gradients
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -195,9 +195,9 @@ def test_each_rank_reads_only_its_own_part_of_parquet_shards(tmp_path, monkeypat
 
     from datasets.packaged_modules.parquet.parquet import Parquet
 
-    from hif8qat.data import build_train_stream
-    from hif8qat.models import build_tiny_tokenizer
-    from hif8qat.standins import write_fineweb_shards
+    from hif8qat.data.loader import build_train_stream
+    from hif8qat.models.loading import build_tiny_tokenizer
+    from hif8qat.rehearse.standins import write_fineweb_shards
 
     write_fineweb_shards(tmp_path / "fineweb", shards=shards, docs_per_shard=24, row_group_size=5)
     rows_read: list[int] = []
@@ -224,9 +224,9 @@ def test_each_rank_reads_only_its_own_part_of_parquet_shards(tmp_path, monkeypat
 def test_a_rank_of_resharded_parquet_resumes_exactly_across_its_epoch_end(tmp_path):
     import torch
 
-    from hif8qat.data import build_train_stream
-    from hif8qat.models import build_tiny_tokenizer
-    from hif8qat.standins import write_fineweb_shards
+    from hif8qat.data.loader import build_train_stream
+    from hif8qat.models.loading import build_tiny_tokenizer
+    from hif8qat.rehearse.standins import write_fineweb_shards
 
     write_fineweb_shards(tmp_path / "fineweb", shards=3, docs_per_shard=12, row_group_size=4)
     kw = dict(seq_len=63, micro_batch_size=2, rank=1, world_size=2)
@@ -244,8 +244,8 @@ def test_a_rank_of_resharded_parquet_resumes_exactly_across_its_epoch_end(tmp_pa
 
 
 def test_the_step_log_records_the_data_epoch_and_a_wrap_is_announced(tmp_path, capsys):
-    from hif8qat.standins import write_fineweb_shards
-    from hif8qat.train import train
+    from hif8qat.rehearse.standins import write_fineweb_shards
+    from hif8qat.train.loop import train
 
     write_fineweb_shards(tmp_path / "fineweb", shards=2, docs_per_shard=1)  # a few steps of data
     cfg = _smoke(tmp_path, "experiment=exp1", f"data.source={tmp_path / 'fineweb'}", "train.checkpoint_every=100")
@@ -259,8 +259,8 @@ def test_the_step_log_records_the_data_epoch_and_a_wrap_is_announced(tmp_path, c
 
 
 def test_a_run_that_keeps_no_checkpoint_when_done_never_writes_the_final_one(tmp_path, monkeypatch):
-    from hif8qat import checkpoint as ckpt
-    from hif8qat.train import train
+    from hif8qat.train import checkpoint as ckpt
+    from hif8qat.train.loop import train
 
     saved = []
     monkeypatch.setattr(ckpt, "save_checkpoint", lambda root, step, **kw: saved.append(step))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hif8qat import streams
-from hif8qat.data import build_train_stream
-from hif8qat.models import build_tiny_tokenizer
+from hif8qat.data import streams
+from hif8qat.data.loader import build_train_stream
+from hif8qat.models.loading import build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def _same_state(a: dict, b: dict) -> bool:
 
 
 def test_prefetched_batches_states_and_resumes_equal_the_plain_streams(corpus):
-    from hif8qat.prefetch import PrefetchedStream
+    from hif8qat.data.prefetch import PrefetchedStream
 
     plain, ahead = _stream(corpus), PrefetchedStream(_stream(corpus), depth=3)
     n = 150  # past the end of the data: the epoch wraps
@@ -66,8 +66,8 @@ def test_training_on_streamed_data_tokenizes_off_the_main_thread(tmp_path, corpu
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from hif8qat.config import RunConfig, resolve_profile
-    from hif8qat.train import train
+    from hif8qat.config.run_config import RunConfig, resolve_profile
+    from hif8qat.train.loop import train
 
     threads = []
     real = streams.tokenize_documents

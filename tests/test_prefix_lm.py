@@ -32,9 +32,9 @@ from conftest import smollm2_weights_missing
 from lm_eval.models.huggingface import HFLM
 
 from hif8qat import evaluate as ev
-from hif8qat.models import build_tiny_llama
-from hif8qat.numerics import forward_context
-from hif8qat.prefix_lm import SharedContextLM
+from hif8qat.models.loading import build_tiny_llama
+from hif8qat.compute_dtype import forward_context
+from hif8qat.evaluate.prefix_lm import SharedContextLM
 
 TOL = {"fp32": (1e-4, 1e-5), "bf16": (1e-3, 4e-3), "hif8": (1e-3, 1e-4)}
 
@@ -49,7 +49,7 @@ def tiny_hif8(tmp_path_factory):
     """The tiny model as the hif8 evaluation mode loads it: attention and MLP linears quantized, frozen scales."""
     from conftest import write_quantized_export
 
-    from hif8qat import qlinear
+    from hif8qat.quant import linear as qlinear
 
     export = write_quantized_export(tmp_path_factory.mktemp("export"), scope="attn_mlp", seed=4)
     loaded, tok = ev.load_for_eval(export, "hif8")
@@ -173,7 +173,7 @@ def test_results_json_records_the_token_counts(tiny, tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_matches_hflm():
     """The real model (SDPA attention, grouped-query heads, BPE tokenizer) on a few multiple-choice items."""
-    from hif8qat.models import load_causal_lm
+    from hif8qat.models.loading import load_causal_lm
 
     reason = smollm2_weights_missing()
     if reason:

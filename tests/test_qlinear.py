@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hif8qat.bank import RECORD, REPLAY, bank_qdq
-from hif8qat.formats import hif8_qdq_scaled
-from hif8qat.qlinear import (
+from hif8qat.scaling.bank import RECORD, REPLAY, bank_qdq
+from hif8qat.formats.qdq import hif8_qdq_scaled
+from hif8qat.quant.linear import (
     QuantLinear,
     convert_model,
     dump_telemetry,
@@ -27,7 +27,7 @@ from hif8qat.qlinear import (
     set_weight_recompute,
     step_telemetry,
 )
-from hif8qat.scaling import ScalingConfig
+from hif8qat.scaling.settings import ScalingConfig
 
 ONE_THREAD = True  # conftest._one_thread
 
@@ -376,7 +376,7 @@ def test_weight_is_quantized_once_per_micro_batch(checkpointed):
     Q(W) (bit for bit what re-quantizing gives); under FSDP (recompute) the backward quantizes W again."""
     from torch.utils.checkpoint import checkpoint
 
-    from hif8qat.formats import count_qdq
+    from hif8qat.formats.qdq import count_qdq
 
     torch.manual_seed(5)
     layers = {k: QuantLinear(64, 48, bias=True, config=ScalingConfig(), name="l") for k in ("keep", "fsdp")}
@@ -400,7 +400,7 @@ def test_weight_is_quantized_once_per_micro_batch(checkpointed):
 
 
 def test_qdq_counter_counts_bytes_and_dtypes():
-    from hif8qat.formats import count_qdq, hif8_qdq_scaled_amax, qdq_scaled_amax
+    from hif8qat.formats.qdq import count_qdq, hif8_qdq_scaled_amax, qdq_scaled_amax
 
     x = torch.randn(3, 700)
     with count_qdq() as c:
@@ -415,7 +415,7 @@ def test_qdq_counter_counts_bytes_and_dtypes():
 
 
 def test_the_names_from_before_fp8_formats_still_import():
-    from hif8qat.qlinear import HiF8Linear, QuantLinear, hif8_linears, quant_linears
+    from hif8qat.quant.linear import HiF8Linear, QuantLinear, hif8_linears, quant_linears
 
     assert HiF8Linear is QuantLinear and hif8_linears is quant_linears
 

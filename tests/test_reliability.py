@@ -15,8 +15,8 @@ import yaml
 from test_config import compose_cfg, run_module
 from test_train import losses, run, run_folder
 
-from hif8qat import runs
-from hif8qat.config import ConfigError, RunConfig, resolve_profile
+from hif8qat.runs import folders as runs
+from hif8qat.config.run_config import ConfigError, RunConfig, resolve_profile
 from hif8qat.errors import RunError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def test_local_datasets_need_no_plus_and_are_checked(tmp_path):
 
 def test_every_user_facing_failure_is_a_run_error():
     from hif8qat.evaluate import DatasetUnavailableError
-    from hif8qat.train import TrainingDiverged
+    from hif8qat.train.loop import TrainingDiverged
 
     for cls in (ConfigError, DatasetUnavailableError, TrainingDiverged, runs.RunFolderError, runs.SettingsDiffer,
                 runs.CorruptRunFile, runs.RunFolderBusy):
@@ -225,7 +225,7 @@ def test_second_process_is_refused_and_touches_nothing(tmp_path):
 def test_lock_is_released_when_its_holder_is_killed(tmp_path):
     folder = tmp_path / "run"
     code = ("import os, signal, sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path; "
-            "from hif8qat.runs import lock_run_dir; lock_run_dir(Path(sys.argv[1])); "
+            "from hif8qat.runs.folders import lock_run_dir; lock_run_dir(Path(sys.argv[1])); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     out = subprocess.run([sys.executable, "-c", code, str(folder), str(ROOT / "src")], timeout=60)
     assert out.returncode == -9
@@ -246,7 +246,7 @@ def test_forced_rerun_archives_and_locks_the_fresh_folder(tmp_path):
         archived = [p for p in run_dir.parent.iterdir() if runs.is_archive(p)]
         assert len(archived) == 1 and (archived[0] / runs.DONE_MARKER).exists()
         code = ("import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path; "
-                "from hif8qat.runs import lock_run_dir; lock_run_dir(Path(sys.argv[1]))")
+                "from hif8qat.runs.folders import lock_run_dir; lock_run_dir(Path(sys.argv[1]))")
         other = subprocess.run([sys.executable, "-c", code, str(run_dir), str(ROOT / "src")], capture_output=True,
                                text=True, timeout=60)
         assert other.returncode != 0 and "RunFolderBusy" in other.stderr

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from test_distributed import _optimizer
 from test_distributed import _tiny as _tiny_llama
 
-from hif8qat import checkpoint as ckpt
-from hif8qat.data import PackedTokenStream, build_train_stream
+from hif8qat.train import checkpoint as ckpt
+from hif8qat.data.loader import PackedTokenStream, build_train_stream
 
 ONE_THREAD = True
 
@@ -67,8 +67,8 @@ def _tags(batches: list[torch.Tensor], tok) -> list[str]:
 
 @pytest.mark.parametrize("new_world", [1, 3])
 def test_streamed_resize_skips_the_documents_the_saved_ranks_read(tmp_path, new_world):
-    from hif8qat.models import build_tiny_tokenizer
-    from hif8qat.standins import write_fineweb_shards
+    from hif8qat.models.loading import build_tiny_tokenizer
+    from hif8qat.rehearse.standins import write_fineweb_shards
 
     tok = build_tiny_tokenizer()
     write_fineweb_shards(tmp_path / "fw", shards=3, docs_per_shard=8, row_group_size=2)
@@ -117,7 +117,7 @@ def _tiny():
 def _save_worker(rank: int, world: int, store: str, root: str, fsdp: bool) -> None:
     import torch.distributed as dist
 
-    from hif8qat.distributed import apply_fsdp, full_model_state_dict, full_optimizer_state_dict
+    from hif8qat.train.distributed import apply_fsdp, full_model_state_dict, full_optimizer_state_dict
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)

@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from hif8qat.bank import ScalerBank
-from hif8qat.bank_row import BankedScaler
-from hif8qat.forecast import ExpSmoothForecaster, ExpSmoothParams
-from hif8qat.scaling import STATE_KEYS, ScalingConfig, replay, replay_rows
+from hif8qat.scaling.bank import ScalerBank
+from hif8qat.scaling.bank_row import BankedScaler
+from hif8qat.scaling.forecast import ExpSmoothForecaster, ExpSmoothParams
+from hif8qat.scaling.settings import STATE_KEYS, ScalingConfig, replay, replay_rows
 
 NAN, INF = float("nan"), float("inf")
 
@@ -416,7 +416,7 @@ def test_stats_cadence_and_reset(impl):
 
 # ------------------------------------------------------------------------------------------------ quantize path
 def test_quantize_uses_delayed_scale_and_replay_matches(impl):
-    from hif8qat.formats import hif8_qdq_scaled
+    from hif8qat.formats.qdq import hif8_qdq_scaled
 
     cfg = ScalingConfig(algo="max", history_len=4, interval=2)
     sc = impl.Scaler("A", cfg)
@@ -431,7 +431,7 @@ def test_quantize_uses_delayed_scale_and_replay_matches(impl):
 
 
 def test_frozen_uses_last_scale_without_history_update(impl):
-    from hif8qat.formats import hif8_qdq_scaled
+    from hif8qat.formats.qdq import hif8_qdq_scaled
 
     sc = impl.Scaler("A", ScalingConfig(algo="most_recent"))
     sc.quantize(torch.full((4,), 2.0))

@@ -22,8 +22,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        from hif8qat.bank_row import BankedScaler
-        from hif8qat.scaling import ScalingConfig
+        from hif8qat.scaling.bank_row import BankedScaler
+        from hif8qat.scaling.settings import ScalingConfig
 
         result = {}
         for reduce in ("max", "none"):
@@ -70,9 +70,9 @@ def _frozen_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from hif8qat.bank_row import BankedScaler
-        from hif8qat.qlinear import convert_model, freeze_scales, quant_state_dict
-        from hif8qat.scaling import ScalingConfig
+        from hif8qat.scaling.bank_row import BankedScaler
+        from hif8qat.quant.linear import convert_model, freeze_scales, quant_state_dict
+        from hif8qat.scaling.settings import ScalingConfig
 
         cfg = ScalingConfig(algo="max", history_len=4, amax_reduce="max")
         torch.manual_seed(0)

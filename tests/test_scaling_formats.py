@@ -12,16 +12,16 @@ import torch
 from test_bank import tiny_llama
 from test_scaling import assert_no_host_sync
 
-from hif8qat.bank_row import BankedScaler
+from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.evaluate import quant_eval_meta
-from hif8qat.formats import (
+from hif8qat.formats.qdq import (
     FORMATS,
     clipped_count,
     fp8_qdq_scaled,
     hif8_qdq_scaled,
     qdq_scaled_amax,
 )
-from hif8qat.qlinear import (
+from hif8qat.quant.linear import (
     QUANT_JSON,
     convert_model,
     freeze_scales,
@@ -31,7 +31,7 @@ from hif8qat.qlinear import (
     set_step,
     step_telemetry,
 )
-from hif8qat.scaling import ScalingConfig
+from hif8qat.scaling.settings import ScalingConfig
 
 ONE_THREAD = True  # conftest._one_thread
 

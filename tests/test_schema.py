@@ -15,7 +15,7 @@ import pytest
 from test_config import run_module
 from test_reliability import FAST, assert_user_error, cli, cli_config
 
-from hif8qat.config import ConfigError, RunConfig
+from hif8qat.config.run_config import ConfigError, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,6 +161,6 @@ def test_a_folder_with_a_known_model_type_passes_the_model_check(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     cfg = cli_config(["experiment=exp1", "profile=smoke", f"model.name={folder}"])
-    from hif8qat import preflight
+    from hif8qat.launch import preflight
 
     preflight.check_model(cfg)  # raises on a refusal

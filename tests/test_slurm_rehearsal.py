@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_slurm_rehearsal_passes_every_check(tmp_path):
     work = tmp_path / "work"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "hif8qat.slurm_rehearsal", "--work", str(work)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "hif8qat.rehearse.slurm", "--work", str(work)], capture_output=True,
                          text=True, timeout=900, env=env, cwd=ROOT)
     result = json.loads((work / "checks.json").read_text())
     if "skipped" in result:
@@ -42,8 +42,8 @@ def _has_conf(proc: Path, work: Path) -> bool:
 
 
 def test_a_cluster_that_cannot_start_is_a_skip_with_its_reason(tmp_path, monkeypatch, capsys):
-    from hif8qat import slurm_rehearsal
-    from hif8qat.slurm_cluster import ClusterUnavailable, LocalCluster
+    from hif8qat.rehearse import slurm as slurm_rehearsal
+    from hif8qat.rehearse.slurm_cluster import ClusterUnavailable, LocalCluster
 
     def refuse(self):
         raise ClusterUnavailable("slurmctld did not start (exit 1): no munge here")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from hif8qat import stats
+from hif8qat.stats import paired as stats
 
 
 def test_exact_mcnemar_needs_six_one_way_flips():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import assert_same_state
 
-from hif8qat import checkpoint as ckpt
+from hif8qat.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ["experiment=exp8", "profile=smoke", "stage=train", "logger.progress_bar=false",

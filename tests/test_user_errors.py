@@ -16,9 +16,9 @@ from test_config import EXPERIMENTS, PROFILES, compose_cfg, run_module
 from test_reliability import assert_user_error, cli, cli_config
 from test_report import make_fake_runs
 
-from hif8qat import checkpoint as ckpt
-from hif8qat import preflight
-from hif8qat.config import ConfigError, RunConfig
+from hif8qat.train import checkpoint as ckpt
+from hif8qat.launch import preflight
+from hif8qat.config.run_config import ConfigError, RunConfig
 
 
 # ------------------------------------------------------------------ Hydra's failures (unknown names, parsing)
@@ -145,7 +145,7 @@ def test_a_step_larger_than_any_machine_is_rejected_before_any_work(tmp_path):
 
 @pytest.mark.parametrize("layers", [1, 3])
 def test_memory_estimate_counts_the_real_models_parameters(layers):
-    from hif8qat.models import build_tiny_llama, model_config_facts
+    from hif8qat.models.loading import build_tiny_llama, model_config_facts
 
     model, _ = build_tiny_llama(num_layers=layers)
     facts = model_config_facts(f"tiny:{layers}")
@@ -177,7 +177,7 @@ def _enospc_on(monkeypatch, target, name: str, after: int = 0):
 
 
 def _tiny_training_state():
-    from hif8qat.models import build_tiny_llama
+    from hif8qat.models.loading import build_tiny_llama
 
     model, _ = build_tiny_llama(num_layers=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -224,7 +224,8 @@ def test_other_write_failures_are_not_reported_as_a_full_disk(tmp_path, monkeypa
 
 
 def test_training_checks_free_space_before_the_first_step(tmp_path, monkeypatch):
-    from hif8qat import runs, train
+    from hif8qat.runs import folders as runs
+    from hif8qat.train import loop as train
 
     cfg = cli_config(["experiment=exp1", "profile=smoke", f"results_root={tmp_path / 'runs'}",
                       "logger.progress_bar=false"])
@@ -239,7 +240,9 @@ def test_training_checks_free_space_before_the_first_step(tmp_path, monkeypatch)
 
 
 def test_disk_full_while_exporting_says_training_is_kept(tmp_path, monkeypatch):
-    from hif8qat import export, runs, train
+    from hif8qat.train import export
+    from hif8qat.runs import folders as runs
+    from hif8qat.train import loop as train
 
     cfg = cli_config(["experiment=exp1", "profile=smoke", f"results_root={tmp_path / 'runs'}",
                       "logger.progress_bar=false", "profile.steps=2", "train.checkpoint_every=2"])

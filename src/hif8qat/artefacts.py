@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import RunError
-from .files import sha256_file
+from hif8qat.errors import RunError
+from hif8qat.files import sha256_file
 
 
 class CorruptArtefact(RunError):

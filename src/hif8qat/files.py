@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import RunError
+from hif8qat.errors import RunError
 
 _CHUNK = 1 << 20
 # A write that fails for the disk, not the code: full, over quota, read-only, or not ours to write.

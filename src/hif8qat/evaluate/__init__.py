@@ -4,8 +4,8 @@ Modes
 -----
 ``bf16``  the saved weights without quantization, as the authors evaluated (their vLLM run used BF16).
 ``hif8``  W8A8 simulated inference in the run's 8-bit format: the plain model is re-converted from
-          ``hif8qat_quant.json`` by :func:`hif8qat.qlinear.load_quant_export`, which restores the scalers'
-          final state, and the scales are frozen (:func:`hif8qat.qlinear.freeze_scales`): every quantized
+          ``hif8qat_quant.json`` by :func:`hif8qat.quant.linear.load_quant_export`, which restores the scalers'
+          final state, and the scales are frozen (:func:`hif8qat.quant.linear.freeze_scales`): every quantized
           linear uses the last scales of training, with no history update during evaluation. The mode keeps
           its name for every format: an FP8 run (``quant.format`` e4m3 / e5m2 / hybrid) is evaluated in FP8
           (exports written before FP8 are HiF8). A run whose final algorithm is ``current`` keeps
@@ -21,13 +21,13 @@ quantization). ``dtype="fp32"``: no autocast. :func:`resolve_numerics` turns ``a
 device and numerics (run.py's ``eval.device`` / ``eval.dtype``); without a training config, ``auto`` is
 CUDA when available and bf16 there, fp32 on CPU. ``results.json`` records ``device``, ``dtype`` (of the
 weights) and ``autocast`` (the matmul dtype, or null). The numerics are applied in one place, around each
-model forward of :class:`hif8qat.prefix_lm.SharedContextLM` (:func:`hif8qat.numerics.forward_context`).
+model forward of :class:`hif8qat.evaluate.prefix_lm.SharedContextLM` (:func:`hif8qat.compute_dtype.forward_context`).
 
 Cost
 ----
 lm-eval's HF model runs each request (context + continuation) as its own forward pass, so a
 multiple-choice item pays for its context once per choice. The evaluation runs
-:class:`hif8qat.prefix_lm.SharedContextLM` instead: each distinct context is forwarded once and its
+:class:`hif8qat.evaluate.prefix_lm.SharedContextLM` instead: each distinct context is forwarded once and its
 continuations are scored from the cached prefix (the same log-likelihoods up to float rounding, tested
 against lm-eval's model). ``results.json`` ``_meta.eval_tokens`` records the tokens lm-eval's model
 would forward (``per_request``) and those forwarded (``forwarded``; ``forwarded_padded`` with padding),
@@ -43,7 +43,7 @@ chance on lettered options. Shot counts are small because every item's shots + q
 once on CPU (see ``minitasks/README.md`` for the token counts). Paper tasks (lm-eval's own configs): ``mmlu`` 5-shot acc,
 ``hellaswag`` 10-shot acc_norm, ``arc_challenge`` 25-shot acc_norm, optional ``arc_easy`` 25-shot acc_norm
 and ``gsm8k`` 5-shot exact_match (flexible-extract); ``mmlu_continuation`` (MMLU's cloze form, acc) for small
-models. The mini profile runs the real ones 0-shot on the offline copies of :mod:`hif8qat.evaldata`
+models. The mini profile runs the real ones 0-shot on the offline copies of :mod:`hif8qat.evaluate.offline_benchmarks`
 (``offline_data``) and on fixed seeded subsets (``subset``; :func:`subset_indices`), selected through
 lm-eval's own ``samples`` argument so that per-sample doc ids are the documents' indices in the full split.
 
@@ -74,16 +74,16 @@ choice, raw and unnormalized, empty where the task has no single gold index),
 (per sample: doc id, target, per-choice log-likelihoods and metrics; no prompts).
 """
 
-# The task table lives in hif8qat.eval_tasks (torch-free, imported by the config); the names below are the
+# The task table lives in hif8qat.config.eval_tasks (torch-free, imported by the config); the names below are the
 # package's public surface, re-exported so that callers import them from hif8qat.evaluate.
-from ..eval_tasks import DEVICES, DTYPES, MINITASK_DIR, MODES, SUITES, TASKS, TaskSpec, resolve_tasks
-from .cli import main
-from .loading import load_for_eval, quant_eval_meta
-from .outputs import format_results, gold_scores, load_eval_results, write_eval_dir
-from .runner import evaluate_export, evaluate_model, evaluate_run
-from .settings import EvalSettingError, eval_compute, resolve_numerics
-from .subsets import check_subset, subset_indices
-from .task_data import (
+from hif8qat.config.eval_tasks import DEVICES, DTYPES, MINITASK_DIR, MODES, SUITES, TASKS, TaskSpec, resolve_tasks
+from hif8qat.evaluate.cli import main
+from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
+from hif8qat.evaluate.outputs import format_results, gold_scores, load_eval_results, write_eval_dir
+from hif8qat.evaluate.runner import evaluate_export, evaluate_model, evaluate_run
+from hif8qat.evaluate.settings import EvalSettingError, eval_compute, resolve_numerics
+from hif8qat.evaluate.subsets import check_subset, subset_indices
+from hif8qat.evaluate.task_data import (
     LOCAL_DATA_ENV,
     DatasetUnavailableError,
     _leaf_tasks,  # noqa: F401 - the tests walk lm-eval's task index with it

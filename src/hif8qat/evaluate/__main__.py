@@ -1,5 +1,5 @@
 """``python -m hif8qat.evaluate``."""
 
-from .cli import main
+from hif8qat.evaluate.cli import main
 
 raise SystemExit(main())

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import RunError
-from ..eval_tasks import DTYPES
-from .outputs import format_results
-from .runner import evaluate_export, evaluate_model, evaluate_run
-from .settings import resolve_numerics
+from hif8qat.errors import RunError
+from hif8qat.config.eval_tasks import DTYPES
+from hif8qat.evaluate.outputs import format_results
+from hif8qat.evaluate.runner import evaluate_export, evaluate_model, evaluate_run
+from hif8qat.evaluate.settings import resolve_numerics
 
 
 def main(argv=None) -> int:
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
                     help="a fixed seeded subset of N documents of TASK (stratified by subtask)")
     ap.add_argument("--subset-seed", type=int, default=None, help="default 0 (or the eval config's)")
     ap.add_argument("--offline-data", action="store_true",
-                    help="paper tasks on the offline benchmark copies (python -m hif8qat.evaldata --install)")
+                    help="paper tasks on the offline benchmark copies (python -m hif8qat.evaluate.offline_benchmarks --install)")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the modeling code a model ships beside its weights (config.json auto_map, as an "
                          "openPangu export has); without it such a model is refused")
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             return 2
     # None, not False: the loader's default, which refuses remote code with an error naming the opt-in
     trust = True if args.trust_remote_code else None
-    from ..models import RemoteCodeError, load_causal_lm  # torch: imported only when something runs
+    from hif8qat.models.loading import RemoteCodeError, load_causal_lm  # torch: imported only when something runs
 
     try:
         device, dtype = resolve_numerics(args.device, args.dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..eval_tasks import MODES
+from hif8qat.config.eval_tasks import MODES
 
 
 def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", trust_remote_code: bool | None = None):
@@ -20,7 +20,7 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", tru
     if not (export_dir / "config.json").exists():
         raise FileNotFoundError(f"{export_dir} is not a save_pretrained folder (no config.json)")
     try:
-        from ..models import load_causal_lm
+        from hif8qat.models.loading import load_causal_lm
 
         model, tok = load_causal_lm(str(export_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
     except ImportError:  # models.py not available: plain transformers
@@ -32,7 +32,7 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", tru
         quant_json = export_dir / "hif8qat_quant.json"
         if not quant_json.exists():
             raise FileNotFoundError(f"mode hif8 needs {quant_json} (written by save_quant_export)")
-        from ..qlinear import freeze_scales, load_quant_export
+        from hif8qat.quant.linear import freeze_scales, load_quant_export
 
         load_quant_export(model, export_dir)
         freeze_scales(model, True)
@@ -43,7 +43,7 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", tru
 
 def quant_eval_meta(model, export_dir: str | Path) -> dict:
     """What a quantized evaluation of ``export_dir`` runs: the format per role and how scales are chosen."""
-    from ..qlinear import quant_linears, read_quant_export
+    from hif8qat.quant.linear import quant_linears, read_quant_export
 
     doc = read_quant_export(export_dir)
     cfg = doc["config"]

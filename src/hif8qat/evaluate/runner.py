@@ -12,19 +12,19 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..eval_tasks import MINITASK_DIR, MODES, resolve_tasks
-from .loading import load_for_eval, quant_eval_meta
-from .outputs import _jsonable, _samples_by_task, _task_result, write_eval_dir
-from .settings import eval_compute, resolve_numerics
-from .subsets import _limited, check_subset, subset_indices
-from .task_data import _forced_offline, lm_eval_task_dirs, prepare_paper_tasks
+from hif8qat.config.eval_tasks import MINITASK_DIR, MODES, resolve_tasks
+from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
+from hif8qat.evaluate.outputs import _jsonable, _samples_by_task, _task_result, write_eval_dir
+from hif8qat.evaluate.settings import eval_compute, resolve_numerics
+from hif8qat.evaluate.subsets import _limited, check_subset, subset_indices
+from hif8qat.evaluate.task_data import _forced_offline, lm_eval_task_dirs, prepare_paper_tasks
 
 log = logging.getLogger(__name__)
 
 
 def _provenance() -> dict:
     try:
-        from ..runs import provenance
+        from hif8qat.runs.folders import provenance
 
         return provenance()
     except Exception:  # noqa: BLE001 - runs.py absent or git missing: record what we can
@@ -60,23 +60,23 @@ def evaluate_model(
     """Evaluate an in-memory model with lm-eval; write the eval folder when ``out_dir`` is given.
 
     The model is used as it is (the caller puts a QAT model into the wanted mode, e.g. by
-    :func:`hif8qat.qlinear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
+    :func:`hif8qat.quant.linear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
     ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None or ``"fp32"``: none.
         ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``subset``: task -> number of
     documents, a fixed seeded subset (:func:`subset_indices`, stratified by subtask, e.g. MMLU subject;
     ``"full"``, None or a missing task = every document); lm-eval's ``samples`` selects them, so per-sample
     doc ids are the documents' indices in the full split. ``limit``: first N docs per task (smoke runs;
     with a subset, the first N of each subtask's subset). ``offline_data``: read the paper tasks' datasets
-    from the offline copies of :mod:`hif8qat.evaldata` (installed on first use) unless
+    from the offline copies of :mod:`hif8qat.evaluate.offline_benchmarks` (installed on first use) unless
     ``local_datasets`` / ``$HIF8QAT_LM_EVAL_DATA`` name another copy. Returns the ``results.json`` dict.
     """
     import torch
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from .. import numerics
-    from ..eval_ranks import Ranks, summed
-    from ..prefix_lm import SharedContextLM
+    from hif8qat import compute_dtype as numerics
+    from hif8qat.evaluate.ranks import Ranks, summed
+    from hif8qat.evaluate.prefix_lm import SharedContextLM
 
     specs = resolve_tasks(tasks)
     device = device or str(next(model.parameters()).device)
@@ -84,7 +84,7 @@ def evaluate_model(
     sizes = check_subset(subset, [s.name for s in specs])
     data_root = None
     if offline_data and any(not s.mini for s in specs):
-        from ..evaldata import CACHE_SUBDIR, ensure_installed
+        from hif8qat.evaluate.offline_benchmarks import CACHE_SUBDIR, ensure_installed
 
         data_root = ensure_installed()
     subset_meta: dict[str, dict] = {}
@@ -98,7 +98,7 @@ def evaluate_model(
         shots = {s.name: int((num_fewshot or {}).get(s.name, s.num_fewshot)) for s in specs}
         compute = eval_compute(dtype)
         device_type = torch.device(device).type
-        ranks = Ranks.current()  # under torchrun: every rank scores its share (hif8qat.eval_ranks)
+        ranks = Ranks.current()  # under torchrun: every rank scores its share (hif8qat.evaluate.ranks)
         # log-probabilities in fp32 from the (bf16 under autocast) logits: summed in bf16, an item's
         # log-likelihood of -20..-60 nats is rounded to 0.125-0.25, coarser than the paired per-item differences
         # (gold_ll, gold_margin) that resolve quantization effects, and near-tied choices tie

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..errors import RunError
-from ..eval_tasks import DEVICES, DTYPES
+from hif8qat.errors import RunError
+from hif8qat.config.eval_tasks import DEVICES, DTYPES
 
 
 class EvalSettingError(RunError):
@@ -13,7 +13,7 @@ class EvalSettingError(RunError):
 def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device: str | None = None,
                      train_autocast: str | None = None) -> tuple[str, str]:
     """Concrete ``(device, dtype)`` for an evaluation (``dtype``: ``fp32``, ``bf16`` or ``bf16_emulated``, see
-    the module doc and :mod:`hif8qat.numerics`).
+    the module doc and :mod:`hif8qat.compute_dtype`).
 
     ``auto`` follows the training settings when given: device as ``train.device`` resolves (CUDA unless it
     is ``cpu`` or there is no GPU), dtype the training numerics (``train.autocast``, ``auto`` resolved for
@@ -33,7 +33,7 @@ def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device:
                                "(or auto: the training device)")
     if dtype == "auto":
         if train_autocast is not None:
-            from ..numerics import resolve
+            from hif8qat.compute_dtype import resolve
 
             compute = resolve(train_autocast, torch.device(device).type)
             dtype = "fp32" if compute == "none" else compute
@@ -43,7 +43,7 @@ def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device:
 
 
 def eval_compute(dtype: str | None) -> str:
-    """The compute numerics (hif8qat.numerics: none | bf16 | bf16_emulated) of an evaluation dtype."""
+    """The compute numerics (hif8qat.compute_dtype: none | bf16 | bf16_emulated) of an evaluation dtype."""
     if dtype in (None, "fp32"):
         return "none"
     if dtype in ("bf16", "bf16_emulated"):

@@ -10,12 +10,12 @@ Definitions (the paper's, as in the authors' log_visualizer and evaluation summa
   phase (the steps after the BF16 warmup, where the quantized run's log says ``quant``); no smoothing. APE is
   unsigned: it measures noise and a systematic gap alike, so the claims use the signed difference instead;
 * claims: every run against its same-seed baseline and the experiment it derives from (one pairing rule,
-  :func:`hif8qat.runs.find_baseline_run`), pooled over seeds per mode, task and metric (accuracy, the per-item
+  :func:`hif8qat.runs.folders.find_baseline_run`), pooled over seeds per mode, task and metric (accuracy, the per-item
   gold log-likelihood and margin when recorded, the signed training-loss difference, the held-out NLL), with
   an interval from the design's own units (training loss: t on the per-seed means; items and held-out windows:
   crossed with the seeds, since every seed scores the same ones), an equivalence verdict against a stated
   margin, one test per row with the seeds pooled (accuracy: exact permutation test over items), Holm within the
-  claim, and the minimum detectable cost of that test (``hif8qat.stats``);
+  claim, and the minimum detectable cost of that test (``hif8qat.stats.paired``);
 * seeds: the spread (mean, sd) of each score and drop over seeds and a descriptive seed null (a BF16
   experiment against itself at another seed).
 
@@ -30,14 +30,14 @@ the files that produced it and, for run folders, the git commit recorded in thei
 Modules: ``sources`` (run folders and their files), ``pairing``, ``items`` (two evaluations compared per seed),
 ``tables`` (the per-run tables), ``telemetry``, ``replay``, ``seeds``, ``claims`` and ``readme`` (the claims
 and their section in words), ``sweeps``, ``anchor``, ``paper`` (the authors' data), ``notes``, ``table_files``,
-``figures``, ``build`` (``build_report``), ``cli``. The measures themselves are in :mod:`hif8qat.stats`.
+``figures``, ``build`` (``build_report``), ``cli``. The measures themselves are in :mod:`hif8qat.stats.paired`.
 """
 
 # The names the notebooks, run.py and tests use as ``report.<name>``.
-from ..stats import DropCI, binomial_se_pp, holm, loss_ape, paired_bootstrap_drop, relative_drop, running_ape
-from .anchor import anchor_table
-from .build import build_report
-from .claims import (
+from hif8qat.stats.paired import DropCI, binomial_se_pp, holm, loss_ape, paired_bootstrap_drop, relative_drop, running_ape
+from hif8qat.report.anchor import anchor_table
+from hif8qat.report.build import build_report
+from hif8qat.report.claims import (
     CLAIM_KEYS,
     DEFAULT_MARGINS,
     ITEM_METRICS,
@@ -49,11 +49,11 @@ from .claims import (
     mde_table,
     seed_contrasts,
 )
-from .cli import format_report, main
-from .figures import make_figures, plot_loss_pair
-from .items import EXACT_BELOW_DISCORDANT, align_samples
-from .pairing import pair_runs
-from .paper import (
+from hif8qat.report.cli import format_report, main
+from hif8qat.report.figures import make_figures, plot_loss_pair
+from hif8qat.report.items import EXACT_BELOW_DISCORDANT, align_samples
+from hif8qat.report.pairing import pair_runs
+from hif8qat.report.paper import (
     AUTHORS_RUN_TO_EXP,
     HEADLINE_SUMMARY,
     PAPER_APE_PAIRS,
@@ -68,8 +68,8 @@ from .paper import (
     parse_summary,
     read_authors_run,
 )
-from .paths import ANCHOR_DIR, ANCHOR_PUBLISHED, FIGURES_DIR, PAPER_DIR, REPO, TABLES_DIR
-from .readme import (
+from hif8qat.report.paths import ANCHOR_DIR, ANCHOR_PUBLISHED, FIGURES_DIR, PAPER_DIR, REPO, TABLES_DIR
+from hif8qat.report.readme import (
     CLAIMS_BEGIN,
     CLAIMS_END,
     PAPER_CLAIMS,
@@ -78,13 +78,13 @@ from .readme import (
     claims_section,
     replace_between_markers,
 )
-from .replay import REPLAY_ESTIMATORS, recorded_amax_traces, replay_exceedance
-from .seeds import seed_null_table, seed_spread
-from .sources import RunInfo, UnreadableResultFile, discover_runs, read_metrics, read_telemetry_dumps
-from .sweeps import plot_sweeps, sweep_table
-from .table_files import to_markdown, write_table
-from .tables import SCALING_FACTORS
-from .telemetry import scaling_outcome, telemetry_summary
+from hif8qat.report.replay import REPLAY_ESTIMATORS, recorded_amax_traces, replay_exceedance
+from hif8qat.report.seeds import seed_null_table, seed_spread
+from hif8qat.report.sources import RunInfo, UnreadableResultFile, discover_runs, read_metrics, read_telemetry_dumps
+from hif8qat.report.sweeps import plot_sweeps, sweep_table
+from hif8qat.report.table_files import to_markdown, write_table
+from hif8qat.report.tables import SCALING_FACTORS
+from hif8qat.report.telemetry import scaling_outcome, telemetry_summary
 
 __all__ = [
     "REPO", "PAPER_DIR", "TABLES_DIR", "FIGURES_DIR", "PAPER_RUNS", "PAPER_APE_PAIRS", "AUTHORS_RUN_TO_EXP",

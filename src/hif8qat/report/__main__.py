@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from hif8qat.report.cli import main
 
 sys.exit(main())

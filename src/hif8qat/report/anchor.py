@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .paths import ANCHOR_DIR, ANCHOR_PUBLISHED
+from hif8qat.report.paths import ANCHOR_DIR, ANCHOR_PUBLISHED
 
 
 def anchor_table(anchor_dir: Path = ANCHOR_DIR, published: Path = ANCHOR_PUBLISHED) -> pd.DataFrame:

@@ -9,18 +9,18 @@ from typing import Any
 
 import pandas as pd
 
-from ..files import write_text
-from .anchor import anchor_beside
-from .claims import UNIT_COLUMNS, heldout_table, mde_table
-from .figures import make_figures
-from .notes import multiple_comparisons, table_notes
-from .reach import reach_table
-from .readme import claims_parts
-from .seeds import seed_null_table, seed_spread
-from .sources import FilesUsed, RunInfo, discover_runs
-from .sweeps import plot_sweeps, sweep_table
-from .table_files import write_table
-from .tables import ablations_table, drops_table, telemetry_table, vs_base_table
+from hif8qat.files import write_text
+from hif8qat.report.anchor import anchor_beside
+from hif8qat.report.claims import UNIT_COLUMNS, heldout_table, mde_table
+from hif8qat.report.figures import make_figures
+from hif8qat.report.notes import multiple_comparisons, table_notes
+from hif8qat.report.reach import reach_table
+from hif8qat.report.readme import claims_parts
+from hif8qat.report.seeds import seed_null_table, seed_spread
+from hif8qat.report.sources import FilesUsed, RunInfo, discover_runs
+from hif8qat.report.sweeps import plot_sweeps, sweep_table
+from hif8qat.report.table_files import write_table
+from hif8qat.report.tables import ablations_table, drops_table, telemetry_table, vs_base_table
 
 
 def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,

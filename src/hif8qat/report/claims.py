@@ -5,7 +5,7 @@ per row and the minimum detectable cost of that test.
 One model per paired metric, fixed by its design before any data are seen: the training loss has seeds as its
 only unit (t on the per-seed means, k - 1 df); the per-item metrics and the held-out ones score the same items
 or windows in every seed, so seeds and items (windows) are crossed random effects
-(:func:`hif8qat.stats.crossed_mean`); accuracy is tested by an exact permutation test over items of their net flips."""
+(:func:`hif8qat.stats.paired.crossed_mean`); accuracy is tested by an exact permutation test over items of their net flips."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..heldout_stats import (
+from hif8qat.stats.heldout import (
     HELDOUT_MARGIN_PCT,
     HELDOUT_METRIC,
     heldout_dir,
@@ -24,7 +24,7 @@ from ..heldout_stats import (
     window_costs,
     window_means,
 )
-from ..stats import (
+from hif8qat.stats.paired import (
     Contrast,
     block_variance_of_mean,
     crossed_mean,
@@ -40,8 +40,8 @@ from ..stats import (
     mean_variance,
     seeds_t,
 )
-from .items import EXACT_BELOW_DISCORDANT
-from .sources import FilesUsed, RunInfo, _dirty_of, _eval_results, _qat_start, _read_samples, _run_label, _tag
+from hif8qat.report.items import EXACT_BELOW_DISCORDANT
+from hif8qat.report.sources import FilesUsed, RunInfo, _dirty_of, _eval_results, _qat_start, _read_samples, _run_label, _tag
 
 # Equivalence margins (two one-sided tests), in the unit of each metric's cost; positive cost = the run is worse.
 # accuracy: % of the baseline score (the paper's drops are 0.2-0.6 %); train_loss: % of the baseline's loss
@@ -134,7 +134,7 @@ def _contrast_head(run: RunInfo, other: RunInfo, against: str) -> dict[str, Any]
 
 def heldout_contrasts(run: RunInfo, baseline: RunInfo | None, used: FilesUsed | None = None
                       ) -> list[dict[str, Any]]:
-    """One seed's held-out-text contrasts (``<run>/eval/heldout/summary.json``, :mod:`hif8qat.heldout`): each
+    """One seed's held-out-text contrasts (``<run>/eval/heldout/summary.json``, :mod:`hif8qat.evaluate.heldout`): each
     evaluation mode against the baseline, and the quantized mode against the bf16 one, as ``heldout_nll`` rows
     (cost: the paired per-token NLL difference in % of the reference's held-out NLL, variance from window
     means), with the seed's mean / p99 KL and top-1 agreement beside, and each window's cost (``units``, read
@@ -194,9 +194,9 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
     """Per claim (a run against its baseline or the experiment it derives from), mode, task and metric: the
     mean over seeds of the same-seed paired cost with a 95 % interval from the design's own units (training
     loss: t on the per-seed means, k - 1 df; per-item and held-out metrics: seeds x items or windows as crossed
-    random effects, Satterthwaite df, :func:`hif8qat.stats.crossed_mean`), the equivalence verdict against the
+    random effects, Satterthwaite df, :func:`hif8qat.stats.paired.crossed_mean`), the equivalence verdict against the
     metric's margin (two one-sided tests on the 90 % interval), one test of a difference per row (accuracy: an
-    exact permutation test over items of their net flips summed over seeds, :func:`hif8qat.stats.item_permutation_test`; else
+    exact permutation test over items of their net flips summed over seeds, :func:`hif8qat.stats.paired.item_permutation_test`; else
     the t test of the same model), Holm-adjusted within the claim, the minimum detectable cost of that same test
     and, where the seeds and units allow, a hierarchical bootstrap interval beside (``boot_lo`` / ``boot_hi``).
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..files import save_figure
-from ..stats import running_ape
-from .sources import read_telemetry_dumps
+from hif8qat.files import save_figure
+from hif8qat.stats.paired import running_ape
+from hif8qat.report.sources import read_telemetry_dumps
 
 
 def _plt():

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from .claims import CLAIM_KEYS, DEFAULT_MARGINS, METRIC_UNITS
-from .items import EXACT_BELOW_DISCORDANT
+from hif8qat.report.claims import CLAIM_KEYS, DEFAULT_MARGINS, METRIC_UNITS
+from hif8qat.report.items import EXACT_BELOW_DISCORDANT
 
 
 def multiple_comparisons(claims_df: pd.DataFrame, profile: str) -> tuple[str, int]:
@@ -56,7 +56,7 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "metric's cost against the baseline per knob value, 95 % CI over seeds as in "
                              "claims; baseline_seed_sd_pct: the baseline's own sd over seeds (score, or final "
                              "loss) in % of its mean. Figures: sweep_<profile>_<experiment>.png.",
-        f"heldout_{profile}": "Held-out text (hif8qat.heldout; <run>/eval/heldout/): the heldout_nll rows of "
+        f"heldout_{profile}": "Held-out text (hif8qat.evaluate.heldout; <run>/eval/heldout/): the heldout_nll rows of "
                               f"claims_{profile} (per token of a fixed held-out set, the same for every run of "
                               "the profile: the run's NLL of the actual next token against its baseline's, or its "
                               "quantized mode against its own bf16 mode; cost in % of the reference's held-out "

@@ -1,5 +1,5 @@
 """Pairing: each run with its same-seed BF16 baseline and the run of the experiment it derives from, or no pair
-and why (one rule, :func:`hif8qat.runs.find_baseline_run`)."""
+and why (one rule, :func:`hif8qat.runs.folders.find_baseline_run`)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from .sources import RunInfo, _get, _run_label, _tag
+from hif8qat.report.sources import RunInfo, _get, _run_label, _tag
 
 
 def _pair(run: RunInfo, experiment: str | None, runs: list[RunInfo], runs_root: Path, profile: str,
           may_differ: Sequence[str]) -> tuple[RunInfo | None, str]:
     """The run of ``experiment`` that ``run`` is compared with (same seed, same training settings apart from
-    ``may_differ``; :func:`hif8qat.runs.find_baseline_run`), or None and the reason."""
-    from ..runs import find_baseline_run
+    ``may_differ``; :func:`hif8qat.runs.folders.find_baseline_run`), or None and the reason."""
+    from hif8qat.runs.folders import find_baseline_run
 
     if not experiment:
         return None, ""

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .paper import PAPER_RUNS, paper_drop_table, read_authors_run
-from .paths import PAPER_DIR
+from hif8qat.report.paper import PAPER_RUNS, paper_drop_table, read_authors_run
+from hif8qat.report.paths import PAPER_DIR
 
 # The paper's loss pairs among its eight runs (E6 has no published log) and the tasks it scores that the
 # profiles here evaluate (MMLU in its cloze form here, lettered 5-shot in the paper).

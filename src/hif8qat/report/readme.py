@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..heldout_stats import HELDOUT_METRIC
-from .claims import DEFAULT_MARGINS, METRIC_UNITS, NOT_RECORDED, all_contrasts, claims_table
-from .pairing import pair_runs
-from .reach import reach_section, reach_table
-from .replay import replay_table
-from .saturation import saturation_section
-from .sources import FilesUsed, RunInfo, discover_runs
-from .tables import ape_rows, loss_pairs, runs_table, scaling_pairs_table
+from hif8qat.stats.heldout import HELDOUT_METRIC
+from hif8qat.report.claims import DEFAULT_MARGINS, METRIC_UNITS, NOT_RECORDED, all_contrasts, claims_table
+from hif8qat.report.pairing import pair_runs
+from hif8qat.report.reach import reach_section, reach_table
+from hif8qat.report.replay import replay_table
+from hif8qat.report.saturation import saturation_section
+from hif8qat.report.sources import FilesUsed, RunInfo, discover_runs
+from hif8qat.report.tables import ape_rows, loss_pairs, runs_table, scaling_pairs_table
 
 # The paper's claims and ours, each answered by one comparison of the claims table:
 # (title, experiment, against, counterpart, what a cost > 0 means).

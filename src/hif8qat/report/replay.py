@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .sources import FilesUsed, RunInfo
+from hif8qat.report.sources import FilesUsed, RunInfo
 
 # Estimators compared on the same recorded amax traces: the paper's three candidates.
 REPLAY_ESTIMATORS: dict[str, dict[str, Any]] = {
@@ -55,7 +55,7 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
     """
     import torch
 
-    from ..scaling import ScalingConfig, replay_rows
+    from hif8qat.scaling.settings import ScalingConfig, replay_rows
 
     rows = []
     for name, overrides in estimators.items():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .items import _paired_comparison
-from .sources import RunInfo, _tag
+from hif8qat.report.items import _paired_comparison
+from hif8qat.report.sources import RunInfo, _tag
 
 
 def seed_spread(runs_df: pd.DataFrame, drops_df: pd.DataFrame) -> pd.DataFrame:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pandas as pd
 
-from ..artefacts import CorruptArtefact, read_csv, read_json, read_yaml
-from ..heldout_stats import run_label
+from hif8qat.artefacts import CorruptArtefact, read_csv, read_json, read_yaml
+from hif8qat.stats.heldout import run_label
 
 
 def read_metrics(path: str | Path) -> pd.DataFrame:
@@ -85,7 +85,7 @@ def _get(d: Mapping, dotted: str, default=None):
 def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = None) -> list[RunInfo]:
     """The runs under runs_root/profile; a folder that cannot be used is appended to `skipped` with why."""
 
-    from ..runs import is_archive
+    from hif8qat.runs.folders import is_archive
 
     base = Path(runs_root) / profile
     runs = []

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..files import save_figure
-from .claims import NOT_RECORDED
-from .figures import _plt
-from .sources import RunInfo, _get, _tag
+from hif8qat.files import save_figure
+from hif8qat.report.claims import NOT_RECORDED
+from hif8qat.report.figures import _plt
+from hif8qat.report.sources import RunInfo, _get, _tag
 
 
 def _value(v: Any) -> str:
@@ -25,7 +25,7 @@ def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame
     between its tags (the knobs, read from the saved configs) and each claim metric against the knob's value:
     the cost against the baseline with its 95 % CI over seeds (the claims table's rows), beside the baseline's
     own seed spread (sd over its seeds of the score, or of the final loss, in % of its mean)."""
-    from ..runs import training_differences
+    from hif8qat.runs.folders import training_differences
 
     if claims.empty:
         return pd.DataFrame()

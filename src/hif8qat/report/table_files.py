@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..files import write_text
+from hif8qat.files import write_text
 
 
 def _fmt(v, nd=4):

@@ -10,9 +10,9 @@ from typing import Any
 
 import pandas as pd
 
-from ..stats import loss_ape, relative_drop
-from .items import _item_stats, _paired_comparison, align_samples
-from .sources import (
+from hif8qat.stats.paired import loss_ape, relative_drop
+from hif8qat.report.items import _item_stats, _paired_comparison, align_samples
+from hif8qat.report.sources import (
     FilesUsed,
     RunInfo,
     _dirty_of,
@@ -26,7 +26,7 @@ from .sources import (
     _tag,
     read_metrics,
 )
-from .telemetry import scaling_outcome, telemetry_summary
+from hif8qat.report.telemetry import scaling_outcome, telemetry_summary
 
 # A run, its baseline and both their metrics.jsonl frames: one loss-curve comparison.
 LossPair = tuple[RunInfo, RunInfo, pd.DataFrame, pd.DataFrame]

@@ -1,0 +1,7 @@
+"""Delayed tensor scaling: settings, rules, the exp_smooth forecaster, the scaler bank and its state.
+
+``settings`` (``ScalingConfig``, algorithm and role names, the saved-state layout), ``rules`` (cold start,
+estimators, refresh, amax reduction), ``current`` (just-in-time scaling), ``forecast``, ``bank`` (every quantizer
+of a model as rows of one table) with ``bank_row``, ``bank_state`` and ``bank_telemetry``, and ``replay`` (an amax
+trace through the same bank). Layer 3: imports ``formats`` and the base modules.
+"""

@@ -392,8 +392,8 @@ def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:
 
 
 def dispatch(cfg: RunConfig) -> None:
-    from hif8qat.train.distributed import env_from_slurm
     from hif8qat.runs.folders import release_run_dir, run_dir_for
+    from hif8qat.runs.launch_env import env_from_slurm
 
     env_from_slurm()  # under srun, every task must know its rank before deciding anything
 
@@ -433,8 +433,8 @@ def dispatch(cfg: RunConfig) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from hif8qat.train.distributed import env_from_slurm
     from hif8qat.launch.preflight import preflight
+    from hif8qat.runs.launch_env import env_from_slurm
 
     overrides = list(HydraConfig.get().overrides.task)
 

@@ -55,6 +55,7 @@ def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_lis
     from bench_step import build_model
 
     from hif8qat import compute_dtype as numerics
+    from hif8qat.quant.gemm_check import GemmOperandCount
     from hif8qat.quant.linear import convert_model, set_quantization
     from hif8qat.scaling.settings import ScalingConfig
 
@@ -80,7 +81,7 @@ def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_lis
     for mode in numerics_list:
         step(mode)  # warm-up
     # what reaches torch's kernels under emulation: a BF16 GEMM there is the slow path on CPUs without native BF16
-    counter = numerics.GemmOperandCount()
+    counter = GemmOperandCount()
     with counter:
         step("bf16_emulated")
     bf16_gemms[scope] = counter.bf16_calls()

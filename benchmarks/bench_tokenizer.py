@@ -39,8 +39,8 @@ def main() -> None:
     import sentencepiece as spm
 
     from hif8qat.data.corpus import mini_corpus_documents
-    from hif8qat.models.pangu import pangu_tokenizer
     from hif8qat.data.tokens import tokenize_documents
+    from hif8qat.models.pangu import pangu_tokenizer
 
     texts = _synthetic() if args.synthetic else [d["text"] for d in mini_corpus_documents()]
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,8 +25,8 @@ import en_dtypes
 import numpy as np
 import torch
 
-from hif8qat.formats import qdq as formats
 from hif8qat.formats import kernels as qdq_kernels
+from hif8qat.formats import qdq as formats
 
 
 def _int(s: str) -> int:

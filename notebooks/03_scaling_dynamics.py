@@ -105,7 +105,7 @@ if trace is None:
     trace_name = "synthetic (slow growth + 3 spikes)"
 try:
     from hif8qat.scaling.settings import ScalingConfig, replay
-except ImportError as err:  # scaling.py not available in this checkout
+except ImportError as err:  # scaling/settings.py not available in this checkout
     print(f"hif8qat.scaling.settings unavailable ({err}); skipping the replay")
 else:
     rows = []

@@ -59,7 +59,8 @@ def smollm2_weights_missing() -> str | None:
     so a test skips only for this missing asset and a loader bug still fails it."""
     from pathlib import Path
 
-    from hif8qat.models.loading import SMOLLM2_CACHE_SUBDIR, cache_root
+    from hif8qat.models.loading import SMOLLM2_CACHE_SUBDIR
+    from hif8qat.runs.downloads import cache_root
 
     out = cache_root() / SMOLLM2_CACHE_SUBDIR
     if (out / "model.safetensors").is_file() and (out / "hif8qat_source.json").is_file():
@@ -103,8 +104,8 @@ def impl(request):
 def write_quantized_export(folder, *, scope: str, seed: int, seq: int = 32):
     """A tiny Llama saved as a run's export, quantized (max estimator, history 4) with scales from one forward:
     what the hif8 evaluation mode loads. Returns the folder."""
-    from hif8qat.quant import linear as qlinear
     from hif8qat.models.loading import build_tiny_llama
+    from hif8qat.quant import linear as qlinear
     from hif8qat.scaling.settings import ScalingConfig
 
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=seed)

@@ -15,8 +15,8 @@ from test_config import run_module
 from test_reliability import assert_user_error, cli
 from test_report import make_fake_runs
 
-from hif8qat.evaluate import heldout
 from hif8qat.errors import RunError
+from hif8qat.evaluate import heldout
 from hif8qat.evaluate.outputs import write_eval_dir
 from hif8qat.stats.heldout import read_summary
 

@@ -13,8 +13,6 @@ from reference_scaling import DelayedScaler
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hif8qat.scaling.bank import QuantizerCalledTwice, ScalerBank
-from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.formats.qdq import hif8_qdq_scaled
 from hif8qat.quant.linear import (
     QuantLinear,
@@ -27,6 +25,8 @@ from hif8qat.quant.linear import (
     set_step,
     update_scales,
 )
+from hif8qat.scaling.bank import QuantizerCalledTwice, ScalerBank
+from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ROLES, ScalingConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""One block finder (models.find_transformer_blocks) and one high-precision-block parser (blocks.py) for
+"""One block finder (models.find_transformer_blocks) and one high-precision-block parser (config/blocks.py) for
 the config check and the conversion: the edges of the spec and which ModuleList is the decoder stack."""
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from hif8qat.train import checkpoint as ckpt
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.errors import RunError
-from hif8qat.train.loop import TrainingDiverged, _first_nonfinite, train
+from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.log import truncate_metrics
+from hif8qat.train.loop import TrainingDiverged, _first_nonfinite, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,7 +149,7 @@ class _Kill(Exception):
 
 
 def _interrupt_at(monkeypatch, k: int, partial: bool) -> list[str]:
-    """Make the k-th rename/delete inside checkpoint.py raise; `partial` deletes one file first, as a kill
+    """Make the k-th rename/delete inside train/checkpoint.py raise; `partial` deletes one file first, as a kill
     in the middle of rmtree would."""
     calls: list[str] = []
     real_rename, real_remove = ckpt._rename, ckpt._remove_tree

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hif8qat.models.loading import build_tiny_llama
 from hif8qat.train import chunked_loss
 from hif8qat.train.chunked_loss import IGNORE, chunked_cross_entropy, install_loss_head
-from hif8qat.models.loading import build_tiny_llama
 from hif8qat.train.loop import lm_loss
 
 

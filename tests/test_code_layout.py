@@ -1,5 +1,10 @@
-"""The source tree keeps its shape: no import cycle between the package's modules at import time, and no
-module so long that one file does several jobs."""
+"""The source tree keeps its shape: subpackages in one layer order, no import cycle, imports at the top of
+each file, and no module so long that one file does several jobs.
+
+Every import statement counts, wherever it stands: at module level, inside a function, under
+``if TYPE_CHECKING:``. An import inside a function is still a dependency (it only moves the failure to run time),
+so the layer order and the cycle check read all of them. Only imports of the heavy optional libraries in
+``LAZY_LIBRARIES`` may stand inside a function, each library with its reason there."""
 
 from __future__ import annotations
 
@@ -9,6 +14,40 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "hif8qat"
 MAX_LINES = 550  # "about 500": a module past this has grown a second job
+MAX_TOP_LEVEL_MODULES = 12
+
+# The layers, lowest first: a module may import its own layer and those below it, never one above. Each entry
+# is a subpackage or a top-level module of hif8qat; docs/design.md draws the same picture.
+LAYERS = [
+    ("errors", "files", "artefacts", "stats"),  # base: no torch model, no settings
+    ("formats",),  # HiF8 / FP8 quantize-dequantize
+    ("scaling",),  # delayed scaling: settings, rules, bank
+    ("config",),  # the validated run configuration (torch-free)
+    ("compute_dtype",),  # BF16 native / emulated / FP32 compute
+    ("runs",),  # run folders and downloads
+    ("models",),
+    ("data",),
+    ("quant",),  # the quantized linear and model conversion
+    ("train",),
+    ("evaluate",),
+    ("report",),
+    ("launch",),  # preflight, time estimate, SLURM resources
+    ("rehearse",),  # rehearsals of the paper path and of SLURM
+]
+
+# Libraries that may be imported inside a function, and why: each is slow to import or optional, and the modules
+# that use them are also imported on paths that never call them. Everything else, the project's own modules
+# included, is imported at the top of its file.
+LAZY_LIBRARIES = {
+    "transformers": "seconds to import; the quantized linear, run folders and checks use models.loading's names only",
+    "lm_eval": "seconds to import, and it registers every task: evaluation only",
+    "datasets": "seconds to import: streamed corpora and evaluation data only",
+    "pandas": "report tables only",
+    "matplotlib": "figures only",
+    "wandb": "only when the wandb logger is on (an optional install)",
+    "submitit": "only under the SLURM launcher",
+    "pyarrow": "parquet stand-in shards only",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -21,51 +60,56 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _import_time_statements(tree: ast.Module):
-    """Statements run when the module is imported: the top level, try/if bodies, not functions or classes'
-    methods, not `if TYPE_CHECKING:` blocks."""
-    pending = list(tree.body)
-    while pending:
-        node = pending.pop()
+def _imports(tree: ast.Module):
+    """(node, inside_a_function) for every import statement of the file."""
+    stack = [(node, False) for node in tree.body]
+    while stack:
+        node, in_function = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif isinstance(node, ast.If) and not _is_type_checking(node):
-            pending += node.body + node.orelse
-        elif isinstance(node, ast.Try):
-            pending += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
-        elif isinstance(node, ast.ClassDef):
-            pending += [s for s in node.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            yield node, in_function
+            continue
+        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        stack += [(child, inner) for child in ast.iter_child_nodes(node)]
+
+
+def _targets(node: ast.Import | ast.ImportFrom, here: str, modules: dict[str, Path]) -> list[str]:
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            anchor = here.split(".")
+            anchor = anchor[: len(anchor) - (node.level - 1)]
+            base = ".".join(anchor + ([base] if base else []))
+        # `from pkg import sub` imports the submodule; `from mod import name` imports mod
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+    found = []
+    for target in targets:
+        while target and target not in modules and "." in target:
+            target = target.rpartition(".")[0]
+        found.append(target)
+    return found
 
 
 def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, by every import statement in it."""
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        is_package = path.name == "__init__.py"
-        here = name if is_package else name.rpartition(".")[0]
-        for node in _import_time_statements(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    anchor = here.split(".")
-                    anchor = anchor[: len(anchor) - (node.level - 1)]
-                    base = ".".join(anchor + ([base] if base else []))
-                # `from pkg import sub` imports the submodule; `from mod import name` imports mod
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            for target in targets:
-                while target and target not in modules and "." in target:
-                    target = target.rpartition(".")[0]
-                if target in modules and target != name:
-                    graph[name].add(target)
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node, _ in _imports(ast.parse(path.read_text(), str(path))):
+            graph[name] |= {t for t in _targets(node, here, modules) if t in modules and t != name}
     return graph
+
+
+def _layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None  # the package itself
+    for index, units in enumerate(LAYERS):
+        if parts[1] in units:
+            return index
+    return None
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -95,14 +139,46 @@ def test_the_cycle_finder_finds_a_cycle_and_only_a_cycle():
     assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_the_graph_sees_relative_and_absolute_imports():
-    graph = _import_graph()
-    assert "hif8qat.errors" in graph["hif8qat.config.run_config"]  # `from .errors import RunError`
+def test_the_reader_sees_imports_in_functions_and_under_type_checking():
+    source = ("from typing import TYPE_CHECKING\nimport os\nif TYPE_CHECKING:\n    import a.b\n"
+              "class C:\n    def m(self):\n        from . import c\n"
+              "def f():\n    def g():\n        import d\n")
+    seen = {(ast.unparse(node), inner) for node, inner in _imports(ast.parse(source))}
+    assert seen == {("from typing import TYPE_CHECKING", False), ("import os", False), ("import a.b", False),
+                    ("from . import c", True), ("import d", True)}
+
+
+def test_every_subpackage_and_top_level_module_has_a_layer():
+    units = {name.split(".")[1] for name in _modules() if name.count(".") >= 1}
+    assert not {u for u in units if _layer_of(f"{PACKAGE}.{u}") is None}
+    assert sum(1 for p in (SRC / PACKAGE).glob("*.py") if p.name != "__init__.py") <= MAX_TOP_LEVEL_MODULES
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
+    wrong = sorted(f"{name} -> {target}" for name, targets in _import_graph().items() for target in targets
+                   if (a := _layer_of(name)) is not None and (b := _layer_of(target)) is not None and b > a)
+    assert not wrong, "imports from a lower layer to a higher one:\n" + "\n".join(wrong)
 
 
 def test_no_import_cycle_between_modules():
     cycle = _find_cycle(_import_graph())
-    assert cycle is None, "import cycle at import time: " + " -> ".join(cycle)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_stand_at_the_top_of_each_file_but_for_the_heavy_libraries():
+    inside = []
+    for path in _modules().values():
+        for node, in_function in _imports(ast.parse(path.read_text(), str(path))):
+            module = node.names[0].name if isinstance(node, ast.Import) else ("." if node.level else node.module)
+            if in_function and module.split(".")[0] not in LAZY_LIBRARIES:
+                inside.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
+    assert not inside, "imports inside functions (move them to the top of the file):\n" + "\n".join(inside)
+
+
+def test_each_subpackage_says_what_it_owns():
+    for init in (SRC / PACKAGE).glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc.splitlines()) <= 40, f"{init.relative_to(SRC)}: a docstring saying what it owns"
 
 
 def test_no_module_does_several_jobs_by_length():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import assert_same_state
 
-from hif8qat.train.distributed import env_from_slurm, expand_hostlist
+from hif8qat.runs.launch_env import env_from_slurm, expand_hostlist
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ["experiment=exp8", "profile=smoke", "stage=train", "logger.progress_bar=false", "train.num_threads=1"]

@@ -8,9 +8,9 @@ import zipfile
 import datasets
 import pytest
 
-from hif8qat.evaluate import offline_benchmarks as evaldata
 from hif8qat import evaluate as ev
 from hif8qat.errors import RunError
+from hif8qat.evaluate import offline_benchmarks as evaldata
 
 SUBJECTS = ("anatomy", "virology")
 
@@ -185,8 +185,8 @@ def test_preflight_finds_the_mini_profiles_data_in_the_offline_copies(tmp_path, 
     looked only at the hub and local copies refused every mini run), and must still refuse without them."""
     from test_config import run_config
 
-    from hif8qat.evaluate import offline_benchmarks as evaldata
     from hif8qat.evaluate import DatasetUnavailableError
+    from hif8qat.evaluate import offline_benchmarks as evaldata
     from hif8qat.launch.preflight import check_eval_datasets
 
     monkeypatch.setenv("HIF8QAT_CACHE", str(tmp_path / "cache"))

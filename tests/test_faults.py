@@ -20,9 +20,9 @@ from test_reliability import FAST, assert_user_error, cli
 from test_report import make_fake_runs
 from test_train import SMOKE, run
 
-from hif8qat.train import checkpoint as ckpt
 from hif8qat.errors import RunError
 from hif8qat.report.table_files import write_table
+from hif8qat.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 

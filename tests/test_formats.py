@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from hif8qat.formats import qdq as formats
 from hif8qat.formats import kernels as qdq_kernels
+from hif8qat.formats import qdq as formats
 from hif8qat.formats.qdq import (
     HIF8_MAX,
     HIF8_OVERFLOW,

@@ -12,9 +12,8 @@ import math
 import pytest
 import torch
 
-from hif8qat.formats import qdq as formats
 from hif8qat.formats import kernels as qdq_kernels
-from hif8qat.scaling.bank_row import BankedScaler
+from hif8qat.formats import qdq as formats
 from hif8qat.formats.qdq import (
     FORMATS,
     HIF8_OVERFLOW,
@@ -30,6 +29,7 @@ from hif8qat.formats.qdq import (
     qdq_scaled_amax,
     target_for,
 )
+from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ScalingConfig
 
 FP8 = ["e4m3", "e5m2"]

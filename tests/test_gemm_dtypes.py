@@ -21,8 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hif8qat import compute_dtype as numerics
-from hif8qat.quant import linear as qlinear
 from hif8qat.models.loading import build_tiny_llama
+from hif8qat.quant import linear as qlinear
 from hif8qat.scaling.settings import ScalingConfig
 
 ONE_THREAD = True
@@ -209,13 +209,13 @@ def test_time_estimate_measures_with_no_bf16_operand(monkeypatch):
 
 
 def test_the_numerics_check_a_user_runs_reports_the_counts_and_no_bf16(monkeypatch):
-    """`python -m hif8qat.compute_dtype` as a user runs it (a fresh process, the module as __main__)."""
+    """`python -m hif8qat.quant.gemm_check` as a user runs it (a fresh process, the module as __main__)."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "HIF8QAT_NO_NATIVE_BF16": "1"}
-    done = subprocess.run([sys.executable, "-m", "hif8qat.compute_dtype"], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-m", "hif8qat.quant.gemm_check"], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "bf16_emulated"  # stdout is the numerics alone: the Makefile reads it

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hif8qat.formats import qdq as formats
 from hif8qat.formats import kernels as qdq_kernels
-from hif8qat.scaling.bank_row import BankedScaler
+from hif8qat.formats import qdq as formats
 from hif8qat.formats.qdq import hif8_encode, hif8_qdq, hif8_qdq_scaled, hif8_qdq_scaled_amax
+from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ScalingConfig
 
 ROOT = Path(__file__).resolve().parents[1]

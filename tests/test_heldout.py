@@ -15,9 +15,9 @@ from conftest import mini_corpus_missing, write_quantized_export
 from scipy import stats as st
 
 from hif8qat.evaluate import heldout
-from hif8qat.stats import heldout as heldout_stats
 from hif8qat.models.loading import build_tiny_llama
 from hif8qat.report.claims import DEFAULT_MARGINS
+from hif8qat.stats import heldout as heldout_stats
 
 ONE_THREAD = True
 

@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hif8qat.train import chunked_loss
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.launch.preflight import step_memory
+from hif8qat.train import chunked_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTS = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=8,

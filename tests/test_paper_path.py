@@ -42,8 +42,8 @@ def remote_model(tmp_path):
 @pytest.mark.parametrize("trusted", [True, None])
 def test_evaluation_loads_a_remote_code_export_only_when_the_run_trusted_remote_code(tmp_path, remote_model,
                                                                                     trusted):
-    from hif8qat.train.export import export_model
     from hif8qat.models.loading import load_causal_lm
+    from hif8qat.train.export import export_model
 
     cfg = _smoke(tmp_path, "experiment=exp1", f"model.name={remote_model}", "eval.tasks=[mini_arc]",
                  "eval.limit=2", "eval.modes=[bf16]", "eval.batch_size=2",
@@ -67,10 +67,10 @@ def test_an_fsdp_run_exports_a_remote_code_model_with_its_own_modeling_code(tmp_
     the export and pointed auto_map at them, so the export of every paper run failed to load."""
     import torch.distributed as dist
 
-    from hif8qat.train.distributed import apply_fsdp, full_model_state_dict
     from hif8qat.evaluate import load_for_eval
-    from hif8qat.train.export import export_model
     from hif8qat.models.loading import load_causal_lm
+    from hif8qat.train.distributed import apply_fsdp, full_model_state_dict
+    from hif8qat.train.export import export_model
 
     cfg = _smoke(tmp_path, "experiment=exp1", f"model.name={remote_model}", "model.trust_remote_code=true")
     model, tok = load_causal_lm(str(remote_model), trust_remote_code=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from test_reliability import FAST, assert_user_error, cli_config
 
-from hif8qat.runs import folders as runs
 from hif8qat.config.run_config import ConfigError
+from hif8qat.runs import folders as runs
 
 ROOT = Path(__file__).resolve().parents[1]
 

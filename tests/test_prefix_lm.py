@@ -32,9 +32,9 @@ from conftest import smollm2_weights_missing
 from lm_eval.models.huggingface import HFLM
 
 from hif8qat import evaluate as ev
-from hif8qat.models.loading import build_tiny_llama
 from hif8qat.compute_dtype import forward_context
 from hif8qat.evaluate.prefix_lm import SharedContextLM
+from hif8qat.models.loading import build_tiny_llama
 
 TOL = {"fp32": (1e-4, 1e-5), "bf16": (1e-3, 4e-3), "hif8": (1e-3, 1e-4)}
 

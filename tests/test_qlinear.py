@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hif8qat.scaling.bank import RECORD, REPLAY, bank_qdq
 from hif8qat.formats.qdq import hif8_qdq_scaled
 from hif8qat.quant.linear import (
     QuantLinear,
@@ -27,6 +26,7 @@ from hif8qat.quant.linear import (
     set_weight_recompute,
     step_telemetry,
 )
+from hif8qat.scaling.bank import RECORD, REPLAY, bank_qdq
 from hif8qat.scaling.settings import ScalingConfig
 
 ONE_THREAD = True  # conftest._one_thread
@@ -412,12 +412,6 @@ def test_qdq_counter_counts_bytes_and_dtypes():
                                          ((3, 700), torch.bfloat16, torch.bfloat16)]
     hif8_qdq_scaled_amax(x, 2.0)
     assert c.calls == 2  # nothing counted outside the block
-
-
-def test_the_names_from_before_fp8_formats_still_import():
-    from hif8qat.quant.linear import HiF8Linear, QuantLinear, hif8_linears, quant_linears
-
-    assert HiF8Linear is QuantLinear and hif8_linears is quant_linears
 
 
 def test_a_kept_quantized_weight_is_dropped_by_its_layers_backward():

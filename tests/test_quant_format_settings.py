@@ -10,9 +10,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.config.run_config import ConfigError, RunConfig
 from hif8qat.formats.qdq import qdq_scaled_amax, target_for
+from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ScalingConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,9 +15,9 @@ import yaml
 from test_config import compose_cfg, run_module
 from test_train import losses, run, run_folder
 
-from hif8qat.runs import folders as runs
 from hif8qat.config.run_config import ConfigError, RunConfig, resolve_profile
 from hif8qat.errors import RunError
+from hif8qat.runs import folders as runs
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["profile=smoke", "logger.progress_bar=false", "train.num_threads=1"]

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from test_distributed import _optimizer
 from test_distributed import _tiny as _tiny_llama
 
-from hif8qat.train import checkpoint as ckpt
 from hif8qat.data.loader import PackedTokenStream, build_train_stream
+from hif8qat.train import checkpoint as ckpt
 
 ONE_THREAD = True
 

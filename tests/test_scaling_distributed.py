@@ -70,8 +70,8 @@ def _frozen_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from hif8qat.scaling.bank_row import BankedScaler
         from hif8qat.quant.linear import convert_model, freeze_scales, quant_state_dict
+        from hif8qat.scaling.bank_row import BankedScaler
         from hif8qat.scaling.settings import ScalingConfig
 
         cfg = ScalingConfig(algo="max", history_len=4, amax_reduce="max")

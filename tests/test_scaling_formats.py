@@ -12,7 +12,6 @@ import torch
 from test_bank import tiny_llama
 from test_scaling import assert_no_host_sync
 
-from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.evaluate import quant_eval_meta
 from hif8qat.formats.qdq import (
     FORMATS,
@@ -31,6 +30,7 @@ from hif8qat.quant.linear import (
     set_step,
     step_telemetry,
 )
+from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ScalingConfig
 
 ONE_THREAD = True  # conftest._one_thread

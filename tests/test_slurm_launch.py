@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hif8qat.train.distributed import env_from_slurm, launch_record
 from hif8qat.launch.slurm import LauncherError, gone_as_completed, parse_sinfo, resolve_resources
+from hif8qat.runs.launch_env import env_from_slurm, launch_record
 
 SINFO = "\n".join([
     "gpu*|64|gpu:h100:8(S:0-1)",

@@ -1,4 +1,4 @@
-"""stats.py against hand-worked values and scipy computations written out here, never the module's helpers."""
+"""stats/paired.py against hand-worked values and scipy computations written out here, never the module's helpers."""
 
 import math
 

@@ -16,9 +16,9 @@ from test_config import EXPERIMENTS, PROFILES, compose_cfg, run_module
 from test_reliability import assert_user_error, cli, cli_config
 from test_report import make_fake_runs
 
-from hif8qat.train import checkpoint as ckpt
-from hif8qat.launch import preflight
 from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.launch import preflight
+from hif8qat.train import checkpoint as ckpt
 
 
 # ------------------------------------------------------------------ Hydra's failures (unknown names, parsing)
@@ -240,8 +240,8 @@ def test_training_checks_free_space_before_the_first_step(tmp_path, monkeypatch)
 
 
 def test_disk_full_while_exporting_says_training_is_kept(tmp_path, monkeypatch):
-    from hif8qat.train import export
     from hif8qat.runs import folders as runs
+    from hif8qat.train import export
     from hif8qat.train import loop as train
 
     cfg = cli_config(["experiment=exp1", "profile=smoke", f"results_root={tmp_path / 'runs'}",

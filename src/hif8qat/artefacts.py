@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hif8qat.errors import RunError
 from hif8qat.files import sha256_file
 
@@ -64,7 +66,6 @@ def read_json(path: str | Path, redo: str, *, expect: type | None = dict, sha256
 
 
 def read_yaml(path: str | Path, redo: str, *, expect: type | None = dict) -> Any:
-    import yaml
 
     path = Path(path)
     try:  # libyaml's loader when built: the pure-Python one dominates a report over dozens of runs

@@ -10,27 +10,33 @@ The resolved config is what each run saves and what the trainer reads.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hif8qat.config.blocks import parse_high_precision_blocks
-from hif8qat.errors import RunError
+from hif8qat.config.data_source import validate_source
 from hif8qat.config.eval_tasks import DEVICES as EVAL_DEVICES
 from hif8qat.config.eval_tasks import DTYPES as EVAL_DTYPES
 from hif8qat.config.eval_tasks import MODES as EVAL_MODES
 from hif8qat.config.eval_tasks import SUITES, TASKS, resolve_tasks
-from hif8qat.scaling.settings import ScalingConfig
 from hif8qat.config.schema import MAX_SEED, PATH_NAME_RULE, is_path_name, type_problem
+from hif8qat.errors import RunError
+from hif8qat.files import folder_problem
+from hif8qat.scaling.settings import ScalingConfig
 
 PAPER_TOTAL_STEPS = 10_000
 STAGES = ("train", "eval", "report", "all")
 SCOPES = ("mlp", "attn_mlp")
-# train.autocast: auto = native BF16 autocast where the device has it, else BF16 emulated (see numerics.py).
+# train.autocast: auto = native BF16 autocast where the device has it, else BF16 emulated (see compute_dtype.py).
 NUMERICS = ("auto", "bf16", "bf16_emulated", "none")
 NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
@@ -313,16 +319,13 @@ class RunConfig:
         if not isinstance(source, str) or not source.strip():
             _fail("data.source", source, forms)
         if check_paths and source.strip() not in ("mini", "fineweb"):
-            from hif8qat.data.loader import _validate_source  # imports torch: only for a path, which must be checked here
-
             try:
-                _validate_source(source)
+                validate_source(source)
             except ValueError as err:
                 why = str(err) if Path(source).expanduser().exists() else "no such file or folder, no glob match"
                 raise ConfigError(f"invalid setting data.source={source!r} ({why}): allowed {forms}") from None
         _check_positive("data.eval_windows", self.data.eval_windows, integer=True)
         if check_paths and self.data.cache_dir:
-            from hif8qat.files import folder_problem
 
             problem = folder_problem(self.data.cache_dir)
             if problem:
@@ -502,7 +505,6 @@ def resolve_profile(cfg: RunConfig) -> RunConfig:
 
 def experiment_baseline(name: str, conf_dir: str | Path | None = None) -> str | None:
     """`experiment.baseline` of conf/experiment/<name>.yaml, read without composing (None: it has none)."""
-    import yaml
 
     folder = Path(conf_dir) if conf_dir else Path(__file__).resolve().parents[3] / "conf"
     path = folder / "experiment" / f"{name}.yaml"
@@ -515,8 +517,6 @@ def experiment_baseline(name: str, conf_dir: str | Path | None = None) -> str | 
 def main(argv: list[str] | None = None) -> int:
     """`python -m hif8qat.config.run_config --baseline exp8` prints exp8's baseline (nothing when it has none): the
     Makefile runs it before the experiment, under any launcher."""
-    import argparse
-    import sys
 
     ap = argparse.ArgumentParser(description="Facts about the experiment configs, for scripts and the Makefile")
     ap.add_argument("--baseline", metavar="EXPERIMENT", required=True, help="print the experiment's baseline")

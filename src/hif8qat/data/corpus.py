@@ -4,7 +4,6 @@ part of a streamed source (see :mod:`hif8qat.data.loader`). Torch-free."""
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -17,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from hif8qat.config.data_source import local_files
+from hif8qat.data.tokens import data_cache_dir, tokenize_documents, tokenizer_fingerprint
 from hif8qat.files import atomic_path, write_text
 from hif8qat.runs.downloads import pip_download
-from hif8qat.data.tokens import data_cache_dir, tokenize_documents, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,6 @@ FINEWEB_REPO = "HuggingFaceFW/fineweb"
 FINEWEB_NAME = "sample-10BT"
 MINI_HELDOUT_MOD = 50  # 2% of documents
 STREAM_HELDOUT_MOD = 100  # 1% of documents
-_LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -140,26 +139,6 @@ def _stream_is_heldout(text: str) -> bool:
     return zlib.crc32(text.encode("utf-8", errors="replace")) % STREAM_HELDOUT_MOD == 0
 
 
-def _local_files(source: str) -> tuple[str, list[str]] | None:
-    """(builder, files) when ``source`` names local data files, else None."""
-    p = Path(source).expanduser()
-    if p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in _LOCAL_BUILDERS)
-    elif p.is_file():
-        files = [str(p)]
-    elif any(c in source for c in "*?["):
-        files = sorted(f for f in glob.glob(os.path.expanduser(source), recursive=True) if Path(f).is_file())
-    else:
-        return None
-    if not files:
-        raise ValueError(f"data.source={source!r}: no .parquet/.jsonl/.json/.txt files found there")
-    kinds = {_LOCAL_BUILDERS.get(Path(f).suffix) for f in files}
-    if None in kinds or len(kinds) != 1:
-        raise ValueError(f"data.source={source!r}: files must all be one of .parquet, .jsonl/.json, .txt; "
-                         f"found suffixes {sorted({Path(f).suffix for f in files})}")
-    return kinds.pop(), files
-
-
 def _datasets_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
                for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
@@ -168,7 +147,7 @@ def _datasets_offline() -> bool:
 def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
     from datasets import load_dataset
 
-    local = _local_files(source)
+    local = local_files(source)
     if local is not None:
         builder, files = local
         extra = {"sample_by": "document"} if builder == "text" else {}
@@ -211,17 +190,3 @@ def _rank_part(ds, source: str, *, rank: int, world_size: int):
               f"splittable further: every rank reads the whole source and keeps every {world_size}-th document. "
               f"Split it into a multiple of {world_size} files (or parquet row groups) to read each part once.")
     return split_dataset_by_node(ds, rank=rank, world_size=world_size)
-
-
-def _validate_source(source) -> str:
-    if not isinstance(source, (str, os.PathLike)) or not str(source).strip():
-        raise ValueError(f"data.source must be 'mini', 'fineweb' or a local path, got {source!r}")
-    source = str(source).strip()
-    if source in ("mini", "fineweb"):
-        return source
-    if _local_files(source) is None:
-        raise ValueError(
-            f"data.source={source!r} is not a known source: expected 'mini', 'fineweb', or an existing local "
-            f"directory / file / glob of .parquet, .jsonl, .json or .txt files"
-        )
-    return source

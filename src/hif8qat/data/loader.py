@@ -56,6 +56,7 @@ streaming path tokenizes 64 documents at a time with the fast (Rust) tokenizer, 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 
@@ -64,6 +65,7 @@ import torch
 
 # The pieces live in tokens (packing), corpus (sources) and streams (batches); the names the rest of the
 # project and the tests use stay importable from here.
+from hif8qat.config.data_source import validate_source
 from hif8qat.data.corpus import (  # noqa: F401
     FINEWEB_NAME,
     FINEWEB_REPO,
@@ -74,7 +76,6 @@ from hif8qat.data.corpus import (  # noqa: F401
     _mini_is_heldout,
     _open_iterable,
     _stream_is_heldout,
-    _validate_source,
     mini_corpus_documents,
     mini_tokens,
 )
@@ -86,6 +87,7 @@ from hif8qat.data.tokens import (  # noqa: F401
     tokenize_documents,
     tokenizer_fingerprint,
 )
+from hif8qat.models.loading import load_causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ def build_train_stream(source, tokenizer, *, seq_len: int, micro_batch_size: int
 
     ``cache_dir``: where the mini corpus and its token arrays are cached (default ``$HIF8QAT_CACHE/data``).
     """
-    source = _validate_source(source)
+    source = validate_source(source)
     if source == "mini":
         tokens = mini_tokens(tokenizer, "train", cache_dir)
         return PackedTokenStream(tokens, seq_len=seq_len, micro_batch_size=micro_batch_size, rank=rank,
@@ -123,7 +125,7 @@ def build_eval_windows(source, tokenizer, *, seq_len: int, num_windows: int, cac
     ``mini``: the 2% held-out documents; streaming sources: the first held-out documents (1%) of the source
     read in order (not node-split: every rank gets the same windows). Never overlaps the training stream.
     """
-    source = _validate_source(source)
+    source = validate_source(source)
     seq_len = _check_positive("seq_len", seq_len)
     num_windows = _check_positive("num_windows", num_windows)
     if source == "mini":
@@ -154,7 +156,6 @@ def build_eval_windows(source, tokenizer, *, seq_len: int, num_windows: int, cac
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
 
     ap = argparse.ArgumentParser(prog="python -m hif8qat.data.loader", description="prepare / inspect a data source")
     ap.add_argument("source", nargs="?", default="mini")
@@ -162,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from hif8qat.models.loading import load_causal_lm
 
     _, tok = load_causal_lm(args.model)
     if args.source == "mini":

@@ -4,6 +4,7 @@ fly from a streamed source; both shard across ranks and resume exactly (see :mod
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator
 
@@ -83,10 +84,6 @@ class PackedTokenStream:
         idx = order[self.position * mbs: (self.position + 1) * mbs]
         self.position += 1
         return torch.from_numpy(self.windows[idx].astype(np.int64))
-
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.micro_batch_size * (self.seq_len + 1)
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "epoch": self.epoch, "position": self.position * self.micro_batch_size,
@@ -295,7 +292,6 @@ class StreamingTokenStream:
 
     def _consumed(self, skip_from: dict) -> set[bytes]:
         """Fingerprints of the documents the saved ranks had read in ``skip_from["epoch"]``."""
-        import itertools
 
         seen: set[bytes] = set()
         for r, n in enumerate(skip_from["docs_read"]):

@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hif8qat.errors import RunError
+import yaml
+
 from hif8qat.config.eval_tasks import DTYPES
+from hif8qat.errors import RunError
 from hif8qat.evaluate.outputs import format_results
 from hif8qat.evaluate.runner import evaluate_export, evaluate_model, evaluate_run
 from hif8qat.evaluate.settings import resolve_numerics
+from hif8qat.models.loading import RemoteCodeError, load_causal_lm
 
 
 def main(argv=None) -> int:
@@ -49,7 +52,6 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     base: dict[str, Any] = {}
     if args.eval_config:
-        import yaml
 
         base = yaml.safe_load(args.eval_config.read_text()) or {}
     limit = base.get("limit") if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
@@ -76,7 +78,6 @@ def main(argv=None) -> int:
             return 2
     # None, not False: the loader's default, which refuses remote code with an error naming the opt-in
     trust = True if args.trust_remote_code else None
-    from hif8qat.models.loading import RemoteCodeError, load_causal_lm  # torch: imported only when something runs
 
     try:
         device, dtype = resolve_numerics(args.device, args.dtype)

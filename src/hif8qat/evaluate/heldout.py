@@ -40,11 +40,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from hif8qat.artefacts import CorruptArtefact
+from hif8qat.compute_dtype import describe, forward_context
+from hif8qat.data.loader import build_eval_windows, tokenizer_fingerprint
 from hif8qat.errors import RunError
+from hif8qat.evaluate import eval_compute, load_for_eval, quant_eval_meta, resolve_numerics
 from hif8qat.files import sha256_file, write_bytes, write_json
-from hif8qat.stats.heldout import SUMMARY_FILE, heldout_dir, read_summary, run_label
+from hif8qat.runs.folders import find_baseline_run, has_export, lock_run_dir, provenance, release_run_dir
+from hif8qat.stats.heldout import SUMMARY_FILE, comparison_summary, heldout_dir, read_summary, run_label
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +74,6 @@ def heldout_window_count(seq_len: int) -> int:
 
 def heldout_windows(source: str, tokenizer, seq_len: int, cache_dir=None) -> torch.Tensor:
     """The fixed held-out token set of a profile: ``LongTensor[n, seq_len + 1]``."""
-    from hif8qat.data.loader import build_eval_windows
 
     return build_eval_windows(source, tokenizer, seq_len=seq_len, num_windows=heldout_window_count(seq_len),
                               cache_dir=cache_dir)
@@ -102,7 +106,6 @@ def stream_token_stats(models: Mapping[str, torch.nn.Module], pairs: Sequence[tu
     """Per predicted token of ``windows`` (``[n, L + 1]``; inputs ``[:, :-1]``, targets ``[:, 1:]``): its window,
     position and target, each model's NLL (``nll_<name>``) and per pair ``(reference, other)`` the KL and top-1
     agreement (``kl_<pair>``, ``top1_<pair>``; :func:`pair_name`). Window-major order; float32 columns."""
-    from hif8qat.compute_dtype import forward_context
 
     device_type = torch.device(device).type
     cols: dict[str, list[np.ndarray]] = {"window": [], "pos": [], "target": []}
@@ -153,7 +156,6 @@ def read_tokens(path: Path):
 
 def summarize_tokens(df, pairs: Sequence[tuple[str, str]], tokens_per_window: int) -> dict[str, dict]:
     """Per pair the statistics of :func:`hif8qat.stats.heldout.comparison_summary` from the token table."""
-    from hif8qat.stats.heldout import comparison_summary
 
     out = {}
     for ref, other in pairs:
@@ -166,7 +168,6 @@ def summarize_tokens(df, pairs: Sequence[tuple[str, str]], tokens_per_window: in
 
 # ------------------------------------------------------------------------------------------- one run
 def _load_config(run_dir: Path) -> dict:
-    import yaml
 
     p = Path(run_dir) / "config_resolved.yaml"
     if not p.exists():
@@ -182,7 +183,6 @@ def _rel(path: Path, root: Path) -> str:
 
 
 def _find_baseline(run_dir: Path, cfg: dict, results_root: Path) -> tuple[Path | None, str]:
-    from hif8qat.runs.folders import find_baseline_run
 
     base = (cfg.get("experiment") or {}).get("baseline")
     if not base:
@@ -198,7 +198,6 @@ def plan(run_dir: Path, *, baseline: Path | None | bool = None, modes: Sequence[
     baseline: a run folder, None (find it), or False (no baseline comparison). modes: the run's modes to
     compare (default: bf16, and hif8 when the export is quantized). Returns {"models": {name: (export, mode)},
     "pairs": [(reference, other)], "baseline_run": folder or None, "baseline_skipped": why or None}."""
-    from hif8qat.runs.folders import has_export
 
     run_dir = Path(run_dir)
     if not has_export(run_dir):
@@ -234,9 +233,6 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
                     batch_windows: int = BATCH_WINDOWS) -> dict[str, Any]:
     """Compute and write ``<run>/eval/heldout/`` (module doc); returns the summary. device / dtype: the
     evaluation numerics (default: the run's eval.device / eval.dtype resolved as the eval stage does)."""
-    from hif8qat.evaluate import eval_compute, load_for_eval, resolve_numerics
-    from hif8qat.compute_dtype import describe
-    from hif8qat.runs.folders import provenance
 
     t0 = time.time()
     run_dir = Path(run_dir)
@@ -267,7 +263,6 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     loaded, tokenizers = {}, {}
     for name, (export, mode) in p["models"].items():
         loaded[name], tokenizers[name] = load_for_eval(export, mode, device=device, trust_remote_code=trust)
-    from hif8qat.data.loader import tokenizer_fingerprint
 
     prints = {name: tokenizer_fingerprint(t) for name, t in tokenizers.items()}
     if len(set(prints.values())) > 1:
@@ -277,7 +272,6 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     tok = next(iter(tokenizers.values()))
     windows = heldout_windows(data.get("source", "mini"), tok, seq_len, data.get("cache_dir"))
     if "hif8" in loaded:
-        from hif8qat.evaluate import quant_eval_meta
 
         doc["models"]["hif8"]["quant"] = quant_eval_meta(loaded["hif8"], run_dir / "export")
     cols = stream_token_stats(loaded, p["pairs"], windows, numerics=compute, device=device,
@@ -359,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-windows", type=int, default=BATCH_WINDOWS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from hif8qat.runs.folders import lock_run_dir, release_run_dir
 
     if not (args.run / "config_resolved.yaml").is_file():  # locking would create the folder
         print(f"error: --run {args.run} is not a run folder (no config_resolved.yaml); name one under "

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from hif8qat.config.eval_tasks import MODES
+from hif8qat.models.loading import load_causal_lm
+from hif8qat.quant.linear import freeze_scales, load_quant_export, quant_linears, read_quant_export
 
 
 def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", trust_remote_code: bool | None = None):
@@ -12,27 +16,17 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", tru
 
     trust_remote_code: the run's model.trust_remote_code; an export of a remote-code model (openPangu) keeps
     its ``auto_map`` and modeling file, and loads only with the opt-in its training had."""
-    import torch
 
     if mode not in MODES:
         raise ValueError(f"eval mode {mode!r}; allowed: {MODES}")
     export_dir = Path(export_dir)
     if not (export_dir / "config.json").exists():
         raise FileNotFoundError(f"{export_dir} is not a save_pretrained folder (no config.json)")
-    try:
-        from hif8qat.models.loading import load_causal_lm
-
-        model, tok = load_causal_lm(str(export_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
-    except ImportError:  # models.py not available: plain transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(export_dir)
+    model, tok = load_causal_lm(str(export_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
     if mode == "hif8":
         quant_json = export_dir / "hif8qat_quant.json"
         if not quant_json.exists():
             raise FileNotFoundError(f"mode hif8 needs {quant_json} (written by save_quant_export)")
-        from hif8qat.quant.linear import freeze_scales, load_quant_export
 
         load_quant_export(model, export_dir)
         freeze_scales(model, True)
@@ -43,7 +37,6 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", tru
 
 def quant_eval_meta(model, export_dir: str | Path) -> dict:
     """What a quantized evaluation of ``export_dir`` runs: the format per role and how scales are chosen."""
-    from hif8qat.quant.linear import quant_linears, read_quant_export
 
     doc = read_quant_export(export_dir)
     cfg = doc["config"]

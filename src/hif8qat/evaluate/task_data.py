@@ -10,8 +10,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hif8qat.errors import RunError
+import huggingface_hub.constants as hconst
+import yaml
+
 from hif8qat.config.eval_tasks import TaskSpec
+from hif8qat.errors import RunError
 from hif8qat.runs.downloads import hub_reachable
 
 LOCAL_DATA_ENV = "HIF8QAT_LM_EVAL_DATA"
@@ -105,7 +108,6 @@ def _offline_env() -> bool:
 def _forced_offline():
     """Make datasets/huggingface_hub fail fast instead of retrying an unreachable hub."""
     import datasets.config as dcfg
-    import huggingface_hub.constants as hconst
 
     saved = (dcfg.HF_HUB_OFFLINE, hconst.HF_HUB_OFFLINE, os.environ.get("HF_DATASETS_OFFLINE"))
     dcfg.HF_HUB_OFFLINE = hconst.HF_HUB_OFFLINE = True
@@ -126,7 +128,6 @@ def _forced_offline():
 
 def local_splits(folder: Path, config_name: str | None) -> set[str] | None:
     """Splits a hub-style local copy declares for a config (its README ``configs:`` block); None = unknown."""
-    import yaml
 
     readme = Path(folder) / "README.md"
     if not readme.is_file():

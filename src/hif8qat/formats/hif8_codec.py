@@ -23,7 +23,7 @@ Two implementations of the same rule:
   use one full table of results.
 
 These functions are not differentiable (inputs are detached); straight-through gradients are the
-caller's business (see ``qlinear.py``). The kernels built on them (compiled and eager, with scaling and
+caller's business (see ``quant/linear.py``). The kernels built on them (compiled and eager, with scaling and
 amax) are in :mod:`hif8qat.formats.kernels`; the public API is :mod:`hif8qat.formats.qdq`.
 """
 

@@ -12,7 +12,7 @@ E5M2) uses torch's native casts under the same scaled fake quantization. The cod
 The private kernel helpers live in :mod:`hif8qat.formats.kernels` and :mod:`hif8qat.formats.hif8_codec`; import them from there.
 
 These functions are not differentiable (inputs are detached); straight-through gradients are the
-caller's business (see ``qlinear.py``).
+caller's business (see ``quant/linear.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ from hif8qat.formats.kernels import (
     compile_status,
     count_qdq,
 )
-from hif8qat.scaling.rules import cold_estimate, scale_of  # current scaling is the delayed scaler's cold start
+from hif8qat.scaling.rules import (  # current scaling is the delayed scaler's cold start
+    cold_estimate,
+    scale_of,
+)
 
 __all__ = [
     "HIF8_MAX",

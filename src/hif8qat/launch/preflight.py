@@ -10,10 +10,28 @@ instead of after loading a model or training for hours.
 
 from __future__ import annotations
 
+import json
+import os
 import tempfile
 from pathlib import Path
 
+import torch
+from huggingface_hub import hf_hub_download
+
 from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.data.loader import _datasets_offline
+from hif8qat.evaluate import prepare_paper_tasks, resolve_tasks
+from hif8qat.evaluate.offline_benchmarks import ensure_installed
+from hif8qat.models.loading import (
+    OPENPANGU_EMBEDDED_1B,
+    PANGU_MODEL_TYPES,
+    _hub_cached,
+    _looks_like_path,
+    hub_offline,
+    model_config_facts,
+)
+from hif8qat.runs.downloads import hub_reachable
+from hif8qat.train.chunked_loss import CHUNK_ELEMENTS, chunk_rows
 
 MODEL_FORMS = ("tiny or tiny:N (N >= 1 blocks), smollm2_135m, smollm2_135m_offline, openpangu_embedded_1b, "
                "an existing local save_pretrained folder, or a Hugging Face hub id that is cached or reachable")
@@ -23,11 +41,9 @@ def check_local_model_type(name: str, config_file: Path, trust_remote_code: bool
     """A local folder's config.json must parse and name a model_type transformers knows (or openPangu's, loaded as
     Llama, or one its remote code defines, when model.trust_remote_code allows it): otherwise transformers fails
     after the run folder exists."""
-    import json
 
     from transformers import CONFIG_MAPPING
 
-    from hif8qat.models.loading import PANGU_MODEL_TYPES
 
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
@@ -46,8 +62,6 @@ def check_local_model_type(name: str, config_file: Path, trust_remote_code: bool
 
 def check_model(cfg: RunConfig) -> None:
     """model.name must name something `models.load_causal_lm` can load without failing later."""
-    from hif8qat.models.loading import OPENPANGU_EMBEDDED_1B, _hub_cached, _looks_like_path, hub_offline
-    from hif8qat.runs.downloads import hub_reachable
 
     name = cfg.model.name.strip()
     if name == "tiny" or name.startswith("tiny:") or name in ("smollm2_135m", "smollm2_135m_offline"):
@@ -74,7 +88,6 @@ def check_model(cfg: RunConfig) -> None:
     if not hub_reachable():
         raise ConfigError(f"invalid setting model.name={name!r}: {hub_id} is not in the Hugging Face cache and "
                           f"the hub is unreachable; allowed {MODEL_FORMS}." + extra)
-    from huggingface_hub import hf_hub_download
 
     try:  # the one small file load_causal_lm reads first; cached afterwards
         hf_hub_download(hub_id, "config.json", revision=cfg.model.revision)
@@ -84,7 +97,6 @@ def check_model(cfg: RunConfig) -> None:
 
 
 def check_data(cfg: RunConfig) -> None:
-    from hif8qat.data.loader import _datasets_offline
 
     if cfg.data.source.strip() == "fineweb" and _datasets_offline():
         raise ConfigError("invalid setting data.source='fineweb': it streams from the Hugging Face hub, but "
@@ -137,7 +149,6 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1) -> dict[str, i
     (`chunked_loss`), one chunk's logits at the autocast width plus three FP32 tensors. Counted low (no
     allocator slack, no quantizer buffers): within 20 % of a measured CPU peak, below it on a GPU.
     """
-    from hif8qat.train.chunked_loss import CHUNK_ELEMENTS, chunk_rows
 
     t = cfg.train
     h, layers, vocab = facts["hidden_size"], facts["num_hidden_layers"], facts["vocab_size"]
@@ -161,9 +172,7 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1) -> dict[str, i
 
 
 def _machine_memory(device: str) -> tuple[int | None, str]:
-    import os
 
-    import torch
 
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         index = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
@@ -184,7 +193,6 @@ def _machine_memory(device: str) -> tuple[int | None, str]:
 def check_model_fits(cfg: RunConfig) -> None:
     """train.seq_len within the model's positions, and one step's memory within the machine's, read from the
     model's config.json only (no weights). A model whose config cannot be had offline is not checked."""
-    from hif8qat.models.loading import model_config_facts
 
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts or not all(isinstance(facts.get(k), int) for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
@@ -193,7 +201,6 @@ def check_model_fits(cfg: RunConfig) -> None:
     if isinstance(limit, int) and cfg.train.seq_len > limit:
         raise ConfigError(f"invalid setting train.seq_len={cfg.train.seq_len}: allowed at most {limit}, the "
                           f"max_position_embeddings of model.name={cfg.model.name!r} (its config.json)")
-    import os
 
     parts = step_memory(cfg, facts, int(os.environ.get("WORLD_SIZE", "1")))
     have, where = _machine_memory(cfg.train.device)
@@ -210,7 +217,6 @@ def check_model_fits(cfg: RunConfig) -> None:
 
 
 def check_device(cfg: RunConfig) -> None:
-    import torch
 
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("invalid setting train.device='cuda': no CUDA device is visible here; allowed auto "
@@ -219,13 +225,11 @@ def check_device(cfg: RunConfig) -> None:
 
 def check_eval_datasets(cfg: RunConfig) -> None:
     """Paper tasks need their datasets (local copy, cache or hub): find out before training, not after."""
-    from hif8qat.evaluate import prepare_paper_tasks, resolve_tasks
 
     specs = [s for s in resolve_tasks(list(cfg.eval.tasks)) if not s.mini]
     if specs:
         data_root = None
         if cfg.eval.offline_data:  # the offline copies the evaluation will read (installed once, else a RunError)
-            from hif8qat.evaluate.offline_benchmarks import ensure_installed
 
             data_root = ensure_installed()
         with tempfile.TemporaryDirectory(prefix="hif8qat-preflight-") as tmp:

@@ -21,6 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from hif8qat import compute_dtype as numerics
+from hif8qat.evaluate.heldout import heldout_window_count
+from hif8qat.models.loading import load_causal_lm
+from hif8qat.quant.linear import convert_model, freeze_scales, set_quantization
+from hif8qat.runs.folders import is_done, run_dir_for
+from hif8qat.scaling.settings import ScalingConfig
+from hif8qat.train.loop import lm_loss
+
 # Tokens an evaluation of one run forwards at the mini profile (its three subsets, each item's context once,
 # the bf16 mode only), counted by the evaluation itself into results.json (_meta.eval_tokens); used when no
 # finished evaluation of this profile exists yet to read it from. A workload size, not a time.
@@ -58,7 +68,6 @@ def run_seconds(cfg, costs: Costs, eval_tokens_per_mode: int) -> float:
     """Seconds one run takes: its plain and quantized steps, each evaluation mode's forwards and setup, and
     one model load per process that needs the model (training, then each evaluation mode); for a quantized run
     also the held-out distances computed after its evaluation."""
-    from hif8qat.evaluate.heldout import heldout_window_count
 
     modes = list(cfg.eval.modes)
     qat_steps = max(cfg.train.steps - cfg.quant.bf16_warmup_steps, 0) if cfg.quant.enabled else 0
@@ -75,13 +84,7 @@ def run_seconds(cfg, costs: Costs, eval_tokens_per_mode: int) -> float:
 
 def measure(cfg, repeats: int = 2) -> Costs:
     """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant)."""
-    import torch
 
-    from hif8qat import compute_dtype as numerics
-    from hif8qat.models.loading import load_causal_lm
-    from hif8qat.quant.linear import convert_model, freeze_scales, set_quantization
-    from hif8qat.scaling.settings import ScalingConfig
-    from hif8qat.train.loop import lm_loss
 
     t0 = time.perf_counter()
     model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
@@ -148,7 +151,6 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     experiments = [e for e in (args.baseline, *args.experiments) if e]
     if args.profile != "mini":
         return 0
-    from hif8qat.runs.folders import is_done, run_dir_for
 
     pending = []
     for seed in args.seeds:

@@ -29,6 +29,7 @@ model's config declares it (``auto_map``) *and* the caller passed ``trust_remote
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -39,10 +40,13 @@ import zipfile
 from pathlib import Path
 
 import torch
+from huggingface_hub import hf_hub_download, try_to_load_from_cache
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import nn
 
 from hif8qat.errors import RunError
-from hif8qat.runs.downloads import hub_reachable, pip_download
+from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
+from hif8qat.runs.downloads import cache_root, hub_offline, hub_reachable, pip_download
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +84,6 @@ _TINY_SPECIALS = ("<|pad|>", "<|bos|>", "<|endoftext|>")
 # ----------------------------------------------------------------------------------------------------------
 # cache locations
 # ----------------------------------------------------------------------------------------------------------
-def cache_root() -> Path:
-    """Project cache: ``$HIF8QAT_CACHE`` or ``~/.cache/hif8qat``."""
-    env = os.environ.get("HIF8QAT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hif8qat"
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def hub_offline() -> bool:
-    return _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
-
-
 # ----------------------------------------------------------------------------------------------------------
 # tiny model
 # ----------------------------------------------------------------------------------------------------------
@@ -103,7 +93,6 @@ def build_tiny_tokenizer():
     Round-trips any UTF-8 text exactly; works with save_pretrained/from_pretrained and lm-eval's HFLM.
     ids: 0 ``<|pad|>``, 1 ``<|bos|>``, 2 ``<|endoftext|>`` (eos), 3.. the 256 bytes. No BOS is prepended.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     # sorted, so the vocab order is fixed regardless of alphabet()'s set ordering
@@ -177,7 +166,6 @@ def build_tiny_llama(
 def model_config_facts(name: str, *, revision: str | None = None) -> dict | None:
     """The model's config.json (or, for tiny, the config it is built from), read without loading weights or
     using the network; None when it cannot be had that way (a hub id that is not cached yet)."""
-    import inspect
 
     if name == "tiny" or name.startswith("tiny:"):
         args = {k: p.default for k, p in inspect.signature(build_tiny_llama).parameters.items()}
@@ -197,8 +185,6 @@ def model_config_facts(name: str, *, revision: str | None = None) -> dict | None
         candidates.append(local / "config.json")
     elif not _looks_like_path(name):
         try:
-            from huggingface_hub import try_to_load_from_cache
-
             hit = try_to_load_from_cache(hub_id, "config.json", revision=revision)
             if isinstance(hit, str):
                 candidates.append(Path(hit))
@@ -310,8 +296,6 @@ def _looks_like_path(name: str) -> bool:
 
 def _hub_cached(repo_id: str, revision: str | None) -> bool:
     try:
-        from huggingface_hub import try_to_load_from_cache
-
         hit = try_to_load_from_cache(repo_id, "config.json", revision=revision)
         return isinstance(hit, str)
     except Exception:  # noqa: BLE001 - any cache lookup failure means "not cached"
@@ -341,7 +325,6 @@ def _read_config_json(source: str, *, revision: str | None) -> dict:
     if p.is_dir():
         cfg = p / "config.json"
         return json.loads(cfg.read_text()) if cfg.is_file() else {}
-    from huggingface_hub import hf_hub_download
 
     try:
         return json.loads(Path(hf_hub_download(source, "config.json", revision=revision)).read_text())
@@ -428,7 +411,6 @@ def load_causal_lm(
 
     config = {} if gguf_file else _read_config_json(source, revision=revision)
     if config.get("model_type") in PANGU_MODEL_TYPES:  # transformers' own Llama code: the repo's modeling and tokenizer code never runs
-        from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
 
         t0 = time.time()
         tok = pangu_tokenizer(source, revision=revision)

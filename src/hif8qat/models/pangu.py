@@ -18,8 +18,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+from huggingface_hub import hf_hub_download
 
-from hif8qat.models.loading import cache_root
+from hif8qat.runs.downloads import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,6 @@ def _repo_file(source: str, filename: str, revision: str | None) -> Path | None:
     local = Path(source).expanduser()
     if local.is_dir():
         return local / filename if (local / filename).is_file() else None
-    from huggingface_hub import hf_hub_download
 
     try:
         return Path(hf_hub_download(source, filename, revision=revision))

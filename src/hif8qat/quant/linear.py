@@ -1,4 +1,4 @@
-"""HiF8 quantized linear layer and model conversion (contract: docs/design.md).
+"""The 8-bit (HiF8 or FP8) quantized linear layer and model conversion (contract: docs/design.md).
 
 ``QuantLinear`` is an ``nn.Linear`` (same parameters ``weight`` / ``bias``, so ``state_dict()`` keys and
 ``save_pretrained`` folders are those of the plain model) with three quantizers A, W, G, which are rows of a
@@ -52,16 +52,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hif8qat import compute_dtype as numerics
-from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
-from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.config.blocks import parse_high_precision_blocks
-from hif8qat.files import replace_step_records
+from hif8qat.files import atomic_path, replace_step_records, write_text
+from hif8qat.formats.qdq import element_format
 from hif8qat.models.loading import ATTN_CONTAINERS as _ATTN_CONTAINERS
 from hif8qat.models.loading import MLP_CONTAINERS as _MLP_CONTAINERS
 from hif8qat.models.loading import find_transformer_blocks
+from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
+from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import _TEL_CNT, _TEL_MAX, ROLES, ScalingConfig
 
 SCOPES = ("mlp", "attn_mlp")
@@ -130,7 +132,7 @@ class _QuantLinearFn(torch.autograd.Function):
 
 
 class QuantLinear(nn.Linear):
-    """Drop-in ``nn.Linear`` with HiF8 fake quantization of A, W (forward) and G (backward)."""
+    """Drop-in ``nn.Linear`` with 8-bit (HiF8 or FP8) fake quantization of A, W (forward) and G (backward)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  config: ScalingConfig | None = None, name: str = "", enabled: bool = True):
@@ -259,9 +261,6 @@ def quant_linears(model: nn.Module) -> Iterator[tuple[str, QuantLinear]]:
 
 
 
-# The names before FP8 formats arrived; kept so that code written against them still imports.
-HiF8Linear = QuantLinear
-hif8_linears = quant_linears
 
 def _banks(model: nn.Module) -> list[ScalerBank]:
     out: dict[int, ScalerBank] = {}
@@ -270,14 +269,8 @@ def _banks(model: nn.Module) -> list[ScalerBank]:
     return list(out.values())
 
 
-def _scalers(model: nn.Module) -> Iterator[tuple[str, str, BankedScaler]]:
-    for name, mod in quant_linears(model):
-        for role, sc in mod.scalers():
-            yield name, role, sc
-
-
 def set_quantization(model: nn.Module, enabled: bool) -> None:
-    """Switch HiF8 on/off; a layer switched from off to on resets its scalers (cold start)."""
+    """Switch quantization on/off; a layer switched from off to on resets its scalers (cold start)."""
     resets: dict[int, tuple[ScalerBank, list[int]]] = {}
     for _, mod in quant_linears(model):
         if enabled and not mod.quant_enabled:
@@ -441,7 +434,6 @@ def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | Non
 # --------------------------------------------------------------------------------------------------
 def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapping[str, Any] | None = None) -> None:
     """Write hif8qat_quant.json and hif8qat_scalers.safetensors into ``directory`` (beside save_pretrained)."""
-    from safetensors.torch import save_file
 
     record = getattr(model, "_hif8qat_conversion", None)
     if record is None:
@@ -451,7 +443,6 @@ def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapp
     doc = {"format": "hif8qat-quant", "version": 1, **record, "meta": dict(meta or {}),
            "element_formats": element_formats(ScalingConfig.from_dict(record["config"]))}
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in quant_state_dict(model).items()}
-    from hif8qat.files import atomic_path, write_text
 
     with atomic_path(directory / SCALERS_FILE) as tmp:
         save_file(tensors, str(tmp))
@@ -460,7 +451,6 @@ def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapp
 
 def element_formats(config: ScalingConfig) -> dict[str, str]:
     """Element format per role under ``config`` (what an export records and an evaluation quantizes to)."""
-    from hif8qat.formats.qdq import element_format
 
     return {r: element_format(config.format, r) for r in ROLES}
 
@@ -481,7 +471,6 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
     The model quantizes in the export's format (HiF8 for exports written before FP8). Returns the ``meta``
     dict given to :func:`save_quant_export`.
     """
-    from safetensors.torch import load_file
 
     directory = Path(directory)
     doc = read_quant_export(directory)
@@ -496,8 +485,8 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
 
 
 __all__ = [
-    "SCOPES", "QuantLinear", "HiF8Linear", "convert_model", "dump_telemetry", "element_formats", "find_transformer_blocks",
-    "freeze_scales", "hif8_linears", "quant_linears", "load_quant_export", "load_quant_state_dict", "parse_high_precision_blocks",
+    "SCOPES", "QuantLinear", "convert_model", "dump_telemetry", "element_formats", "find_transformer_blocks",
+    "freeze_scales", "quant_linears", "load_quant_export", "load_quant_state_dict", "parse_high_precision_blocks",
     "quant_state_dict", "read_quant_export", "save_quant_export", "set_quantization", "set_step", "set_weight_recompute",
     "step_telemetry",
     "update_scales",

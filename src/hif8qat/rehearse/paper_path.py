@@ -20,13 +20,20 @@ mini tasks (the paper's MMLU/HellaSwag/ARC need their datasets).
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
 
 from hif8qat.rehearse.standins import write_fineweb_shards, write_remote_code_model
 
@@ -60,7 +67,6 @@ class _Launcher:
 
     def __call__(self, name: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None):
         """Run run.py (under torchrun when nproc > 1); return its exit status and its output (also in logs/)."""
-        import subprocess
 
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
                     if nproc > 1 else [sys.executable])
@@ -139,7 +145,6 @@ print(json.dumps({"docs": docs, "decoded": decoded, "grad_norm": float(norm)}))
 def replay(model_dir: Path, fineweb: Path, env: dict[str, str]) -> dict:
     """{"docs": each rank's document ids, "decoded": rows each rank's reader decodes, "grad_norm": step 0's
     unsharded gradient norm} (see _REPLAY)."""
-    import subprocess
 
     out = subprocess.run([sys.executable, "-c", _REPLAY, str(model_dir), str(fineweb), str(WORLD), str(ACCUM)],
                          capture_output=True, text=True, env=env, timeout=600)
@@ -149,7 +154,6 @@ def replay(model_dir: Path, fineweb: Path, env: dict[str, str]) -> dict:
 
 
 def _run_script(script: str, args: list[str], env: dict[str, str]) -> dict:
-    import subprocess
 
     out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
     if out.returncode:
@@ -158,7 +162,6 @@ def _run_script(script: str, args: list[str], env: dict[str, str]) -> dict:
 
 
 def _csv_rows(path: Path) -> list[list[str]]:
-    import csv
 
     with path.open() as fh:
         return list(csv.reader(fh))[1:]
@@ -241,13 +244,11 @@ print("{}")
 
 
 def _evaluate_one_process(work: Path, repo: Path, whole: Path, env: dict[str, str]) -> tuple[int, str]:
-    import subprocess
 
     try:
         folder = _run_folder(whole)
     except AssertionError as err:
         return 1, str(err)
-    import yaml
 
     autocast = yaml.safe_load((folder / "config_resolved.yaml").read_text())["train"]["autocast"]
     repo_conf = repo / "conf" / "eval" / "smoke.yaml"
@@ -261,9 +262,7 @@ def _evaluate_one_process(work: Path, repo: Path, whole: Path, env: dict[str, st
 
 def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
     """Run the rehearsal in `work`; return {check: None if it passed, else why it failed}."""
-    import re
 
-    import torch
 
     work.mkdir(parents=True, exist_ok=True)
     model_dir = write_remote_code_model(work / f"tiny_pangu_{os.getpid()}_{int(time.time())}", num_layers=8)
@@ -392,7 +391,6 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
             assert re.search(rf"rank {rank}: step \d+: the training data ran out", log_whole), f"rank {rank} silent"
 
     def kill_and_resume_equal_the_uninterrupted_run():
-        from safetensors.torch import load_file
 
         assert rc_kill != 0, "the killed run exited normally"
         assert rc_resume == 0, f"resume exit {rc_resume}: {log_resume[-1500:]}"

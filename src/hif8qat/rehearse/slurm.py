@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 from hif8qat.rehearse.paper_path import finish, parse_work_args
 from hif8qat.rehearse.slurm_cluster import ClusterUnavailable, LocalCluster
 
@@ -84,8 +87,6 @@ def _metrics(folder: Path) -> list[tuple]:
 
 
 def _same_weights(a: Path, b: Path) -> bool:
-    import torch
-    from safetensors.torch import load_file
 
     wa, wb = load_file(a / "export" / "model.safetensors"), load_file(b / "export" / "model.safetensors")
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -14,12 +14,14 @@ can skip rather than fail.
 
 from __future__ import annotations
 
+import argparse
 import getpass
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -281,8 +283,6 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hif8qat.rehearse.slurm_cluster [--work DIR] -- COMMAND...``: COMMAND with the cluster up, then down."""
-    import argparse
-    import tempfile
 
     ap = argparse.ArgumentParser(prog="python -m hif8qat.rehearse.slurm_cluster", description=main.__doc__)
     ap.add_argument("--work", help="folder for the cluster's files (default: a new temporary folder)")

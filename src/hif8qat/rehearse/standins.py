@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from pathlib import Path
+
+from hif8qat.data.loader import _stream_is_heldout
+from hif8qat.models.loading import build_tiny_llama
 
 REMOTE_MODEL_TYPE = "tiny_pangu"
 _CONFIG_PY = '''"""Configuration of a tiny openPangu stand-in: a Llama config under its own model type."""
@@ -35,7 +39,6 @@ _WORDS = ("the model reads tokens from shards while ranks train in step and the 
 def write_remote_code_model(folder: str | os.PathLike, *, num_layers: int = 6, seed: int = 0) -> Path:
     """A tiny random Llama saved as a remote-code model: config.json with ``auto_map``, its own
     configuration/modeling files, safetensors weights and the tiny byte tokenizer. Returns the folder."""
-    from hif8qat.models.loading import build_tiny_llama
 
     folder = Path(folder)
     model, tok = build_tiny_llama(num_layers=num_layers, seed=seed)
@@ -62,7 +65,6 @@ def write_fineweb_shards(folder: str | os.PathLike, *, shards: int = 3, docs_per
 
     heldout_docs: that many documents more (the first shards' last rows) that the data module holds out for
     evaluation, so a small source still has held-out windows."""
-    import random
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -90,6 +92,5 @@ def write_fineweb_shards(folder: str | os.PathLike, *, shards: int = 3, docs_per
 
 
 def _heldout(text: str) -> bool:
-    from hif8qat.data.loader import _stream_is_heldout
 
     return _stream_is_heldout(text)

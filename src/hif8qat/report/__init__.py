@@ -34,7 +34,6 @@ and their section in words), ``sweeps``, ``anchor``, ``paper`` (the authors' dat
 """
 
 # The names the notebooks, run.py and tests use as ``report.<name>``.
-from hif8qat.stats.paired import DropCI, binomial_se_pp, holm, loss_ape, paired_bootstrap_drop, relative_drop, running_ape
 from hif8qat.report.anchor import anchor_table
 from hif8qat.report.build import build_report
 from hif8qat.report.claims import (
@@ -80,11 +79,26 @@ from hif8qat.report.readme import (
 )
 from hif8qat.report.replay import REPLAY_ESTIMATORS, recorded_amax_traces, replay_exceedance
 from hif8qat.report.seeds import seed_null_table, seed_spread
-from hif8qat.report.sources import RunInfo, UnreadableResultFile, discover_runs, read_metrics, read_telemetry_dumps
+from hif8qat.report.sources import (
+    RunInfo,
+    UnreadableResultFile,
+    discover_runs,
+    read_metrics,
+    read_telemetry_dumps,
+)
 from hif8qat.report.sweeps import plot_sweeps, sweep_table
 from hif8qat.report.table_files import to_markdown, write_table
 from hif8qat.report.tables import SCALING_FACTORS
 from hif8qat.report.telemetry import scaling_outcome, telemetry_summary
+from hif8qat.stats.paired import (
+    DropCI,
+    binomial_se_pp,
+    holm,
+    loss_ape,
+    paired_bootstrap_drop,
+    relative_drop,
+    running_ape,
+)
 
 __all__ = [
     "REPO", "PAPER_DIR", "TABLES_DIR", "FIGURES_DIR", "PAPER_RUNS", "PAPER_APE_PAIRS", "AUTHORS_RUN_TO_EXP",

@@ -16,6 +16,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from hif8qat.report.items import EXACT_BELOW_DISCORDANT
+from hif8qat.report.sources import (
+    FilesUsed,
+    RunInfo,
+    _dirty_of,
+    _eval_results,
+    _qat_start,
+    _read_samples,
+    _run_label,
+    _tag,
+)
 from hif8qat.stats.heldout import (
     HELDOUT_MARGIN_PCT,
     HELDOUT_METRIC,
@@ -40,8 +51,6 @@ from hif8qat.stats.paired import (
     mean_variance,
     seeds_t,
 )
-from hif8qat.report.items import EXACT_BELOW_DISCORDANT
-from hif8qat.report.sources import FilesUsed, RunInfo, _dirty_of, _eval_results, _qat_start, _read_samples, _run_label, _tag
 
 # Equivalence margins (two one-sided tests), in the unit of each metric's cost; positive cost = the run is worse.
 # accuracy: % of the baseline score (the paper's drops are 0.2-0.6 %); train_loss: % of the baseline's loss

@@ -12,7 +12,13 @@ from hif8qat.report.build import build_report
 from hif8qat.report.claims import DEFAULT_MARGINS
 from hif8qat.report.paper import build_paper_tables, format_paper_tables
 from hif8qat.report.paths import FIGURES_DIR, PAPER_DIR, REPO, TABLES_DIR
-from hif8qat.report.readme import CLAIMS_BEGIN, CLAIMS_END, between_markers, build_claims, replace_between_markers
+from hif8qat.report.readme import (
+    CLAIMS_BEGIN,
+    CLAIMS_END,
+    between_markers,
+    build_claims,
+    replace_between_markers,
+)
 from hif8qat.report.table_files import to_markdown
 
 MARGIN_METRICS = list(DEFAULT_MARGINS)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 
 from hif8qat.files import save_figure
-from hif8qat.stats.paired import running_ape
 from hif8qat.report.sources import read_telemetry_dumps
+from hif8qat.stats.paired import running_ape
 
 
 def _plt():

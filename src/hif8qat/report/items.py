@@ -9,8 +9,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from hif8qat.stats.paired import exact_difference_ci, exact_mcnemar_p, item_pair, paired_bootstrap_drop, relative_drop
 from hif8qat.report.sources import _read_json, _read_samples
+from hif8qat.stats.paired import (
+    exact_difference_ci,
+    exact_mcnemar_p,
+    item_pair,
+    paired_bootstrap_drop,
+    relative_drop,
+)
 
 # Below this many discordant items the percentile bootstrap is anti-conservative: the exact test decides.
 EXACT_BELOW_DISCORDANT = 25

@@ -9,13 +9,13 @@ from pathlib import Path
 import pandas as pd
 
 from hif8qat.report.sources import RunInfo, _get, _run_label, _tag
+from hif8qat.runs.folders import find_baseline_run
 
 
 def _pair(run: RunInfo, experiment: str | None, runs: list[RunInfo], runs_root: Path, profile: str,
           may_differ: Sequence[str]) -> tuple[RunInfo | None, str]:
     """The run of ``experiment`` that ``run`` is compared with (same seed, same training settings apart from
     ``may_differ``; :func:`hif8qat.runs.folders.find_baseline_run`), or None and the reason."""
-    from hif8qat.runs.folders import find_baseline_run
 
     if not experiment:
         return None, ""

@@ -11,9 +11,9 @@ from pathlib import Path
 import pandas as pd
 
 from hif8qat.files import sha256_file
-from hif8qat.stats.paired import loss_ape, relative_drop
 from hif8qat.report.paths import PAPER_DIR, REPO
 from hif8qat.report.table_files import write_table
+from hif8qat.stats.paired import loss_ape, relative_drop
 
 # The authors' runs (results/paper/authors_runs) and the pairs whose loss APE the paper family reports.
 PAPER_RUNS = {

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from hif8qat.stats.heldout import HELDOUT_METRIC
 from hif8qat.report.claims import DEFAULT_MARGINS, METRIC_UNITS, NOT_RECORDED, all_contrasts, claims_table
 from hif8qat.report.pairing import pair_runs
 from hif8qat.report.reach import reach_section, reach_table
@@ -18,6 +17,7 @@ from hif8qat.report.replay import replay_table
 from hif8qat.report.saturation import saturation_section
 from hif8qat.report.sources import FilesUsed, RunInfo, discover_runs
 from hif8qat.report.tables import ape_rows, loss_pairs, runs_table, scaling_pairs_table
+from hif8qat.stats.heldout import HELDOUT_METRIC
 
 # The paper's claims and ours, each answered by one comparison of the claims table:
 # (title, experiment, against, counterpart, what a cost > 0 means).

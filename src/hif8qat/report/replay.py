@@ -9,8 +9,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
+from safetensors.torch import load_file
 
 from hif8qat.report.sources import FilesUsed, RunInfo
+from hif8qat.scaling.settings import ScalingConfig, replay_rows
 
 # Estimators compared on the same recorded amax traces: the paper's three candidates.
 REPLAY_ESTIMATORS: dict[str, dict[str, Any]] = {
@@ -28,7 +31,6 @@ def recorded_amax_traces(export_dir: Path) -> dict[str, list[float]]:
     The scalers keep their last history_len amaxes (newest last); a trace is returned only when it is complete,
     i.e. the scaler was called no more often than its history holds.
     """
-    from safetensors.torch import load_file
 
     path = Path(export_dir) / "hif8qat_scalers.safetensors"
     if not path.exists():
@@ -53,9 +55,7 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
     length in one bank); ratio = amax / estimate, where estimate = target / scale is what the scale was computed
     from before the call's own amax was known.
     """
-    import torch
 
-    from hif8qat.scaling.settings import ScalingConfig, replay_rows
 
     rows = []
     for name, overrides in estimators.items():

@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from hif8qat.artefacts import CorruptArtefact, read_csv, read_json, read_yaml
+from hif8qat.runs.folders import is_archive
 from hif8qat.stats.heldout import run_label
 
 
@@ -85,7 +86,6 @@ def _get(d: Mapping, dotted: str, default=None):
 def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = None) -> list[RunInfo]:
     """The runs under runs_root/profile; a folder that cannot be used is appended to `skipped` with why."""
 
-    from hif8qat.runs.folders import is_archive
 
     base = Path(runs_root) / profile
     runs = []

@@ -14,6 +14,7 @@ from hif8qat.files import save_figure
 from hif8qat.report.claims import NOT_RECORDED
 from hif8qat.report.figures import _plt
 from hif8qat.report.sources import RunInfo, _get, _tag
+from hif8qat.runs.folders import training_differences
 
 
 def _value(v: Any) -> str:
@@ -25,7 +26,6 @@ def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame
     between its tags (the knobs, read from the saved configs) and each claim metric against the knob's value:
     the cost against the baseline with its 95 % CI over seeds (the claims table's rows), beside the baseline's
     own seed spread (sd over its seeds of the score, or of the final loss, in % of its mean)."""
-    from hif8qat.runs.folders import training_differences
 
     if claims.empty:
         return pd.DataFrame()

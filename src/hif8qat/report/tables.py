@@ -10,7 +10,6 @@ from typing import Any
 
 import pandas as pd
 
-from hif8qat.stats.paired import loss_ape, relative_drop
 from hif8qat.report.items import _item_stats, _paired_comparison, align_samples
 from hif8qat.report.sources import (
     FilesUsed,
@@ -27,6 +26,7 @@ from hif8qat.report.sources import (
     read_metrics,
 )
 from hif8qat.report.telemetry import scaling_outcome, telemetry_summary
+from hif8qat.stats.paired import loss_ape, relative_drop
 
 # A run, its baseline and both their metrics.jsonl frames: one loss-curve comparison.
 LossPair = tuple[RunInfo, RunInfo, pd.DataFrame, pd.DataFrame]

@@ -18,6 +18,20 @@ from urllib.parse import urlparse
 log = logging.getLogger(__name__)
 
 
+def cache_root() -> Path:
+    """Project cache: ``$HIF8QAT_CACHE`` or ``~/.cache/hif8qat``."""
+    env = os.environ.get("HIF8QAT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hif8qat"
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_offline() -> bool:
+    return _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+
 def pip_download(requirement: str, dest: Path, *, pattern: str, source_dist: bool = False,
                  timeout_s: int = 900, hint: str = "") -> Path:
     """Download `requirement` without dependencies into `dest`; return the file matching `pattern`.

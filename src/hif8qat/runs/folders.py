@@ -28,9 +28,12 @@ from typing import Any
 
 import yaml
 
-from hif8qat.config.run_config import RunConfig
+from hif8qat.compute_dtype import describe, training_device_type
+from hif8qat.config.run_config import RunConfig, check_path_name
 from hif8qat.errors import RunError
 from hif8qat.files import write_json, write_text
+from hif8qat.runs.checkpoint_names import checkpoint_step, latest_checkpoint
+from hif8qat.runs.launch_env import distributed_info, launch_differences, launch_record
 
 DONE_MARKER = "DONE"
 LOCK_FILE = "run.lock"
@@ -80,7 +83,6 @@ def is_archive(path: Path) -> bool:
 
 def run_dir_for(cfg: RunConfig) -> Path:
     """<results_root>/<profile>/<experiment>/seed<k>[-<tag>]; never a folder outside results_root."""
-    from hif8qat.config.run_config import check_path_name
 
     # The config checked these already; checked again where the path is made, so no caller that built a
     # RunConfig another way can write outside results_root (a symlink placed there by the user is followed).
@@ -175,12 +177,6 @@ def _load_config(path: Path) -> dict[str, Any] | None:
     return cfg if isinstance(cfg, dict) else None
 
 
-def _launch_differences(info_a: dict[str, Any], info_b: dict[str, Any]) -> list[str]:
-    from hif8qat.train.distributed import launch_differences  # torch is imported only where a run is compared
-
-    return launch_differences(info_a, info_b)
-
-
 def _run_info_or_empty(run_dir: Path) -> dict[str, Any]:
     try:
         info = json.loads((run_dir / INFO_FILE).read_text())
@@ -214,7 +210,7 @@ def find_baseline_run(results_root: Path, profile: str, baseline_experiment: str
         seeds.add(other.get("seed"))
         if other.get("seed") != cfg.get("seed"):
             continue
-        diff = training_differences(cfg, other, may_differ=may_differ) or _launch_differences(
+        diff = training_differences(cfg, other, may_differ=may_differ) or launch_differences(
             _run_info_or_empty(Path(run_dir)), _run_info_or_empty(d))
         if diff:
             rejected.append(f"{d.name} differs in {', '.join(diff)}")
@@ -287,7 +283,7 @@ def has_export(run_dir: Path) -> bool:
 def _reexport_or_refuse(run_dir: Path, resume: str) -> str:
     """A folder marked finished whose export/ is gone is not finished: finish it again from its final
     checkpoint (the trainer resumes at the last step, trains nothing, and exports), or say what to run."""
-    from hif8qat.train.checkpoint import checkpoint_step, latest_checkpoint
+
 
     last = latest_checkpoint(run_dir / "checkpoints")
     if last is not None and resume != "never":
@@ -389,8 +385,6 @@ def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]
         run_dir.mkdir(parents=True, exist_ok=True)
         if status == "new" or not config_path.exists():
             write_text(config_path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        from hif8qat.train.distributed import distributed_info, launch_record
-        from hif8qat.compute_dtype import describe, training_device_type
 
         info = {"status": status, "argv": sys.argv, **provenance(),
                 "numerics": describe(cfg.train.autocast, training_device_type(cfg.train.device)),

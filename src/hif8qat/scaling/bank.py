@@ -48,12 +48,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hif8qat.scaling import bank_state
-from hif8qat.scaling import bank_telemetry
-from hif8qat.scaling import forecast
-from hif8qat.formats import qdq as formats
-from hif8qat.scaling import rules
 from hif8qat.errors import RunError
+from hif8qat.formats import qdq as formats
+from hif8qat.scaling import bank_state, bank_telemetry, forecast, rules
 from hif8qat.scaling.forecast import ExpSmoothForecaster
 from hif8qat.scaling.settings import ALGOS, ROLES, ScalingConfig, lookup
 

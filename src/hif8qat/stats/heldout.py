@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as st
 
+from hif8qat.artefacts import read_json, verify_sha256
 from hif8qat.stats.paired import _quantile, block_variance_of_mean, mde_from_se
 
 # Equivalence margin of the held-out NLL difference, % of the baseline's held-out NLL: the training-loss margin
@@ -116,7 +117,6 @@ def read_summary(run_dir) -> dict | None:
 
     Read through the verified reader: a summary that does not parse, or whose token table no longer has the
     sha256 it recorded, raises artefacts.CorruptArtefact naming the file and what to run."""
-    from hif8qat.artefacts import read_json, verify_sha256
 
     path = heldout_dir(run_dir) / SUMMARY_FILE
     if not path.exists():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -45,9 +45,6 @@ class Pooled:
     between_sd: float
     within_se: float
     variance_from: str
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _quantile(q: float, df: float) -> float:
@@ -346,9 +343,6 @@ class Contrast:
     unit_var: float
     resid_var: float
     method: str
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def make_contrast(k: int, n: int, mean: float, var: float, df: float, comps: tuple[float, float, float],

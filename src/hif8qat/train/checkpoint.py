@@ -27,6 +27,7 @@ also resumes on any world size.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -42,12 +43,29 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from hif8qat.train.distributed import all_gather_objects
 from hif8qat.errors import RunError
 from hif8qat.files import sha256_file
+from hif8qat.runs.checkpoint_names import (  # noqa: F401 (the checkpoint API, re-exported)
+    COMPLETE_MARKER,
+    STEP_PREFIX,
+    checkpoint_path,
+    checkpoint_step,
+    latest_checkpoint,
+    list_checkpoints,
+    step_folders,
+)
+from hif8qat.train import sharded_checkpoint as sharded_ckpt
+from hif8qat.train.distributed import (
+    all_gather_objects,
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    is_fsdp,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+    optimizer_state_by_name,
+    tied_groups,
+)
 
-COMPLETE_MARKER = "COMPLETE"
-_PREFIX = "step_"
 _TMP, _OLD, _TRASH, _CORRUPT = ".tmp", ".old", ".trash", ".corrupt-"
 _MANIFEST_FORMAT = 1
 # What a checkpoint cannot be resumed without (rank files beyond rank 0 are checked through the manifest).
@@ -92,7 +110,6 @@ def free_bytes(path: Path) -> int:
 def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
     """Whether a failed write ran out of disk: ENOSPC/EDQUOT, safetensors' and torch.save's wording of it, or
     (torch.save's "file write failed" names no cause) less free space left than the write needed."""
-    import errno
 
     if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # an OSError or files.StorageError
         return True
@@ -132,32 +149,6 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def checkpoint_path(root: Path, step: int) -> Path:
-    return root / f"{_PREFIX}{step:07d}"
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The step of a checkpoint folder named `step_<N>`, None for anything else (tmp, old, corrupt)."""
-    digits = path.name[len(_PREFIX):]
-    return int(digits) if path.name.startswith(_PREFIX) and digits.isdigit() else None
-
-
-def _step_folders(root: Path) -> list[Path]:
-    if not root.exists():
-        return []
-    return sorted((p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()), key=checkpoint_step)
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Checkpoints marked complete, oldest first (not yet verified: see `select_checkpoint`)."""
-    return [p for p in _step_folders(root) if (p / COMPLETE_MARKER).exists()]
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
 def prune_checkpoints(root: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` complete checkpoints; with none left, the empty folder too.
     Quarantined (``*.corrupt-*``) folders stay for inspection."""
@@ -194,7 +185,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _save_full_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], filename: str) -> None:
     """save_model's file from a gathered state dict: of tied names only the first (sorted) is stored."""
-    from hif8qat.train.distributed import tied_groups
 
     metadata: dict[str, str] = {}
     for group in tied_groups(model):
@@ -205,7 +195,6 @@ def _save_full_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
 
 
 def _load_full_model(model: torch.nn.Module, filename: str, rank: int) -> None:
-    from hif8qat.train.distributed import load_full_model_state_dict, tied_groups
 
     state_dict: dict[str, torch.Tensor] = {}
     if rank == 0:  # the other ranks receive their shards from rank 0
@@ -305,7 +294,7 @@ def recover_interrupted(root: Path) -> list[str]:
     notes: list[str] = []
     if not root.exists():
         return notes
-    for old in sorted(root.glob(f"{_PREFIX}*{_OLD}")):
+    for old in sorted(root.glob(f"{STEP_PREFIX}*{_OLD}")):
         final, tmp = old.with_name(old.name[:-len(_OLD)]), old.with_name(old.name[:-len(_OLD)] + _TMP)
         if not final.exists():
             if (tmp / COMPLETE_MARKER).exists():
@@ -316,10 +305,10 @@ def recover_interrupted(root: Path) -> list[str]:
                 notes.append(f"restored {final.name} from its interrupted re-save")
                 continue
         _remove_tree(old)
-    for tmp in sorted(root.glob(f"{_PREFIX}*{_TMP}")):
+    for tmp in sorted(root.glob(f"{STEP_PREFIX}*{_TMP}")):
         _remove_tree(tmp)
         notes.append(f"removed the unfinished checkpoint write {tmp.name}")
-    for trash in sorted(root.glob(f"{_PREFIX}*{_TRASH}")):
+    for trash in sorted(root.glob(f"{STEP_PREFIX}*{_TRASH}")):
         _remove_tree(trash)
     return notes
 
@@ -349,7 +338,7 @@ def select_checkpoint(root: Path, log: Callable[[str], None] = print, *, rank: i
     if barrier:
         barrier()  # every rank lists the folders rank 0 repaired
     rejected: list[str] = []
-    for path in reversed(_step_folders(root)):
+    for path in reversed(step_folders(root)):
         try:
             verify_checkpoint(path, (rank, world_size))
             problem = None
@@ -368,7 +357,7 @@ def select_checkpoint(root: Path, log: Callable[[str], None] = print, *, rank: i
             log(f"resuming from the newest intact checkpoint {path} (step {checkpoint_step(path)}) instead of "
                 f"{', '.join(rejected)}")
         return path
-    earlier = sorted(p.name for p in root.glob(f"{_PREFIX}*{_CORRUPT}*")) if root.exists() else []
+    earlier = sorted(p.name for p in root.glob(f"{STEP_PREFIX}*{_CORRUPT}*")) if root.exists() else []
     if earlier:
         raise CheckpointError(f"no intact checkpoint in {root} (rejected: {', '.join(earlier)}); rerun with "
                               "force=true to start the run over (the old folder is kept), or delete the run folder")
@@ -414,7 +403,6 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer,
 def _write(tmp: Path, step: int, *, model, optimizer, scheduler, rank_state: dict, rank: int, world_size: int,
            barrier) -> None:
     """Every file of checkpoint `step` into `tmp`, manifest last (not yet published)."""
-    from hif8qat.train.distributed import full_model_state_dict, full_optimizer_state_dict, is_fsdp
 
     if rank == 0:
         if tmp.exists():
@@ -425,7 +413,6 @@ def _write(tmp: Path, step: int, *, model, optimizer, scheduler, rank_state: dic
     rank_file = f"rank{rank:03d}.pt"
     torch.save(rank_state, tmp / rank_file)
     if world_size > 1:  # every rank writes and hashes its own shards; rank 0 gathers the entries
-        from hif8qat.train import sharded_checkpoint as sharded_ckpt
 
         mine = [rank_file, *sharded_ckpt.save(tmp, model, optimizer)]
         if rank == 0:
@@ -465,8 +452,6 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler,
 
 
 def _load(path: Path, *, model, optimizer, scheduler, rank: int, world_size: int) -> tuple[int, dict]:
-    from hif8qat.train import sharded_checkpoint as sharded_ckpt
-    from hif8qat.train.distributed import is_fsdp, load_full_optimizer_state_dict, optimizer_state_by_name
 
     fsdp = is_fsdp(model)
     # Under FSDP only rank 0 reads the full optimizer state (the others get their shards from it): map the file.

@@ -3,21 +3,23 @@ quantizers' final state; a full disk while writing it is reported as what filled
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
-from hif8qat.train import checkpoint as ckpt
 from hif8qat.config.run_config import RunConfig
 from hif8qat.quant.linear import save_quant_export
 from hif8qat.runs.folders import EXPORT_DIR
+from hif8qat.train import checkpoint as ckpt
+from hif8qat.train.distributed import unsharded_class
 
 
 def export_or_explain(model, tokenizer, run_dir: Path, cfg: RunConfig, converted: list[str], full_state,
                        optimizer) -> None:
     """export_model, with a full disk reported as what filled and how to finish (the final checkpoint holds
     every trained step, so a rerun only writes the export)."""
-    from safetensors import SafetensorError
 
     try:
         export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted, state_dict=full_state)
@@ -25,8 +27,6 @@ def export_or_explain(model, tokenizer, run_dir: Path, cfg: RunConfig, converted
         need = ckpt.state_bytes(model, optimizer)
         if not ckpt.is_disk_full(err, run_dir, need):
             raise
-        import shutil
-
         shutil.rmtree(run_dir / (EXPORT_DIR + ".tmp"), ignore_errors=True)
         last = ckpt.latest_checkpoint(run_dir / "checkpoints")
         raise ckpt.DiskFull(ckpt.disk_full_message(
@@ -43,10 +43,8 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
     """
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
-        import shutil
 
         shutil.rmtree(tmp)
-    from hif8qat.train.distributed import unsharded_class
 
     with unsharded_class(model):  # FSDP2's generated class would replace the model's own modeling code
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
@@ -56,7 +54,6 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
                                        "high_precision_blocks": list(cfg.quant.high_precision_blocks),
                                        "scaling": cfg.quant.scaling_dict(), "converted": converted})
     if directory.exists():
-        import shutil
 
         shutil.rmtree(directory)
     tmp.rename(directory)

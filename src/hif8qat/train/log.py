@@ -8,6 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from hif8qat.config.run_config import RunConfig
 from hif8qat.files import append_text, write_text
 from hif8qat.runs.folders import METRICS_FILE
@@ -72,7 +74,6 @@ def _wandb_id(run_dir: Path) -> str:
 
 
 def progress_bar(cfg: RunConfig, is_main: bool, start_step: int):
-    from tqdm.auto import tqdm
 
     return tqdm(total=cfg.train.steps, initial=start_step, desc=f"{cfg.experiment.name} train",
                 disable=not (is_main and cfg.logger.progress_bar), dynamic_ncols=True)

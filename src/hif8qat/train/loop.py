@@ -1,7 +1,8 @@
-"""The shared trainer: BF16 warmup then HiF8 QAT, AdamW + linear warmup / cosine, gradient accumulation,
-atomic checkpoints with exact resume, DDP under torchrun.
+"""The shared trainer: BF16 warmup then 8-bit QAT (HiF8 or FP8), AdamW + linear warmup / cosine, gradient
+accumulation, atomic checkpoints with exact resume, data parallel by DDP or FSDP2 (``train.distributed``) under torchrun
+or srun.
 
-Quantization enters only through module swapping (`qlinear.convert_model`) and the two switches the trainer
+Quantization enters only through module swapping (`quant.linear.convert_model`) and the two switches the trainer
 flips (`set_quantization` at the end of the BF16 warmup, `set_step` before each optimizer step); nothing
 below branches on whether a layer is quantized.
 """
@@ -20,18 +21,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from transformers import get_cosine_schedule_with_warmup
 
-from hif8qat.train import checkpoint as ckpt
 from hif8qat import compute_dtype as numerics
-from hif8qat.train.chunked_loss import install_loss_head, lm_loss
 from hif8qat.config.run_config import RunConfig
 from hif8qat.data.loader import build_eval_windows, build_train_stream
-from hif8qat.train.distributed import grad_sync
-from hif8qat.errors import RunError
-from hif8qat.train.export import export_or_explain
-from hif8qat.models.loading import load_causal_lm
 from hif8qat.data.prefetch import PrefetchedStream
+from hif8qat.errors import RunError
+from hif8qat.models.loading import load_causal_lm
 from hif8qat.quant.linear import (
     convert_model,
     dump_telemetry,
@@ -43,7 +41,19 @@ from hif8qat.quant.linear import (
     step_telemetry,
 )
 from hif8qat.runs.folders import METRICS_FILE, mark_done, update_summary
+from hif8qat.runs.launch_env import env_from_slurm
 from hif8qat.scaling.settings import ScalingConfig
+from hif8qat.train import checkpoint as ckpt
+from hif8qat.train.chunked_loss import install_loss_head, lm_loss
+from hif8qat.train.distributed import (
+    all_gather_objects,
+    apply_fsdp,
+    cuda_device_for,
+    full_model_state_dict,
+    grad_sync,
+    is_fsdp,
+)
+from hif8qat.train.export import export_or_explain
 from hif8qat.train.log import MetricsSink, progress_bar, train_summary, truncate_metrics
 
 # Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
@@ -75,7 +85,6 @@ class DistContext:
             dist.barrier()
 
     def all_gather(self, obj: Any) -> list[Any]:
-        from hif8qat.train.distributed import all_gather_objects
 
         return all_gather_objects(obj, self.world_size)
 
@@ -83,7 +92,6 @@ class DistContext:
 def setup_distributed(device_pref: str = "auto") -> DistContext:
     """Read torchrun's environment (or srun's, mapped by env_from_slurm); initialise the process group
     (NCCL on GPU, gloo on CPU)."""
-    from hif8qat.train.distributed import cuda_device_for, env_from_slurm
 
     env_from_slurm()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -171,10 +179,8 @@ def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) 
     if ctx.world_size == 1:
         return model
     if cfg.train.distributed == "fsdp":
-        from hif8qat.train.distributed import apply_fsdp
 
         return apply_fsdp(model)
-    from torch.nn.parallel import DistributedDataParallel
 
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
@@ -343,7 +349,6 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
     if hasattr(stream, "close"):  # a prefetching reader's thread ends with the run (a sweep runs many per process)
         stream.close(rewind=False)
     summary: dict[str, Any] = {}
-    from hif8qat.train.distributed import full_model_state_dict, is_fsdp
 
     full_state = full_model_state_dict(model) if is_fsdp(model) else None  # FSDP: every rank gathers
     if ctx.is_main:

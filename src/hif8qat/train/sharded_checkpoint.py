@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 DCP_DIR = "dcp"
 METADATA = f"{DCP_DIR}/.metadata"
@@ -27,7 +29,6 @@ def _distributed() -> bool:
 
 
 def _options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # sharded (not gathered) state; the optimizer keyed by parameter name, so any world size can read it
     return StateDictOptions(full_state_dict=False, cpu_offload=False)
@@ -36,8 +37,6 @@ def _options():
 def save(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Write this rank's shards of model and optimizer under ``folder/dcp`` (every rank calls it); return the
     files this rank wrote, relative to ``folder``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=folder / DCP_DIR)
@@ -50,8 +49,6 @@ def save(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load model and optimizer from ``folder/dcp`` on this world size (every rank calls it)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     # get_state_dict creates the optimizer's state tensors (a fresh optimizer has none) for DCP to fill
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())

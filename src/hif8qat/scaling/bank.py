@@ -533,11 +533,6 @@ class ScalerBank(nn.Module):
         self.update()
         return bank_state.row_state(self, row, host if host is not None else self._host())
 
-    def state_dicts(self) -> list[dict[str, torch.Tensor]]:
-        self.update()
-        host = self._host()
-        return [bank_state.row_state(self, r, host) for r in range(self.n)]
-
     @torch.no_grad()
     def load_row_state_dicts(self, states: Mapping[int, Mapping[str, torch.Tensor]], strict: bool = True) -> None:
         """Restore rows from saved per-quantizer states (this bank's, or the per-layer scalers' of older runs)."""

@@ -331,6 +331,28 @@ def qdq_scaled_amax(x: torch.Tensor, scale, fmt: str, rounding: str = "ta", *, s
                                 out_dtype=out_dtype)
 
 
+def scaled_qdq_kernel(fmt: str, site: str = ""):
+    """The fused scaled qdq (+ amax) of element format ``fmt`` without per-call checks, for a caller that
+    quantizes on every call of a hot path with arguments it made itself (the scaler bank):
+    ``kernel(x, scale, rounding, saturate, want_amax, out_dtype=None) -> (y, amax or None)``.
+
+    The caller guarantees what the public functions check: ``x`` a float32 / bfloat16 / float16 tensor,
+    ``scale`` a positive finite 0-d float32 tensor on x's device, ``rounding`` one of ``ROUNDINGS`` (FP8
+    ignores ``rounding`` and ``saturate``: nearest even, always saturating). ``y`` is in ``out_dtype``
+    (default x's), bit for bit the cast of the x-dtype result. ``site`` names the calling context: a caller
+    in another dispatch context (the body of a custom op) gets compiled variants of its own.
+    """
+    if format_spec(fmt).is_fp8:
+        def kernel(x, scale, rounding, saturate, want_amax, out_dtype=None):
+            return _fp8_dispatch(x, scale, fmt, None, scaled=True, want_amax=want_amax, site=site,
+                                 out_dtype=out_dtype)
+    else:
+        def kernel(x, scale, rounding, saturate, want_amax, out_dtype=None):
+            return _dispatch(x, scale, rounding, None, None, scaled=True, saturate=saturate, want_amax=want_amax,
+                             site=site, out_dtype=out_dtype)
+    return kernel
+
+
 def clipped_count(x: torch.Tensor, scale, fmt: str) -> torch.Tensor:
     """Number of elements of ``x * scale`` beyond the format's range (0-d int64, on x's device, no sync).
 
@@ -374,5 +396,6 @@ __all__ += [
     "fp8_qdq_scaled",
     "fp8_qdq_scaled_amax",
     "qdq_scaled_amax",
+    "scaled_qdq_kernel",
     "target_for",
 ]

@@ -60,27 +60,10 @@ RECORD_NO_GRAD = 1  # a forward-only call (no backward will come: the next call 
 REPLAY = 2  # the backward's re-quantization of the weight with the forward's scale: reads, records nothing
 
 
-def _hif8_kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: bool, want_amax: bool,
-                 out_dtype: torch.dtype | None = None):
-    """Fused HiF8 ``qdq(x * scale) / scale`` (+ ``max|x|``): one kernel, arguments trusted (no checks)."""
-    return formats._dispatch(x, scale, rounding, None, None, scaled=True, saturate=saturate, want_amax=want_amax,
-                             site="bank", out_dtype=out_dtype)
-
-
-def _fp8_kernel(fmt: str):
-    def kernel(x: torch.Tensor, scale: torch.Tensor, rounding: str, saturate: bool, want_amax: bool,
-               out_dtype: torch.dtype | None = None):
-        """Fused saturating FP8 ``qdq(x * scale) / scale`` (+ ``max|x|``); rounding is always nearest-even
-        (the config refuses another one for FP8) and the cast always saturates."""
-        return formats._fp8_dispatch(x, scale, fmt, None, scaled=True, want_amax=want_amax, site="bank",
-                                     out_dtype=out_dtype)
-    return kernel
-
-
-# Quantize kernels by element format: ``kernel(x, scale, rounding, saturate, want_amax, out_dtype=None) ->
-# (y, amax or None)`` with ``scale`` a 0-d float32 tensor (x's device) and y in ``out_dtype`` (default x's,
-# bit for bit the cast of the x-dtype result). Targets and clip thresholds come from formats.FORMATS.
-FORMATS = {"hif8": _hif8_kernel, "e4m3": _fp8_kernel("e4m3"), "e5m2": _fp8_kernel("e5m2")}
+# Quantize kernels by element format (formats.scaled_qdq_kernel): the bank validated its config once and
+# makes its scales itself, so its calls skip the public functions' per-call checks. "bank" is their compile
+# site: the op's body runs in another dispatch context than eager callers.
+QDQ_KERNELS = {f: formats.scaled_qdq_kernel(f, site="bank") for f in formats.FORMATS}
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +155,7 @@ class ScalerBank(nn.Module):
         self._kmax = max(k for _, k in self._interval_sched) if config.uses("exp_smooth") else 1
         self._uses_current = config.uses("current")
         self.formats = [formats.element_format(config.format, r) for r in self.roles]  # element format per row
-        self._kernels = [FORMATS[f] for f in self.formats]
+        self._kernels = [QDQ_KERNELS[f] for f in self.formats]
         specs = [formats.format_spec(f) for f in self.formats]
         self._specs = specs
         self._targets = [formats.target_for(config, r) for r in self.roles]
@@ -303,11 +286,12 @@ class ScalerBank(nn.Module):
                 return self._qdq(x, row, self._scale_rows[row], out_dtype)
             if self._mb_grad:
                 raise QuantizerCalledTwice(
-                    f"HiF8 quantizer {self.row_name(row)} was called twice in one micro-batch; its amax history "
-                    "would be updated twice. Each quantized layer may run once per forward/backward (a module "
-                    "reused inside one forward cannot be quantized), activation checkpointing recomputes "
-                    "during the backward only; a forward whose backward never ran must be followed by "
-                    "hif8qat.quant.linear.update_scales(model) (or use freeze_scales(model) for evaluation)")
+                    f"{self.formats[row]} quantizer {self.row_name(row)} was called twice in one micro-batch; "
+                    "its amax history would be updated twice. Each quantized layer may run once per "
+                    "forward/backward (a module reused inside one forward cannot be quantized), activation "
+                    "checkpointing recomputes during the backward only; a forward whose backward never ran must "
+                    "be followed by hif8qat.quant.linear.update_scales(model) (or use freeze_scales(model) for "
+                    "evaluation)")
             self.update()  # forward-only micro-batches end at the next call
         return self._record_call(x, row, mode, out_dtype, keep)
 

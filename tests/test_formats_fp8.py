@@ -18,8 +18,6 @@ from hif8qat.formats.qdq import (
     FORMATS,
     HIF8_OVERFLOW,
     clipped_count,
-    current_qdq,
-    current_scale,
     element_format,
     format_spec,
     fp8_qdq,
@@ -30,6 +28,7 @@ from hif8qat.formats.qdq import (
     target_for,
 )
 from hif8qat.scaling.bank_row import BankedScaler
+from hif8qat.scaling.current import current_qdq, current_scale
 from hif8qat.scaling.settings import ScalingConfig
 
 FP8 = ["e4m3", "e5m2"]

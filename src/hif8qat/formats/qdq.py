@@ -18,7 +18,6 @@ caller's business (see ``quant/linear.py``).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -46,10 +45,6 @@ from hif8qat.formats.kernels import (
     _with_out_dtype,
     compile_status,
     count_qdq,
-)
-from hif8qat.scaling.rules import (  # current scaling is the delayed scaler's cold start
-    cold_estimate,
-    scale_of,
 )
 
 __all__ = [
@@ -256,25 +251,9 @@ def target_for(config, role: str) -> float:
     return FORMATS[fmt].target(getattr(config, "margin", 0))
 
 
-def current_scale(amax, target: float) -> torch.Tensor:
-    """Just-in-time scale from a tensor's own amax: ``target / (amax + 1e-12)`` (float64, returned as a
-    0-d float32 tensor on amax's device).
-
-    TE's current scaling (``Float8CurrentScaling``) and torchao's dynamic scaling use ``FP8_MAX / amax``
-    of the tensor being cast; with the target of the format this is the same rule for every format and
-    the upper bound a delayed estimate can reach (no lag, nothing clipped). A non-finite or non-positive
-    amax gives ``scale = target``, the delayed scaler's cold-start fallback, so the two agree on every call.
-    No host synchronisation.
-    """
-    if not (isinstance(target, (int, float)) and not isinstance(target, bool) and math.isfinite(target)
-            and target > 0):
-        raise ValueError(f"target must be a finite number > 0; got {target!r}")
-    return scale_of(float(target), cold_estimate(torch.as_tensor(amax).detach().reshape(())))
-
-
 def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool, site: str = "",
                   out_dtype: torch.dtype | None = None):
-    """The FP8 counterpart of ``qdq_kernels._dispatch`` (same ``out`` and ``out_dtype`` rules)."""
+    """The FP8 counterpart of ``kernels._dispatch`` (same ``out`` and ``out_dtype`` rules)."""
     spec = format_spec(fmt)
     if not spec.is_fp8:
         raise ValueError(f"fmt must be one of {FP8_FORMATS} (use the hif8_* functions for HiF8); got {fmt!r}")
@@ -366,30 +345,12 @@ def clipped_count(x: torch.Tensor, scale, fmt: str) -> torch.Tensor:
     return spec.clipped(x.abs().to(torch.float32).mul_(s))  # |x| * s == |x * s| exactly in float32
 
 
-def current_qdq(x: torch.Tensor, fmt: str, target: float, rounding: str = "ta", *, saturate: bool = False,
-                generator: torch.Generator | None = None,
-                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Just-in-time scaled qdq (TE's current scaling): amax of x itself, ``scale = current_scale(amax,
-    target)``, then ``qdq_scaled_amax``. Returns ``(y, amax, scale)``; reads x twice (amax, then cast)."""
-    x = _check_x(x)
-    if x.numel():
-        mn, mx = torch.aminmax(x)
-        amax = torch.maximum(mx.float(), -mn.float())
-    else:
-        amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    scale = current_scale(amax, target)
-    y, _ = qdq_scaled_amax(x, scale, fmt, rounding, saturate=saturate, generator=generator, out=out)
-    return y, amax, scale
-
-
 __all__ += [
     "FORMATS",
     "FORMAT_SETTINGS",
     "FP8_FORMATS",
     "FormatSpec",
     "clipped_count",
-    "current_qdq",
-    "current_scale",
     "element_format",
     "format_spec",
     "fp8_qdq",

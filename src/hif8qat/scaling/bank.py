@@ -31,8 +31,9 @@ quantization.
 
 Frozen (evaluation) banks read their scales and record nothing, so they never communicate. Each row
 quantizes in its role's element format (:func:`hif8qat.formats.qdq.element_format`) with that format's target.
-Under ``algo="current"`` a call's scale comes from its own amax (one amax pass, then the cast; local, no
-collective); the history still receives the amaxes at the end of the micro-batch.
+Under ``algo="current"`` a call's scale comes from its own amax (:mod:`hif8qat.scaling.current`: one amax
+pass, then the cast; local, no collective); the history still receives the amaxes at the end of the
+micro-batch.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from torch import nn
 
 from hif8qat.errors import RunError
 from hif8qat.formats import qdq as formats
-from hif8qat.scaling import bank_state, bank_telemetry, forecast, rules
+from hif8qat.scaling import bank_state, bank_telemetry, current, forecast, rules
 from hif8qat.scaling.forecast import ExpSmoothForecaster
 from hif8qat.scaling.settings import ALGOS, ROLES, ScalingConfig, lookup
 
@@ -64,14 +65,6 @@ REPLAY = 2  # the backward's re-quantization of the weight with the forward's sc
 # makes its scales itself, so its calls skip the public functions' per-call checks. "bank" is their compile
 # site: the op's body runs in another dispatch context than eager callers.
 QDQ_KERNELS = {f: formats.scaled_qdq_kernel(f, site="bank") for f in formats.FORMATS}
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    """``max|x|`` as a 0-d float32 tensor in one pass (aminmax: |x| is never materialised); 0 for an empty x."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    mn, mx = torch.aminmax(x.detach())
-    return torch.maximum(mx.float(), -mn.float())
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -308,7 +301,7 @@ class ScalerBank(nn.Module):
                      keep: bool = False) -> torch.Tensor:
         own = None
         if self._current_now():  # just in time: the amax pass first, then the cast with the scale from it
-            own = _amax(x)
+            own = current.tensor_amax(x)
             self._begin(row, mode, lambda: own, True)
         else:
             self._begin(row, mode, lambda: x.detach().abs().amax().to(torch.float32))
@@ -342,7 +335,7 @@ class ScalerBank(nn.Module):
         this tensor's own amax (local)."""
         if self.initialized[row] and not self._current_now():
             return self._scale_rows[row]
-        return rules.scale_of(self._targets[row], rules.cold_estimate(_amax(x)))
+        return rules.scale_of(self._targets[row], rules.cold_estimate(current.tensor_amax(x)))
 
     def _begin(self, row: int, mode: int, cold_amax, current: bool = False) -> None:
         """Pick the row's scale for this call (before its amax is known; ``current``: from ``cold_amax``)."""

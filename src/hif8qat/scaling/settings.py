@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from hif8qat.formats.qdq import FORMAT_SETTINGS
 from hif8qat.scaling.rules import EPS
 
 ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
 # Allowed ``algo`` values: the history estimators, and "current", the just-in-time scale from the tensor's
-# own amax (Transformer Engine's current scaling; formats.current_scale), the bound no estimator can beat.
+# own amax (Transformer Engine's current scaling; scaling.current), the bound no estimator can beat.
 ALGOS = (*ESTIMATORS, "current")
 HISTORY_UNITS = ("call", "step")
 AMAX_REDUCES = ("none", "max")
@@ -109,8 +110,6 @@ class ScalingConfig:
 
     def _validate_format(self) -> None:
         """format / margin, and the settings that mean something for one kind of format only."""
-        from hif8qat.formats.qdq import FORMAT_SETTINGS
-
         if self.format not in FORMAT_SETTINGS:
             _fail("format", self.format, f"one of {FORMAT_SETTINGS}")
         if not _is_int(self.margin) or self.margin < 0:

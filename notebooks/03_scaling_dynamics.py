@@ -18,7 +18,7 @@
 # (`metrics.jsonl`, `tel/<role>/<stat>`) and the per-layer dumps (`telemetry/*.jsonl`) of the runs in
 # `HIF8QAT_RUNS_ROOT/HIF8QAT_PROFILE` (defaults `results/runs`, `mini`). A ratio amax / estimate > 1 means the
 # tensor outgrew its delayed estimate: its scaled values leave the 3-bit-mantissa tier (failure mode (i)).
-# Then the four estimators are replayed (`hif8qat.scaling.settings.replay`, the scaler's own code path) on one
+# Then the four estimators are replayed (`hif8qat.scaling.replay.replay`, the scaler's own code path) on one
 # recorded amax trace, or on a synthetic trace when no run has telemetry dumps.
 
 # %%
@@ -104,9 +104,10 @@ if trace is None:
     trace[[120, 250, 330]] *= 3.0  # spikes
     trace_name = "synthetic (slow growth + 3 spikes)"
 try:
-    from hif8qat.scaling.settings import ScalingConfig, replay
-except ImportError as err:  # scaling/settings.py not available in this checkout
-    print(f"hif8qat.scaling.settings unavailable ({err}); skipping the replay")
+    from hif8qat.scaling.replay import replay
+    from hif8qat.scaling.settings import ScalingConfig
+except ImportError as err:  # hif8qat.scaling not available in this checkout
+    print(f"hif8qat.scaling unavailable ({err}); skipping the replay")
 else:
     rows = []
     fig, ax = plt.subplots(figsize=(8, 3.6))

@@ -94,7 +94,7 @@ def impl(request):
     import reference_scaling
 
     from hif8qat.scaling.bank_row import BankedScaler
-    from hif8qat.scaling.settings import replay
+    from hif8qat.scaling.replay import replay
 
     scaler, replay_fn = {"oracle": (reference_scaling.DelayedScaler, reference_scaling.replay),
                          "bank": (BankedScaler.standalone, replay)}[request.param]

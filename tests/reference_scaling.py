@@ -376,7 +376,7 @@ class DelayedScaler(nn.Module):
                    algo=self.block_algo, interval=self.block_len, format=self.fmt)
         return rec
 
-    # -- saved state, in the per-quantizer format (keys and layout of hif8qat.scaling.settings.STATE_KEYS / _META)
+    # -- saved state, in the per-quantizer format (keys and layout of hif8qat.scaling.settings.STATE_KEYS / META_FIELDS)
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         if args or kwargs.get("destination") is not None:
             return kwargs.get("destination")  # called by an enclosing module: not part of the model's weights

@@ -53,7 +53,7 @@ def test_02_our_tables_without_runs(tmp_path, monkeypatch):
 def test_03_scaling_dynamics(fake_runs, tmp_path):
     text = _execute("03_scaling_dynamics", tmp_path)
     assert "1 quantized runs" in text
-    assert "skipping the replay" not in text  # hif8qat.scaling.settings is importable here: the replay must run
+    assert "skipping the replay" not in text  # hif8qat.scaling is importable here: the replay must run
     assert "saturation_events" in text
     for algo in ("max", "most_recent", "mean", "exp_smooth"):  # one row per estimator in the replay table
         assert re.search(rf"^\d+\s+{algo}\s+\d+\s", text, re.M), algo

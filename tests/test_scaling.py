@@ -14,7 +14,8 @@ import torch
 from hif8qat.scaling.bank import ScalerBank
 from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.forecast import ExpSmoothForecaster, ExpSmoothParams
-from hif8qat.scaling.settings import STATE_KEYS, ScalingConfig, replay, replay_rows
+from hif8qat.scaling.replay import replay, replay_rows
+from hif8qat.scaling.settings import STATE_KEYS, ScalingConfig
 
 NAN, INF = float("nan"), float("inf")
 

@@ -64,7 +64,7 @@ from hif8qat.models.loading import MLP_CONTAINERS as _MLP_CONTAINERS
 from hif8qat.models.loading import find_transformer_blocks
 from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
 from hif8qat.scaling.bank_row import BankedScaler
-from hif8qat.scaling.settings import _TEL_CNT, _TEL_MAX, ROLES, ScalingConfig
+from hif8qat.scaling.settings import ROLES, TELEMETRY_COUNT_FIELDS, TELEMETRY_MAX_FIELDS, ScalingConfig
 
 SCOPES = ("mlp", "attn_mlp")
 QUANT_JSON = "hif8qat_quant.json"
@@ -387,9 +387,9 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
     maxes_l, cnts_l = torch.stack(maxes).tolist(), torch.stack(cnts).tolist()
     out: dict[str, float] = {}
     for ri, r in enumerate(roles):
-        for k, v in zip(_TEL_MAX, maxes_l[ri]):
+        for k, v in zip(TELEMETRY_MAX_FIELDS, maxes_l[ri]):
             out[f"tel/{r}/{k}"] = float(v)
-        for k, v in zip(_TEL_CNT, cnts_l[ri]):
+        for k, v in zip(TELEMETRY_COUNT_FIELDS, cnts_l[ri]):
             out[f"tel/{r}/{k}"] = float(v)
         out[f"tel/{r}/calls"] = float(sum(int(b.tel_calls[[x == r for x in b.roles]].sum()) for b in banks))
         out[f"tel/{r}/stats_calls"] = float(sum(int(b.tel_stat_calls[[x == r for x in b.roles]].sum())

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from hif8qat.report.sources import FilesUsed, RunInfo
-from hif8qat.scaling.settings import ScalingConfig, replay_rows
+from hif8qat.scaling.replay import replay_rows
+from hif8qat.scaling.settings import ScalingConfig
 
 # Estimators compared on the same recorded amax traces: the paper's three candidates.
 REPLAY_ESTIMATORS: dict[str, dict[str, Any]] = {
@@ -51,7 +52,7 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
                       ) -> pd.DataFrame:
     """How often, and by how much, each estimator's delayed estimate is exceeded on the same traces.
 
-    Every trace is replayed call by call through `scaling.replay_rows` (interval 1; the traces of one role and
+    Every trace is replayed call by call through `scaling.replay.replay_rows` (interval 1; the traces of one role and
     length in one bank); ratio = amax / estimate, where estimate = target / scale is what the scale was computed
     from before the call's own amax was known.
     """

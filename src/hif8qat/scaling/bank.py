@@ -128,6 +128,19 @@ class ScalerBank(nn.Module):
     but never its dtype casts, stay out of ``state_dict()`` and are never broadcast by DDP. Per-row
     bookkeeping is in numpy arrays. ``row_state_dict`` / ``load_row_state_dicts`` use the per-quantizer
     format of :mod:`hif8qat.scaling.bank_state`, so exports and checkpoints written before the bank load unchanged.
+
+    Public attributes, read and written by the helpers :mod:`~hif8qat.scaling.bank_state` and
+    :mod:`~hif8qat.scaling.bank_telemetry` (which sit below this module and get the bank as an argument):
+
+    * per row: ``roles``, ``formats`` (element format), ``specs`` (its :class:`~hif8qat.formats.qdq.FormatSpec`),
+      ``targets`` (Python floats; ``target`` is the same as a tensor), ``forecasters`` (exp_smooth forecaster
+      or None);
+    * ``max_block``: the largest exp_smooth block (the width of ``blk_scale`` / ``blk_est``);
+    * the tables (``history``, ``total``, ``pending``, ``pending_valid``, ``scale``, ``est``, ``blk_scale``,
+      ``blk_est``; telemetry: ``tel_max``, ``tel_cnt``, ``last_vals``, ``last_stats``), the per-row bookkeeping
+      (numpy: ``initialized``, ``block_j``, ``block_len``, ``block_algo``, ``blk_size``, ``pending_step``,
+      ``calls``, ``seen_total``, ``tel_calls``, ``tel_stat_calls``), ``step`` and ``frozen``. The meta of a
+      saved row and the telemetry columns are named in :mod:`hif8qat.scaling.settings`.
     """
 
     def __init__(self, config: ScalingConfig | None = None, roles: Sequence[str] = ROLES, *,
@@ -145,28 +158,27 @@ class ScalerBank(nn.Module):
         self._algo_sched = config.algo_schedule()
         self._interval_sched = config.interval_schedule()
         self._step_mode = config.history_unit == "step"
-        self._kmax = max(k for _, k in self._interval_sched) if config.uses("exp_smooth") else 1
+        self.max_block = max(k for _, k in self._interval_sched) if config.uses("exp_smooth") else 1
         self._uses_current = config.uses("current")
         self.formats = [formats.element_format(config.format, r) for r in self.roles]  # element format per row
         self._kernels = [QDQ_KERNELS[f] for f in self.formats]
-        specs = [formats.format_spec(f) for f in self.formats]
-        self._specs = specs
-        self._targets = [formats.target_for(config, r) for r in self.roles]
+        self.specs = [formats.format_spec(f) for f in self.formats]
+        self.targets = [formats.target_for(config, r) for r in self.roles]
         self._rounding = [config.grad_rounding if r == "G" else "ta" for r in self.roles]
         self._is_g = np.array([r == "G" for r in self.roles])
         dev = torch.device(device) if device is not None else torch.device("cpu")
         f32, f64, i64 = torch.float32, torch.float64, torch.int64
-        self.target = torch.tensor(self._targets, dtype=f64, device=dev)
+        self.target = torch.tensor(self.targets, dtype=f64, device=dev)
         self.history = torch.zeros(n, L, dtype=f32, device=dev)
         self.total = torch.zeros(n, dtype=i64, device=dev)
         self.pending = torch.zeros(n, dtype=f32, device=dev)
         self.pending_valid = torch.zeros(n, dtype=torch.bool, device=dev)
         self.scale = self.target.to(f32)  # scale of the current (or last) call per row
         self.est = torch.ones(n, dtype=f64, device=dev)  # the estimate behind it
-        self.blk_scale = torch.zeros(n, self._kmax, dtype=f32, device=dev)  # exp_smooth blocks
-        self.blk_est = torch.zeros(n, self._kmax, dtype=f64, device=dev)
+        self.blk_scale = torch.zeros(n, self.max_block, dtype=f32, device=dev)  # exp_smooth blocks
+        self.blk_est = torch.zeros(n, self.max_block, dtype=f64, device=dev)
         self.amax = torch.zeros(n, dtype=f32, device=dev)  # this micro-batch's amax per row
-        # telemetry since the last reset_telemetry (see scaling._TEL_MAX / _TEL_CNT), last call values
+        # telemetry since the last reset_telemetry, last call values (columns: settings.TELEMETRY_*_FIELDS)
         self.tel_max = torch.zeros(n, 3, dtype=f64, device=dev)
         self.tel_cnt = torch.zeros(n, 3, dtype=i64, device=dev)
         self.last_vals = torch.full((n, 4), math.nan, dtype=f64, device=dev)  # amax, estimate, ratio, scale
@@ -174,7 +186,7 @@ class ScalerBank(nn.Module):
         self._views()
         self.step = 0
         self.frozen = False
-        self._forecasters: list[ExpSmoothForecaster | None] = [None] * n
+        self.forecasters: list[ExpSmoothForecaster | None] = [None] * n
         self._reset_rows(np.ones(n, dtype=bool))
         self._mb_reset()
         self.bank_id = next(_IDS)
@@ -227,7 +239,7 @@ class ScalerBank(nn.Module):
                 setattr(self, name, np.zeros(self.n, dtype=bool if name == "initialized" else np.int64))
             getattr(self, name)[rows] = fresh
         for r in np.flatnonzero(rows):
-            self._forecasters[r] = None
+            self.forecasters[r] = None
 
     def _mb_reset(self) -> None:
         self._mb_calls = np.zeros(self.n, dtype=np.int64)
@@ -335,7 +347,7 @@ class ScalerBank(nn.Module):
         this tensor's own amax (local)."""
         if self.initialized[row] and not self._current_now():
             return self._scale_rows[row]
-        return rules.scale_of(self._targets[row], rules.cold_estimate(current.tensor_amax(x)))
+        return rules.scale_of(self.targets[row], rules.cold_estimate(current.tensor_amax(x)))
 
     def _begin(self, row: int, mode: int, cold_amax, current: bool = False) -> None:
         """Pick the row's scale for this call (before its amax is known; ``current``: from ``cold_amax``)."""
@@ -350,7 +362,7 @@ class ScalerBank(nn.Module):
             a = cold_amax().reshape(())
             est = rules.cold_estimate(a if current else rules.reduce_amax(a.reshape(1), self.config.amax_reduce).reshape(()))
             self.est[row] = est
-            self._scale_rows[row].copy_(rules.scale_of(self._targets[row], est))
+            self._scale_rows[row].copy_(rules.scale_of(self.targets[row], est))
             if current and self.initialized[row]:
                 return
             self.initialized[row] = True
@@ -432,10 +444,10 @@ class ScalerBank(nn.Module):
         host = torch.cat((self.history.double().flatten(), self.total.double(), self.est)).cpu().numpy()
         hist, total, cur = host[: self.n * L].reshape(self.n, L), host[self.n * L: self.n * (L + 1)], host[-self.n:]
         if self._snap["fc"] is None:
-            self._snap["fc"] = copy.deepcopy(self._forecasters)
+            self._snap["fc"] = copy.deepcopy(self.forecasters)
         idx = np.flatnonzero(rows)
-        ests, scales = forecast.exp_smooth_rows(self._forecasters, self.roles, self._targets, idx, hist, total,
-                                                self.seen_total, cur, k, self._kmax)
+        ests, scales = forecast.exp_smooth_rows(self.forecasters, self.roles, self.targets, idx, hist, total,
+                                                self.seen_total, cur, k, self.max_block)
         ix = host_to_device(idx, self.device)
         self.blk_est = self.blk_est.index_copy(0, ix, host_to_device(ests, self.device))
         self.blk_scale = self.blk_scale.index_copy(
@@ -480,7 +492,7 @@ class ScalerBank(nn.Module):
                 setattr(self, k, new)
         if snap["fc"] is not None:
             for r in np.flatnonzero(rows):
-                self._forecasters[r] = snap["fc"][r]
+                self.forecasters[r] = snap["fc"][r]
 
     # -- telemetry -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -506,7 +518,7 @@ class ScalerBank(nn.Module):
         return bank_state.host_tables(self)
 
     def row_state_dict(self, row: int, host: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Row ``row``'s saved state (CPU tensors; keys ``scaling.STATE_KEYS``)."""
+        """Row ``row``'s saved state (CPU tensors; keys ``settings.STATE_KEYS``)."""
         self.update()
         return bank_state.row_state(self, row, host if host is not None else self._host())
 

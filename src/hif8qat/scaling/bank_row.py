@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hif8qat.scaling.bank import RECORD_NO_GRAD, ScalerBank
-from hif8qat.scaling.settings import ScalingConfig
+from hif8qat.scaling.settings import LAST_CALL_FIELDS, ScalingConfig
 
 
 class BankedScaler:
@@ -17,7 +17,7 @@ class BankedScaler:
 
     A layer's ``scaler_a`` / ``scaler_w`` / ``scaler_g`` are such views of the model's bank. A standalone
     one (:meth:`standalone`) owns a one-row bank and ends the micro-batch after each call: the scaler of
-    :func:`hif8qat.scaling.settings.replay` and of the tests. ``set_step`` / ``freeze`` act on the whole bank.
+    :func:`hif8qat.scaling.replay.replay` and of the tests. ``set_step`` / ``freeze`` act on the whole bank.
     """
 
     def __init__(self, bank: ScalerBank, row: int, *, own: bool = False):
@@ -30,7 +30,7 @@ class BankedScaler:
         if target is not None:
             if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
                 raise ValueError(f"BankedScaler target={target!r} is invalid; allowed: a finite number > 0")
-            bank._targets[0] = float(target)
+            bank.targets[0] = float(target)
             bank.target.fill_(float(target))
             bank.scale.fill_(float(target))
         return cls(bank, 0, own=True)
@@ -38,7 +38,7 @@ class BankedScaler:
     # -- one quantizer's view -----------------------------------------------------------------------
     role = property(lambda self: self.bank.roles[self.row])
     config = property(lambda self: self.bank.config)
-    target = property(lambda self: self.bank._targets[self.row])
+    target = property(lambda self: self.bank.targets[self.row])
     fmt = property(lambda self: self.bank.formats[self.row])
     history = property(lambda self: self.bank.history[self.row])
     total = property(lambda self: self.bank.total[self.row])
@@ -47,12 +47,12 @@ class BankedScaler:
     scale = property(lambda self: self.bank.scale[self.row])
     initialized = property(lambda self: bool(self.bank.initialized[self.row]))
     frozen = property(lambda self: self.bank.frozen)
-    _forecaster = property(lambda self: self.bank._forecasters[self.row])
+    _forecaster = property(lambda self: self.bank.forecasters[self.row])
 
     @property
     def last(self) -> dict[str, torch.Tensor]:
         v = torch.cat((self.bank.last_vals[self.row], self.bank.last_stats[self.row]))
-        return dict(zip(("amax", "estimate", "ratio", "scale", "exceed_frac", "clipped"), v.unbind()))
+        return dict(zip(LAST_CALL_FIELDS, v.unbind()))
 
     def set_step(self, step: int) -> None:
         self.bank.set_step(step)

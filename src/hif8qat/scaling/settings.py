@@ -1,10 +1,11 @@
-"""Delayed tensor scaling for 8-bit (HiF8, FP8) fake quantization: its settings and the replay of an amax trace.
+"""Delayed tensor scaling for 8-bit (HiF8, FP8) fake quantization: its settings and the names it shares.
 
 The rules (contract: docs/design.md, section 2) are implemented once, in :mod:`hif8qat.scaling.rules` (cold start,
 estimators, refresh, amax reduction, append), :mod:`hif8qat.scaling.forecast` (``exp_smooth``) and the scaler bank
 (:mod:`hif8qat.scaling.bank`) that applies them to every quantizer of a model. This module holds what the rest of the
 project shares without loading the bank: :class:`ScalingConfig` and its schedules, the names of the algorithms
-and roles, the layout of one quantizer's saved state, and :func:`replay`.
+and roles, and the layout of one quantizer's saved state and telemetry. The replay of an amax trace through the
+bank is :mod:`hif8qat.scaling.replay`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from hif8qat.formats.qdq import FORMAT_SETTINGS
 from hif8qat.scaling.rules import EPS
@@ -190,16 +190,19 @@ def lookup(schedule: Sequence[tuple[int, Any]], step: int) -> Any:
 
 
 # Layout of the ``meta`` vector of a saved quantizer state (its Python bookkeeping, in this order).
-_META = ("initialized", "block_j", "block_len", "block_algo", "step", "pending_step", "frozen", "calls",
-         "seen_total")
-_TEL_MAX = ("amax_ratio_max", "exceed_frac_max", "amax_max")
-_TEL_CNT = ("amax_ratio_gt1", "clipped_count", "nonfinite_count")
-
-
+META_FIELDS = ("initialized", "block_j", "block_len", "block_algo", "step", "pending_step", "frozen", "calls",
+               "seen_total")
 # One quantizer's saved state (a row of the bank; the format the per-layer scalers wrote before the bank, so
-# older checkpoints and exports load unchanged). Telemetry accumulators: names of tel_max / tel_cnt columns.
+# older checkpoints and exports load unchanged).
 STATE_KEYS = ("history", "total", "pending", "pending_valid", "scale_block", "est_block", "meta")
 OPTIONAL_STATE_KEYS = ("es_obs", "es_meta", "es_scores")
+
+# Telemetry: the columns of the bank's accumulators since the last reset (``tel_max``: largest values,
+# ``tel_cnt``: counts) and of its last-call values (``last_vals`` then ``last_stats``), as they are named in
+# telemetry records and metrics.
+TELEMETRY_MAX_FIELDS = ("amax_ratio_max", "exceed_frac_max", "amax_max")
+TELEMETRY_COUNT_FIELDS = ("amax_ratio_gt1", "clipped_count", "nonfinite_count")
+LAST_CALL_FIELDS = ("amax", "estimate", "ratio", "scale", "exceed_frac", "clipped")
 
 
 def check_state_keys(state: Mapping, strict: bool, who: str) -> None:
@@ -212,54 +215,8 @@ def check_state_keys(state: Mapping, strict: bool, who: str) -> None:
         raise KeyError(f"{who}: unexpected state keys {sorted(extra)}")
 
 
-def replay(amax_sequence: Sequence[float] | torch.Tensor, config: ScalingConfig | None = None, *,
-           steps: Sequence[int] | None = None, role: str = "A",
-           target: float | None = None) -> torch.Tensor:
-    """Scales the bank would use for a recorded or synthetic amax trace, one call per amax.
-
-    ``steps[i]`` (optional) is the optimizer step of call i (drives schedules and ``history_unit=step``).
-    Runs a one-row bank's own call path without any tensor to quantize, ending the micro-batch after each
-    call. Returns a float32 tensor with one scale per call.
-    """
-    from hif8qat.scaling.bank_row import BankedScaler  # lazily: the bank imports this module
-
-    seq = amax_sequence.tolist() if isinstance(amax_sequence, torch.Tensor) else list(amax_sequence)
-    if steps is not None and len(steps) != len(seq):
-        raise ValueError(f"replay: steps has {len(steps)} entries for {len(seq)} amaxes")
-    scaler = BankedScaler.standalone(role, config, target)
-    out = []
-    for i, a in enumerate(seq):
-        if steps is not None:
-            scaler.set_step(int(steps[i]))
-        out.append(scaler.observe_amax(float(a)))
-    return torch.stack(out) if out else torch.zeros(0)
-
-
-def replay_rows(amax_rows: Sequence[Sequence[float]] | torch.Tensor, config: ScalingConfig | None = None, *,
-                role: str = "A") -> torch.Tensor:
-    """:func:`replay` of many equal-length traces at once (no step schedule given, default target): one bank
-    with a row per trace, each row called once per micro-batch, so the bank's per-micro-batch work runs once
-    per call index instead of once per trace and call. Returns ``[n_traces, n_calls]`` float32 scales, equal
-    to :func:`replay` of each trace on its own (rows of one bank never interact)."""
-    from hif8qat.scaling.bank import ScalerBank  # lazily: the bank imports this module
-
-    a = torch.as_tensor(amax_rows, dtype=torch.float32)
-    if a.ndim != 2:
-        raise ValueError(f"replay_rows: expected [n_traces, n_calls] amaxes, got shape {tuple(a.shape)}")
-    n, calls = a.shape
-    out = torch.zeros(n, calls, dtype=torch.float32)
-    if not n:
-        return out
-    bank = ScalerBank(config, [role] * n)
-    with torch.no_grad():
-        for t in range(calls):
-            for r in range(n):
-                out[r, t] = bank.observe(r, a[r, t])
-            bank.update()
-    return out
-
-
 __all__ = [
-    "ALGOS", "AMAX_REDUCES", "EPS", "ESTIMATORS", "GRAD_ROUNDINGS", "HISTORY_UNITS", "OPTIONAL_STATE_KEYS", "ROLES",
-    "STATE_KEYS", "ScalingConfig", "check_state_keys", "lookup", "replay", "replay_rows",
+    "ALGOS", "AMAX_REDUCES", "EPS", "ESTIMATORS", "GRAD_ROUNDINGS", "HISTORY_UNITS", "LAST_CALL_FIELDS", "META_FIELDS",
+    "OPTIONAL_STATE_KEYS", "ROLES", "STATE_KEYS", "TELEMETRY_COUNT_FIELDS", "TELEMETRY_MAX_FIELDS", "ScalingConfig",
+    "check_state_keys", "lookup",
 ]

@@ -15,7 +15,7 @@ from hif8qat.scaling.bank import ScalerBank
 from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.forecast import ExpSmoothForecaster, ExpSmoothParams
 from hif8qat.scaling.replay import replay, replay_rows
-from hif8qat.scaling.settings import STATE_KEYS, ScalingConfig
+from hif8qat.scaling.settings import STATE_KEYS, ScalingConfig, lookup
 
 NAN, INF = float("nan"), float("inf")
 
@@ -64,7 +64,8 @@ def test_config_dict_round_trip_and_string_schedule_keys():
     cfg = ScalingConfig.from_dict({"algo": {"0": "most_recent", "1000": "exp_smooth"}, "history_len": 30,
                                    "interval": {"0": 1, "1000": 10}})
     assert cfg.algo == {0: "most_recent", 1000: "exp_smooth"}
-    assert cfg.interval_at(999) == 1 and cfg.interval_at(1000) == 10 and cfg.algo_at(5000) == "exp_smooth"
+    intervals, algos = cfg.interval_schedule(), cfg.algo_schedule()
+    assert lookup(intervals, 999) == 1 and lookup(intervals, 1000) == 10 and lookup(algos, 5000) == "exp_smooth"
     assert ScalingConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown field"):
         ScalingConfig.from_dict({"algorithm": "max"})
@@ -107,8 +108,8 @@ def test_schedule_switch_algo_and_interval(impl):
 
 def test_schedule_lookup_uses_largest_key_not_above_step():
     cfg = ScalingConfig(algo={0: "max", 10: "most_recent", 20: "mean"})
-    assert [cfg.algo_at(t) for t in (0, 9, 10, 19, 20, 10**6)] == ["max", "max", "most_recent",
-                                                                   "most_recent", "mean", "mean"]
+    assert [lookup(cfg.algo_schedule(), t) for t in (0, 9, 10, 19, 20, 10**6)] == [
+        "max", "max", "most_recent", "most_recent", "mean", "mean"]
 
 
 def _authors_rules(seq, algo, L, k):

@@ -154,12 +154,6 @@ class ScalingConfig:
             return [(k, int(v)) for k, v in sorted(self.interval.items())]
         return [(0, int(self.interval))]
 
-    def algo_at(self, step: int) -> str:
-        return lookup(self.algo_schedule(), step)
-
-    def interval_at(self, step: int) -> int:
-        return lookup(self.interval_schedule(), step)
-
     def uses(self, algo: str) -> bool:
         return any(a == algo for _, a in self.algo_schedule())
 

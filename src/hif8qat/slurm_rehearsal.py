@@ -8,7 +8,8 @@ at the smoke profile:
 - a sweep of 2 seeds x 2 ranks: both runs finish, their losses and exported weights equal a
   ``torchrun --nproc_per_node 2`` run of the same settings bit for bit, and run_info.json records the world
   size, ranks per node, launcher and job / array ids; the sweep prints at most one line about sacct;
-- a job killed outright (``scancel -s KILL``) at step 5: the sweep exits non-zero with one ``error:`` line
+- a job whose tasks are SIGKILLed at step 5 (``kill -KILL <pids>``, as by the OOM killer; ``scancel -s KILL``
+  cancels the job, SIGTERM first): the sweep exits non-zero with one ``error:`` line
   naming the job's log (no traceback), and its rerun resumes from the last verified checkpoint (step 4) and
   ends with the uninterrupted run's weights;
 - preemption: ``scancel --signal=USR2`` at step 5 of a job whose time limit makes every signal a time-out:
@@ -119,22 +120,24 @@ def _one_error_line_per_failed_job(sweep_output: str, sweep: Path, words: str) -
 
 
 def _pause_env(marker: Path) -> dict[str, str]:
-    """The trainer's test hook: pause at step PAUSE_AT (once), writing `marker` with the SLURM job id."""
+    """The trainer's test hook: pause at step PAUSE_AT (once), each rank adding a line to `marker` with the SLURM
+    job id and its pid."""
     return {"HIF8QAT_TEST_PAUSE_AT_STEP": str(PAUSE_AT), "HIF8QAT_TEST_PAUSE_FILE": str(marker)}
 
 
-def _signal_when_paused(marker: Path, sweep, scancel: list[str], timeout: float = 400) -> str:
-    """Wait until the sweep's job pauses at step PAUSE_AT, then run `scancel ... <job>`; what was run, or why not."""
+def _signal_when_paused(marker: Path, sweep, command: list[str], timeout: float = 400) -> str:
+    """Wait until every rank of the sweep's job pauses at step PAUSE_AT, then run `command <job id>` (`command
+    <every rank's pid>` when it is `kill`); what was run, or why not."""
     end = time.time() + timeout
     try:
-        while not (marker.exists() and "job=" in marker.read_text()):
+        while not (marker.exists() and len(re.findall(r"job=\d+", marker.read_text())) >= WORLD):
             if sweep.poll() is not None or time.time() > end:
                 raise AssertionError(f"the job never reached step {PAUSE_AT} ({marker} not written)")
             time.sleep(0.5)
-        time.sleep(1)  # every rank at the pause
-        job = re.search(r"job=(\d+)", marker.read_text())[1]
-        subprocess.run([*scancel, job], check=True, timeout=30, capture_output=True)
-        return " ".join([*scancel, job])
+        text = marker.read_text()
+        targets = re.findall(r"pid=(\d+)", text) if command[0] == "kill" else [re.search(r"job=(\d+)", text)[1]]
+        subprocess.run([*command, *targets], check=True, timeout=30, capture_output=True)
+        return " ".join([*command, *targets])
     except Exception as err:  # noqa: BLE001 - the check reports it
         return f"not signalled: {err}"
 
@@ -187,7 +190,9 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
     under_slurm = runner.start("eval_2_ranks_under_slurm", ["-m", *SLURM, *COMMON, "stage=eval", "seed=0",
                                                             f"results_root={R['slurm']}",
                                                             f"hydra.sweep.dir={work / 'sweeps' / 'eval'}"])
-    kill_note = _signal_when_paused(pauses["killed"], killed[0], ["scancel", "-s", "KILL"])
+    # SIGKILL to the tasks themselves, as the OOM killer or a lost node does: `scancel -s KILL <job>` cancels the
+    # job, SIGTERM first, and the job would checkpoint
+    kill_note = _signal_when_paused(pauses["killed"], killed[0], ["kill", "-KILL"])
     usr2_note = _signal_when_paused(pauses["preempted"], preempted[0], ["scancel", "--signal=USR2"])
     requeue_note = _signal_when_paused(pauses["requeued"], requeued[0], ["scontrol", "requeue"])
     rc_killed, log_killed = runner.wait(killed)
@@ -240,7 +245,7 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
         assert "accounting storage is disabled" not in log_sweep.replace(lines[0] if lines else "", ""), lines
 
     def killed_job_fails_the_sweep_and_the_rerun_resumes():
-        assert kill_note.startswith("scancel"), kill_note
+        assert kill_note.startswith("kill"), kill_note
         assert rc_killed != 0, f"the sweep with a killed job exited 0: {log_killed[-1500:]}"
         _one_error_line_per_failed_job(log_killed, work / "sweeps" / "killed", "ended without a result")
         assert rc_rerun == 0, f"rerun exit {rc_rerun}: {log_rerun[-2000:]}"

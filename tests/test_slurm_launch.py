@@ -130,3 +130,51 @@ def test_pinned_launcher_settings_join_the_overrides_wherever_the_options_are(ar
     after = get_args_parser().parse_args(insert_overrides(["run.py", *argv], extra)[1:])  # no SystemExit
     assert after.overrides == before.overrides + extra
     assert (after.cfg, after.package, after.multirun) == (before.cfg, before.package, before.multirun)
+
+
+def test_a_failed_jobs_line_names_its_own_error_or_else_its_state(tmp_path):
+    from submitit.core.utils import UncompletedJobError
+
+    from hif8qat.launch.slurm import failure_line
+
+    class Job:
+        job_id, state = "41_1", "CANCELLED"
+
+        class paths:
+            folder = tmp_path
+
+    log = tmp_path / "41_1_0_log.err"
+    log.write_text("some traceback\n")
+    lost = UncompletedJobError("Job 41_1 (task: 0) with path x\nhas not produced any output (state: CANCELLED)")
+    line = failure_line(Job, ["seed=1", "hydra.sweep.dir=/s"], lost)
+    assert line == f"error: sweep job 41_1 (seed=1) failed: it ended without a result (state CANCELLED); its log: {log}"
+    log.write_text("error: an earlier one\nerror: invalid setting seed=-1: allowed an integer >= 0\n")
+    assert "failed: invalid setting seed=-1: allowed an integer >= 0; its log" in failure_line(Job, ["seed=-1"], lost)
+    log.unlink()  # a task's own exception (hydra caught it in the job): its last line
+    assert "failed: ValueError: bad; its log" in failure_line(Job, ["seed=1"], RuntimeError("x\n----\nValueError: bad"))
+
+
+@pytest.mark.slow
+def test_a_sweep_reports_every_failed_job_in_one_error_line_without_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [tmp_path / "a_file", tmp_path / "another_file"]
+    for f in files:
+        f.write_text("")
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "HIF8QAT_COMPILE": "0"}
+    out = subprocess.run([sys.executable, str(root / "run.py"), "-m", "hydra/launcher=local", "experiment=exp8",
+                          "profile=smoke", "stage=train", f"results_root={files[0]},{files[1]}",
+                          f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, out.stderr[-3000:]  # both, not only the first one's
+    for line, f in zip(sorted(errors, key=lambda e: "another" in e), files):
+        assert f"results_root={f})" in line and f"{f} is a file" in line, line
+        log = Path(line.rsplit("its log: ", 1)[1])
+        assert log.is_file() and f"{f} is a file" in log.read_text(), line

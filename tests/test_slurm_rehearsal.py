@@ -29,7 +29,8 @@ def test_the_slurm_rehearsal_passes_every_check(tmp_path):
     assert set(result["checks"]) >= {
         "sweep_finishes_both_runs", "sweep_equals_torchrun_bit_for_bit", "run_info_records_the_slurm_launch",
         "sacct_fallback_says_so_once", "killed_job_fails_the_sweep_and_the_rerun_resumes",
-        "preempted_job_is_requeued_and_resumes", "invalid_point_fails_alone", "eval_on_2_ranks_equals_one_process"}
+        "preempted_job_is_requeued_and_resumes", "requeued_job_checkpoints_on_sigterm_and_resumes",
+        "invalid_point_fails_alone", "eval_on_2_ranks_equals_one_process"}
     # every daemon it started is gone
     assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _has_conf(p, work)]
 

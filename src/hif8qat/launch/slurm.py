@@ -10,6 +10,13 @@ the setting and the fix; run.py prints it as ``error: ...`` before any job is su
 `quiet_sacct()`: submitit follows its jobs with ``sacct``; on a cluster without accounting storage every poll
 printed an error three times. After the first failure the watcher says so once and asks ``squeue`` instead.
 ``HIF8QAT_SLURM_POLL_S`` caps the time between polls (submitit's own cap is 10 minutes).
+
+`ReportFailedJobs`: hydra-submitit-launcher's sweep raised the first failed job's exception (submitit's
+UncompletedJobError, printed as a traceback holding the job's whole error stream) while the other jobs still
+ran. Mixed into its launchers (hydra_plugins.hif8qat_launcher, the ``_target_`` of conf/hydra/launcher/slurm.yaml
+and local.yaml: Hydra takes launchers from the ``hydra_plugins`` package only), a sweep waits for every job
+and reports each failed one as one ``error:`` line naming the job, its sweep point, why (the job's own last
+``error:`` line, or its state) and its log, then exits 1.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 RESOURCE_KEYS = ("gpus_per_node", "tasks_per_node", "cpus_per_task")
@@ -186,3 +196,91 @@ def quiet_sacct(note=print) -> None:
     watcher_cls._hif8qat_quiet = True
     if os.environ.get("HIF8QAT_SLURM_POLL_S"):  # submitit polls ever more slowly (up to 10 min) otherwise
         slurm.SlurmJob.watcher._delay_s = float(os.environ["HIF8QAT_SLURM_POLL_S"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# a sweep's failed jobs, one error line each
+# ------------------------------------------------------------------------------------------------------------
+class _Outcome:
+    """A submitted job whose results() answers its failure (the exception) instead of raising it."""
+
+    def __init__(self, job):
+        self.job = job
+
+    def results(self) -> list:
+        from submitit.core.utils import FailedJobError, UncompletedJobError
+
+        try:
+            return self.job.results()
+        except (UncompletedJobError, FailedJobError) as err:
+            return [err]
+
+
+@contextmanager
+def _outcomes():
+    """While inside: an executor's map_array hands back _Outcome-wrapped jobs, and the yielded list gets the
+    jobs. The plugin's launch submits the sweep and then reads `[job.results()[0] for job in jobs]`, which
+    raises at the first failed job while the others still run: this lets it wait for every job, without a
+    copy of its submission code."""
+    from submitit.core.core import Executor
+
+    plain, submitted = Executor.map_array, []
+
+    def map_array(self, fn, *iterable):
+        jobs = plain(self, fn, *iterable)
+        submitted.extend(jobs)
+        return [_Outcome(job) for job in jobs]
+
+    Executor.map_array = map_array
+    try:
+        yield submitted
+    finally:
+        Executor.map_array = plain
+
+
+def _job_log(job) -> Path:
+    """Task 0's error stream (rank 0 prints the `error:` lines), or its output when stderr goes there."""
+    from submitit.core.utils import JobPaths
+
+    paths = JobPaths(job.paths.folder, job_id=job.job_id, task_id=0)
+    return paths.stderr if paths.stderr.exists() or not paths.stdout.exists() else paths.stdout
+
+
+def failure_line(job, overrides: list[str], failure) -> str:
+    """One `error:` line for a sweep job that failed: `failure` is its exception (submitit's, when it left no
+    result, or the task's own, when the task raised)."""
+    log = _job_log(job)
+    said = []
+    for path in (log, log.with_suffix(".out")):
+        if path.exists():
+            said += [line[len("error:"):].strip() for line in path.read_text(errors="replace").splitlines()
+                     if line.startswith("error:")]
+    if said:
+        why = said[-1]
+    elif type(failure).__name__ == "UncompletedJobError" and "has not produced any output" in str(failure):
+        why = f"it ended without a result (state {job.state})"
+    else:
+        lines = [line.strip() for line in str(failure).splitlines() if line.strip() and not line.startswith("-")]
+        why = lines[-1] if lines else type(failure).__name__
+    point = " ".join(o for o in overrides if not o.startswith("hydra"))
+    return f"error: sweep job {job.job_id} ({point}) failed: {why}; its log: {log}"
+
+
+class ReportFailedJobs:
+    """Mixed into hydra-submitit-launcher's launchers: launch() waits for every job of the sweep, returns their
+    results when none failed, and otherwise prints one `error:` line per failed job and exits with status 1."""
+
+    def launch(self, job_overrides, initial_job_idx):
+        with _outcomes() as jobs:
+            returns = super().launch(job_overrides, initial_job_idx)
+        lines = []
+        for overrides, job, ret in zip(job_overrides, jobs, returns):
+            failure = ret if isinstance(ret, BaseException) else None
+            if failure is None and getattr(ret.status, "name", "") == "FAILED":
+                failure = ret._return_value  # the task's exception (reading ret.return_value raises it)
+            if failure is not None:
+                lines.append(failure_line(job, list(overrides), failure))
+        if lines:
+            print("\n".join(lines), file=sys.stderr, flush=True)
+            raise SystemExit(1)
+        return returns

@@ -8,13 +8,20 @@ at the smoke profile:
 - a sweep of 2 seeds x 2 ranks: both runs finish, their losses and exported weights equal a
   ``torchrun --nproc_per_node 2`` run of the same settings bit for bit, and run_info.json records the world
   size, ranks per node, launcher and job / array ids; the sweep prints at most one line about sacct;
-- a job killed outright (``scancel -s KILL``) at step 5: the sweep exits non-zero, and its rerun resumes from
-  the last verified checkpoint (step 4) and ends with the uninterrupted run's weights;
-- preemption: ``scancel --signal=USR2`` at step 5 of a job whose time limit makes every signal a time-out;
-  submitit checkpoints the job's submission and requeues it (``max_num_timeout``: 1 left, so 0 after it),
-  the requeued job resumes from its last checkpoint and ends with the uninterrupted run's weights;
-- a sweep with an invalid point (seed=-1): the other point finishes, the bad one's log holds one ``error:``
-  line, and the sweep exits non-zero;
+- a job whose tasks are SIGKILLed at step 5 (``kill -KILL <pids>``, as by the OOM killer; ``scancel -s KILL``
+  cancels the job, SIGTERM first): the sweep exits non-zero with one ``error:`` line
+  naming the job's log (no traceback), and its rerun resumes from the last verified checkpoint (step 4) and
+  ends with the uninterrupted run's weights;
+- preemption: ``scancel --signal=USR2`` at step 5 of a job whose time limit makes every signal a time-out:
+  the trainer checkpoints step 6 (the end of the step the signal came in), then submitit checkpoints the job's
+  submission and requeues it (``max_num_timeout``: 1 left, so 0 after it); the requeued job resumes from that
+  step-6 checkpoint, not the periodic step 4, and ends with the uninterrupted run's weights;
+- an administrator's ``scontrol requeue`` at step 5: SLURM sends SIGTERM (``KillWait`` before SIGKILL), the
+  trainer checkpoints step 6 and exits, SLURM starts the job again (same job id, restart count 1), and it
+  resumes from step 6 and ends with the uninterrupted run's weights;
+- a sweep with a point that fails inside its job (``results_root`` a file): the other point finishes, the bad
+  one's log holds one ``error:`` line, and the sweep exits non-zero with one ``error:`` line naming that job's
+  log and no traceback;
 - ``stage=eval`` on 2 ranks under SLURM: the answers equal a one-process evaluation of the same run.
 
 When the daemons cannot be started here (no root to install, no munge, ...) it prints ``skipped: <why>`` and
@@ -40,7 +47,8 @@ from hif8qat.rehearse.slurm_cluster import ClusterUnavailable, LocalCluster
 
 WORLD = 2
 PAUSE_AT = 5  # after the step-4 checkpoint (smoke: checkpoint_every=4, 8 steps)
-RESUME_AT = 4
+RESUME_AT = 4  # a job killed outright resumes from the periodic checkpoint
+SIGNAL_AT = 6  # a signalled one checkpoints the end of the step the signal came in
 COMMON = ["experiment=exp8", "profile=smoke", "logger.progress_bar=false", "train.num_threads=1"]
 SLURM = ["hydra/launcher=slurm_cpu", f"hydra.launcher.tasks_per_node={WORLD}", "hydra.launcher.timeout_min=10"]
 
@@ -102,23 +110,35 @@ def _job_ids(sweep: Path) -> list[str]:
     return sorted(p.name for p in sub.iterdir() if p.is_dir() and "_" in p.name) if sub.exists() else []
 
 
+def _one_error_line_per_failed_job(sweep_output: str, sweep: Path, words: str) -> None:
+    """The sweep's own output: one `error:` line, naming the failed job's log (which exists) and `words`, and no
+    traceback."""
+    assert "Traceback" not in sweep_output, sweep_output[-2000:]
+    errors = [line for line in sweep_output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0], errors or sweep_output[-2000:]
+    log = Path(errors[0].rsplit("its log: ", 1)[-1])
+    assert log.is_file() and log.is_relative_to(sweep), errors[0]
+
+
 def _pause_env(marker: Path) -> dict[str, str]:
-    """The trainer's test hook: pause at step PAUSE_AT (once), writing `marker` with the SLURM job id."""
+    """The trainer's test hook: pause at step PAUSE_AT (once), each rank adding a line to `marker` with the SLURM
+    job id and its pid."""
     return {"HIF8QAT_TEST_PAUSE_AT_STEP": str(PAUSE_AT), "HIF8QAT_TEST_PAUSE_FILE": str(marker)}
 
 
-def _signal_when_paused(marker: Path, sweep, scancel: list[str], timeout: float = 400) -> str:
-    """Wait until the sweep's job pauses at step PAUSE_AT, then run `scancel ... <job>`; what was run, or why not."""
+def _signal_when_paused(marker: Path, sweep, command: list[str], timeout: float = 400) -> str:
+    """Wait until every rank of the sweep's job pauses at step PAUSE_AT, then run `command <job id>` (`command
+    <every rank's pid>` when it is `kill`); what was run, or why not."""
     end = time.time() + timeout
     try:
-        while not (marker.exists() and "job=" in marker.read_text()):
+        while not (marker.exists() and len(re.findall(r"job=\d+", marker.read_text())) >= WORLD):
             if sweep.poll() is not None or time.time() > end:
                 raise AssertionError(f"the job never reached step {PAUSE_AT} ({marker} not written)")
             time.sleep(0.5)
-        time.sleep(1)  # every rank at the pause
-        job = re.search(r"job=(\d+)", marker.read_text())[1]
-        subprocess.run([*scancel, job], check=True, timeout=30, capture_output=True)
-        return " ".join([*scancel, job])
+        text = marker.read_text()
+        targets = re.findall(r"pid=(\d+)", text) if command[0] == "kill" else [re.search(r"job=(\d+)", text)[1]]
+        subprocess.run([*command, *targets], check=True, timeout=30, capture_output=True)
+        return " ".join([*command, *targets])
     except Exception as err:  # noqa: BLE001 - the check reports it
         return f"not signalled: {err}"
 
@@ -131,9 +151,9 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
            "HIF8QAT_COMPILE": "0"}  # the eager quantizer is bit-identical and spares each process a cold compile
     runner = _Runner(work, repo, env)
     checks: dict[str, str | None] = {}
-    R = {k: work / "runs" / k for k in ("slurm", "torchrun", "killed", "preempted", "eval_one")}
+    R = {k: work / "runs" / k for k in ("slurm", "torchrun", "killed", "preempted", "requeued", "eval_one")}
 
-    def sweep_args(results: Path, name: str, seeds: str, *extra: str) -> list[str]:
+    def sweep_args(results: Path | str, name: str, seeds: str, *extra: str) -> list[str]:
         return ["-m", *SLURM, *COMMON, "stage=train", f"seed={seeds}", f"results_root={results}",
                 f"hydra.sweep.dir={work / 'sweeps' / name}", *extra]
 
@@ -146,15 +166,21 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
 
     # Then, side by side (the partition shares each CPU among up to 4 jobs, so a paused job holds none back):
     # a job killed outright at step 5, a job preempted at step 5, a sweep with an invalid point, the evaluation.
-    pauses = {k: work / f"paused_{k}" for k in ("killed", "preempted")}
+    pauses = {k: work / f"paused_{k}" for k in ("killed", "preempted", "requeued")}
     killed = runner.start("sweep_killed", sweep_args(R["killed"], "killed", "0"), env=_pause_env(pauses["killed"]))
     # USR2 under a time limit that makes any signal a time-out: submitit's requeue path, max_num_timeout 1 -> 0
     preempted = runner.start("sweep_preempted", sweep_args(R["preempted"], "preempted", "0",
                                                            "hydra.launcher.max_num_timeout=1",
                                                            "hydra.launcher.signal_delay_s=30"),
                              env=_pause_env(pauses["preempted"]))
-    # one invalid point: seed 1 is finished (skipped in seconds), seed -1 is refused
-    bad = runner.start("sweep_with_an_invalid_point", sweep_args(R["slurm"], "invalid", "1,-1"))
+    # an administrator's requeue: SIGTERM to the job's tasks, then SLURM starts it again
+    requeued = runner.start("sweep_requeued", sweep_args(R["requeued"], "requeued", "0"),
+                            env=_pause_env(pauses["requeued"]))
+    # a point that fails in its job (every point's settings are checked before submission; whether results_root
+    # can be written is only known where the job runs): seed 1 in R["slurm"] is finished (skipped in seconds)
+    not_a_folder = work / "not_a_folder"
+    not_a_folder.write_text("")
+    bad = runner.start("sweep_with_a_failing_point", sweep_args(f"{R['slurm']},{not_a_folder}", "invalid", "1"))
     # stage=eval on 2 ranks under SLURM, and on one process from a copy of the same run folder
     try:
         shutil.copytree(_folder(R["slurm"], 0), _folder(R["eval_one"], 0), ignore=shutil.ignore_patterns("run.lock"))
@@ -165,12 +191,16 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
     under_slurm = runner.start("eval_2_ranks_under_slurm", ["-m", *SLURM, *COMMON, "stage=eval", "seed=0",
                                                             f"results_root={R['slurm']}",
                                                             f"hydra.sweep.dir={work / 'sweeps' / 'eval'}"])
-    kill_note = _signal_when_paused(pauses["killed"], killed[0], ["scancel", "-s", "KILL"])
+    # SIGKILL to the tasks themselves, as the OOM killer or a lost node does: `scancel -s KILL <job>` cancels the
+    # job, SIGTERM first, and the job would checkpoint
+    kill_note = _signal_when_paused(pauses["killed"], killed[0], ["kill", "-KILL"])
     usr2_note = _signal_when_paused(pauses["preempted"], preempted[0], ["scancel", "--signal=USR2"])
+    requeue_note = _signal_when_paused(pauses["requeued"], requeued[0], ["scontrol", "requeue"])
     rc_killed, log_killed = runner.wait(killed)
     rerun = runner.start("sweep_killed_rerun", sweep_args(R["killed"], "killed_rerun", "0"),
                          env=_pause_env(pauses["killed"]))
     rc_preempted, log_preempted = runner.wait(preempted)
+    rc_requeued, log_requeued = runner.wait(requeued)
     rc_bad, log_bad = runner.wait(bad)
     rc_eval, log_eval = runner.wait(under_slurm)
     rc_one, log_one = runner.wait(one)
@@ -216,8 +246,9 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
         assert "accounting storage is disabled" not in log_sweep.replace(lines[0] if lines else "", ""), lines
 
     def killed_job_fails_the_sweep_and_the_rerun_resumes():
-        assert kill_note.startswith("scancel"), kill_note
+        assert kill_note.startswith("kill"), kill_note
         assert rc_killed != 0, f"the sweep with a killed job exited 0: {log_killed[-1500:]}"
+        _one_error_line_per_failed_job(log_killed, work / "sweeps" / "killed", "ended without a result")
         assert rc_rerun == 0, f"rerun exit {rc_rerun}: {log_rerun[-2000:]}"
         folder = _folder(R["killed"], 0)
         starts = [h["status"] for h in _info(folder)["history"]]
@@ -237,8 +268,25 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
         jobs = {h["distributed"]["slurm"]["job_id"] for h in history}
         assert restarts == [0, 1] and len(jobs) == 1, f"not requeued as the same job: {history}"
         logs = "".join(p.read_text(errors="replace") for p in (work / "sweeps" / "preempted").rglob("*_log.*"))
-        for words in ("this job is timed-out", "Calling checkpoint method", "(0 remaining timeouts)",
-                      f"at step {RESUME_AT}"):
+        for words in (f"SIGUSR2: checkpointed at step {SIGNAL_AT}", "this job is timed-out",
+                      "Calling checkpoint method", "(0 remaining timeouts)", f"step_{SIGNAL_AT:07d} at step {SIGNAL_AT}"):
+            assert words in logs, f"{words!r} not in the job's logs"
+        assert f"at step {RESUME_AT}" not in logs, "resumed from the periodic checkpoint, not the signal's"
+        assert _metrics(folder) == _metrics(_folder(R["slurm"], 0)), "losses differ from the uninterrupted run"
+        assert _same_weights(folder, _folder(R["slurm"], 0)), "final weights differ from the uninterrupted run"
+
+    def requeued_job_checkpoints_on_sigterm_and_resumes():
+        assert requeue_note.startswith("scontrol"), requeue_note
+        assert rc_requeued == 0, f"exit {rc_requeued}: {log_requeued[-2000:]}"
+        folder = _folder(R["requeued"], 0)
+        history = _info(folder)["history"]
+        assert [h["status"] for h in history] == ["new", "resume"], [h["status"] for h in history]
+        restarts = [h["distributed"]["slurm"]["restart_count"] for h in history]
+        jobs = {h["distributed"]["slurm"]["job_id"] for h in history}
+        assert restarts == [0, 1] and len(jobs) == 1, f"not requeued as the same job: {history}"
+        logs = "".join(p.read_text(errors="replace") for p in (work / "sweeps" / "requeued").rglob("*_log.*"))
+        # KillWait (5 s here) is ample for the tiny model's checkpoint: the signal's step, not the periodic one
+        for words in (f"SIGTERM: checkpointed at step {SIGNAL_AT}", f"step_{SIGNAL_AT:07d} at step {SIGNAL_AT}"):
             assert words in logs, f"{words!r} not in the job's logs"
         assert _metrics(folder) == _metrics(_folder(R["slurm"], 0)), "losses differ from the uninterrupted run"
         assert _same_weights(folder, _folder(R["slurm"], 0)), "final weights differ from the uninterrupted run"
@@ -254,7 +302,8 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
             errs[job] = [line for line in text.splitlines() if line.startswith("error:")]
         good, bad = errs[jobs[0]], errs[jobs[1]]
         assert not good, good
-        assert len(bad) == 1 and "seed" in bad[0], bad
+        assert len(bad) == 1 and "results_root" in bad[0], bad
+        _one_error_line_per_failed_job(log_bad, work / "sweeps" / "invalid", "results_root")
         logs = "".join(p.read_text(errors="replace")
                        for p in (work / "sweeps" / "invalid" / ".submitit" / jobs[0]).glob("*_log.*"))
         assert "is finished: skipping training" in logs, "the valid point did not run"
@@ -274,7 +323,8 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
 
     for fn in (sweep_finishes_both_runs, sweep_equals_torchrun_bit_for_bit, run_info_records_the_slurm_launch,
                sacct_fallback_says_so_once, killed_job_fails_the_sweep_and_the_rerun_resumes,
-               preempted_job_is_requeued_and_resumes, invalid_point_fails_alone, eval_on_2_ranks_equals_one_process):
+               preempted_job_is_requeued_and_resumes, requeued_job_checkpoints_on_sigterm_and_resumes,
+               invalid_point_fails_alone, eval_on_2_ranks_equals_one_process):
         check(fn.__name__, fn)
     return checks
 

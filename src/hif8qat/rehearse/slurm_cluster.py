@@ -116,7 +116,9 @@ def slurm_conf(work: Path, user: str, ports: tuple[int, int], cpus: int, mem_mb:
         "ReturnToService=2",
         "SlurmctldTimeout=30",
         "SlurmdTimeout=60",
-        "KillWait=5",
+        # SLURM's default: the SIGTERM of a requeue or cancel leaves a job this long to checkpoint its step
+        # before SIGKILL (a 2-core machine running five jobs at once can need more than a few seconds)
+        "KillWait=30",
         "MinJobAge=600",
         f"NodeName={NODE} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN",
         # up to 4 jobs share a CPU: a job paused or waiting on a requeue holds no core back from the others

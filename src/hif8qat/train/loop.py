@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -55,11 +54,7 @@ from hif8qat.train.distributed import (
 )
 from hif8qat.train.export import export_or_explain
 from hif8qat.train.log import MetricsSink, progress_bar, train_summary, truncate_metrics
-
-# Test hook: SIGKILL this process at the start of the given step (crash/resume tests).
-_KILL_AT_STEP_ENV = "HIF8QAT_TEST_KILL_AT_STEP"
-_PAUSE_AT_STEP_ENV, _PAUSE_FILE_ENV = "HIF8QAT_TEST_PAUSE_AT_STEP", "HIF8QAT_TEST_PAUSE_FILE"
-
+from hif8qat.train.preemption import StopSignals, hooked_stream
 
 # torch's default is 10 minutes; a 1B model's export or checkpoint to a network filesystem can take longer.
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=60)
@@ -67,6 +62,10 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=60)
 
 class TrainingDiverged(RunError):
     """The loss, the gradients (persistently) or the weights became non-finite; no bad state is saved."""
+
+
+class Preempted(RunError):
+    """A stop signal (SIGTERM, USR2) came and no handler before ours took it over: checkpointed, stopped."""
 
 
 @dataclass
@@ -148,12 +147,15 @@ def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.de
     return float(sum(losses) / max(len(losses), 1))
 
 
-def _reduce_mean(value: float, ctx: DistContext) -> float:
+def _reduce_step(value: float, flags: list[float], ctx: DistContext) -> tuple[float, list[float]]:
+    """The ranks' mean loss, and the stop-signal flags summed over the ranks, in the one all-reduce a step
+    makes anyway: every rank sends its flags every step, so all agree on a signal only some of them got,
+    at no extra collective (the sum is elementwise: the loss is the same as reduced alone)."""
     if ctx.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+        return value, flags
+    t = torch.tensor([value, *flags], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t)
-    return float(t.item() / ctx.world_size)
+    return float(t[0].item() / ctx.world_size), t[1:].tolist()
 
 
 def _build_model(cfg: RunConfig, ctx: DistContext):
@@ -290,52 +292,80 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
                              rank_state=rank_state, rank=ctx.rank, world_size=ctx.world_size,
                              barrier=ctx.barrier if ctx.world_size > 1 else None, keep=cfg.train.keep_checkpoints)
 
+    def stop_here(step: int, signals: list, stop: StopSignals, saved: bool) -> None:
+        """A stop signal came during the step before `step`: checkpoint `step` (unless just done), verify it,
+        hand the signals to the handlers installed before ours (submitit's requeues the job), and stop."""
+        path = ckpt.checkpoint_path(ckpt_root, step)
+        if not saved:
+            save(step)
+        try:  # as a resume will: every rank hashes its share
+            _verify_shared(path, ctx)
+            where = f"checkpointed at step {step} ({path}, verified)"
+        except ckpt.CheckpointError as err:  # the resume will reject it too and take the one before
+            where = f"the checkpoint of step {step} failed its check ({err})"
+        sink.close()
+        progress.close()
+        if ctx.is_main:
+            print(f"{stop.names(signals)}: {where}", flush=True)
+        stop.chain(signals)  # under submitit: requeues and exits on rank 0
+        if not ctx.is_main:
+            raise SystemExit(2)  # rank 0 says it, once
+        how = "the same command" if cfg.train.resume == "auto" else f"train.resume={path} (or train.resume=auto)"
+        raise Preempted(f"stopped by {stop.names(signals)}: {where}; resume with {how}")
+
     if ctx.is_main:  # before the first step, not when the first save fails after hours of training
         ckpt.check_free_space(run_dir, ckpt.state_bytes(model, optimizer), cfg.train.keep_checkpoints)
     quant_active = cfg.quant.enabled and start_step >= (quant_on_step or 0)
-    stream = _maybe_killed_stream(stream, accum, start_step)
-    for step in range(start_step, cfg.train.steps):
-        if cfg.quant.enabled:
-            if step == quant_on_step and not quant_active:
-                set_quantization(model, True)  # resets every scaler: cold start on the first QAT call
-                quant_active = True
-            set_step(model, step)
-        t0 = time.perf_counter()
-        epoch = stream.epoch
-        loss_value = _reduce_mean(_forward_backward(wrapped, stream, accum, compute, cfg, ctx), ctx)
-        if stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
-            order = "in a new order" if stream.kind == "packed" else "in the same order"
-            print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {stream.epoch} reads it "
-                  f"again {order}")
-        if not math.isfinite(loss_value):
-            raise diverged(f"loss became {loss_value} at step {step}")
-        lr = scheduler.get_last_lr()[0]
-        grad_norm, skipped = _optimizer_step(model, optimizer, scheduler, cfg, ctx, skips, step)
-        if skips["consecutive_skips"] > cfg.train.max_consecutive_skips:
-            raise diverged(f"gradient norm non-finite for {skips['consecutive_skips']} consecutive steps "
-                           f"(through step {step}; train.max_consecutive_skips={cfg.train.max_consecutive_skips})")
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        step_time = time.perf_counter() - t0
-        step_times[quant_active].append(step_time)
+    # SIGTERM / USR2 only set a flag while the loop runs; the step they come in ends with a checkpoint
+    with StopSignals() as stop:
+        stream = hooked_stream(stream, accum, start_step, stop)  # crash tests and rehearsals only
+        for step in range(start_step, cfg.train.steps):
+            if cfg.quant.enabled:
+                if step == quant_on_step and not quant_active:
+                    set_quantization(model, True)  # resets every scaler: cold start on the first QAT call
+                    quant_active = True
+                set_step(model, step)
+            t0 = time.perf_counter()
+            epoch = stream.epoch
+            loss_value, flags = _reduce_step(_forward_backward(wrapped, stream, accum, compute, cfg, ctx),
+                                             stop.flags(), ctx)
+            if stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
+                order = "in a new order" if stream.kind == "packed" else "in the same order"
+                print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {stream.epoch} reads it "
+                      f"again {order}")
+            if not math.isfinite(loss_value):
+                raise diverged(f"loss became {loss_value} at step {step}")
+            lr = scheduler.get_last_lr()[0]
+            grad_norm, skipped = _optimizer_step(model, optimizer, scheduler, cfg, ctx, skips, step)
+            if skips["consecutive_skips"] > cfg.train.max_consecutive_skips:
+                raise diverged(f"gradient norm non-finite for {skips['consecutive_skips']} consecutive steps "
+                               f"(through step {step}; train.max_consecutive_skips={cfg.train.max_consecutive_skips})")
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            step_time = time.perf_counter() - t0
+            step_times[quant_active].append(step_time)
 
-        record: dict[str, Any] = {
-            "step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-            "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
-            "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
-            "skipped_steps": skips["skipped_steps"], "epoch": stream.epoch,
-        }
-        if quant_active:
-            record.update(_telemetry(model, cfg, step, telemetry_dir, ctx.rank))
-        if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
-            record["val_loss"] = held_out()
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or skipped:
-            sink.log(record)
-        progress.update(1)
-        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
-                             q=int(quant_active))
-        if (step + 1) % cfg.train.checkpoint_every == 0 and step + 1 < cfg.train.steps:
-            save(step + 1)
+            record: dict[str, Any] = {
+                "step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
+                "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
+                "skipped_steps": skips["skipped_steps"], "epoch": stream.epoch,
+            }
+            if quant_active:
+                record.update(_telemetry(model, cfg, step, telemetry_dir, ctx.rank))
+            if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
+                record["val_loss"] = held_out()
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or skipped:
+                sink.log(record)
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 q=int(quant_active))
+            due = (step + 1) % cfg.train.checkpoint_every == 0 and step + 1 < cfg.train.steps
+            if due:
+                save(step + 1)
+            signals = stop.agreed(flags)
+            if signals:
+                stop_here(step + 1, signals, stop, saved=due)
     progress.close()
 
     if cfg.train.keep_checkpoints_when_done == 0:  # it would be deleted at once (at 1B: 17 GB written, hashed)
@@ -415,55 +445,6 @@ def _telemetry(model, cfg: RunConfig, step: int, telemetry_dir: Path, rank: int)
         telemetry_dir.mkdir(exist_ok=True)
         dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{rank}.jsonl")
     return step_telemetry(model)
-
-
-class _KilledStream:
-    """The training stream, SIGKILLing the process when step `kill_at` asks for its first batch.
-
-    For crash/resume tests only (HIF8QAT_TEST_KILL_AT_STEP): a real kill, with nothing flushed or saved,
-    kept out of the training loop by wrapping the one thing every step reads first."""
-
-    def __init__(self, stream, batches_before_kill: int):
-        self._stream, self._left = stream, batches_before_kill
-
-    def __next__(self):
-        if self._left == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        self._left -= 1
-        return next(self._stream)
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
-
-
-class _PausedStream(_KilledStream):
-    """The training stream, stopping (until the process is signalled or killed) when step `pause_at` asks for its
-    first batch, after writing `marker`. Every rank of a run that started without `marker` pauses (a rank blocked
-    in a collective instead could not run a signal handler); a rerun that finds it does not.
-
-    For the SLURM rehearsal only (HIF8QAT_TEST_PAUSE_AT_STEP, HIF8QAT_TEST_PAUSE_FILE): a job caught
-    mid-run at a known step, to requeue, signal or kill it there."""
-
-    def __init__(self, stream, batches_before_pause: int, marker: Path):
-        super().__init__(stream, batches_before_pause)
-        self._marker = marker
-
-    def __next__(self):
-        if self._left == 0:
-            self._marker.write_text(f"job={os.environ.get('SLURM_JOB_ID', '')} pid={os.getpid()}\n")
-            time.sleep(600)
-        self._left -= 1
-        return next(self._stream)
-
-
-def _maybe_killed_stream(stream, accum: int, start_step: int):
-    kill_at = int(os.environ.get(_KILL_AT_STEP_ENV, "-1"))
-    pause_at = int(os.environ.get(_PAUSE_AT_STEP_ENV, "-1"))
-    if pause_at >= start_step and os.environ.get(_PAUSE_FILE_ENV) and not Path(os.environ[_PAUSE_FILE_ENV]).exists():
-        return _PausedStream(stream, (pause_at - start_step) * accum, Path(os.environ[_PAUSE_FILE_ENV]))
-    if kill_at < start_step:
-        return stream
-    return _KilledStream(stream, (kill_at - start_step) * accum)
 
 
 def _verify_shared(path: Path, ctx: DistContext) -> None:

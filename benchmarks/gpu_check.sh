@@ -233,7 +233,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, "benchmarks")
 from bench_step import build_model
-from hif8qat import checkpoint as ckpt
+from hif8qat.train import checkpoint as ckpt
 name, dev, root = sys.argv[1], torch.device(sys.argv[2]), Path(sys.argv[3])
 def fresh(seed):
     torch.manual_seed(seed)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hif8qat import checkpoint as ckpt
+from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.preemption import StopSignals, watched_signals
 
 ROOT = Path(__file__).resolve().parents[1]

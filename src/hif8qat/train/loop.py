@@ -190,47 +190,69 @@ def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) 
 
 def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict[str, Any]:
     """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows)."""
-    ctx = ctx or setup_distributed(cfg.train.device)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.seed)
-    model, tokenizer, converted = _build_model(cfg, ctx)
-    wrapped = _wrap_distributed(model, cfg, ctx)
-    if cfg.train.compile:  # quantized linears are opaque custom ops: no graph break
-        wrapped = torch.compile(wrapped)
-    quant_on_step = cfg.quant.bf16_warmup_steps if cfg.quant.enabled else None
+    run = _Run(cfg, run_dir, ctx or setup_distributed(cfg.train.device))
+    start_step = run.resume()
+    run.open_log(start_step)
+    if run.ctx.is_main:  # before the first step, not when the first save fails after hours of training
+        ckpt.check_free_space(run_dir, ckpt.state_bytes(run.model, run.optimizer), cfg.train.keep_checkpoints)
+    run.steps(start_step)
+    return run.finish()
 
-    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
-                                  betas=tuple(cfg.train.betas), eps=cfg.train.eps)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
-    stream = build_train_stream(cfg.data.source, tokenizer, seq_len=cfg.train.seq_len,
-                                micro_batch_size=cfg.train.micro_batch_size, rank=ctx.rank,
-                                world_size=ctx.world_size, seed=cfg.seed, cache_dir=cfg.data.cache_dir)
-    if stream.kind == "stream":  # tokenized on the fly: the next batches are read in a thread during the step
-        stream = PrefetchedStream(stream)
-    accum = cfg.grad_accum_steps(ctx.world_size)
-    compute = _numerics(cfg, ctx.device)  # bf16 | bf16_emulated | none (the run's config has it resolved already)
 
-    ckpt_root = run_dir / "checkpoints"
-    # Optimizer steps skipped for a non-finite gradient norm: in total, and in the current streak.
-    skips = {"skipped_steps": 0, "consecutive_skips": 0}
-    start_step = 0
-    resume_from = None
-    if cfg.train.resume == "auto":
-        # every rank hashes its share of the files; rank 0 repairs and renames rejected checkpoints
-        resume_from = _on_every_rank(ctx, lambda: ckpt.select_checkpoint(
-            ckpt_root, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather,
-            barrier=ctx.barrier if ctx.world_size > 1 else None))
-    elif cfg.train.resume != "never":
-        resume_from = Path(cfg.train.resume)
-        _on_every_rank(ctx, lambda: _verify_shared(resume_from, ctx))  # named explicitly: never replaced
-    if resume_from is not None:
-        start_step, rank_state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer,
-                                                      scheduler=scheduler, rank=ctx.rank,
+class _Run:
+    """One training run's parts (model, optimizer, schedule, data stream, log), so that each phase of
+    :func:`train` is a method that says what it does: resume, steps, save, stop on a signal, finish."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, ctx: DistContext):
+        self.cfg, self.run_dir, self.ctx = cfg, run_dir, ctx
+        if cfg.train.num_threads:
+            torch.set_num_threads(cfg.train.num_threads)
+        seed_everything(cfg.seed)
+        self.model, self.tokenizer, self.converted = _build_model(cfg, ctx)
+        wrapped = _wrap_distributed(self.model, cfg, ctx)
+        if cfg.train.compile:  # quantized linears are opaque custom ops: no graph break
+            wrapped = torch.compile(wrapped)
+        self.wrapped = wrapped
+        self.quant_on_step = cfg.quant.bf16_warmup_steps if cfg.quant.enabled else None
+        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, cfg.train.weight_decay), lr=cfg.train.lr,
+                                           betas=tuple(cfg.train.betas), eps=cfg.train.eps)
+        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
+        stream = build_train_stream(cfg.data.source, self.tokenizer, seq_len=cfg.train.seq_len,
+                                    micro_batch_size=cfg.train.micro_batch_size, rank=ctx.rank,
+                                    world_size=ctx.world_size, seed=cfg.seed, cache_dir=cfg.data.cache_dir)
+        if stream.kind == "stream":  # tokenized on the fly: the next batches are read in a thread during the step
+            stream = PrefetchedStream(stream)
+        self.stream = stream
+        self.accum = cfg.grad_accum_steps(ctx.world_size)
+        self.compute = _numerics(cfg, ctx.device)  # bf16 | bf16_emulated | none (resolved in the run's config)
+        self.ckpt_root = run_dir / "checkpoints"
+        # Optimizer steps skipped for a non-finite gradient norm: in total, and in the current streak.
+        self.skips = {"skipped_steps": 0, "consecutive_skips": 0}
+        self.step_times: dict[bool, list[float]] = {False: [], True: []}
+        self._held_out_windows = None
+
+    def resume(self) -> int:
+        """Load the checkpoint train.resume names (auto: the newest that verifies); the step to start at."""
+        cfg, ctx, model = self.cfg, self.ctx, self.model
+        resume_from = None
+        if cfg.train.resume == "auto":
+            # every rank hashes its share of the files; rank 0 repairs and renames rejected checkpoints
+            resume_from = _on_every_rank(ctx, lambda: ckpt.select_checkpoint(
+                self.ckpt_root, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather,
+                barrier=ctx.barrier if ctx.world_size > 1 else None))
+        elif cfg.train.resume != "never":
+            resume_from = Path(cfg.train.resume)
+            _on_every_rank(ctx, lambda: _verify_shared(resume_from, ctx))  # named explicitly: never replaced
+        if resume_from is None:
+            if cfg.quant.enabled and self.quant_on_step == 0:
+                set_quantization(model, True)
+            return 0
+        start_step, rank_state = ckpt.load_checkpoint(resume_from, model=model, optimizer=self.optimizer,
+                                                      scheduler=self.scheduler, rank=ctx.rank,
                                                       world_size=ctx.world_size)
         if "data_by_rank" in rank_state:  # written by another number of ranks (checkpoint.rank_state_for)
             try:
-                note = stream.resize(rank_state["data_by_rank"])
+                note = self.stream.resize(rank_state["data_by_rank"])
             except ValueError as err:  # data settings changed, or a checkpoint without per-document positions
                 raise ckpt.CheckpointError(f"cannot resume {resume_from} on {ctx.world_size} rank(s): {err}") from None
             if ctx.is_main:
@@ -238,43 +260,38 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
                       "data order from here on differs from an uninterrupted run's (no document is read twice "
                       "in this epoch); the scalers are those of saved rank (rank % saved ranks)")
         else:
-            stream.load_state_dict(rank_state["data"])
-        skips.update(rank_state.get("train", {}))
+            self.stream.load_state_dict(rank_state["data"])
+        self.skips.update(rank_state.get("train", {}))
         if cfg.quant.enabled:
-            set_quantization(model, start_step >= quant_on_step)
+            set_quantization(model, start_step >= self.quant_on_step)
             load_quant_state_dict(model, rank_state["quant"])
         ckpt.set_rng_state(rank_state["rng"])
         if ctx.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
-    elif cfg.quant.enabled and quant_on_step == 0:
-        set_quantization(model, True)
+        return start_step
 
-    metrics_path = run_dir / METRICS_FILE
-    if ctx.is_main:
-        truncate_metrics(metrics_path, start_step)
-    sink = MetricsSink(cfg, run_dir, ctx.is_main)
-    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-    telemetry_dir = run_dir / "telemetry"
-    progress = progress_bar(cfg, ctx.is_main, start_step)
-    held_out_windows = None
+    def open_log(self, start_step: int) -> None:
+        self.metrics_path = self.run_dir / METRICS_FILE
+        if self.ctx.is_main:
+            truncate_metrics(self.metrics_path, start_step)
+        self.sink = MetricsSink(self.cfg, self.run_dir, self.ctx.is_main)
+        self.progress = progress_bar(self.cfg, self.ctx.is_main, start_step)
+        self.wall_start = time.perf_counter()
 
-    def held_out() -> float:
-        nonlocal held_out_windows
-        if held_out_windows is None:  # tokenized once, reused by every validation
-            held_out_windows = build_eval_windows(cfg.data.source, tokenizer, seq_len=cfg.train.seq_len,
-                                                  num_windows=cfg.data.eval_windows)
-        return held_out_loss(model, held_out_windows, cfg, ctx.device)
+    def held_out(self) -> float:
+        if self._held_out_windows is None:  # tokenized once, reused by every validation
+            self._held_out_windows = build_eval_windows(self.cfg.data.source, self.tokenizer,
+                                                        seq_len=self.cfg.train.seq_len,
+                                                        num_windows=self.cfg.data.eval_windows)
+        return held_out_loss(self.model, self._held_out_windows, self.cfg, self.ctx.device)
 
-    step_times: dict[bool, list[float]] = {False: [], True: []}
-    wall_start = time.perf_counter()
-
-    def diverged(reason: str) -> TrainingDiverged:
-        sink.close()
-        if ctx.is_main:
-            (run_dir / "FAILED").write_text(reason + "\n")
-        last = ckpt.latest_checkpoint(ckpt_root)
+    def diverged(self, reason: str) -> TrainingDiverged:
+        self.sink.close()
+        if self.ctx.is_main:
+            (self.run_dir / "FAILED").write_text(reason + "\n")
+        last = ckpt.latest_checkpoint(self.ckpt_root)
         if last is None:
-            kept = (f"no checkpoint was written before it (the first is due at step {cfg.train.checkpoint_every}); "
+            kept = (f"no checkpoint was written before it (the first is due at step {self.cfg.train.checkpoint_every}); "
                     "change the settings that diverged (e.g. a lower train.lr) and run again")
         else:
             kept = (f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}, finite weights); rerunning "
@@ -282,116 +299,125 @@ def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict
                     f"diverged (e.g. a lower train.lr), optionally continuing from it with train.resume={last}")
         return TrainingDiverged(f"{reason}; {kept}")
 
-    def save(step: int) -> None:
-        bad = _first_nonfinite(model, optimizer, ctx)
+    def save(self, step: int) -> None:
+        bad = _first_nonfinite(self.model, self.optimizer, self.ctx)
         if bad:
-            raise diverged(f"{bad} became non-finite by step {step}; it was not checkpointed")
-        rank_state = {"rng": ckpt.rng_state(), "data": stream.state_dict(), "train": dict(skips),
-                      "quant": quant_state_dict(model) if cfg.quant.enabled else {}}
-        ckpt.save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                             rank_state=rank_state, rank=ctx.rank, world_size=ctx.world_size,
-                             barrier=ctx.barrier if ctx.world_size > 1 else None, keep=cfg.train.keep_checkpoints)
+            raise self.diverged(f"{bad} became non-finite by step {step}; it was not checkpointed")
+        rank_state = {"rng": ckpt.rng_state(), "data": self.stream.state_dict(), "train": dict(self.skips),
+                      "quant": quant_state_dict(self.model) if self.cfg.quant.enabled else {}}
+        ctx = self.ctx
+        ckpt.save_checkpoint(self.ckpt_root, step, model=self.model, optimizer=self.optimizer,
+                             scheduler=self.scheduler, rank_state=rank_state, rank=ctx.rank,
+                             world_size=ctx.world_size, barrier=ctx.barrier if ctx.world_size > 1 else None,
+                             keep=self.cfg.train.keep_checkpoints)
 
-    def stop_here(step: int, signals: list, stop: StopSignals, saved: bool) -> None:
+    def stop_here(self, step: int, signals: list, stop: StopSignals, saved: bool) -> None:
         """A stop signal came during the step before `step`: checkpoint `step` (unless just done), verify it,
         hand the signals to the handlers installed before ours (submitit's requeues the job), and stop."""
-        path = ckpt.checkpoint_path(ckpt_root, step)
+        path = ckpt.checkpoint_path(self.ckpt_root, step)
         if not saved:
-            save(step)
+            self.save(step)
         try:  # as a resume will: every rank hashes its share
-            _verify_shared(path, ctx)
+            _verify_shared(path, self.ctx)
             where = f"checkpointed at step {step} ({path}, verified)"
         except ckpt.CheckpointError as err:  # the resume will reject it too and take the one before
             where = f"the checkpoint of step {step} failed its check ({err})"
-        sink.close()
-        progress.close()
-        if ctx.is_main:
+        self.sink.close()
+        self.progress.close()
+        if self.ctx.is_main:
             print(f"{stop.names(signals)}: {where}", flush=True)
         stop.chain(signals)  # under submitit: requeues and exits on rank 0
-        if not ctx.is_main:
+        if not self.ctx.is_main:
             raise SystemExit(2)  # rank 0 says it, once
-        how = "the same command" if cfg.train.resume == "auto" else f"train.resume={path} (or train.resume=auto)"
+        how = "the same command" if self.cfg.train.resume == "auto" else f"train.resume={path} (or train.resume=auto)"
         raise Preempted(f"stopped by {stop.names(signals)}: {where}; resume with {how}")
 
-    if ctx.is_main:  # before the first step, not when the first save fails after hours of training
-        ckpt.check_free_space(run_dir, ckpt.state_bytes(model, optimizer), cfg.train.keep_checkpoints)
-    quant_active = cfg.quant.enabled and start_step >= (quant_on_step or 0)
-    # SIGTERM / USR2 only set a flag while the loop runs; the step they come in ends with a checkpoint
-    with StopSignals() as stop:
-        stream = hooked_stream(stream, accum, start_step, stop)  # crash tests and rehearsals only
-        for step in range(start_step, cfg.train.steps):
-            if cfg.quant.enabled:
-                if step == quant_on_step and not quant_active:
-                    set_quantization(model, True)  # resets every scaler: cold start on the first QAT call
-                    quant_active = True
-                set_step(model, step)
-            t0 = time.perf_counter()
-            epoch = stream.epoch
-            loss_value, flags = _reduce_step(_forward_backward(wrapped, stream, accum, compute, cfg, ctx),
-                                             stop.flags(), ctx)
-            if stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
-                order = "in a new order" if stream.kind == "packed" else "in the same order"
-                print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {stream.epoch} reads it "
-                      f"again {order}")
-            if not math.isfinite(loss_value):
-                raise diverged(f"loss became {loss_value} at step {step}")
-            lr = scheduler.get_last_lr()[0]
-            grad_norm, skipped = _optimizer_step(model, optimizer, scheduler, cfg, ctx, skips, step)
-            if skips["consecutive_skips"] > cfg.train.max_consecutive_skips:
-                raise diverged(f"gradient norm non-finite for {skips['consecutive_skips']} consecutive steps "
-                               f"(through step {step}; train.max_consecutive_skips={cfg.train.max_consecutive_skips})")
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
-            step_time = time.perf_counter() - t0
-            step_times[quant_active].append(step_time)
+    def steps(self, start_step: int) -> None:
+        cfg, ctx, model = self.cfg, self.ctx, self.model
+        tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+        telemetry_dir = self.run_dir / "telemetry"
+        quant_active = cfg.quant.enabled and start_step >= (self.quant_on_step or 0)
+        # SIGTERM / USR2 only set a flag while the loop runs; the step they come in ends with a checkpoint
+        with StopSignals() as stop:
+            self.stream = hooked_stream(self.stream, self.accum, start_step, stop)  # crash tests, rehearsals only
+            for step in range(start_step, cfg.train.steps):
+                if cfg.quant.enabled:
+                    if step == self.quant_on_step and not quant_active:
+                        set_quantization(model, True)  # resets every scaler: cold start on the first QAT call
+                        quant_active = True
+                    set_step(model, step)
+                t0 = time.perf_counter()
+                epoch = self.stream.epoch
+                loss_value, flags = _reduce_step(
+                    _forward_backward(self.wrapped, self.stream, self.accum, self.compute, cfg, ctx), stop.flags(), ctx)
+                if self.stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
+                    order = "in a new order" if self.stream.kind == "packed" else "in the same order"
+                    print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {self.stream.epoch} "
+                          f"reads it again {order}")
+                if not math.isfinite(loss_value):
+                    raise self.diverged(f"loss became {loss_value} at step {step}")
+                lr = self.scheduler.get_last_lr()[0]
+                grad_norm, skipped = _optimizer_step(model, self.optimizer, self.scheduler, cfg, ctx, self.skips, step)
+                if self.skips["consecutive_skips"] > cfg.train.max_consecutive_skips:
+                    raise self.diverged(
+                        f"gradient norm non-finite for {self.skips['consecutive_skips']} consecutive steps (through "
+                        f"step {step}; train.max_consecutive_skips={cfg.train.max_consecutive_skips})")
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize(ctx.device)
+                step_time = time.perf_counter() - t0
+                self.step_times[quant_active].append(step_time)
 
-            record: dict[str, Any] = {
-                "step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
-                "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
-                "skipped_steps": skips["skipped_steps"], "epoch": stream.epoch,
-            }
-            if quant_active:
-                record.update(_telemetry(model, cfg, step, telemetry_dir, ctx.rank))
-            if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
-                record["val_loss"] = held_out()
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or skipped:
-                sink.log(record)
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 q=int(quant_active))
-            due = (step + 1) % cfg.train.checkpoint_every == 0 and step + 1 < cfg.train.steps
-            if due:
-                save(step + 1)
-            signals = stop.agreed(flags)
-            if signals:
-                stop_here(step + 1, signals, stop, saved=due)
-    progress.close()
+                record: dict[str, Any] = {
+                    "step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                    "tokens": (step + 1) * tokens_per_step, "step_time_s": step_time,
+                    "tokens_per_s": tokens_per_step / step_time, "quant": bool(quant_active),
+                    "skipped_steps": self.skips["skipped_steps"], "epoch": self.stream.epoch,
+                }
+                if quant_active:
+                    record.update(_telemetry(model, cfg, step, telemetry_dir, ctx.rank))
+                if cfg.train.val_every and (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
+                    record["val_loss"] = self.held_out()
+                if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or skipped:
+                    self.sink.log(record)
+                self.progress.update(1)
+                self.progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}",
+                                          tok_s=f"{record['tokens_per_s']:.0f}", q=int(quant_active))
+                due = (step + 1) % cfg.train.checkpoint_every == 0 and step + 1 < cfg.train.steps
+                if due:
+                    self.save(step + 1)
+                signals = stop.agreed(flags)
+                if signals:
+                    self.stop_here(step + 1, signals, stop, saved=due)
+        self.progress.close()
 
-    if cfg.train.keep_checkpoints_when_done == 0:  # it would be deleted at once (at 1B: 17 GB written, hashed)
-        bad = _first_nonfinite(model, optimizer, ctx)
-        if bad:
-            raise diverged(f"{bad} became non-finite by step {cfg.train.steps}; it was not exported")
-    else:
-        save(cfg.train.steps)
-    val_loss = held_out()
-    sink.close()
-    if hasattr(stream, "close"):  # a prefetching reader's thread ends with the run (a sweep runs many per process)
-        stream.close(rewind=False)
-    summary: dict[str, Any] = {}
+    def finish(self) -> dict[str, Any]:
+        """The last checkpoint, the held-out loss, the export and the run's summary; then prune checkpoints."""
+        cfg, ctx, model = self.cfg, self.ctx, self.model
+        if cfg.train.keep_checkpoints_when_done == 0:  # it would be deleted at once (at 1B: 17 GB written, hashed)
+            bad = _first_nonfinite(model, self.optimizer, ctx)
+            if bad:
+                raise self.diverged(f"{bad} became non-finite by step {cfg.train.steps}; it was not exported")
+        else:
+            self.save(cfg.train.steps)
+        val_loss = self.held_out()
+        self.sink.close()
+        if hasattr(self.stream, "close"):  # a prefetching reader's thread ends with the run (sweeps run many)
+            self.stream.close(rewind=False)
+        summary: dict[str, Any] = {}
 
-    full_state = full_model_state_dict(model) if is_fsdp(model) else None  # FSDP: every rank gathers
-    if ctx.is_main:
-        export_or_explain(model, tokenizer, run_dir, cfg, converted, full_state, optimizer)
-        summary = update_summary(run_dir, **train_summary(metrics_path, step_times, val_loss, converted,
-                                                           time.perf_counter() - wall_start),
-                                 skipped_steps=skips["skipped_steps"],
-                                 numerics=numerics.describe(compute, ctx.device.type))
-        mark_done(run_dir)
-    ctx.barrier()
-    if ctx.is_main and cfg.train.keep_checkpoints_when_done is not None:
-        ckpt.prune_checkpoints(ckpt_root, cfg.train.keep_checkpoints_when_done)
-    return summary
+        full_state = full_model_state_dict(model) if is_fsdp(model) else None  # FSDP: every rank gathers
+        if ctx.is_main:
+            export_or_explain(model, self.tokenizer, self.run_dir, cfg, self.converted, full_state, self.optimizer)
+            summary = update_summary(self.run_dir, **train_summary(self.metrics_path, self.step_times, val_loss,
+                                                                   self.converted,
+                                                                   time.perf_counter() - self.wall_start),
+                                     skipped_steps=self.skips["skipped_steps"],
+                                     numerics=numerics.describe(self.compute, ctx.device.type))
+            mark_done(self.run_dir)
+        ctx.barrier()
+        if ctx.is_main and cfg.train.keep_checkpoints_when_done is not None:
+            ckpt.prune_checkpoints(self.ckpt_root, cfg.train.keep_checkpoints_when_done)
+        return summary
 
 
 def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, compute: str, cfg: RunConfig,

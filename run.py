@@ -12,12 +12,16 @@ is printed as ``error: <message>`` with exit status 2.
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 ROOT = Path(__file__).resolve().parent
@@ -94,8 +98,6 @@ def _unknown_setting_message(key: str, override: str) -> str:
 
 def _hydra_error_message(err: Exception, combo: list[str], typed_overrides: list[str]) -> str:
     """One line naming what is wrong with the command line, for Hydra's composition failures."""
-    from hydra.errors import MissingConfigException, OverrideParseException
-
     if isinstance(err, MissingConfigException) and getattr(err, "options", None) is not None:
         group, _, choice = str(err.missing_cfg_file).rpartition("/")
         return f"invalid setting {group}={choice!r}: allowed one of " + ", ".join(sorted(err.options, key=_natural))
@@ -119,8 +121,6 @@ def _natural(name: str) -> tuple:
 def override_combinations(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The override lists to compose to check a command line: the line itself, and under multirun one list per
     swept value (the other sweeps at their first value), so a bad value anywhere in a sweep is found."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parsed = OverridesParser.create().parse_overrides(overrides)  # raises OverrideParseException
     if not multirun:
         return [list(overrides)]
@@ -141,22 +141,51 @@ def override_combinations(overrides: list[str], multirun: bool) -> list[list[str
     return combos
 
 
+class _RefusedLine(Exception):
+    pass
+
+
+class _HydraLineParser(argparse.ArgumentParser):
+    def error(self, message):  # a line Hydra's parser would refuse: Hydra prints its own usage for it
+        raise _RefusedLine(message)
+
+
+def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
+    """argv (without the program) as Hydra 1.3's @hydra.main reads it: .overrides, .multirun, and .plain (False
+    for a line that runs no job of this config: --help, --info, another config ...); None for a line Hydra
+    refuses with its own usage message.
+
+    Hydra's own parser is private (hydra._internal.utils.get_args_parser): this one declares the same flags,
+    with the values they take, so that a flag's value is never read as an override. tests/test_user_errors.py
+    holds the two parsers to the same reading of the lines run.py meets."""
+    ap = _HydraLineParser(add_help=False)
+    ap.add_argument("overrides", nargs="*")
+    for flags in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
+                  ("--multirun", "-m"), ("--shell-completion", "-sc")):
+        ap.add_argument(*flags, action="store_true")
+    ap.add_argument("--cfg", "-c", choices=["job", "hydra", "all"])
+    for flags in (("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"), ("--config-dir", "-cd"),
+                  ("--experimental-rerun",)):
+        ap.add_argument(*flags)
+    ap.add_argument("--info", "-i", nargs="?", const="all",
+                    choices=["all", "config", "defaults", "defaults-tree", "plugins", "searchpath"])
+    try:
+        args = ap.parse_args(argv)
+    except _RefusedLine:
+        return None
+    args.plain = not (args.help or args.hydra_help or args.version or args.info or args.shell_completion
+                      or args.experimental_rerun or args.config_path or args.config_name or args.config_dir)
+    return args
+
+
 def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str | None:
     """Compose the config as Hydra will, before Hydra does: its own failures (unknown experiment or setting,
     an override it cannot parse) end its process with exit 1 and a message that names no alternative. Returns
     the error message, or None when the line composes (or is not a plain run: --help, another config, ...).
     typed_overrides: the line as the user typed it, before force_add_dict_overrides, for the messages."""
-    from hydra import compose, initialize_config_dir
-    from hydra._internal.utils import get_args_parser
-    from hydra.errors import HydraException
-
-    try:
-        args = get_args_parser().parse_args(argv)
-    except SystemExit:
-        return None  # Hydra reports its own usage errors
-    if (args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun
-            or args.config_path or args.config_name or args.config_dir):
-        return None
+    args = hydra_command_line(argv)
+    if args is None or not args.plain:
+        return None  # Hydra reports its own usage errors and answers --help, --info ... itself
     combo: list[str] = list(args.overrides)
     try:
         for combo in override_combinations(args.overrides, args.multirun):
@@ -178,12 +207,8 @@ def slurm_launcher_overrides(argv: list[str]) -> list[str]:
     overrides, read from the partition where the config leaves them to it (hif8qat.launch.slurm), and the
     sacct-less job watching made quiet. Raises LauncherError (a setting that cannot work) before any job is
     submitted; returns [] for any other launcher."""
-    from hydra import compose, initialize_config_dir
-    from hydra._internal.utils import get_args_parser
-    from hydra.errors import HydraException
-
-    args = get_args_parser().parse_args(argv)
-    if not args.multirun or args.config_path or args.config_name or args.config_dir:
+    args = hydra_command_line(argv)
+    if args is None or not args.multirun or args.config_path or args.config_name or args.config_dir:
         return []
     try:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -206,20 +231,16 @@ def slurm_launcher_overrides(argv: list[str]) -> list[str]:
 def insert_overrides(argv: list[str], extra: list[str]) -> list[str]:
     """argv with `extra` overrides right after its last override (Hydra's overrides are one positional run: an
     override after ``--cfg hydra -p x`` would be an unrecognized argument)."""
-    if not extra:
+    args = hydra_command_line(argv[1:])
+    if not extra or args is None:
         return argv
-    from hydra._internal.utils import get_args_parser
-
-    overrides = get_args_parser().parse_args(argv[1:]).overrides
-    at = max((i for i, a in enumerate(argv) if i and a in overrides), default=len(argv) - 1) + 1
+    at = max((i for i, a in enumerate(argv) if i and a in args.overrides), default=len(argv) - 1) + 1
     return argv[:at] + extra + argv[at:]
 
 
 def replace_typed_dicts(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """A dict typed on the command line replaces the configured one: Hydra would merge them, so exp3's
     ``quant.interval={0: 1, 1000: 10}`` overridden by ``{0: 5}`` would silently run ``{0: 5, 1000: 10}``."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     for override in OverridesParser.create().parse_overrides(overrides):
         if not override.is_delete() and isinstance(override.value(), dict):
             with open_dict(cfg):
@@ -488,8 +509,6 @@ def guarded(job) -> int:
 
 def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] = ()) -> RunConfig:
     """The RunConfig `python run.py profile=... experiment=... seed=... EXTRA...` would run (for hif8qat.launch.time_estimate)."""
-    from hydra import compose, initialize_config_dir
-
     overrides = [f"profile={profile}", f"experiment={experiment}", f"seed={seed}", *extra]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=overrides), overrides)

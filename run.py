@@ -1,8 +1,9 @@
-"""hif8-qat entry point, and the only Hydra-aware file.
+"""hif8-qat entry point, the only Hydra-aware file and the one reader of conf/.
 
     python run.py experiment=exp3 profile=mini stage=all     # train + evaluate (+ its row of the report)
     python run.py -m experiment=exp6 quant.history_len=16,32,64 seed=0,1,2
     torchrun --nproc_per_node 8 run.py experiment=exp8 profile=paper
+    python run.py --baseline exp3 profile=mini                 # the run exp3 is compared with (exp1)
 
 It composes the config, converts it once into the typed, validated `RunConfig`, checks that the model, data
 and evaluation datasets it names can be had (every setting is checked before a model is loaded or a run
@@ -13,6 +14,7 @@ is printed as ``error: <message>`` with exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -514,11 +516,46 @@ def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] 
         return to_run_config(compose(config_name="config", overrides=overrides), overrides)
 
 
+def experiment_baseline(experiment: str, overrides: list[str] = ()) -> str | None:
+    """experiment.baseline of the run `python run.py experiment=EXPERIMENT OVERRIDES...` would start (None: it
+    has none). The whole line is checked as that run checks it: a RunError names what is wrong with it."""
+    line = [f"experiment={experiment}", *overrides]
+    forced = force_add_dict_overrides(["run.py", *line])[1:]
+    problem = check_command_line(forced, line)
+    if problem:
+        raise ConfigError(problem)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=forced)
+    return to_run_config(replace_typed_dicts(cfg, forced), forced).experiment.baseline
+
+
+def baseline_main(argv: list[str]) -> int:
+    """``python run.py --baseline EXPERIMENT [OVERRIDES...]`` prints the baseline of that run (nothing when it
+    has none). `make expN` starts it before the experiment, under any launcher, so a bad setting in the line is
+    refused here, before the baseline trains."""
+    ap = argparse.ArgumentParser(prog="python run.py --baseline", description=baseline_main.__doc__.split("\n")[0])
+    ap.add_argument("experiment")
+    ap.add_argument("overrides", nargs="*", help="the run's other settings, as on run.py's command line")
+    args = ap.parse_args(argv)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the answer (make reads it): notes go to stderr
+            base = experiment_baseline(args.experiment, args.overrides)
+    except RunError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if base:
+        print(base)
+    return 0
+
+
 if __name__ == "__main__":
+    # run.py's own commands, for the Makefile: answered from the composed config, never run as a Hydra job
     if sys.argv[1:2] == ["--estimate"]:  # make all & co.: how long their unfinished runs will take here
         from hif8qat.launch.time_estimate import main as estimate_main
 
         sys.exit(estimate_main(sys.argv[2:], config_for))
+    if sys.argv[1:2] == ["--baseline"]:  # make expN: the run to train first
+        sys.exit(baseline_main(sys.argv[2:]))
     typed = sys.argv[1:]
     sys.argv = force_add_dict_overrides(sys.argv)
     problem = check_command_line(sys.argv[1:], typed)

@@ -65,8 +65,10 @@ lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .
 
 # The baseline comes first under the same launcher (torchrun too); a finished one is skipped in seconds.
+# run.py --baseline checks the experiment's whole line first: a bad setting in ARGS is refused before the
+# baseline trains.
 $(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp13) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
-	@base=$$(PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m hif8qat.config.run_config --baseline $@) || exit 1; \
+	@base=$$($(OFFLINE) $(PY) run.py --baseline $@ profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS)) || exit 1; \
 	$(ESTIMATE_CMD) --experiments $@ --seeds $(SEED) --label "make $@" \
 		$${base:+--baseline $$base --baseline-overrides $(BASELINE_ARGS)} --overrides $(ARGS) || true; \
 	if [ -n "$$base" ]; then \

@@ -1,8 +1,9 @@
-"""hif8-qat entry point, and the only Hydra-aware file.
+"""hif8-qat entry point, the only Hydra-aware file and the one reader of conf/.
 
     python run.py experiment=exp3 profile=mini stage=all     # train + evaluate (+ its row of the report)
     python run.py -m experiment=exp6 quant.history_len=16,32,64 seed=0,1,2
     torchrun --nproc_per_node 8 run.py experiment=exp8 profile=paper
+    python run.py --baseline exp3 profile=mini                 # the run exp3 is compared with (exp1)
 
 It composes the config, converts it once into the typed, validated `RunConfig`, checks that the model, data
 and evaluation datasets it names can be had (every setting is checked before a model is loaded or a run
@@ -12,12 +13,17 @@ is printed as ``error: <message>`` with exit status 2.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import re
 import sys
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 ROOT = Path(__file__).resolve().parent
@@ -94,8 +100,6 @@ def _unknown_setting_message(key: str, override: str) -> str:
 
 def _hydra_error_message(err: Exception, combo: list[str], typed_overrides: list[str]) -> str:
     """One line naming what is wrong with the command line, for Hydra's composition failures."""
-    from hydra.errors import MissingConfigException, OverrideParseException
-
     if isinstance(err, MissingConfigException) and getattr(err, "options", None) is not None:
         group, _, choice = str(err.missing_cfg_file).rpartition("/")
         return f"invalid setting {group}={choice!r}: allowed one of " + ", ".join(sorted(err.options, key=_natural))
@@ -119,8 +123,6 @@ def _natural(name: str) -> tuple:
 def override_combinations(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The override lists to compose to check a command line: the line itself, and under multirun one list per
     swept value (the other sweeps at their first value), so a bad value anywhere in a sweep is found."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parsed = OverridesParser.create().parse_overrides(overrides)  # raises OverrideParseException
     if not multirun:
         return [list(overrides)]
@@ -141,22 +143,51 @@ def override_combinations(overrides: list[str], multirun: bool) -> list[list[str
     return combos
 
 
+class _RefusedLine(Exception):
+    pass
+
+
+class _HydraLineParser(argparse.ArgumentParser):
+    def error(self, message):  # a line Hydra's parser would refuse: Hydra prints its own usage for it
+        raise _RefusedLine(message)
+
+
+def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
+    """argv (without the program) as Hydra 1.3's @hydra.main reads it: .overrides, .multirun, and .plain (False
+    for a line that runs no job of this config: --help, --info, another config ...); None for a line Hydra
+    refuses with its own usage message.
+
+    Hydra's own parser is private (hydra._internal.utils.get_args_parser): this one declares the same flags,
+    with the values they take, so that a flag's value is never read as an override. tests/test_user_errors.py
+    holds the two parsers to the same reading of the lines run.py meets."""
+    ap = _HydraLineParser(add_help=False)
+    ap.add_argument("overrides", nargs="*")
+    for flags in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
+                  ("--multirun", "-m"), ("--shell-completion", "-sc")):
+        ap.add_argument(*flags, action="store_true")
+    ap.add_argument("--cfg", "-c", choices=["job", "hydra", "all"])
+    for flags in (("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"), ("--config-dir", "-cd"),
+                  ("--experimental-rerun",)):
+        ap.add_argument(*flags)
+    ap.add_argument("--info", "-i", nargs="?", const="all",
+                    choices=["all", "config", "defaults", "defaults-tree", "plugins", "searchpath"])
+    try:
+        args = ap.parse_args(argv)
+    except _RefusedLine:
+        return None
+    args.plain = not (args.help or args.hydra_help or args.version or args.info or args.shell_completion
+                      or args.experimental_rerun or args.config_path or args.config_name or args.config_dir)
+    return args
+
+
 def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str | None:
     """Compose the config as Hydra will, before Hydra does: its own failures (unknown experiment or setting,
     an override it cannot parse) end its process with exit 1 and a message that names no alternative. Returns
     the error message, or None when the line composes (or is not a plain run: --help, another config, ...).
     typed_overrides: the line as the user typed it, before force_add_dict_overrides, for the messages."""
-    from hydra import compose, initialize_config_dir
-    from hydra._internal.utils import get_args_parser
-    from hydra.errors import HydraException
-
-    try:
-        args = get_args_parser().parse_args(argv)
-    except SystemExit:
-        return None  # Hydra reports its own usage errors
-    if (args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun
-            or args.config_path or args.config_name or args.config_dir):
-        return None
+    args = hydra_command_line(argv)
+    if args is None or not args.plain:
+        return None  # Hydra reports its own usage errors and answers --help, --info ... itself
     combo: list[str] = list(args.overrides)
     try:
         for combo in override_combinations(args.overrides, args.multirun):
@@ -178,12 +209,8 @@ def slurm_launcher_overrides(argv: list[str]) -> list[str]:
     overrides, read from the partition where the config leaves them to it (hif8qat.launch.slurm), and the
     sacct-less job watching made quiet. Raises LauncherError (a setting that cannot work) before any job is
     submitted; returns [] for any other launcher."""
-    from hydra import compose, initialize_config_dir
-    from hydra._internal.utils import get_args_parser
-    from hydra.errors import HydraException
-
-    args = get_args_parser().parse_args(argv)
-    if not args.multirun or args.config_path or args.config_name or args.config_dir:
+    args = hydra_command_line(argv)
+    if args is None or not args.multirun or args.config_path or args.config_name or args.config_dir:
         return []
     try:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -206,20 +233,16 @@ def slurm_launcher_overrides(argv: list[str]) -> list[str]:
 def insert_overrides(argv: list[str], extra: list[str]) -> list[str]:
     """argv with `extra` overrides right after its last override (Hydra's overrides are one positional run: an
     override after ``--cfg hydra -p x`` would be an unrecognized argument)."""
-    if not extra:
+    args = hydra_command_line(argv[1:])
+    if not extra or args is None:
         return argv
-    from hydra._internal.utils import get_args_parser
-
-    overrides = get_args_parser().parse_args(argv[1:]).overrides
-    at = max((i for i, a in enumerate(argv) if i and a in overrides), default=len(argv) - 1) + 1
+    at = max((i for i, a in enumerate(argv) if i and a in args.overrides), default=len(argv) - 1) + 1
     return argv[:at] + extra + argv[at:]
 
 
 def replace_typed_dicts(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """A dict typed on the command line replaces the configured one: Hydra would merge them, so exp3's
     ``quant.interval={0: 1, 1000: 10}`` overridden by ``{0: 5}`` would silently run ``{0: 5, 1000: 10}``."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     for override in OverridesParser.create().parse_overrides(overrides):
         if not override.is_delete() and isinstance(override.value(), dict):
             with open_dict(cfg):
@@ -488,18 +511,51 @@ def guarded(job) -> int:
 
 def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] = ()) -> RunConfig:
     """The RunConfig `python run.py profile=... experiment=... seed=... EXTRA...` would run (for hif8qat.launch.time_estimate)."""
-    from hydra import compose, initialize_config_dir
-
     overrides = [f"profile={profile}", f"experiment={experiment}", f"seed={seed}", *extra]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=overrides), overrides)
 
 
+def experiment_baseline(experiment: str, overrides: list[str] = ()) -> str | None:
+    """experiment.baseline of the run `python run.py experiment=EXPERIMENT OVERRIDES...` would start (None: it
+    has none). The whole line is checked as that run checks it: a RunError names what is wrong with it."""
+    line = [f"experiment={experiment}", *overrides]
+    forced = force_add_dict_overrides(["run.py", *line])[1:]
+    problem = check_command_line(forced, line)
+    if problem:
+        raise ConfigError(problem)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=forced)
+    return to_run_config(replace_typed_dicts(cfg, forced), forced).experiment.baseline
+
+
+def baseline_main(argv: list[str]) -> int:
+    """``python run.py --baseline EXPERIMENT [OVERRIDES...]`` prints the baseline of that run (nothing when it
+    has none). `make expN` starts it before the experiment, under any launcher, so a bad setting in the line is
+    refused here, before the baseline trains."""
+    ap = argparse.ArgumentParser(prog="python run.py --baseline", description=baseline_main.__doc__.split("\n")[0])
+    ap.add_argument("experiment")
+    ap.add_argument("overrides", nargs="*", help="the run's other settings, as on run.py's command line")
+    args = ap.parse_args(argv)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the answer (make reads it): notes go to stderr
+            base = experiment_baseline(args.experiment, args.overrides)
+    except RunError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if base:
+        print(base)
+    return 0
+
+
 if __name__ == "__main__":
+    # run.py's own commands, for the Makefile: answered from the composed config, never run as a Hydra job
     if sys.argv[1:2] == ["--estimate"]:  # make all & co.: how long their unfinished runs will take here
         from hif8qat.launch.time_estimate import main as estimate_main
 
         sys.exit(estimate_main(sys.argv[2:], config_for))
+    if sys.argv[1:2] == ["--baseline"]:  # make expN: the run to train first
+        sys.exit(baseline_main(sys.argv[2:]))
     typed = sys.argv[1:]
     sys.argv = force_add_dict_overrides(sys.argv)
     problem = check_command_line(sys.argv[1:], typed)

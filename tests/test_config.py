@@ -170,15 +170,35 @@ def test_cli_rejects_bad_setting_before_loading_anything(tmp_path):
     assert not any(tmp_path.iterdir())  # no run folder was created
 
 
-def test_baseline_helper_reads_each_experiment_file_like_the_composed_config():
-    from hif8qat.config.run_config import experiment_baseline, main
-
+def test_the_baseline_query_answers_from_the_composed_config():
     for name in EXPERIMENTS:
-        assert experiment_baseline(name) == run_config([f"experiment={name}"], resolve=False).experiment.baseline
-    assert experiment_baseline("exp8") == "exp7" and experiment_baseline("exp1") is None
-    with pytest.raises(ConfigError, match="experiment='exp42'.*allowed one of exp1"):
-        experiment_baseline("exp42")
-    assert main(["--baseline", "exp42"]) == 2
+        assert run_module.experiment_baseline(name) == run_config([f"experiment={name}"], resolve=False).experiment.baseline
+    assert run_module.experiment_baseline("exp8") == "exp7" and run_module.experiment_baseline("exp1") is None
+    # the run's whole line counts: a baseline named on the command line is the one the run pairs with
+    assert run_module.experiment_baseline("exp3", ["experiment.baseline=exp2"]) == "exp2"
+
+
+@pytest.mark.parametrize("line,needles", [
+    (["exp42"], ["experiment='exp42'", "allowed one of exp1"]),
+    (["exp3", "quant.history_len=0"], ["quant.history_len"]),
+    (["exp3", "quant.bogus=1"], ["unknown setting quant.bogus"]),
+])
+def test_make_expn_refuses_a_bad_line_before_its_baseline_trains(line, needles):
+    # `make exp3 ARGS=...` asks run.py for the baseline first: a bad experiment or setting ends there, as one
+    # error line on stderr and nothing on stdout (which make reads as the baseline's name).
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "--baseline", *line], capture_output=True, text=True,
+                         timeout=120)
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert out.returncode == 2 and out.stdout == "" and len(errors) == 1, (out.stdout, out.stderr[-2000:])
+    assert all(n in errors[0] for n in needles), errors[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_the_baseline_query_prints_only_the_baseline():
+    for name, answer in (("exp3", "exp1\n"), ("exp1", "")):
+        out = subprocess.run([sys.executable, str(ROOT / "run.py"), "--baseline", name, "profile=smoke", "seed=0",
+                              "stage=all"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout == answer, (out.stdout, out.stderr[-2000:])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None or __import__("torch").cuda.is_available(),

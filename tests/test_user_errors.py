@@ -47,6 +47,35 @@ def test_multirun_lines_are_checked_value_by_value():
     assert "--multirun" in run_module.check_command_line(["experiment=exp1", "seed=0,1"])
 
 
+@pytest.mark.parametrize("line", [
+    ["experiment=exp1", "seed=0"], ["-m", "seed=0,1", "--cfg", "hydra", "-p", "hydra.launcher"],
+    ["--cfg", "job", "-m", "seed=0,1", "stage=train"], ["-m"], ["--multi", "seed=0,1"], ["seed=0", "--resolve", "-c", "all"],
+    ["experiment=exp1", "-m", "seed=0,1"], ["--info"], ["-i", "defaults", "seed=1"], ["--info", "experiment=exp1"],
+    ["-cn", "other", "seed=1"], ["--config-dir", "/tmp/elsewhere", "seed=1"], ["-cp", "x", "-r", "seed=1"],
+    ["--experimental-rerun", "config.pickle"], ["-h"], ["--hydra-help"], ["-sc"], ["--bogus", "seed=1"],
+    ["--cfg", "everything"], ["-p"],
+])
+def test_run_py_reads_a_command_line_as_hydra_does(line):
+    # run.py keeps its own copy of Hydra's flags (Hydra's parser is private): a flag Hydra adds or changes
+    # shows here, against Hydra's own parser, before a value is taken for an override.
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        hydra_args = get_args_parser().parse_args(line)
+    except SystemExit:
+        hydra_args = None
+    ours = run_module.hydra_command_line(line)
+    assert (ours is None) == (hydra_args is None), (ours, hydra_args)
+    if ours is not None:
+        assert (ours.overrides, ours.multirun) == (hydra_args.overrides, hydra_args.multirun)
+        plain = not any(getattr(hydra_args, k) for k in ("help", "hydra_help", "info", "shell_completion",
+                                                          "experimental_rerun", "config_path", "config_name",
+                                                          "config_dir"))
+        assert ours.plain == plain
+        if not plain:  # Hydra answers these itself: run.py composes nothing
+            assert run_module.check_command_line(line) is None
+
+
 # ------------------------------------------------------------------ every setting exists in every profile
 def _setting_names() -> set[str]:
     names = set()

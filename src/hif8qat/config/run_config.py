@@ -10,17 +10,13 @@ The resolved config is what each run saves and what the trainer reads.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from hif8qat.config.blocks import parse_high_precision_blocks
 from hif8qat.config.data_source import validate_source
@@ -503,34 +499,6 @@ def resolve_profile(cfg: RunConfig) -> RunConfig:
     return out
 
 
-def experiment_baseline(name: str, conf_dir: str | Path | None = None) -> str | None:
-    """`experiment.baseline` of conf/experiment/<name>.yaml, read without composing (None: it has none)."""
-
-    folder = Path(conf_dir) if conf_dir else Path(__file__).resolve().parents[3] / "conf"
-    path = folder / "experiment" / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (folder / "experiment").glob("*.yaml"))
-        _fail("experiment", name, "one of " + ", ".join(known))
-    return ((yaml.safe_load(path.read_text()) or {}).get("experiment") or {}).get("baseline")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m hif8qat.config.run_config --baseline exp8` prints exp8's baseline (nothing when it has none): the
-    Makefile runs it before the experiment, under any launcher."""
-
-    ap = argparse.ArgumentParser(description="Facts about the experiment configs, for scripts and the Makefile")
-    ap.add_argument("--baseline", metavar="EXPERIMENT", required=True, help="print the experiment's baseline")
-    args = ap.parse_args(argv)
-    try:
-        base = experiment_baseline(args.baseline)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if base:
-        print(base)
-    return 0
-
-
 _SECTION_TYPES = {
     "experiment": ExperimentConfig,
     "model": ModelConfig,
@@ -542,7 +510,3 @@ _SECTION_TYPES = {
     "quirks": QuirksConfig,
     "logger": LoggerConfig,
 }
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,6 +13,9 @@
 - evaluation on both ranks in bf16 and hif8 modes, equal to a single-process evaluation of the same export;
   the report.
 
+What the checks hold the runs against (step 0's unsharded gradient norm, each rank's documents, the 2-rank
+checkpoint loaded on one process, a one-process evaluation) is measured by :mod:`hif8qat.rehearse.probes`.
+
 Deviations from the paper profile besides sizes and device: the evaluation runs the smoke profile's offline
 mini tasks (the paper's MMLU/HellaSwag/ARC need their datasets).
 """
@@ -32,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from hif8qat.rehearse.standins import write_fineweb_shards, write_remote_code_model
@@ -44,6 +46,7 @@ WORLD = 2
 STEPS = 12  # paper step-valued settings scale by 12/10,000: LR warmup 1 step, BF16 warmup 1 step (QAT from 1)
 KILL_AT = 6  # after the step-4 checkpoint
 RESUME_AT = 4
+SEQ_LEN, MICRO_BATCH = 32, 2
 ACCUM = 2  # global batch 8 = micro-batch 2 x 2 ranks x 2 accumulation steps
 DUMP_EVERY = 3
 SHARDS, DOCS_PER_SHARD = 3, 3  # 3 files for 2 ranks; about 2,000 tokens, fewer than the run's 12 x 264
@@ -55,8 +58,8 @@ def run_args(work: Path, model_dir: Path, results: Path, stage: str) -> list[str
     return ["experiment=exp8", "profile=paper", f"profile.steps={STEPS}", f"stage={stage}",
             f"model.name={model_dir}", f"results_root={results}", "train.device=cpu",
             "train.distributed=fsdp", "train.activation_checkpointing=true", "quant.amax_reduce=max",
-            f"train.global_batch_size={2 * WORLD * ACCUM}", "train.micro_batch_size=2", "train.seq_len=32",
-            "train.checkpoint_every=4", "train.num_threads=1", f"quant.telemetry_dump_every={DUMP_EVERY}",
+            f"train.global_batch_size={MICRO_BATCH * WORLD * ACCUM}", f"train.micro_batch_size={MICRO_BATCH}",
+            f"train.seq_len={SEQ_LEN}", "train.checkpoint_every=4", "train.num_threads=1", f"quant.telemetry_dump_every={DUMP_EVERY}",
             "data.eval_windows=4", "eval=smoke", "eval.limit=4", "logger.progress_bar=false",
             f"hydra.run.dir={work / 'hydra' / stage}"]
 
@@ -67,7 +70,6 @@ class _Launcher:
 
     def __call__(self, name: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None):
         """Run run.py (under torchrun when nproc > 1); return its exit status and its output (also in logs/)."""
-
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
                     if nproc > 1 else [sys.executable])
         self.n += 1
@@ -92,178 +94,27 @@ def _metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-# Run by the rehearsed checkout's interpreter and code (so a rehearsal of another checkout judges its data
-# split, not this one's): each rank's documents, and step 0's gradient norm computed without FSDP, torchrun
-# or the trainer (a plain Llama with the model folder's weights, each rank's first micro-batches from its
-# stream, bf16 autocast, the mean).
-_REPLAY = """
-import json, re, sys
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_model
-from transformers import LlamaConfig, LlamaForCausalLM
-from hif8qat.data.loader import build_train_stream
-from hif8qat.models.loading import build_tiny_tokenizer
-
-from datasets.packaged_modules.parquet.parquet import Parquet
-
-model_dir, fineweb, world, accum = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-tok = build_tiny_tokenizer()
-def stream(rank):
-    return build_train_stream(fineweb, tok, seq_len=32, micro_batch_size=2, rank=rank, world_size=world)
-decoded = []  # rows the parquet reader decodes for a rank, whether or not the rank keeps them
-real = Parquet._generate_tables
-def counting(self, *args, **kwargs):
-    for key, table in real(self, *args, **kwargs):
-        decoded[-1] += table.num_rows
-        yield key, table
-Parquet._generate_tables = counting
-docs = []
-for r in range(world):
-    decoded.append(0)
-    docs.append([re.match(r"<doc:([0-9-]+)>", rec["text"])[1] for rec in stream(r)._make(0)])
-Parquet._generate_tables = real
-config = json.load(open(model_dir + "/config.json"))
-for key in ("auto_map", "model_type", "architectures", "transformers_version"):
-    config.pop(key, None)
-model = LlamaForCausalLM(LlamaConfig(**config))
-load_model(model, model_dir + "/model.safetensors")
-model.train()
-for rank in range(world):
-    s = stream(rank)
-    for _ in range(accum):
-        tokens = next(s)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=tokens[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
-        (loss / (accum * world)).backward()
-norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
-print(json.dumps({"docs": docs, "decoded": decoded, "grad_norm": float(norm)}))
-"""
-
-
-def replay(model_dir: Path, fineweb: Path, env: dict[str, str]) -> dict:
-    """{"docs": each rank's document ids, "decoded": rows each rank's reader decodes, "grad_norm": step 0's
-    unsharded gradient norm} (see _REPLAY)."""
-
-    out = subprocess.run([sys.executable, "-c", _REPLAY, str(model_dir), str(fineweb), str(WORLD), str(ACCUM)],
-                         capture_output=True, text=True, env=env, timeout=600)
+def _probe(name: str, args: list[str], env: dict[str, str], *, sizes: bool = True) -> dict:
+    """hif8qat.rehearse.probes NAME ARGS (with the rehearsal's sizes) in a process of its own, under env (the
+    rehearsed checkout's src/): its JSON answer. Raises RuntimeError with its output's end when it fails."""
+    sizes_args = ["--world", str(WORLD), "--accum", str(ACCUM), "--seq-len", str(SEQ_LEN), "--micro-batch",
+                  str(MICRO_BATCH), "--steps", str(STEPS), "--resume-at", str(RESUME_AT)] if sizes else []
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-m", "hif8qat.rehearse.probes", name, *args, *sizes_args],
+                         capture_output=True, text=True, env=env, timeout=900)
+    print(f"  probe {name}: exit {out.returncode} in {time.time() - t0:.0f} s", flush=True)
     if out.returncode:
-        raise RuntimeError(f"replay failed: {out.stderr[-1500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _run_script(script: str, args: list[str], env: dict[str, str]) -> dict:
-
-    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
-    if out.returncode:
-        raise RuntimeError(f"script failed: {out.stderr[-1500:]}")
+        raise RuntimeError(f"probe {name} failed: {out.stdout[-1500:]}{out.stderr[-1500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _csv_rows(path: Path) -> list[list[str]]:
-
     with path.open() as fh:
         return list(csv.reader(fh))[1:]
 
 
-# The 2-rank checkpoint loaded on one process by the trainer's loader, against DCP's own conversion of the
-# shards to one file; then the documents the saved ranks read (fresh streams replayed to the saved step) and
-# those a 1-rank stream resized from the saved data states reads until the epoch ends.
-_RESIZED_LOAD = """
-import json, re, sys, tempfile
-from pathlib import Path
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from hif8qat import checkpoint as ckpt
-from hif8qat.data.loader import build_train_stream
-from hif8qat.models.loading import build_tiny_tokenizer, load_causal_lm
-from hif8qat.train.loop import parameter_groups
-
-saved, model_dir, fineweb, resized_run = sys.argv[1:5]
-world, accum, steps, at = 2, 2, 12, 4
-with tempfile.TemporaryDirectory() as tmp:
-    dcp_to_torch_save(saved + "/dcp", tmp + "/full.pt")
-    full = torch.load(tmp + "/full.pt", weights_only=True)
-model, tok = load_causal_lm(model_dir, trust_remote_code=True)
-opt = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1e-3)
-sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-step, state = ckpt.load_checkpoint(Path(saved), model=model, optimizer=opt, scheduler=sched, rank=0, world_size=1)
-params_equal = all(torch.equal(v, full["model"][k]) for k, v in model.state_dict().items() if k in full["model"])
-params_equal = params_equal and set(full["model"]) <= set(model.state_dict())
-names = {id(p): n for n, p in model.named_parameters()}
-optimizer_equal = all(torch.equal(v, full["optimizer"]["state"][names[id(p)]][k])
-                      for p, st in opt.state.items() for k, v in st.items())
-optimizer_equal = optimizer_equal and len(opt.state) == len(full["optimizer"]["state"]) > 0
-saved_ranks = [torch.load(f"{saved}/rank{r:03d}.pt", weights_only=True) for r in range(world)]
-scalers_equal = all(torch.equal(state["quant"][k], v) for k, v in saved_ranks[0]["quant"].items())
-tok = build_tiny_tokenizer()
-def stream(rank, w):
-    return build_train_stream(fineweb, tok, seq_len=32, micro_batch_size=2, rank=rank, world_size=w)
-def tags(batches):
-    return re.findall(r"<doc:([0-9]+-[0-9]+)>", "".join(tok.decode(row.tolist()) for b in batches for row in b))
-before = []
-for r in range(world):
-    s = stream(r, world)
-    before += tags([next(s) for _ in range(at * accum)])
-new = stream(0, 1)
-new.resize(state["data_by_rank"])
-epoch, after = new.epoch, []
-while True:
-    b = next(new)
-    if new.epoch != epoch:
-        break
-    after.append(b)
-new = stream(0, 1)
-new.resize(state["data_by_rank"])
-for _ in range((steps - at) * accum * world):  # the 1-rank run's batches up to its final checkpoint
-    next(new)
-replayed = {k: new.state_dict()[k] for k in ("epoch", "position", "docs_read")}
-run_state = torch.load(f"{resized_run}/checkpoints/step_{steps:07d}/rank000.pt", weights_only=True)["data"]
-print(json.dumps({"step": step, "params_equal": params_equal, "optimizer_equal": optimizer_equal,
-                  "scalers_equal": scalers_equal, "scalers": len(state["quant"]), "docs_before": before,
-                  "docs_after": tags(after), "replayed_state": replayed,
-                  "run_state": {k: run_state[k] for k in ("epoch", "position", "docs_read")}}))
-"""
-
-# A single-process evaluation of an export, as run.py evaluates a run (the smoke eval config, eval.limit=4).
-_ONE_PROCESS_EVAL = """
-import sys
-from pathlib import Path
-import yaml
-from hif8qat.evaluate import evaluate_export, resolve_numerics
-
-export, out, autocast = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-cfg = yaml.safe_load(open(sys.argv[4]))
-device, dtype = resolve_numerics("cpu", "auto", train_device="cpu", train_autocast=autocast)
-for mode in ("bf16", "hif8"):
-    evaluate_export(export, mode, list(cfg["tasks"]), out_dir=out / mode, dtype=dtype, device=device, limit=4,
-                    batch_size=cfg["batch_size"], trust_remote_code=True)
-print("{}")
-"""
-
-
-def _evaluate_one_process(work: Path, repo: Path, whole: Path, env: dict[str, str]) -> tuple[int, str]:
-
-    try:
-        folder = _run_folder(whole)
-    except AssertionError as err:
-        return 1, str(err)
-
-    autocast = yaml.safe_load((folder / "config_resolved.yaml").read_text())["train"]["autocast"]
-    repo_conf = repo / "conf" / "eval" / "smoke.yaml"
-    t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", _ONE_PROCESS_EVAL, str(folder / "export"),
-                          str(work / "eval_one_process"), str(autocast), str(repo_conf)],
-                         capture_output=True, text=True, env=env, timeout=900)
-    print(f"  evaluation_one_process: exit {out.returncode} in {time.time() - t0:.0f} s", flush=True)
-    return out.returncode, out.stdout[-3000:] + out.stderr[-3000:]
-
-
 def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
     """Run the rehearsal in `work`; return {check: None if it passed, else why it failed}."""
-
-
     work.mkdir(parents=True, exist_ok=True)
     model_dir = write_remote_code_model(work / f"tiny_pangu_{os.getpid()}_{int(time.time())}", num_layers=8)
     fineweb = work / "fineweb"
@@ -296,13 +147,18 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
         print(f"  no checkpoint to copy: {err}", flush=True)
     rc_one, log_one = launch("resume_on_1_rank", run_args(work, model_dir, resized, "train"), nproc=1)
     rc_resume, log_resume = launch("resume_on_2_ranks", run_args(work, model_dir, crashed, "train"))
-    rc_single, log_single = _evaluate_one_process(work, repo, whole, env)
+    # what the checks hold the runs against, each an exception when it could not be had (the checks that need
+    # it report it)
     try:
-        replayed = replay(model_dir, fineweb, env)
-    except Exception as err:  # noqa: BLE001 - the checks that need it report it
+        one_process = _probe("evaluate", [str(_run_folder(whole)), str(work / "eval_one_process")], env, sizes=False)
+    except Exception as err:  # noqa: BLE001
+        one_process = err
+    try:
+        replayed = _probe("replay", [str(model_dir), str(fineweb)], env)
+    except Exception as err:  # noqa: BLE001
         replayed = err
     try:
-        reloaded = _run_script(_RESIZED_LOAD, [str(saved), str(model_dir), str(fineweb), str(_run_folder(resized))], env)
+        reloaded = _probe("resized-load", [str(saved), str(model_dir), str(fineweb), str(_run_folder(resized))], env)
     except Exception as err:  # noqa: BLE001
         reloaded = err
     rc_report, log_report = launch("report", ["stage=report", "profile=paper", f"results_root={whole}",
@@ -322,7 +178,8 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
                 f"{mode}: requests per rank {meta.get('eval_tokens_by_rank')}"
 
     def sharded_evaluation_equals_one_process():
-        assert rc_single == 0, f"exit {rc_single}: {log_single[-1500:]}"
+        if isinstance(one_process, Exception):
+            raise one_process
         folder = _run_folder(whole)
         for mode in ("bf16", "hif8"):
             ranks, one = folder / "eval" / mode, work / "eval_one_process" / mode
@@ -391,7 +248,6 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
             assert re.search(rf"rank {rank}: step \d+: the training data ran out", log_whole), f"rank {rank} silent"
 
     def kill_and_resume_equal_the_uninterrupted_run():
-
         assert rc_kill != 0, "the killed run exited normally"
         assert rc_resume == 0, f"resume exit {rc_resume}: {log_resume[-1500:]}"
         assert f"at step {RESUME_AT}" in log_resume, "did not resume from the last checkpoint"

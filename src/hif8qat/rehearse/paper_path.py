@@ -22,7 +22,6 @@ mini tasks (the paper's MMLU/HellaSwag/ARC need their datasets).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -30,13 +29,13 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from hif8qat.rehearse.checks import finish, parse_work_args, run_check
 from hif8qat.rehearse.standins import write_fineweb_shards, write_remote_code_model
 
 # ----------------------------------------------------------------------------------------------------------
@@ -125,15 +124,6 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
            "HIF8QAT_COMPILE": "0"}  # the eager quantizer is bit-identical and spares each process a cold compile
     launch = _Launcher(work, repo, env)
     checks: dict[str, str | None] = {}
-
-    def check(name: str, fn) -> None:
-        try:
-            fn()
-            checks[name] = None
-            print(f"ok    {name}", flush=True)
-        except Exception as err:  # noqa: BLE001 - every failure is reported, the other checks still run
-            checks[name] = f"{type(err).__name__}: {err}"[:2000]
-            print(f"FAIL  {name}: {checks[name]}", flush=True)
 
     whole, crashed, resized = work / "runs" / "whole", work / "runs" / "crashed", work / "runs" / "resized"
     rc_whole, log_whole = launch("whole_run_train_eval", run_args(work, model_dir, whole, "all"))
@@ -291,35 +281,8 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
                grad_norm_equals_the_unsharded_one, data_never_duplicated_across_ranks, epoch_wraps_logged,
                kill_and_resume_equal_the_uninterrupted_run, resume_on_one_rank_continues_the_saved_state,
                resume_on_one_rank_reads_no_document_twice, report_builds):
-        check(fn.__name__, fn)
+        run_check(checks, fn)
     return checks
-
-
-def parse_work_args(prog: str, description: str, prefix: str, argv: list[str] | None):
-    """A rehearsal's command line (``--work``, ``--repo``): (args, work folder), or exit status 2 when --work is a
-    folder that is not empty (a rehearsal never writes into earlier files)."""
-    ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("--work", help="folder for the rehearsal's files (default: a new temporary folder, removed "
-                                   "when every check passed)")
-    ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[3]),
-                    help="the checkout whose run.py and src/ are rehearsed (default: this one)")
-    args = ap.parse_args(argv)
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=prefix))
-    if args.work and work.exists() and any(work.iterdir()):
-        print(f"error: --work {work} is not empty; give a new folder", file=sys.stderr)
-        return 2
-    return args, work
-
-
-def finish(checks: dict[str, str | None], work: Path, t0: float, keep: bool) -> int:
-    """Print and record (``checks.json``) a rehearsal's checks; remove its folder when all passed and not kept."""
-    failed = [name for name, why in checks.items() if why]
-    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {time.time() - t0:.0f} s"
-          + (f"; failed: {', '.join(failed)} (files kept in {work})" if failed else ""))
-    (work / "checks.json").write_text(json.dumps({"checks": checks, "wall_s": time.time() - t0}, indent=1) + "\n")
-    if not failed and not keep:
-        shutil.rmtree(work, ignore_errors=True)
-    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

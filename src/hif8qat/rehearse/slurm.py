@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hif8qat.rehearse.paper_path import finish, parse_work_args
+from hif8qat.rehearse.checks import finish, parse_work_args, run_check
 from hif8qat.rehearse.slurm_cluster import ClusterUnavailable, LocalCluster
 
 WORLD = 2
@@ -206,15 +206,6 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
     rc_one, log_one = runner.wait(one)
     rc_rerun, log_rerun = runner.wait(rerun)
 
-    def check(name: str, fn) -> None:
-        try:
-            fn()
-            checks[name] = None
-            print(f"ok    {name}", flush=True)
-        except Exception as err:  # noqa: BLE001 - every failure is reported, the other checks still run
-            checks[name] = f"{type(err).__name__}: {err}"[:2000]
-            print(f"FAIL  {name}: {checks[name]}", flush=True)
-
     def sweep_finishes_both_runs():
         assert rc_sweep == 0, f"exit {rc_sweep}: {log_sweep[-2000:]}"
         for seed in (0, 1):
@@ -325,7 +316,7 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
                sacct_fallback_says_so_once, killed_job_fails_the_sweep_and_the_rerun_resumes,
                preempted_job_is_requeued_and_resumes, requeued_job_checkpoints_on_sigterm_and_resumes,
                invalid_point_fails_alone, eval_on_2_ranks_equals_one_process):
-        check(fn.__name__, fn)
+        run_check(checks, fn)
     return checks
 
 

@@ -118,7 +118,11 @@ def _qdq_bits_arith(bits: torch.Tensor, rand: torch.Tensor | None = None) -> tor
     sign = bits & _SIGN
     e = (a >> 23) - _EXP_BIAS
     ae = e.abs()
-    s = 20 + (ae >= 4).int() + (ae >= 8).int() + (e <= -16).int()
+    # Integer comparisons are strict (> < ==) on purpose: inductor's 256-bit (AVX2) code spells int32 >=, <=
+    # and != as a compare plus an all-ones XOR, and GCC 12 compiling that with AVX-512BW/VL enabled (inductor
+    # passes -march=native, so an AVX-512 CPU limited to ATen's AVX2 kernels gets both) drops the XOR when the
+    # mask feeds a blend: torch.where(a >= t, ...) then chose the wrong side for every element (all +-inf).
+    s = 20 + (ae > 3).int() + (ae > 7).int() + (e < -15).int()
     ac = torch.clamp(a, max=_OVERFLOW_BITS)  # keeps the integer add below overflow
     if rand is None:
         inc = torch.bitwise_left_shift(torch.ones_like(s), s - 1)
@@ -135,7 +139,7 @@ def _qdq_bits_arith(bits: torch.Tensor, rand: torch.Tensor | None = None) -> tor
         r = torch.where(a < _MIN_BITS, up.int() * _MIN_BITS, r)
         ta = _qdq_bits_arith(bits)
         r = torch.where(a > _MAX_BITS, ta & _ABS, r)
-    r = torch.where(a >= _OVERFLOW_BITS, _INF, r)
+    r = torch.where(a > _OVERFLOW_BITS - 1, _INF, r)  # a >= 40960, strict (see above)
     r = torch.where(a > _INF, a, r)  # NaN keeps its payload
     return torch.where(r == 0, 0, r | sign)
 

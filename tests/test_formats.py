@@ -44,10 +44,11 @@ def compile_expected() -> str | None:
 
 
 def assert_compiled_path_held() -> None:
-    """The compiled path falls back to eager when compiling fails: a compiled-path test that passed that way
-    tested the eager path twice, so a failure where compiling should work fails the test."""
-    failed = formats.compile_status()["failed"]
-    assert failed is None, f"torch.compile failed where it should work, the eager fallback ran instead: {failed}"
+    """The compiled path falls back to eager when compiling fails or a variant disagrees with eager at its first
+    call: a compiled-path test that passed that way tested the eager path twice, so either fails the test."""
+    status = formats.compile_status()
+    assert status["failed"] is None, f"torch.compile failed where it should work, eager ran instead: {status['failed']}"
+    assert not status["rejected"], f"compiled variants disagreed with eager and were replaced: {status['rejected']}"
 
 
 @pytest.fixture(params=PATHS)
@@ -506,9 +507,146 @@ def test_compile_failure_falls_back_to_eager_and_warns_once(monkeypatch):
         y2, _ = hif8_qdq_scaled_amax(x, 2.0)
     msgs = [w for w in caught if "torch.compile of the HiF8 quantizer failed" in str(w.message)]
     assert len(msgs) == 1
-    assert formats.compile_status() == {"enabled": False, "failed": "RuntimeError: no compiler here"}
+    assert formats.compile_status() == {"enabled": False, "failed": "RuntimeError: no compiler here", "rejected": {}}
     assert_same(y1, ref_qdq(x))
     assert_same(y2, ref_qdq(x * 2.0) / 2.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# first-call check: a compiled variant that disagrees with eager is replaced by eager (issue 27)
+
+
+@pytest.fixture
+def fresh_compile_state(monkeypatch):
+    """Compiled path on, no variant compiled, checked or rejected yet (restored after the test)."""
+    monkeypatch.setenv("HIF8QAT_COMPILE", "1")
+    for name, value in (("_compiled", {}), ("_checked", {}), ("_rejected", {}), ("_compile_failed", None)):
+        monkeypatch.setattr(qdq_kernels, name, value)
+
+
+def install_fake_variant(monkeypatch, corrupt):
+    """Every HiF8 "compiled" variant becomes the eager kernel body followed by ``corrupt(x, scale, y, amax) ->
+    (y, amax)`` (torch.compile returns it as it is). Returns the list of input sizes the fake variant was called with."""
+    calls = []
+
+    def make(key, flags):
+        def kernel(x, scale, rand, out):
+            calls.append(x.numel())
+            y, amax = qdq_kernels._kernel_body(x, scale, rand, None, **flags)
+            y, amax = corrupt(x, scale, y.clone(), amax)
+            return (y, amax) if out is None else (out.copy_(y), amax)
+        return kernel
+
+    monkeypatch.setattr(qdq_kernels, "_variant_function", make)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    return calls
+
+
+def check_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "disagrees with the eager implementation" in str(w.message)]
+
+
+def flip_low_bit_at(value: float):
+    """A fault on one input value only: the result's lowest bit flipped where x == value."""
+    def corrupt(x, scale, y, amax):
+        bits = y.view(torch.int32)
+        bits[x == value] ^= 1
+        return y, amax
+    return corrupt
+
+
+def test_one_bit_off_at_a_midpoint_is_caught_by_the_probe(fresh_compile_state, monkeypatch):
+    # 1.0625 is the "ta" tie between 1.0 and 1.125; the caller's input does not contain it, the probe does
+    calls = install_fake_variant(monkeypatch, flip_low_bit_at(1.0625))
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 10
+    assert not bool((x == 1.0625).any())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y1 = hif8_qdq(x)
+        n_calls = len(calls)
+        y2 = hif8_qdq(x)
+    assert_same(y1, ref_qdq(x), x)  # the caller got the eager (correct) result
+    assert_same(y2, ref_qdq(x), x)
+    assert len(calls) == n_calls, "a rejected variant was called again"
+    msgs = check_warnings(caught)
+    assert len(msgs) == 1 and "input 1.0625: compiled 1.1250001192092896, eager 1.125" in msgs[0], msgs
+    assert "hif8 kernel (out_dtype=None, saturate=False, scaled=False" in msgs[0] and "float32" in msgs[0]
+    (name, why), = formats.compile_status()["rejected"].items()
+    assert name.endswith("on cpu") and why.startswith("probe: input 1.0625")
+
+
+@pytest.mark.parametrize("fault", ["nan_in_first_input", "amax_one_ulp_high"])
+def test_a_fault_on_the_callers_first_input_is_caught(fresh_compile_state, monkeypatch, fault):
+    n = 5003  # a size the probe does not have: the fault shows on the caller's input only
+
+    def corrupt(x, scale, y, amax):
+        if x.numel() == n:
+            if fault == "nan_in_first_input":
+                y[17] = float("nan")
+            else:
+                amax = torch.nextafter(amax, torch.tensor(float("inf")))
+        return y, amax
+
+    install_fake_variant(monkeypatch, corrupt)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, amax = hif8_qdq_scaled_amax(x, 4.0)
+    assert_same(y, ref_qdq(x * 4.0) / 4.0, x)
+    assert float(amax) == float(x.abs().max())
+    (msg,) = check_warnings(caught)
+    assert ("first input: input" in msg and "compiled nan" in msg) if fault == "nan_in_first_input" else (
+        "first input: amax" in msg)
+
+
+def test_in_place_saturating_variant_missing_the_clamp_is_caught(fresh_compile_state, monkeypatch):
+    # the fault is above HIF8_MAX only (inf where the clamp should give +-32768): probe values reach there,
+    # the caller's do not; the result is written in place, so x itself must end up eager-correct
+    def corrupt(x, scale, y, amax):
+        y[(x * scale).abs() >= HIF8_OVERFLOW] = float("inf")
+        return y, amax
+
+    install_fake_variant(monkeypatch, corrupt)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    want = ref_qdq(x * 2.0) / 2.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = hif8_qdq_scaled(x, 2.0, saturate=True, out=x)
+    assert y.data_ptr() == x.data_ptr()
+    assert_same(x, want)
+    (msg,) = check_warnings(caught)
+    assert "probe: input 40960.0: compiled inf, eager 32768.0" in msg
+
+
+def test_the_check_leaves_the_callers_random_stream_alone(fresh_compile_state, monkeypatch):
+    install_fake_variant(monkeypatch, lambda x, scale, y, amax: (y, amax))  # a correct variant
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(4))
+    after = []
+    for _ in range(2):  # the first call runs the check, the second does not
+        torch.manual_seed(7)
+        y = hif8_qdq(x, "stochastic")
+        after.append((y, torch.rand(4)))
+    assert qdq_kernels._checked and not formats.compile_status()["rejected"]
+    assert torch.equal(after[0][0], after[1][0]) and torch.equal(after[0][1], after[1][1])
+
+
+def test_a_correct_compiled_variant_passes_and_stays_compiled(fresh_compile_state, monkeypatch):
+    if compile_expected():
+        pytest.skip(f"compiled path not testable here: {compile_expected()}")
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(5)) * 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y1, amax1 = hif8_qdq_scaled_amax(x, 3.7, saturate=True, out_dtype=torch.bfloat16)
+    assert not check_warnings(caught)
+    assert_compiled_path_held()
+    assert len(qdq_kernels._checked) == 1
+    # later calls take the compiled kernel: the eager path is not called again
+    monkeypatch.setattr(qdq_kernels, "_eager", lambda *a: pytest.fail("eager path ran for a checked variant"))
+    y2, amax2 = hif8_qdq_scaled_amax(x, 3.7, saturate=True, out_dtype=torch.bfloat16)
+    want = (ref_qdq(x * 3.7) / 3.7).to(torch.bfloat16)
+    assert_same(y1, want, x)
+    assert_same(y2, want, x)
+    assert float(amax1) == float(amax2) == float(x.abs().max())
 
 
 @pytest.mark.gpu

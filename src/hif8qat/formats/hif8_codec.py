@@ -118,7 +118,11 @@ def _qdq_bits_arith(bits: torch.Tensor, rand: torch.Tensor | None = None) -> tor
     sign = bits & _SIGN
     e = (a >> 23) - _EXP_BIAS
     ae = e.abs()
-    s = 20 + (ae >= 4).int() + (ae >= 8).int() + (e <= -16).int()
+    # Integer comparisons are strict (> < ==) on purpose: inductor's 256-bit (AVX2) code spells int32 >=, <=
+    # and != as a compare plus an all-ones XOR, and GCC 12 compiling that with AVX-512BW/VL enabled (inductor
+    # passes -march=native, so an AVX-512 CPU limited to ATen's AVX2 kernels gets both) drops the XOR when the
+    # mask feeds a blend: torch.where(a >= t, ...) then chose the wrong side for every element (all +-inf).
+    s = 20 + (ae > 3).int() + (ae > 7).int() + (e < -15).int()
     ac = torch.clamp(a, max=_OVERFLOW_BITS)  # keeps the integer add below overflow
     if rand is None:
         inc = torch.bitwise_left_shift(torch.ones_like(s), s - 1)
@@ -135,7 +139,7 @@ def _qdq_bits_arith(bits: torch.Tensor, rand: torch.Tensor | None = None) -> tor
         r = torch.where(a < _MIN_BITS, up.int() * _MIN_BITS, r)
         ta = _qdq_bits_arith(bits)
         r = torch.where(a > _MAX_BITS, ta & _ABS, r)
-    r = torch.where(a >= _OVERFLOW_BITS, _INF, r)
+    r = torch.where(a > _OVERFLOW_BITS - 1, _INF, r)  # a >= 40960, strict (see above)
     r = torch.where(a > _INF, a, r)  # NaN keeps its payload
     return torch.where(r == 0, 0, r | sign)
 
@@ -266,3 +270,32 @@ def _encode_table() -> torch.Tensor:
         top = (int(bits[code]) >> 20) & 0xFFF
         table[top] = code
     return table
+
+
+# ---------------------------------------------------------------------------------------------------
+# Probe inputs: the first-call check of each compiled kernel (qdq_kernels) compares it with the eager path here.
+
+
+def _probe_values(dtype: torch.dtype) -> torch.Tensor:
+    """Inputs that reach every branch of the rounding rule, as a 1-d CPU tensor of ``dtype``.
+
+    16-bit dtypes: every bit pattern (all 65,536 values). float32: every value with a 16-bit pattern (each sign
+    and exponent band, float32 denormals, inf, NaN; every FP8 value and midpoint is one of them), the same plus
+    half a bfloat16 ulp (the ties of a bfloat16 ``out_dtype`` cast), every HiF8 value and rounding midpoint with
+    their float32 neighbours ("ta" ties, the subnormal steps at 2^-23 and below), and values from HIF8_MAX up to
+    float32's max (overflow, the saturating clamp). The length is no multiple of a vector width, so the last
+    values, the special cases again, fall in a compiled loop's scalar tail.
+    """
+    tail = torch.tensor([0.0, -0.0, 2.0**-23, -(2.0**-23), 1.5 * 2.0**-23, 2.0**-22, HIF8_MAX, HIF8_OVERFLOW,
+                         -HIF8_OVERFLOW, 49152.0, math.inf, -math.inf, math.nan], dtype=torch.float64)
+    if dtype != torch.float32:
+        return torch.cat([torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype),
+                          tail.to(dtype)])
+    p16 = torch.arange(0, 2**16, dtype=torch.int64).mul(2**16).to(torch.int32)  # 16-bit patterns, as float32 bits
+    v = hif8_values().double()
+    v = v[torch.isfinite(v)].unique()
+    grid = torch.cat([v, (v[1:] + v[:-1]) / 2]).float()  # midpoints are exact: neighbours differ in few bits
+    grid = torch.cat([grid, torch.nextafter(grid, grid + 1), torch.nextafter(grid, grid - 1)])
+    big = torch.logspace(math.log10(HIF8_MAX), 38.5, 200, dtype=torch.float64).clamp(max=3.4e38).float()
+    return torch.cat([p16.view(torch.float32), (p16 | 0x8000).view(torch.float32), grid, -grid, big, -big,
+                      tail.float()])

@@ -13,6 +13,7 @@ it reads and writes, for benchmarks and tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import threading
@@ -25,6 +26,7 @@ from hif8qat.formats.hif8_codec import (
     _FLOAT_DTYPES,
     HIF8_MAX,
     ROUNDINGS,
+    _probe_values,
     _qdq_fp32_arith,
     _qdq_fp32_lut_,
     _table,
@@ -138,8 +140,13 @@ def _compile_enabled() -> bool:
 
 
 def compile_status() -> dict[str, object]:
-    """Whether the compiled path is enabled and, if compilation failed, why (for logs and benchmarks)."""
-    return {"enabled": _compile_enabled(), "failed": _compile_failed}
+    """Whether the compiled path is enabled, why compilation failed if it did, and the variants that disagreed with
+    the eager path at their first call (``rejected``: "<variant> on <device>" -> first difference; run eagerly)."""
+    return {"enabled": _compile_enabled(), "failed": _compile_failed, "rejected": dict(_rejected.values())}
+
+
+def _variant_name(prefix: str, key: tuple) -> str:  # for people: "hif8 kernel (scaled=True, ..., torch.float32, cpu, none)"
+    return f"{prefix} kernel (" + ", ".join(f"{k[0]}={k[1]}" if isinstance(k, tuple) else str(k) for k in key) + ")"
 
 
 def _own_code_variant(prefix: str, body, key: tuple, flags: dict):
@@ -202,10 +209,87 @@ def _run_compiled(flags: dict, x, scale, rand, out, site: str = ""):
     key = (*sorted(flags.items()), rand is not None, x.dtype, x.device.type, out_mode, *((site,) if site else ()))
     try:
         with torch.no_grad():  # one grad mode for every caller: a grad-mode change would cost a recompile
-            return _get_compiled(key, flags)(x, scale, rand, out)
+            c = _get_compiled(key, flags)
+            if _checked.get((key, str(x.device))) is not c:
+                return _checked_first_call("hif8", key, c, c, lambda *a: _eager(flags, *a), x, scale, rand, out)
+            return c(x, scale, rand, out)
     except Exception as err:  # noqa: BLE001 - any compiler failure means: fall back to eager
         _disable_compile(err)
         return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# First-call check of each compiled variant against the eager path
+#
+# Compiled code is generated and built on the user's machine by a toolchain we do not control (issue 27: GCC
+# miscompiled inductor's AVX2 code on an AVX-512 CPU: every value inf, the loss NaN). So the first result of each
+# variant (per device, once per process) is compared bit for bit with the eager path on a probe of the format's
+# edge values and on the caller's own input; a variant that disagrees runs eagerly from then on.
+
+_checked: dict[tuple, object] = {}  # (variant key, device) -> the compiled function that passed the check
+_rejected: dict[tuple, tuple[str, str]] = {}  # (variant key, device) -> ("<variant> on <device>", first difference)
+_CHECK_LOCK = threading.Lock()
+
+
+@functools.cache
+def _probe(dtype: torch.dtype, device: str) -> torch.Tensor:
+    return _probe_values(dtype).to(device)
+
+
+def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where a and b differ bit for bit (any NaN matches any NaN: a payload is not a value)."""
+    ints = {4: torch.int32, 2: torch.int16, 1: torch.int8}[a.element_size()]
+    return (a.view(ints) != b.view(ints)) & ~(torch.isnan(a) & torch.isnan(b))
+
+
+def _compare(run_c, run_e, x, scale, rand, out, out_mode) -> str | None:
+    """The first difference, in words, between the compiled and the eager kernel on x (None: they agree).
+    Each writes into its own buffers (an in-place variant gets its own copy of x), so both read the same x."""
+    def run_fresh(run):
+        xx = x.clone() if out_mode == "alias" else x
+        return run(xx, scale, rand, xx if out_mode == "alias" else None if out is None else torch.empty_like(out))
+
+    (y, amax), (y_ref, amax_ref) = run_fresh(run_c), run_fresh(run_e)
+    if y.dtype != y_ref.dtype or y.shape != y_ref.shape:
+        return f"result {y.dtype} {tuple(y.shape)}, eager {y_ref.dtype} {tuple(y_ref.shape)}"
+    bad = _bits_differ(y.reshape(-1), y_ref.reshape(-1))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        xi, yi, ri = (float(t.reshape(-1)[i]) for t in (x, y, y_ref))
+        return f"input {xi!r}: compiled {yi!r}, eager {ri!r} ({int(bad.sum())} of {bad.numel()} values differ)"
+    a, r = (None if t is None else t.reshape(1).float() for t in (amax, amax_ref))
+    if (a is None) != (r is None) or (a is not None and bool(_bits_differ(a, r))):
+        return f"amax: compiled {a if a is None else float(a)!r}, eager {r if r is None else float(r)!r}"
+    return None
+
+
+def _checked_first_call(prefix, key, compiled, run_c, run_e, x, scale, rand, out):
+    """A call of ``compiled`` not yet checked on x's device: ``run_c`` (calling it) against the eager ``run_e``, both
+    ``(x, scale, rand, out) -> (y, amax)``, on the probe and on this input. Agreement: the variant is marked
+    checked, the result is the compiled one. Disagreement (now or before): rejected (eager from now on, in
+    ``compile_status()``, one warning naming it and its first difference), the result is the eager one."""
+    vkey = (key, str(x.device))
+    with _CHECK_LOCK:  # one check per variant: a second thread waits for its verdict
+        if _checked.get(vkey) is compiled:
+            return run_c(x, scale, rand, out)
+        out_mode = "none" if out is None else ("alias" if out.data_ptr() == x.data_ptr() else "out")
+        if vkey not in _rejected:
+            px = _probe(x.dtype, str(x.device))
+            ps = None if scale is None else torch.ones((), dtype=torch.float32, device=x.device)  # x * 1 is x
+            g = torch.Generator(x.device).manual_seed(0)  # its own: the check leaves the caller's random stream
+            pr = None if rand is None else _random_bits(px.numel(), x.device, g)
+            po = None if out is None else torch.empty(px.shape, dtype=out.dtype, device=x.device)
+            diff, where = _compare(run_c, run_e, px, ps, pr, po, out_mode), "probe"
+            if diff is None:
+                diff, where = _compare(run_c, run_e, x, scale, rand, out, out_mode), "first input"
+            if diff is None:
+                _checked[vkey] = compiled
+                return run_c(x, scale, rand, out)
+            name = f"{_variant_name(prefix, key)} on {x.device}"
+            _rejected[vkey] = (name, f"{where}: {diff}")
+            warnings.warn(f"hif8qat: the compiled {name} disagrees with the eager implementation ({where}: "
+                          f"{diff}); that variant runs eagerly from now on", RuntimeWarning, stacklevel=5)
+    return run_e(x, scale, rand, out)  # x and out are untouched: the check wrote only into its own buffers
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -453,6 +537,9 @@ def _fp8_run(flags: dict, x, scale, out, site: str = ""):
         try:
             c = _get_compiled(key, flags, _fp8_variant_function)
             with torch.no_grad():  # one grad mode for every caller, as the HiF8 path
+                if _checked.get((key, str(x.device))) is not c:  # first call: checked as the HiF8 variants
+                    return _checked_first_call("fp8", key, c, lambda x, s, r, o: c(x, s, o),
+                                               lambda x, s, r, o: _fp8_body(x, s, o, **flags), x, scale, None, out)
                 return c(x, scale, out)
         except Exception as err:  # noqa: BLE001 - any compiler failure means: fall back to eager
             _fp8_compile_failed = " ".join(f"{type(err).__name__}: {err}".split())[:500]

@@ -513,7 +513,7 @@ def test_compile_failure_falls_back_to_eager_and_warns_once(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
-# first-call check: a compiled variant that disagrees with eager is replaced by eager (issue 27)
+# first-call check: a compiled variant that disagrees with eager is replaced by eager
 
 
 @pytest.fixture

@@ -221,7 +221,7 @@ def _run_compiled(flags: dict, x, scale, rand, out, site: str = ""):
 # ---------------------------------------------------------------------------------------------------
 # First-call check of each compiled variant against the eager path
 #
-# Compiled code is generated and built on the user's machine by a toolchain we do not control (issue 27: GCC
+# Compiled code is generated and built on the user's machine by a toolchain we do not control (once, GCC
 # miscompiled inductor's AVX2 code on an AVX-512 CPU: every value inf, the loss NaN). So the first result of each
 # variant (per device, once per process) is compared bit for bit with the eager path on a probe of the format's
 # edge values and on the caller's own input; a variant that disagrees runs eagerly from then on.

@@ -249,16 +249,21 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
         assert _metrics(folder) == _metrics(_folder(R["slurm"], 0)), "losses differ from the uninterrupted run"
         assert _same_weights(folder, _folder(R["slurm"], 0)), "final weights differ from the uninterrupted run"
 
-    def preempted_job_is_requeued_and_resumes():
-        assert usr2_note.startswith("scancel"), usr2_note
-        assert rc_preempted == 0, f"exit {rc_preempted}: {log_preempted[-2000:]}"
-        folder = _folder(R["preempted"], 0)
+    def requeued_once_as_the_same_job(sweep: str) -> tuple[Path, str]:
+        """The run folder of sweep `sweep`, started new then resumed, both times as one SLURM job (restart
+        count 0, then 1); and its jobs' logs."""
+        folder = _folder(R[sweep], 0)
         history = _info(folder)["history"]
         assert [h["status"] for h in history] == ["new", "resume"], [h["status"] for h in history]
         restarts = [h["distributed"]["slurm"]["restart_count"] for h in history]
         jobs = {h["distributed"]["slurm"]["job_id"] for h in history}
         assert restarts == [0, 1] and len(jobs) == 1, f"not requeued as the same job: {history}"
-        logs = "".join(p.read_text(errors="replace") for p in (work / "sweeps" / "preempted").rglob("*_log.*"))
+        return folder, "".join(p.read_text(errors="replace") for p in (work / "sweeps" / sweep).rglob("*_log.*"))
+
+    def preempted_job_is_requeued_and_resumes():
+        assert usr2_note.startswith("scancel"), usr2_note
+        assert rc_preempted == 0, f"exit {rc_preempted}: {log_preempted[-2000:]}"
+        folder, logs = requeued_once_as_the_same_job("preempted")
         for words in (f"SIGUSR2: checkpointed at step {SIGNAL_AT}", "this job is timed-out",
                       "Calling checkpoint method", "(0 remaining timeouts)", f"step_{SIGNAL_AT:07d} at step {SIGNAL_AT}"):
             assert words in logs, f"{words!r} not in the job's logs"
@@ -269,14 +274,8 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
     def requeued_job_checkpoints_on_sigterm_and_resumes():
         assert requeue_note.startswith("scontrol"), requeue_note
         assert rc_requeued == 0, f"exit {rc_requeued}: {log_requeued[-2000:]}"
-        folder = _folder(R["requeued"], 0)
-        history = _info(folder)["history"]
-        assert [h["status"] for h in history] == ["new", "resume"], [h["status"] for h in history]
-        restarts = [h["distributed"]["slurm"]["restart_count"] for h in history]
-        jobs = {h["distributed"]["slurm"]["job_id"] for h in history}
-        assert restarts == [0, 1] and len(jobs) == 1, f"not requeued as the same job: {history}"
-        logs = "".join(p.read_text(errors="replace") for p in (work / "sweeps" / "requeued").rglob("*_log.*"))
-        # KillWait (5 s here) is ample for the tiny model's checkpoint: the signal's step, not the periodic one
+        folder, logs = requeued_once_as_the_same_job("requeued")
+        # KillWait (30 s here) is ample for the tiny model's checkpoint: the signal's step, not the periodic one
         for words in (f"SIGTERM: checkpointed at step {SIGNAL_AT}", f"step_{SIGNAL_AT:07d} at step {SIGNAL_AT}"):
             assert words in logs, f"{words!r} not in the job's logs"
         assert _metrics(folder) == _metrics(_folder(R["slurm"], 0)), "losses differ from the uninterrupted run"

@@ -32,7 +32,6 @@ from hif8qat.models.loading import (
 )
 from hif8qat.runs.downloads import hub_reachable
 from hif8qat.train import chunked_loss
-from hif8qat.train.chunked_loss import chunk_rows
 
 MODEL_FORMS = ("tiny or tiny:N (N >= 1 blocks), smollm2_135m, smollm2_135m_offline, openpangu_embedded_1b, "
                "an existing local save_pretrained folder, or a Hugging Face hub id that is cached or reachable")
@@ -166,7 +165,7 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1) -> dict[str, i
     kept = tokens * h * width if t.activation_checkpointing else block
     activations = (layers - 1) * kept + block
     if tokens * vocab > chunked_loss.CHUNK_ELEMENTS:  # read when called: the loss head's setting, as it is then
-        logits = min(tokens, chunk_rows(vocab)) * vocab * (width + 12)
+        logits = min(tokens, chunked_loss.chunk_rows(vocab)) * vocab * (width + 12)
     else:
         logits = tokens * vocab * 12
     return {"weights, gradients and AdamW state": states, "activations": activations, "logits": logits}

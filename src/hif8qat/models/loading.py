@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import hf_hub_download, try_to_load_from_cache
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as bpe_models  # not "models": this module is hif8qat.models.loading
 from torch import nn
 
 from hif8qat.errors import RunError
@@ -101,7 +102,7 @@ def build_tiny_tokenizer():
     for ch in alphabet:
         vocab[ch] = len(vocab)
     assert len(vocab) == 256 + len(_TINY_SPECIALS)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tk = Tokenizer(bpe_models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(list(_TINY_SPECIALS))

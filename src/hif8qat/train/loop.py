@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from transformers import get_cosine_schedule_with_warmup
 
 from hif8qat import compute_dtype as numerics
 from hif8qat.config.run_config import RunConfig
@@ -55,6 +54,7 @@ from hif8qat.train.distributed import (
 from hif8qat.train.export import export_or_explain
 from hif8qat.train.log import MetricsSink, progress_bar, train_summary, truncate_metrics
 from hif8qat.train.preemption import StopSignals, hooked_stream
+from hif8qat.train.schedule import warmup_cosine_schedule
 
 # torch's default is 10 minutes; a 1B model's export or checkpoint to a network filesystem can take longer.
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=60)
@@ -216,7 +216,7 @@ class _Run:
         self.quant_on_step = cfg.quant.bf16_warmup_steps if cfg.quant.enabled else None
         self.optimizer = torch.optim.AdamW(parameter_groups(self.model, cfg.train.weight_decay), lr=cfg.train.lr,
                                            betas=tuple(cfg.train.betas), eps=cfg.train.eps)
-        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
+        self.scheduler = warmup_cosine_schedule(self.optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
         stream = build_train_stream(cfg.data.source, self.tokenizer, seq_len=cfg.train.seq_len,
                                     micro_batch_size=cfg.train.micro_batch_size, rank=ctx.rank,
                                     world_size=ctx.world_size, seed=cfg.seed, cache_dir=cfg.data.cache_dir)

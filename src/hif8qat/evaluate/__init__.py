@@ -9,38 +9,34 @@ Layer 11: imports ``train`` (ranks' gathers), ``quant``, ``models``, ``data``, `
 never ``report`` or ``launch``.
 """
 
-# The task table lives in hif8qat.config.eval_tasks (torch-free, imported by the config); the names below are the
-# package's public surface, re-exported so that callers import them from hif8qat.evaluate.
-from hif8qat.config.eval_tasks import (
-    DEVICES,
-    DTYPES,
-    MINITASK_DIR,
-    MODES,
-    SUITES,
-    TASKS,
-    TaskSpec,
-    resolve_tasks,
-)
-from hif8qat.evaluate.cli import main
-from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
-from hif8qat.evaluate.outputs import format_results, gold_scores, load_eval_results, write_eval_dir
-from hif8qat.evaluate.runner import evaluate_export, evaluate_model, evaluate_run
-from hif8qat.evaluate.settings import EvalSettingError, eval_compute, resolve_numerics
-from hif8qat.evaluate.subsets import check_subset, subset_indices
-from hif8qat.evaluate.task_data import (
-    LOCAL_DATA_ENV,
-    DatasetUnavailableError,
-    _leaf_tasks,  # noqa: F401 - the tests walk lm-eval's task index with it
-    lm_eval_task_dirs,
-    local_splits,
-    prepare_paper_tasks,
-    task_index_for,
-)
+import importlib
 
-__all__ = [
-    "DEVICES", "DTYPES", "LOCAL_DATA_ENV", "MINITASK_DIR", "MODES", "SUITES", "TASKS", "DatasetUnavailableError",
-    "EvalSettingError", "TaskSpec", "check_subset", "eval_compute", "evaluate_export", "evaluate_model",
-    "evaluate_run", "format_results", "gold_scores", "lm_eval_task_dirs", "load_eval_results", "load_for_eval",
-    "local_splits", "main", "prepare_paper_tasks", "quant_eval_meta", "resolve_numerics", "resolve_tasks",
-    "subset_indices", "task_index_for", "write_eval_dir",
-]
+# The package's public surface, resolved on first use (PEP 562): importing one submodule, or this package for
+# one name, does not import lm-eval and the whole evaluator (seconds at every start of run.py, of preflight and
+# of the trainer, which need only the task table and data).
+_SOURCE = {
+    "hif8qat.config.eval_tasks": ("DEVICES", "DTYPES", "MINITASK_DIR", "MODES", "SUITES", "TASKS", "TaskSpec",
+                                  "resolve_tasks"),
+    "hif8qat.evaluate.cli": ("main",),
+    "hif8qat.evaluate.loading": ("load_for_eval", "quant_eval_meta"),
+    "hif8qat.evaluate.outputs": ("format_results", "gold_scores", "load_eval_results", "write_eval_dir"),
+    "hif8qat.evaluate.runner": ("evaluate_export", "evaluate_model", "evaluate_run"),
+    "hif8qat.evaluate.settings": ("EvalSettingError", "eval_compute", "resolve_numerics"),
+    "hif8qat.evaluate.subsets": ("check_subset", "subset_indices"),
+    "hif8qat.evaluate.task_data": ("LOCAL_DATA_ENV", "DatasetUnavailableError", "_leaf_tasks", "lm_eval_task_dirs",
+                                   "local_splits", "prepare_paper_tasks", "task_index_for"),
+}
+_MODULE_OF = {name: module for module, names in _SOURCE.items() for name in names}
+__all__ = sorted(name for name in _MODULE_OF if not name.startswith("_"))
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from huggingface_hub import hf_hub_download
 
+from hif8qat.config.eval_tasks import resolve_tasks
 from hif8qat.config.run_config import ConfigError, RunConfig
 from hif8qat.data.loader import _datasets_offline
-from hif8qat.evaluate import prepare_paper_tasks, resolve_tasks
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
+from hif8qat.evaluate.task_data import prepare_paper_tasks
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
     PANGU_MODEL_TYPES,

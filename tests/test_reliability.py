@@ -261,10 +261,14 @@ def test_two_identical_runs_started_together_write_one_folder_once(tmp_path):
     procs = [subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    # The second either finds the folder busy (refused) or, on a loaded machine where the first finished
+    # before it started, finished (skipped): never a second training into the same folder.
     codes = sorted(code for code, _, _ in outs)
-    assert codes == [0, 2], outs
-    loser = next(err for code, _, err in outs if code == 2)
-    assert "in use by another process" in loser
+    assert codes in ([0, 2], [0, 0]), outs
+    if codes == [0, 2]:
+        assert "in use by another process" in next(err for code, _, err in outs if code == 2)
+    else:
+        assert sum("is finished: skipping training" in out for _, out, _ in outs) == 1, outs
     folder = run_folder(root, "exp1")
     assert [s for s, _ in losses(folder)] == list(range(8))
     assert json.loads((folder / "summary.json").read_text())["steps"] == 8

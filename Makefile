@@ -36,7 +36,7 @@ ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check rehearse slurm-rehearse verify-hif8 clean-venv
+.PHONY: help venv test test-fast test-rehearsals lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check rehearse slurm-rehearse verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -55,11 +55,19 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m hif8qat.evaluate.offline_benchmarks --install || echo "warning: offline MMLU/HellaSwag/ARC not installed (the mini profile installs them on first use; tests that need them will skip)"
 	touch $(STAMP)
 
-test: $(STAMP) ## run the test suite offline (what CI runs; the real-SLURM test runs in make slurm-rehearse)
-	$(OFFLINE) $(PY) -m pytest -q -m "not slurm" $(ARGS)
+# The suite runs in one worker per core (TEST_WORKERS=1: in this process, e.g. for a debugger); worksteal keeps
+# both busy to the end. The whole rehearsals (minutes each) run in make test-rehearsals, which CI runs too.
+TEST_WORKERS ?= auto
+PYTEST := $(OFFLINE) $(PY) -m pytest -q $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
+test: $(STAMP) ## run the test suite offline, on every core (CI runs it, then make test-rehearsals)
+	$(PYTEST) -m "not slurm and not rehearsal" $(ARGS)
 
 test-fast: $(STAMP) ## the suite without the slow end-to-end tests
-	$(OFFLINE) $(PY) -m pytest -q -m "not slow and not slurm" $(ARGS)
+	$(PYTEST) -m "not slow and not slurm and not rehearsal" $(ARGS)
+
+test-rehearsals: $(STAMP) ## the CPU rehearsals of make gpu-check and make rehearse, checked as tests (minutes)
+	$(PYTEST) -m "rehearsal and not slurm" $(ARGS)
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .

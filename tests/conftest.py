@@ -10,6 +10,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# make test runs one pytest-xdist worker per core: each worker's torch then takes its share of the cores, not all
+# of them (oversubscribed threads make every worker slower than running alone).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -70,6 +70,7 @@ def _bench_step_has_the_device_contract() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.rehearsal
 def test_cpu_rehearsal_runs_every_stage_and_reports_its_figures(tmp_path):
     # The step stages call bench_step.py with --device/--json (the benchmark's CLI); without them, the rest.
     stages = CPU_STAGES if _bench_step_has_the_device_contract() else \

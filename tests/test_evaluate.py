@@ -4,6 +4,7 @@ overrides for paper tasks, and the fail-fast error when a dataset is unavailable
 import csv
 import gzip
 import json
+import re
 import time
 
 import pytest
@@ -369,3 +370,20 @@ def test_lm_eval_records_go_to_the_log_beside_the_eval_folder_not_the_console(ti
     assert "Building contexts" in log and "mini_arc" in log  # lm-eval's INFO records are kept, in the file
     assert "Building contexts" not in console.out + console.err
     assert "already-initialized model" not in console.out + console.err  # said while the model is wrapped
+
+
+def test_an_evaluation_draws_one_bar_on_the_console_and_gives_the_libraries_their_bars_back(tiny_model, tmp_path,
+                                                                                            capfd):
+    import datasets
+    import lm_eval.api.model
+    import lm_eval.api.task
+
+    before = (lm_eval.api.task.tqdm, lm_eval.api.model.tqdm, datasets.is_progress_bar_enabled())
+    model, tok = tiny_model
+    capfd.readouterr()
+    ev.evaluate_model(model, tok, "mini", out_dir=tmp_path / "eval" / "bf16", limit=3, batch_size=4)
+    console = capfd.readouterr()
+    frames = [f.strip() for f in re.split(r"[\r\n]", console.err) if re.search(r"\|.*\[\d\d:\d\d", f)]
+    # three tasks: lm-eval would draw a bar per task while building contexts, and one while tokenizing
+    assert frames and all(f.startswith("Running loglikelihood requests") for f in frames), frames[:5]
+    assert (lm_eval.api.task.tqdm, lm_eval.api.model.tqdm, datasets.is_progress_bar_enabled()) == before

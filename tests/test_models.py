@@ -69,6 +69,22 @@ def test_load_saved_local_folder_through_safetensors(tmp_path):
     assert tok2.pad_token_id is not None
 
 
+def test_loading_prints_its_timed_line_not_a_weights_bar_and_leaves_the_bar_setting_as_it_was(tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    model, tok = build_tiny_llama(num_layers=1)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    capfd.readouterr()
+    for enabled in (True, False):
+        (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+        load_causal_lm(str(tmp_path))
+        assert hf_logging.is_progress_bar_enabled() is enabled
+    hf_logging.enable_progress_bar()
+    console = capfd.readouterr()
+    assert "Loading weights" not in console.out + console.err
+
+
 def test_missing_local_path_names_the_setting(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.name"):
         load_causal_lm(str(tmp_path / "nope"))

@@ -151,7 +151,7 @@ def evaluate_model(
         data_root = ensure_installed()
     subset_meta: dict[str, dict] = {}
     log_path = None if out_dir is None else Path(out_dir).parent / f"{Path(out_dir).name}.lm_eval.log"
-    with tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp, _lm_eval_log(log_path):
+    with tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp, _quiet_lm_eval(log_path):
         extra, force_offline = prepare_paper_tasks(specs, local_datasets, Path(tmp), data_root=data_root)
         lm_dirs = lm_eval_task_dirs(specs)
         # later include paths override earlier ones: lm-eval's folders, then the local-dataset overrides
@@ -222,10 +222,18 @@ def evaluate_model(
 
 
 @contextlib.contextmanager
-def _lm_eval_log(path: Path | None):
-    """lm-eval's INFO and WARNING records (hundreds per evaluation: "Building contexts ...", one line per task)
-    go to ``path`` (beside the mode's eval folder) instead of the console, which keeps its errors and the
-    progress bars; without a path they are dropped below ERROR."""
+def _quiet_lm_eval(path: Path | None):
+    """The console keeps one bar per evaluation (the requests, with their ETA) and lm-eval's errors.
+
+    lm-eval's INFO and WARNING records (hundreds per evaluation: "Building contexts ...", one line per task) go
+    to ``path`` (beside the mode's eval folder), or are dropped below ERROR without one. Its other bars are
+    silenced: one per task while it builds the contexts (about 65 for the MMLU subjects alone), one while it
+    tokenizes, and datasets' bars when a split is prepared for the first time.
+    """
+    import datasets
+    import lm_eval.api.model
+    import lm_eval.api.task
+
     logger = logging.getLogger("lm_eval")
     saved = (logger.handlers[:], logger.level, logger.propagate)
     console = logging.StreamHandler()
@@ -238,12 +246,27 @@ def _lm_eval_log(path: Path | None):
         handlers.append(to_file)
     logger.handlers, logger.propagate = handlers, False
     logger.setLevel(logging.INFO)
+    # lm-eval calls its module's ``tqdm`` name with its own ``disable=``: the replacement overrides that too
+    bar_modules = (lm_eval.api.task, lm_eval.api.model)
+    saved_bars = [module.tqdm for module in bar_modules]
+    for module, bar in zip(bar_modules, saved_bars):
+        module.tqdm = functools.partial(_silent_bar, bar)
+    datasets_bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     try:
         yield
     finally:
         for handler in handlers:
             handler.close()
         logger.handlers, logger.level, logger.propagate = saved
+        for module, bar in zip(bar_modules, saved_bars):
+            module.tqdm = bar
+        if datasets_bars:
+            datasets.enable_progress_bars()
+
+
+def _silent_bar(bar_class, *args, **kwargs):
+    return bar_class(*args, **{**kwargs, "disable": True})
 
 
 def _select_subsets(tm, names: list[str], sizes: Mapping[str, int], seed: int, limit) -> tuple[list, dict]:

@@ -29,6 +29,7 @@ model's config declares it (``auto_map``) *and* the caller passed ``trust_remote
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
@@ -428,8 +429,9 @@ def load_causal_lm(
         model_kwargs["use_safetensors"] = True
 
     t0 = time.time()
-    tok = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs)
+    with _no_weight_loading_bar():
+        tok = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs)
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     model.eval()
@@ -437,6 +439,21 @@ def load_causal_lm(
              sum(p.numel() for p in model.parameters()) / 1e6)
     return model, tok
 
+
+
+@contextlib.contextmanager
+def _no_weight_loading_bar():
+    """transformers draws a "Loading weights" bar at every load (four in a ``make exp3``), which the "loaded ... in
+    N s" line that follows already times: the console keeps that line only."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 # ----------------------------------------------------------------------------------------------------------
 # structure helpers

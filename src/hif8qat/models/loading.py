@@ -440,7 +440,6 @@ def load_causal_lm(
     return model, tok
 
 
-
 @contextlib.contextmanager
 def _no_weight_loading_bar():
     """transformers draws a "Loading weights" bar at every load (four in a ``make exp3``), which the "loaded ... in
@@ -454,6 +453,7 @@ def _no_weight_loading_bar():
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
 
 # ----------------------------------------------------------------------------------------------------------
 # structure helpers

@@ -30,6 +30,7 @@ from hif8qat.models.loading import (
     _looks_like_path,
     hub_offline,
     model_config_facts,
+    pangu_tokenizer_problem,
 )
 from hif8qat.runs.downloads import hub_reachable
 from hif8qat.train import chunked_loss
@@ -61,6 +62,14 @@ def check_local_model_type(name: str, config_file: Path, trust_remote_code: bool
                       "openPangu's PanguEmbedded, or a folder with remote code and model.trust_remote_code=true")
 
 
+def check_tokenizer(cfg: RunConfig) -> None:
+    """An openPangu checkpoint's tokenizer.model must exist and open (models.loading.pangu_tokenizer_problem)."""
+    problem = pangu_tokenizer_problem(cfg.model.name.strip(), revision=cfg.model.revision)
+    if problem:
+        raise ConfigError(f"invalid setting model.name={cfg.model.name!r}: {problem}; allowed a checkpoint folder "
+                          "(or cached hub repo) holding its tokenizer.model, as the hub repo ships it")
+
+
 def check_model(cfg: RunConfig) -> None:
     """model.name must name something `models.load_causal_lm` can load without failing later."""
 
@@ -74,11 +83,13 @@ def check_model(cfg: RunConfig) -> None:
             raise ConfigError(f"invalid setting model.name={name!r}: a file; allowed {MODEL_FORMS}")
         if local.is_dir():
             check_local_model_type(name, local / "config.json", cfg.model.trust_remote_code)
+            check_tokenizer(cfg)
         return
     if _looks_like_path(name) or local.is_absolute():
         raise ConfigError(f"invalid setting model.name={name!r}: no such local folder and not a hub id "
                           f"(org/name); allowed {MODEL_FORMS}")
     if _hub_cached(hub_id, cfg.model.revision):
+        check_tokenizer(cfg)
         return
     extra = (f" To use it offline: {OPENPANGU_EMBEDDED_1B['how_to']}" if name == "openpangu_embedded_1b" else
              f" Download it where the hub is reachable (huggingface-cli download {hub_id}) or give a local folder.")

@@ -200,6 +200,38 @@ def model_config_facts(name: str, *, revision: str | None = None) -> dict | None
     return None
 
 
+def pangu_tokenizer_problem(name: str, *, revision: str | None = None) -> str | None:
+    """Why an openPangu checkpoint's ``tokenizer.model`` cannot be used, or None (also for any other model, or a
+    hub id not cached yet: its download is checked elsewhere). Opens the SentencePiece model (milliseconds), so a
+    folder without one, or with a truncated or foreign file, is refused before a run folder exists instead of
+    failing after the weights load."""
+    local = Path(name).expanduser()
+    hub_id = OPENPANGU_EMBEDDED_1B["hub_id"] if name == "openpangu_embedded_1b" else name
+    if local.is_dir():
+        config_file, model_file = local / "config.json", local / "tokenizer.model"
+    elif not _looks_like_path(name) and _hub_cached(hub_id, revision):
+        config_file = Path(try_to_load_from_cache(hub_id, "config.json", revision=revision))
+        hit = try_to_load_from_cache(hub_id, "tokenizer.model", revision=revision)
+        model_file = Path(hit) if isinstance(hit, str) else config_file.parent / "tokenizer.model"
+    else:
+        return None
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # an unreadable config.json has its own check
+    if model_type not in PANGU_MODEL_TYPES:
+        return None
+    if not model_file.is_file():
+        return f"{model_file} does not exist (an openPangu checkpoint needs its SentencePiece tokenizer.model)"
+    import sentencepiece
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    except (OSError, RuntimeError) as err:
+        return f"{model_file} is not a readable SentencePiece model ({str(err).strip()[:200]})"
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # SmolLM2 offline weights
 # ----------------------------------------------------------------------------------------------------------

@@ -25,9 +25,42 @@ from hif8qat.runs.downloads import cache_root
 log = logging.getLogger(__name__)
 
 # PanguEmbeddedConfig's defaults where they differ from LlamaConfig's: a config.json that omits a key means these.
+# They are the 7B's (rope_theta 16e6, untied head); the 1B's own config.json sets its values (below).
 _PANGU_DEFAULTS = {"bias": True, "rope_theta": 16000000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu",
                    "max_position_embeddings": 32768, "tie_word_embeddings": False, "attention_dropout": 0.0,
                    "vocab_size": 153376, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 45892}
+
+#: openPangu-Embedded-1B as published (the paper's model): the config.json keys that fix its shape and numerics.
+#: 26 blocks, hidden 1536, SwiGLU MLP 6144, GQA with 12 query and 6 KV heads of 128, biased q/k/v/o, vocabulary
+#: 153,376, rope_theta 4e6 and a tied head (its checkpoint has no lm_head/output matrix: its GGUF holds 26 x 13
+#: block tensors + embedding + final norm = 340). Sources: the hub repo's config.json, and the same sizes in
+#: MindSpeed's 1B fine-tuning script (num-layers 26, hidden 1536, ffn 6144, 12 heads, 6 query groups, kv-channels
+#: 128, rotary-base 4000000, padded vocab 153376, no untie flag). The one definition of the 1B's shape: the tests,
+#: the GPU check and the estimates build their stand-ins from it (shrunk only where they say so).
+OPENPANGU_EMBEDDED_1B_CONFIG = {
+    "vocab_size": 153376, "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 26,
+    "num_attention_heads": 12, "num_key_value_heads": 6, "bias": True, "rope_theta": 4000000.0,
+    "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "hidden_act": "silu", "max_position_embeddings": 32768,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 45892,
+}
+#: Its tokenizer's special tokens (tokenizer_config.json): BOS ``<s>`` (id 1) prepended (``add_bos_token``), no EOS
+#: appended, pad ``<unk>`` (id 0), EOS ``[unused10]`` (id 45892), the token the data pipeline ends documents with.
+OPENPANGU_SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "[unused10]", "pad_token": "<unk>",
+                            "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}
+
+
+def pangu_parameter_count(config: dict) -> int:
+    """Parameters of an openPangu config (a tied head counted once), from its sizes alone."""
+    c = {**_PANGU_DEFAULTS, **config}
+    h, inter, heads, kv = (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
+                           c["num_key_value_heads"])
+    d = c.get("head_dim") or h // heads
+    attn = 2 * h * heads * d + 2 * h * kv * d + (heads * d + 2 * kv * d + h if c["bias"] else 0)
+    block = attn + 3 * h * inter + 2 * h
+    head = 0 if c["tie_word_embeddings"] else c["vocab_size"] * h
+    return c["num_hidden_layers"] * block + c["vocab_size"] * h + head + h
+
+
 _PANGU_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads")
 _PANGU_DROPPED = ("auto_map", "architectures", "model_type", "transformers_version", "_name_or_path")

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from hif8qat.models import pangu as pangu_module
@@ -258,3 +259,57 @@ def test_the_real_special_token_layout(pangu):
     assert tok(docs[0])["input_ids"] == [1, *sp.encode(docs[0])]  # add_bos_token, no EOS appended
     packed = tokenize_documents(docs, tok)
     assert [list(map(int, ids)) for ids in packed] == [sp.encode(d) + [eos] for d in docs]
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_a_checkpoint_without_a_readable_tokenizer_model_is_refused_before_a_run_folder(tmp_path, damage):
+    from test_reliability import assert_user_error, cli
+
+    folder = tmp_path / "pangu"
+    write_pangu_checkpoint(folder)
+    if damage == "missing":
+        (folder / "tokenizer.model").unlink()
+    else:  # truncated, as an interrupted copy leaves it
+        (folder / "tokenizer.model").write_bytes((folder / "tokenizer.model").read_bytes()[:100])
+    out = cli(["experiment=exp1", "stage=all", f"model.name={folder}", "model.trust_remote_code=true"],
+              tmp_path / "runs", env_extra={"HIF8QAT_CACHE": str(tmp_path / "cache")})
+    assert_user_error(out, "model.name", str(folder / "tokenizer.model"))
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_the_1b_shaped_checkpoint_trains_and_evaluates_through_the_paper_profile(tmp_path):
+    """The paper profile's model settings (its model config, trust_remote_code, bf16 autocast, exp8's quantization
+    with first3_last2 high-precision blocks, both evaluation modes) on the 1B's structure: tied head, theta 4e6,
+    12/6 heads, the real special tokens; 6 blocks at head dim 8 so that first3_last2 leaves one block quantized.
+    Only the sizes, the step count, the data (the offline corpus) and the tasks (a mini task) are changed."""
+    from test_train import run
+
+    folder = tmp_path / "pangu"
+    write_pangu_checkpoint(folder, config={**SMALL_1B, "num_hidden_layers": 6}, std=0.02)
+    root = tmp_path / "runs"
+    run(["experiment=exp8", "profile=paper", "stage=all", f"model.name={folder}", f"results_root={root}",
+         "profile.steps=4", "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32",
+         "train.device=cpu", "train.num_threads=1", "train.keep_checkpoints_when_done=0", "train.checkpoint_every=2",
+         "data.source=mini", "data.eval_windows=2", "eval.tasks=[mini_arc]", "eval.limit=4", "eval.batch_size=4",
+         "eval.num_fewshot={}", "logger.progress_bar=false"],
+        env_extra={"HIF8QAT_CACHE": str(tmp_path / "cache"), "HIF8QAT_COMPILE": "0"})
+    (run_dir,) = (root / "paper" / "exp8").glob("seed0*")  # the overrides tag the folder's name
+    assert (run_dir / "DONE").is_file()
+    saved = yaml.safe_load((run_dir / "config_resolved.yaml").read_text())
+    assert saved["train"]["autocast"] == "bf16" and saved["model"]["trust_remote_code"] is True
+    assert saved["quant"]["high_precision_blocks"] == [0, 1, 2, 4, 5]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "loss" in r and "step" in r]
+    assert len(steps) == 4 and all(math.isfinite(r["loss"]) for r in steps)
+    assert [r["quant"] for r in steps] == [False, True, True, True]  # one BF16 warmup step, then HiF8
+    for mode in ("bf16", "hif8"):
+        assert (run_dir / "eval" / mode / "results.json").is_file(), mode
+    export = json.loads((run_dir / "export" / "config.json").read_text())
+    assert export["tie_word_embeddings"] is True and export["num_key_value_heads"] == 6
+    theta = (export.get("rope_parameters") or {}).get("rope_theta", export.get("rope_theta"))
+    assert theta == 4e6
+    from safetensors import safe_open
+
+    with safe_open(str(run_dir / "export" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # still tied: the export stores the embedding once

@@ -23,8 +23,9 @@ by side in this run:
     python benchmarks/bench_step.py --model llama1b --device cuda --autocast bf16 --compile --json
     python benchmarks/bench_step.py --threads 1 --format hybrid --algo current   # FP8, just-in-time scales
 
-``--model llama1b`` is a randomly initialised Llama with openPangu-Embedded-1B-like shapes (26 blocks,
-hidden 1536, GQA 12 q / 6 kv heads, intermediate 6144, vocabulary 153,376). On a machine shared with other
+``--model llama1b`` is a randomly initialised Llama with openPangu-Embedded-1B's own config
+(``hif8qat.models.pangu.OPENPANGU_EMBEDDED_1B_CONFIG``: 26 blocks, hidden 1536, GQA 12 q / 6 kv heads of 128 with
+biased projections, intermediate 6144, vocabulary 153,376, tied head, rope_theta 4e6). On a machine shared with other
 jobs use ``--threads 1``: intra-op thread pools stall under contention and make medians meaningless.
 """
 
@@ -43,13 +44,14 @@ def build_llama(kind: str, seed: int = 0, device: str = "cpu"):
     """A randomly initialised Llama, built on `device` (a 1B model initialises in seconds on a GPU, not minutes)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shapes = {
-        "small": dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
-                      num_attention_heads=6, num_key_value_heads=2),
-        "llama1b": dict(vocab_size=153376, hidden_size=1536, intermediate_size=6144, num_hidden_layers=26,
-                        num_attention_heads=12, num_key_value_heads=6),
-    }[kind]
-    cfg = LlamaConfig(**shapes, max_position_embeddings=4096, tie_word_embeddings=False)
+    if kind == "llama1b":  # the paper's model as it is
+        from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG, pangu_llama_config
+
+        cfg = pangu_llama_config(OPENPANGU_EMBEDDED_1B_CONFIG)
+    else:
+        cfg = LlamaConfig(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
+                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
+                          tie_word_embeddings=False)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         return LlamaForCausalLM(cfg)

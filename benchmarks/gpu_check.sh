@@ -18,7 +18,8 @@
 #                           80 GB GPU; prints it beside the preflight estimate
 #   checkpoint              save_checkpoint and load_checkpoint of the 1B model with its AdamW state (weights and
 #                           moments compared after the load)
-#   openpangu               a checkpoint laid out like openPangu's hub repo at 1B shapes, loaded as Llama on the
+#   openpangu               a checkpoint laid out like openPangu's hub repo with the 1B's own config (tied head,
+#                           rope_theta 4e6, 12/6 heads, vocabulary 153,376, 26 blocks), loaded as Llama on the
 #                           GPU (no remote code) in FP32 and compared with a float64 plain-torch forward; its
 #                           SentencePiece tokenizer converted, and the tokenizer throughput (bench_tokenizer.py)
 #
@@ -269,25 +270,15 @@ stage_openpangu() {
 import json, sys, time
 from pathlib import Path
 import torch
-from safetensors.torch import save_file
 sys.path.insert(0, "tests")
 import test_openpangu as tp
 from hif8qat.models.loading import load_causal_lm
 size, dev, folder = sys.argv[1], torch.device(sys.argv[2]), Path(sys.argv[3])
-cfg, _ = tp.write_pangu_checkpoint(folder)  # the hub layout and its tokenizer at tiny sizes
-if size == "1b":  # then openPangu-Embedded-1B's shapes, written over the tiny ones
-    cfg.update(vocab_size=153376, hidden_size=1536, intermediate_size=6144, num_hidden_layers=26,
-               num_attention_heads=12, num_key_value_heads=6)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-weights = tp._weights(cfg, True, std=0.02)
-index = json.loads((folder / "model.safetensors.index.json").read_text())
-shards = sorted(set(index["weight_map"].values()))
-names = sorted(weights)
-parts = {shards[0]: names[: len(names) // 2], shards[1]: names[len(names) // 2:]}
-for shard, keys in parts.items():
-    save_file({k: weights[k] for k in keys}, str(folder / shard), metadata={"format": "pt"})
-index["weight_map"] = {k: shard for shard, keys in parts.items() for k in keys}
-(folder / "model.safetensors.index.json").write_text(json.dumps(index))
+# The hub layout with the 1B's own config (models.pangu.OPENPANGU_EMBEDDED_1B_CONFIG: tied head, theta 4e6, 12/6
+# heads of 128, vocabulary 153,376, 26 blocks) and its special-token layout; the CPU rehearsal shrinks it to the
+# tests' small stand-in of the same structure.
+config = tp.OPENPANGU_EMBEDDED_1B_CONFIG if size == "1b" else tp.SMALL_1B
+cfg, weights = tp.write_pangu_checkpoint(folder, config=config, std=0.02)
 t0 = time.time()
 model, tok = load_causal_lm(str(folder), trust_remote_code=True, dtype=torch.float32)
 load_s = time.time() - t0
@@ -297,10 +288,14 @@ with torch.no_grad():
     got = model.to(dev)(input_ids=ids.to(dev)).logits.double().cpu()
 want = tp.reference_logits(cfg, weights, ids)
 err = ((got - want).abs().max() / want.abs().max()).item()
-if type(model).__name__ != "LlamaForCausalLM" or err > 1e-4 or not tok.is_fast:
-    raise SystemExit(f"{type(model).__name__}, relative logit error {err:.2e}, fast tokenizer {tok.is_fast}")
-print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters loaded as Llama in {load_s:.0f} s, "
-      f"logits within {err:.1e} of the plain forward")
+tied = model.lm_head.weight is model.model.embed_tokens.weight
+special = (tok.bos_token_id, tok.pad_token_id, tok.eos_token)
+if (type(model).__name__ != "LlamaForCausalLM" or err > 1e-4 or not tok.is_fast or not tied
+        or special != (1, 0, "[unused10]")):
+    raise SystemExit(f"{type(model).__name__}, relative logit error {err:.2e}, fast tokenizer {tok.is_fast}, "
+                     f"tied head {tied}, BOS/pad ids and EOS {special}")
+print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters (tied head) loaded as Llama in "
+      f"{load_s:.0f} s, logits within {err:.1e} of the plain forward")
 EOF
 ) || { echo "$res"; return 1; }
     rm -rf "$OUT/pangu"

@@ -13,7 +13,8 @@ ARGS ?=
 BASELINE_ARGS ?= $(filter-out quant.% +quant.% ++quant.% run_tag=%,$(ARGS))
 comma := ,
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
-# Paper-scale runs use every local GPU through torchrun; the mini profile runs in one process. Both are expanded
+# Paper-scale runs use every local GPU through torchrun; the mini profile and the one-GPU profile (gpu1: one
+# process on one GPU, no process group) run in one process. Both are expanded
 # only when a recipe runs (`=`, not `:=`): on a fresh checkout .venv's torch exists by then, not at parse time.
 NPROC ?= $(shell $(PY) -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
 ifeq ($(PROFILE),paper)
@@ -75,7 +76,7 @@ lint: $(STAMP) ## ruff
 # The baseline comes first under the same launcher (torchrun too); a finished one is skipped in seconds.
 # run.py --baseline checks the experiment's whole line first: a bad setting in ARGS is refused before the
 # baseline trains.
-$(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp13) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|paper] [SEED=0]
+$(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp13) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|gpu1|paper] [SEED=0]
 	@base=$$($(OFFLINE) $(PY) run.py --baseline $@ profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS)) || exit 1; \
 	$(ESTIMATE_CMD) --experiments $@ --seeds $(SEED) --label "make $@" \
 		$${base:+--baseline $$base --baseline-overrides $(BASELINE_ARGS)} --overrides $(ARGS) || true; \

@@ -7,8 +7,9 @@ Loads the profile's model (timed), times a few training steps at the profile's b
 numerics (``train.autocast=auto`` resolved here) and an evaluation-sized forward pass, plain and quantized;
 then adds up, for every run that is not finished yet, its plain and quantized steps, the forwards and setup
 of each of its evaluation modes, and its model loads. Printed before ``make all`` and the other
-long targets, so a user on a slower machine knows what they started. Only the mini profile is estimated
-(its runs take minutes to an hour on a CPU); elsewhere it says nothing.
+long targets, so a user on a slower machine knows what they started. The mini profile is measured here (its
+runs take minutes to an hour on a CPU); the one-GPU profile (gpu1) is estimated from FLOPs at a stated
+throughput, not measured (:func:`flop_costs`), labelled so; elsewhere it says nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +35,20 @@ from hif8qat.train.loop import lm_loss
 # Tokens an evaluation of one run forwards at the mini profile (its three subsets, each item's context once,
 # the bf16 mode only), counted by the evaluation itself into results.json (_meta.eval_tokens); used when no
 # finished evaluation of this profile exists yet to read it from. A workload size, not a time.
-_EVAL_TOKENS_FALLBACK = {"mini": 60_000}
+# gpu1: MMLU 1,140 items x about 540 tokens (5 shots and the question), HellaSwag 1,000 x about 1,160 (10 shots,
+# the context once and four endings), ARC-Challenge 1,172 x about 1,300 (25 shots): about 3.3 M, a planning figure
+# until the first gpu1 evaluation records its own count.
+_EVAL_TOKENS_FALLBACK = {"mini": 60_000, "gpu1": 3_300_000}
+
+# The gpu1 estimate's stated assumptions (none of them measured by this project on a GPU): BF16 training at
+# 250 TFLOP/s on one H200 (about a quarter of its dense BF16 peak; the authors' logs imply about 335 TFLOP/s per
+# H800-class GPU at micro-batch 16, and micro-batch 4 runs less efficiently), the project's target QAT/BF16 step
+# ratio of 1.25, evaluation forwards at a third of the training rate (small batches, padding, lm-eval's host
+# work) and 30 s to load the 1B model.
+GPU1_TFLOPS = 250.0
+GPU1_QAT_RATIO = 1.25
+GPU1_EVAL_EFFICIENCY = 1 / 3
+GPU1_LOAD_S = 30.0
 
 
 def eval_tokens(results_root: Path, profile: str) -> int:
@@ -80,6 +94,40 @@ def run_seconds(cfg, costs: Costs, eval_tokens_per_mode: int) -> float:
         heldout = sum(costs.load_s + tokens * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
                       for mode in ["bf16", *modes])
     return train + evaluate + heldout + costs.load_s * (1 + len(modes))
+
+
+def flops_per_token(facts: dict, seq_len: int) -> tuple[float, float]:
+    """(training, forward) FLOPs per token: 6 N and 2 N over the parameters that multiply (the blocks and the head,
+    which a tied embedding still computes; not the embedding lookup), plus attention's scores and values,
+    12 L d T and 4 L d T (counted without the causal half, the usual convention)."""
+    h, layers, vocab = facts["hidden_size"], facts["num_hidden_layers"], facts["vocab_size"]
+    inter = facts["intermediate_size"]
+    heads = facts["num_attention_heads"]
+    kv, d = facts.get("num_key_value_heads") or heads, facts.get("head_dim") or h // heads
+    block = 2 * h * heads * d + 2 * h * kv * d + 3 * h * inter
+    matmul = layers * block + vocab * h
+    attention = layers * heads * d * seq_len
+    return 6 * matmul + 12 * attention, 2 * matmul + 4 * attention
+
+
+def flop_costs(cfg, facts: dict, tflops: float = GPU1_TFLOPS) -> Costs:
+    """What a run's pieces cost from FLOPs at ``tflops`` (BF16 training), not measured: see GPU1_* above."""
+    train_flops, forward_flops = flops_per_token(facts, cfg.train.seq_len)
+    step = cfg.train.global_batch_size * cfg.train.seq_len * train_flops / (tflops * 1e12)
+    token = forward_flops / (tflops * 1e12 * GPU1_EVAL_EFFICIENCY)
+    return Costs("bf16 (assumed)", GPU1_LOAD_S, step, step * GPU1_QAT_RATIO, token, token * GPU1_QAT_RATIO)
+
+
+def _gpu1_facts(cfg) -> tuple[dict, str]:
+    """The model's sizes from its config.json, or the published 1B's when it is not on this machine yet."""
+    from hif8qat.models.loading import model_config_facts
+    from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
+
+    facts = model_config_facts(cfg.model.name, revision=cfg.model.revision)
+    if facts and all(isinstance(facts.get(k), int) for k in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                             "intermediate_size", "num_attention_heads")):
+        return facts, cfg.model.name
+    return OPENPANGU_EMBEDDED_1B_CONFIG, "openPangu-Embedded-1B's published config"
 
 
 def measure(cfg, repeats: int = 2) -> Costs:
@@ -149,7 +197,7 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         return plain_config_for(profile, experiment, seed, tuple(extra))
 
     experiments = [e for e in (args.baseline, *args.experiments) if e]
-    if args.profile != "mini":
+    if args.profile not in ("mini", "gpu1"):
         return 0
 
     pending = []
@@ -161,10 +209,22 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     if not pending:
         print(f"estimate: every run of {args.label} is finished; only the report is left")
         return 0
-    # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
     configs = [config_for(args.profile, experiment, seed) for experiment, seed in pending]
-    costs = measure(next((c for c in configs if c.quant.enabled), configs[0]))
     tokens = eval_tokens(Path(args.results_root), args.profile)
+    if args.profile == "gpu1":
+        facts, source = _gpu1_facts(configs[0])
+        costs = flop_costs(configs[0], facts)
+        total = sum(run_seconds(c, costs, tokens) for c in configs)
+        train_flops = flops_per_token(facts, configs[0].train.seq_len)[0]
+        print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
+              f"one GPU, from FLOPs, not measured: {train_flops / 1e9:.2f} GFLOP per training token ({source}), "
+              f"{configs[0].train.global_batch_size * configs[0].train.seq_len:,} tokens per step, an assumed "
+              f"{GPU1_TFLOPS:.0f} TFLOP/s BF16 (H200-class) and QAT at {GPU1_QAT_RATIO}x: a step "
+              f"{costs.train_step_s:.2f} s plain / {costs.qat_step_s:.2f} s quantized; evaluation {tokens / 1e6:.1f} M "
+              f"tokens per mode at a third of that rate; {costs.load_s:.0f} s per model load")
+        return 0
+    # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
+    costs = measure(next((c for c in configs if c.quant.enabled), configs[0]))
     total = sum(run_seconds(c, costs, tokens) for c in configs)
     print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
           f"this machine ({costs.numerics} numerics, measured just now: a training step {costs.train_step_s:.1f} s "

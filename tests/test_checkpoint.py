@@ -125,14 +125,15 @@ def test_no_intact_checkpoint_is_a_clear_error_now_and_on_every_rerun(tmp_path):
     assert ckpt.select_checkpoint(tmp_path / "never_written") is None
 
 
-def test_checkpoints_written_before_manifests_are_read_back_instead(tmp_path):
+def test_the_former_one_line_marker_is_refused_not_loaded_unhashed(tmp_path):
+    """A flipped bit under the former marker (the step alone, no hashes) would load unnoticed: refused."""
     root = tmp_path / "checkpoints"
-    old, new = _save(root, 2, seed=2), _save(root, 4, seed=4)
-    for path in (old, new):
-        (path / ckpt.COMPLETE_MARKER).write_text(str(ckpt.checkpoint_step(path)))  # the former marker
-    ckpt.verify_checkpoint(new)
-    _truncate(new / "trainer.pt")
-    assert ckpt.select_checkpoint(root) == old
+    good, legacy = _save(root, 2, seed=2), _save(root, 4, seed=4)
+    _flip_mantissa_bits(legacy / "model.safetensors")
+    (legacy / ckpt.COMPLETE_MARKER).write_text("4")
+    with pytest.raises(ckpt.CheckpointError, match="former one-line form.*cannot be verified"):
+        ckpt.verify_checkpoint(legacy)
+    assert ckpt.select_checkpoint(root) == good  # auto resume takes the verified one before it
 
 
 def test_a_checkpoint_from_another_model_fails_with_a_checkpoint_error(tmp_path):
@@ -246,9 +247,9 @@ def test_first_nonfinite_names_the_weight_or_optimizer_state():
 
 
 # In-process runs of the smoke profile's exp1 (a tiny model, a few seconds each).
-def _smoke(tmp_path: Path, *overrides: str) -> RunConfig:
+def _smoke(tmp_path: Path, *overrides: str, experiment: str = "exp1") -> RunConfig:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        composed = compose(config_name="config", overrides=["experiment=exp1", "profile=smoke", "stage=train",
+        composed = compose(config_name="config", overrides=[f"experiment={experiment}", "profile=smoke", "stage=train",
                                                             "logger.progress_bar=false", "train.num_threads=1",
                                                             f"results_root={tmp_path}", *overrides])
     return resolve_profile(RunConfig.from_dict(OmegaConf.to_container(composed, resolve=True), check_paths=False))
@@ -393,3 +394,42 @@ def test_rng_state_resumes_on_a_node_with_fewer_visible_gpus(monkeypatch):
     resuming.install(monkeypatch)
     ckpt.set_rng_state(state)
     assert torch.equal(resuming.states[0], torch.arange(16, dtype=torch.uint8) * 7)
+
+
+def test_a_checkpoint_of_other_settings_is_refused_naming_them(tmp_path):
+    """exp7's checkpoint named by an exp1 run would bring exp7's LR and weights under exp1's name."""
+    other = tmp_path / "exp7"
+    other.mkdir()
+    train(_smoke(tmp_path, "train.lr=1e-5", "train.checkpoint_every=2"), other)
+    named = ckpt.list_checkpoints(other / "checkpoints")[0]
+    mine = _run_dir(tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match=r"other settings \(train.lr: checkpoint 1e-05, this run "
+                                                   r"0.0001\).*train.resume_allow_mismatch=true"):
+        train(_smoke(tmp_path, f"train.resume={named}"), mine)
+    assert not (mine / "export").exists()
+    train(_smoke(tmp_path, f"train.resume={named}", "train.resume_allow_mismatch=true"), mine)  # deliberately
+    assert (mine / "export").exists()
+
+
+def test_a_bf16_checkpoint_resumed_by_a_quantized_run_is_a_clear_error(tmp_path):
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    train(_smoke(tmp_path, "train.checkpoint_every=2"), bf16)
+    named = ckpt.list_checkpoints(bf16 / "checkpoints")[0]
+    (tmp_path / "q").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match=r"quant.enabled: checkpoint False, this run True"):
+        train(_smoke(tmp_path, f"train.resume={named}", experiment="exp8"), tmp_path / "q")
+    # Deliberately: the BF16 weights continue under QAT, the scalers starting cold (no KeyError).
+    train(_smoke(tmp_path, f"train.resume={named}", "train.resume_allow_mismatch=true", experiment="exp8"),
+          tmp_path / "q")
+    assert (tmp_path / "q" / "export").exists()
+
+
+def test_auto_resume_of_a_runs_own_checkpoint_checks_and_keeps_working(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    train(_smoke(tmp_path, "train.checkpoint_every=2"), run_dir)
+    saved = ckpt.list_checkpoints(run_dir / "checkpoints")
+    recorded = json.loads((saved[-1] / ckpt.PROVENANCE_FILE).read_text())
+    assert recorded["train.lr"] == 1e-4 and recorded["experiment.name"] == "exp1"
+    assert ckpt.PROVENANCE_FILE in json.loads((saved[-1] / ckpt.COMPLETE_MARKER).read_text())["files"]
+    ckpt.check_provenance(saved[-1], ckpt.run_provenance(_smoke(tmp_path)), allow_mismatch=False, explicit=False)

@@ -165,6 +165,8 @@ class TrainConfig:
     # Optimizer steps with a non-finite gradient norm are skipped; one more in a row than this stops the run.
     max_consecutive_skips: int = 3
     resume: str = "auto"
+    # Resume a checkpoint (train.resume=<folder>) that another run's settings wrote, deliberately.
+    resume_allow_mismatch: bool = False
     log_every: int = 1
     val_every: int = 0
     num_threads: int = 0

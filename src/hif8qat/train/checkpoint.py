@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from hif8qat.errors import RunError
@@ -73,6 +73,21 @@ _REQUIRED = ("model.safetensors", "trainer.pt", "rank000.pt")
 _REQUIRED_SHARDED = ("trainer.pt", "rank000.pt", "dcp/.metadata")
 # What a damaged file makes the loaders raise (safetensors, torch.load's zip reader, unpickling).
 _LOAD_ERRORS = (SafetensorError, RuntimeError, EOFError, OSError, pickle.UnpicklingError, KeyError, ValueError)
+
+
+# What a checkpoint records about the run that wrote it (hashed by the manifest like every other file).
+PROVENANCE_FILE = "provenance.json"
+# The settings that decide what a checkpoint's weights, optimizer and scheduler state are: resuming one made
+# under other values would continue another run's training under this run's name. Settings that only steer
+# the run (checkpoint cadence, logging, device, threads, the resume itself) are left out: they may change.
+PROVENANCE_SETTINGS = (
+    "experiment.name", "seed", "model.name", "model.revision", "data.source", "quant", "quirks",
+    "train.steps", "train.lr", "train.lr_warmup_steps", "train.betas", "train.eps", "train.weight_decay",
+    "train.grad_clip", "train.global_batch_size", "train.seq_len",
+)
+# Inside those sections, what only steers the run's logging.
+_PROVENANCE_IGNORED = ("quant.telemetry_dump_every", "quant.telemetry_stats_every")
+ALLOW_MISMATCH_SETTING = "train.resume_allow_mismatch"
 
 
 class CheckpointError(RunError):
@@ -220,40 +235,29 @@ def _write_manifest(folder: Path, step: int, files: dict[str, dict] | None = Non
     (folder / COMPLETE_MARKER).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
-def _read_manifest(path: Path) -> dict | None:
-    """The manifest, or None for a checkpoint written before manifests existed (marker holds the step)."""
+def _read_manifest(path: Path) -> dict:
+    """The manifest. The former one-line marker (the step alone) records no hashes: such a checkpoint cannot
+    be told from one with flipped bits, so it is refused rather than loaded unverified."""
     marker = path / COMPLETE_MARKER
     if not marker.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: no {COMPLETE_MARKER} marker")
     text = marker.read_text(errors="replace").strip()
     if text.isdigit():
-        return None
+        raise CheckpointError(f"checkpoint {path}: its {COMPLETE_MARKER} marker is the former one-line form "
+                              f"({text!r}), which records no sizes or sha256 sums, so its files cannot be "
+                              "verified; resume from a checkpoint written by this version, or start over with "
+                              "force=true")
     try:
         manifest = json.loads(text)
         files = manifest["files"]
-        if not all(isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str) for v in files.values()):
+        if not isinstance(files, dict) or not files:
+            raise ValueError("no file entries")
+        if not all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+                   for v in files.values()):
             raise ValueError("malformed file entry")
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"checkpoint {path}: unreadable manifest {marker} ({err})") from None
     return manifest
-
-
-def _read_back(path: Path) -> None:
-    """Load every file once (checkpoints without a manifest): catches truncation, not flipped bits."""
-    for name in _REQUIRED:
-        if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {path} is missing {name}")
-    for file in sorted(path.iterdir()):
-        try:
-            if file.suffix == ".safetensors":
-                with safe_open(str(file), framework="pt") as f:
-                    for key in f.keys():
-                        f.get_tensor(key)
-            elif file.suffix == ".pt":
-                torch.load(file, weights_only=True, mmap=True)
-        except _LOAD_ERRORS as err:
-            raise CheckpointError(f"checkpoint {path}: {file.name} is unreadable ({type(err).__name__}: "
-                                  f"{str(err)[:200]})") from None
 
 
 def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> None:
@@ -262,9 +266,6 @@ def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> None:
     share=(rank, world_size): hash only every world_size-th file of the manifest from the rank-th on, so the
     ranks of a resume check a checkpoint together (`select_checkpoint`)."""
     manifest = _read_manifest(path)
-    if manifest is None:
-        _read_back(path)
-        return
     files = manifest["files"]
     for name in _REQUIRED_SHARDED if manifest.get("layout") == "dcp" else _REQUIRED:
         if name not in files:
@@ -365,14 +366,16 @@ def select_checkpoint(root: Path, log: Callable[[str], None] = print, *, rank: i
 
 
 def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer, scheduler, rank_state: dict,
-                    rank: int = 0, world_size: int = 1, barrier=None, keep: int = 2) -> Path:
+                    rank: int = 0, world_size: int = 1, barrier=None, keep: int = 2,
+                    provenance: dict | None = None) -> Path:
     """Write checkpoint `step` atomically. Every rank calls this (rank_state is per rank). A full disk is a
-    DiskFull error naming the folder, the free space and the checkpoint's size; earlier checkpoints stay."""
+    DiskFull error naming the folder, the free space and the checkpoint's size; earlier checkpoints stay.
+    provenance: the settings that made it (:func:`run_provenance`), checked by :func:`check_provenance`."""
     final = checkpoint_path(root, step)
     tmp, old = final.with_name(final.name + _TMP), final.with_name(final.name + _OLD)
     try:
         _write(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler, rank_state=rank_state, rank=rank,
-               world_size=world_size, barrier=barrier)
+               world_size=world_size, barrier=barrier, provenance=provenance)
     except (OSError, RuntimeError, SafetensorError) as err:
         need = state_bytes(model, optimizer)
         if not is_disk_full(err, root, need):
@@ -401,13 +404,15 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer,
 
 
 def _write(tmp: Path, step: int, *, model, optimizer, scheduler, rank_state: dict, rank: int, world_size: int,
-           barrier) -> None:
+           barrier, provenance: dict | None = None) -> None:
     """Every file of checkpoint `step` into `tmp`, manifest last (not yet published)."""
 
     if rank == 0:
         if tmp.exists():
             _remove_tree(tmp)
         tmp.mkdir(parents=True)
+        if provenance is not None:
+            (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=1, sort_keys=True) + "\n")
     if barrier:
         barrier()
     rank_file = f"rank{rank:03d}.pt"
@@ -418,7 +423,7 @@ def _write(tmp: Path, step: int, *, model, optimizer, scheduler, rank_state: dic
         if rank == 0:
             torch.save({"scheduler": scheduler.state_dict(), "step": step, "world_size": world_size},
                        tmp / "trainer.pt")  # the layout is the manifest's
-            mine.append("trainer.pt")
+            mine += ["trainer.pt", *([PROVENANCE_FILE] if provenance is not None else [])]
         entries = all_gather_objects(_file_entries(tmp, mine), world_size)  # a few names and hashes
         if rank == 0:
             _write_manifest(tmp, step, {k: v for part in entries for k, v in part.items()}, layout="dcp")
@@ -488,3 +493,62 @@ def rank_state_for(path: Path, rank: int, saved_world: int) -> dict:
              torch.load(path / f"rank{r:03d}.pt", weights_only=True).get("data")
              for r in range(saved_world)] if "data" in own else []
     return {**own, "data_by_rank": datas, "resized_from": saved_world}
+
+
+def run_provenance(cfg) -> dict[str, Any]:
+    """The values of PROVENANCE_SETTINGS in a resolved RunConfig (plain JSON values)."""
+    flat = cfg.to_dict()
+    out: dict[str, Any] = {}
+    for name in PROVENANCE_SETTINGS:
+        value: Any = flat
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        out[name] = json.loads(json.dumps(value, default=str))  # tuples as lists, as read back
+    return out
+
+
+def _flatten(prefix: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, dict) and value and prefix in ("quant", "quirks"):
+        return {f"{prefix}.{k}": v for k, v in value.items()}
+    return {prefix: value}
+
+
+def provenance_differences(recorded: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """'setting: checkpoint X, this run Y' for each setting whose recorded value differs."""
+    rec = {k: v for name, value in recorded.items() for k, v in _flatten(name, value).items()}
+    exp = {k: v for name, value in expected.items() for k, v in _flatten(name, value).items()}
+    return [f"{k}: checkpoint {rec.get(k, '(not recorded)')!r}, this run {exp.get(k, '(not set)')!r}"
+            for k in sorted(set(rec) | set(exp))
+            if k not in _PROVENANCE_IGNORED and rec.get(k, KeyError) != exp.get(k, KeyError)]
+
+
+def check_provenance(path: Path, expected: dict[str, Any], *, allow_mismatch: bool, explicit: bool,
+                     log: Callable[[str], None] = print) -> None:
+    """Refuse a verified checkpoint that a run with other settings wrote (CheckpointError naming them).
+
+    explicit: the checkpoint was named by train.resume=<folder>; one that records no settings (written before
+    checkpoints recorded them) is then refused too, as its origin is unknown. A run's own checkpoints
+    (train.resume=auto) without a record are its own. allow_mismatch turns the refusal into a note."""
+    how = (f"{ALLOW_MISMATCH_SETTING}=true resumes it deliberately (its weights, optimizer and LR schedule "
+           "position continue under this run's settings)")
+    file = path / PROVENANCE_FILE
+    if not file.is_file():
+        if not explicit:
+            return
+        problem = f"checkpoint {path} records no settings ({PROVENANCE_FILE}), so its origin cannot be checked"
+    else:
+        try:
+            recorded = json.loads(file.read_text(encoding="utf-8"))
+            if not isinstance(recorded, dict):
+                raise ValueError(f"a JSON {type(recorded).__name__} where an object belongs")
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise CheckpointError(f"checkpoint {path}: unreadable {PROVENANCE_FILE} ({err})") from None
+        differences = provenance_differences(recorded, expected)
+        if not differences:
+            return
+        problem = (f"checkpoint {path} was written by a run with other settings ({'; '.join(differences)})")
+    if allow_mismatch:
+        log(f"note: {problem}; resuming it anyway ({ALLOW_MISMATCH_SETTING}=true)")
+        return
+    raise CheckpointError(f"{problem}. Resume from a checkpoint of these settings (train.resume=auto continues "
+                          f"this run's own), or {how}")

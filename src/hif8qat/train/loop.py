@@ -247,6 +247,10 @@ class _Run:
             if cfg.quant.enabled and self.quant_on_step == 0:
                 set_quantization(model, True)
             return 0
+        # verified above, so its record of the settings that made it is what was written
+        _on_every_rank(ctx, lambda: ckpt.check_provenance(
+            resume_from, ckpt.run_provenance(cfg), allow_mismatch=cfg.train.resume_allow_mismatch,
+            explicit=cfg.train.resume != "auto", log=print if ctx.is_main else (lambda _line: None)))
         start_step, rank_state = ckpt.load_checkpoint(resume_from, model=model, optimizer=self.optimizer,
                                                       scheduler=self.scheduler, rank=ctx.rank,
                                                       world_size=ctx.world_size)
@@ -264,11 +268,25 @@ class _Run:
         self.skips.update(rank_state.get("train", {}))
         if cfg.quant.enabled:
             set_quantization(model, start_step >= self.quant_on_step)
-            load_quant_state_dict(model, rank_state["quant"])
+            self._load_scalers(resume_from, rank_state.get("quant") or {}, start_step)
         ckpt.set_rng_state(rank_state["rng"])
         if ctx.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
         return start_step
+
+    def _load_scalers(self, path: Path, saved: dict, start_step: int) -> None:
+        """The quantization scalers the checkpoint saved. A checkpoint without them (trained unquantized, or
+        before QAT began) starts them cold, as at the first QAT step, but only where quantization had not yet
+        begun at its step or the user resumed it deliberately (train.resume_allow_mismatch)."""
+        if not saved and (start_step <= (self.quant_on_step or 0) or self.cfg.train.resume_allow_mismatch):
+            return
+        try:
+            load_quant_state_dict(self.model, saved)
+        except KeyError as err:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} does not hold this run's quantization scalers ({str(err).strip(chr(39))[:300]}): "
+                "it was written by a run with other quant settings. Resume from a checkpoint of these settings, "
+                f"or {ckpt.ALLOW_MISMATCH_SETTING}=true to start its scalers cold") from None
 
     def open_log(self, start_step: int) -> None:
         self.metrics_path = self.run_dir / METRICS_FILE
@@ -309,7 +327,7 @@ class _Run:
         ckpt.save_checkpoint(self.ckpt_root, step, model=self.model, optimizer=self.optimizer,
                              scheduler=self.scheduler, rank_state=rank_state, rank=ctx.rank,
                              world_size=ctx.world_size, barrier=ctx.barrier if ctx.world_size > 1 else None,
-                             keep=self.cfg.train.keep_checkpoints)
+                             keep=self.cfg.train.keep_checkpoints, provenance=ckpt.run_provenance(self.cfg))
 
     def stop_here(self, step: int, signals: list, stop: StopSignals, saved: bool) -> None:
         """A stop signal came during the step before `step`: checkpoint `step` (unless just done), verify it,

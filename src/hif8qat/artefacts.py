@@ -93,3 +93,98 @@ def read_csv(path: str | Path, redo: str, *, sha256: str | None = None, dtype: d
     if bad is not None:
         raise CorruptArtefact(path, f"line {bad} has {len(rows[bad - 1])} fields, the header {width}", redo)
     return pd.read_csv(io.StringIO(text), dtype=dtype)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# What a record of each appended log must hold (a wrongly typed field is a corrupt file, not a row to plot).
+METRICS_FIELDS = {"step": int, "loss": "number", "lr": "number", "grad_norm": "number?", "tokens": int,
+                  "val_loss": "number"}
+TELEMETRY_FIELDS = {"step": int}
+
+
+def _field_problem(record: dict, fields: dict[str, Any]) -> str | None:
+    for key, kind in fields.items():
+        if key not in record:
+            if key == "step":
+                return "no step"
+            continue
+        value = record[key]
+        if kind == "number?":
+            ok = value is None or _is_number(value)
+        elif kind == "number":
+            ok = _is_number(value)
+        else:
+            ok = isinstance(value, kind) and not isinstance(value, bool)
+        if not ok:
+            return f"{key} is {value!r}, not {'a number' if 'number' in str(kind) else 'an integer'}"
+    return None
+
+
+def read_jsonl(path: str | Path, redo: str, *, fields: dict[str, Any] | None = None,
+               note=None) -> list[dict]:
+    """The records of an appended JSON-lines log (metrics.jsonl, telemetry dumps).
+
+    A writer killed mid-line leaves its last line cut: that line alone is dropped (``note`` is told). A line
+    that does not parse anywhere else, or a record that is not an object or has a wrongly typed field
+    (``fields``: name -> int | "number" | "number?"), is a CorruptArtefact naming the file and line."""
+    path = Path(path)
+    lines = _text(path, redo).split("\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == last:  # the torn last line of a killed writer
+                if note is not None:
+                    note(f"{path}: dropped its cut last line {i + 1}")
+                continue
+            raise CorruptArtefact(path, f"line {i + 1} does not parse ({err.msg}) and is not the last line, so "
+                                        "it was not cut by a killed writer", redo) from None
+        problem = "not a JSON object" if not isinstance(record, dict) else _field_problem(record, fields or {})
+        if problem:
+            raise CorruptArtefact(path, f"line {i + 1}: {problem}", redo)
+        records.append(record)
+    return records
+
+
+# The size and sha256 of every file of a folder written as a whole (the export), written last in it.
+FOLDER_MANIFEST = "hif8qat_files.json"
+
+
+def write_folder_manifest(folder: str | Path) -> None:
+    """Record every file under ``folder`` (before it is published) for :func:`verify_folder_manifest`."""
+    from hif8qat.files import write_json
+
+    folder = Path(folder)
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != FOLDER_MANIFEST}
+    write_json(folder / FOLDER_MANIFEST, {"format": 1, "files": files}, indent=1)
+
+
+def verify_folder_manifest(folder: str | Path, redo: str) -> bool:
+    """Every file recorded in ``folder``'s manifest is there with its size and sha256 (CorruptArtefact naming
+    the first that is not). False when the folder has no manifest (written before folders recorded one)."""
+    folder = Path(folder)
+    if not (folder / FOLDER_MANIFEST).exists():
+        return False
+    doc = read_json(folder / FOLDER_MANIFEST, redo)
+    files = doc.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values()):
+        raise CorruptArtefact(folder / FOLDER_MANIFEST, "its files entry is not a map of name -> {bytes, sha256}",
+                              redo)
+    for name, entry in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise CorruptArtefact(path, "the file is missing", redo)
+        if path.stat().st_size != entry["bytes"]:
+            raise CorruptArtefact(path, f"{path.stat().st_size} bytes where {entry['bytes']} were written", redo)
+        verify_sha256(path, entry["sha256"], redo)
+    return True

@@ -159,11 +159,19 @@ def replace_step_records(path: str | os.PathLike, lines: list[str]) -> None:
     steps = {json.loads(line).get("step") for line in lines}
     kept = []
     if path.exists():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        old = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        last = max((i for i, line in enumerate(old) if line.strip()), default=-1)
+        for i, line in enumerate(old):
+            if not line.strip():
+                continue
             try:
                 record = json.loads(line)
             except ValueError:
-                continue  # a torn line of a killed writer: its step's records are written again below
+                if i == last:
+                    continue  # the torn last line of a killed writer: its step's records are written again below
+                raise RunError(f"{path} is unreadable (line {i + 1} does not parse and is not the last line, so "
+                               "it was not cut by a killed writer). Repair or delete that line, or start the run "
+                               "over with force=true") from None
             if isinstance(record, dict) and record.get("step") not in steps:
                 kept.append(line)
     write_text(path, "".join(line + "\n" for line in kept + list(lines)))

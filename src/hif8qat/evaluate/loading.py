@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import torch
+from safetensors import SafetensorError
+
+from hif8qat.artefacts import CorruptArtefact, verify_folder_manifest
 
 from hif8qat.config.eval_tasks import MODES
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.quant.linear import freeze_scales, load_quant_export, quant_linears, read_quant_export
+
+
+EXPORT_REDO = ("Delete that export/ folder and rerun the run with stage=all: it writes the export again from the "
+               "run's final checkpoint (or retrain it with force=true)")
 
 
 def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", trust_remote_code: bool | None = None):
@@ -22,14 +31,22 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", tru
     export_dir = Path(export_dir)
     if not (export_dir / "config.json").exists():
         raise FileNotFoundError(f"{export_dir} is not a save_pretrained folder (no config.json)")
-    model, tok = load_causal_lm(str(export_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
-    if mode == "hif8":
-        quant_json = export_dir / "hif8qat_quant.json"
-        if not quant_json.exists():
-            raise FileNotFoundError(f"mode hif8 needs {quant_json} (written by save_quant_export)")
+    verify_folder_manifest(export_dir, EXPORT_REDO)  # exports written before they recorded hashes: none to check
+    try:
+        model, tok = load_causal_lm(str(export_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
+        if mode == "hif8":
+            quant_json = export_dir / "hif8qat_quant.json"
+            if not quant_json.exists():
+                raise FileNotFoundError(f"mode hif8 needs {quant_json} (written by save_quant_export)")
 
-        load_quant_export(model, export_dir)
-        freeze_scales(model, True)
+            load_quant_export(model, export_dir)
+            freeze_scales(model, True)
+    except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as err:
+        # a file of the export that its loader cannot parse (one without recorded hashes, or edited with them);
+        # transformers says an unparsable config.json with an OSError of no errno. A disk's errors stay theirs.
+        if isinstance(err, OSError) and (err.errno is not None or isinstance(err, FileNotFoundError)):
+            raise
+        raise CorruptArtefact(export_dir, f"{type(err).__name__}: {str(err)[:300]}", EXPORT_REDO) from None
     model.to(device=device)
     model.eval()
     return model, tok

@@ -11,21 +11,25 @@ from typing import Any
 
 import pandas as pd
 
-from hif8qat.artefacts import CorruptArtefact, read_csv, read_json, read_yaml
+from hif8qat.artefacts import (
+    METRICS_FIELDS,
+    TELEMETRY_FIELDS,
+    CorruptArtefact,
+    read_csv,
+    read_json,
+    read_jsonl,
+    read_yaml,
+)
 from hif8qat.runs.folders import is_archive
 from hif8qat.stats.heldout import run_label
 
 
 def read_metrics(path: str | Path) -> pd.DataFrame:
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if line:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a torn last line of a killed run
+    """A run's step log; a cut last line (a killed run) is dropped, any other bad line is an error."""
+    try:
+        rows = read_jsonl(path, REPORT_REDO, fields=METRICS_FIELDS)
+    except CorruptArtefact as err:
+        raise UnreadableResultFile(path, err.why, REPORT_REDO) from None
     df = pd.DataFrame(rows)
     if "step" in df:
         df = df.drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
@@ -51,12 +55,10 @@ def _read_json(path: Path) -> Any:
 def read_telemetry_dumps(run_dir: Path) -> pd.DataFrame:
     rows = []
     for p in sorted((Path(run_dir) / "telemetry").glob("*.jsonl")):
-        with open(p, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+        try:
+            rows += read_jsonl(p, REPORT_REDO, fields=TELEMETRY_FIELDS)
+        except CorruptArtefact as err:
+            raise UnreadableResultFile(p, err.why, REPORT_REDO) from None
     return pd.DataFrame(rows)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from hif8qat.artefacts import METRICS_FIELDS, CorruptArtefact, read_jsonl
 from hif8qat.config.run_config import RunConfig
 from hif8qat.files import append_text, write_text
 from hif8qat.runs.folders import METRICS_FILE
@@ -21,7 +22,9 @@ def truncate_metrics(path: Path, from_step: int) -> None:
     if not path.exists():
         return
     kept, redone, broken = [], [], []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    lines = path.read_text(errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -29,6 +32,11 @@ def truncate_metrics(path: Path, from_step: int) -> None:
             step = record["step"] if isinstance(record, dict) else None
         except (ValueError, KeyError):
             step = None
+        if not isinstance(step, int) and number != last:  # only a killed writer's last line may be cut
+            raise CorruptArtefact(path, f"line {number} does not parse as a step record and is not the last "
+                                        "line, so it was not cut by a killed writer",
+                                  "Repair or delete that line (the steps after it are then redone or kept as "
+                                  "read), or start the run over with force=true")
         if not isinstance(step, int):
             broken.append(number)
         elif step < from_step:
@@ -81,7 +89,7 @@ def progress_bar(cfg: RunConfig, is_main: bool, start_step: int):
 
 def train_summary(metrics_path: Path, step_times: dict[bool, list[float]], val_loss: float,
                    converted: list[str], wall_s: float) -> dict[str, Any]:
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records = read_jsonl(metrics_path, "Start the run over with force=true", fields=METRICS_FIELDS)
     losses = [r["loss"] for r in records if "loss" in r]
     tail = losses[-max(1, len(losses) // 10):]
     bf16_t, qat_t = step_times[False], step_times[True]

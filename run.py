@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from hif8qat.config.run_config import ConfigError, RunConfig, resolve_profile  # noqa: E402
-from hif8qat.errors import RunError  # noqa: E402
+from hif8qat.errors import RunError, concerning  # noqa: E402
 
 # Overrides that select or steer a run without changing what it trains: they never enter its folder name.
 # The profile group is in the folder path, but its settings (profile.steps) change the training: tagged.
@@ -314,12 +314,15 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
     device, dtype = eval_numerics(cfg)
     if modes:
         on_gpu_ranks = ctx is not None and ctx.world_size > 1 and device == "cuda"
-        evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
-                     device=str(ctx.device) if on_gpu_ranks else device,  # each rank its own GPU
-                     dtype=dtype, limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
-                     local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
-                     subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
-                     results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
+        settings = (f"the evaluation settings (eval.tasks={list(cfg.eval.tasks)}, eval.num_fewshot="
+                    f"{dict(cfg.eval.num_fewshot)}, eval.limit={cfg.eval.limit}, eval.subset={cfg.eval.subset})")
+        with concerning(settings, libraries=("lm_eval", "datasets", "pyarrow")):  # what lm-eval cannot honour
+            evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
+                         device=str(ctx.device) if on_gpu_ranks else device,  # each rank its own GPU
+                         dtype=dtype, limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
+                         local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
+                         subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
+                         results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
     elif main:
         print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
     if main:  # one process computes a quantized run's held-out distances (up to three models); once per run
@@ -489,24 +492,13 @@ def check_cache_env() -> None:
 
 
 def guarded(job) -> int:
-    """The exception boundary: the project's own errors (RunError: bad input, files, environment) and a disk
-    that refuses a write (full, read-only: files.storage_error, whatever library raised it) become one
-    ``error:`` line and exit status 2. Anything else propagates as a traceback: it is a bug to fix, not a
-    message to print."""
-    from hif8qat.files import storage_error
+    """The exception boundary (hif8qat.errors.guarded): the project's own errors (RunError), a disk that
+    refuses a write, a path the file system refuses and a library's refusal of the input a setting named
+    become one ``error:`` line and exit status 2; Ctrl-C one ``interrupted`` line and status 130. Anything else
+    propagates as a traceback: it is a bug to fix, not a message to print."""
+    from hif8qat.errors import guarded as boundary
 
-    try:
-        job()
-    except RunError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        mapped = storage_error(err)
-        if mapped is None:
-            raise
-        print(f"error: {mapped}", file=sys.stderr)
-        return 2
-    return 0
+    return boundary(job)
 
 
 def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] = ()) -> RunConfig:
@@ -537,12 +529,16 @@ def baseline_main(argv: list[str]) -> int:
     ap.add_argument("experiment")
     ap.add_argument("overrides", nargs="*", help="the run's other settings, as on run.py's command line")
     args = ap.parse_args(argv)
-    try:
+    found: list[str | None] = []
+
+    def answer() -> None:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the answer (make reads it): notes go to stderr
-            base = experiment_baseline(args.experiment, args.overrides)
-    except RunError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+            found.append(experiment_baseline(args.experiment, args.overrides))
+
+    code = guarded(answer)
+    if code:
+        return code
+    base = found[0]
     if base:
         print(base)
     return 0

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from hif8qat.data.corpus import _stream_is_heldout
-from hif8qat.data.tokens import _check_positive, _eos_id, pack_tokens, tokenize_documents
+from hif8qat.data.tokens import DataSourceError, _check_positive, _eos_id, pack_tokens, tokenize_documents
+from hif8qat.errors import concerning
 
 _STREAM_DOC_GROUP = 64
 
@@ -48,7 +49,7 @@ class PackedTokenStream:
         self.num_windows = len(self.windows)
         self.batches_per_epoch = self.num_windows // self.world_size // self.micro_batch_size
         if self.batches_per_epoch < 1:
-            raise ValueError(
+            raise DataSourceError(
                 f"data source {source!r} has {len(tokens)} tokens = {self.num_windows} windows of seq_len+1="
                 f"{seq_len + 1}, fewer than one batch per rank (micro_batch_size={micro_batch_size} x "
                 f"world_size={world_size}); lower data.seq_len / micro_batch_size or use a larger source"
@@ -208,13 +209,17 @@ class StreamingTokenStream:
         return self
 
     def __next__(self) -> torch.Tensor:
+        with concerning(f"data.source={self.source}"):  # a streamed corpus's bad line is read here, mid-run
+            return self._next_batch()
+
+    def _next_batch(self) -> torch.Tensor:
         width = self.seq_len + 1
         need = self.micro_batch_size * width
         if self._it is None:
             self._open()
         if not self._fill(need):
             if self.position == 0 and self.skip_from is None:  # a resized epoch may have less than a batch left
-                raise ValueError(
+                raise DataSourceError(
                     f"data source {self.source!r} gives rank {self.rank} fewer than one batch "
                     f"({self.micro_batch_size} x {width} tokens) per epoch; use a larger source or smaller "
                     f"data.seq_len / micro_batch_size"
@@ -224,7 +229,7 @@ class StreamingTokenStream:
             self.skip_from = self._skip = None  # the resize's epoch is over: the whole part again
             self._open()
             if not self._fill(need):
-                raise ValueError(f"data source {self.source!r} gives rank {self.rank} no full batch")
+                raise DataSourceError(f"data source {self.source!r} gives rank {self.rank} no full batch")
         batch = self._take(need).reshape(self.micro_batch_size, width)
         self.position += self.micro_batch_size
         return torch.from_numpy(batch.copy())

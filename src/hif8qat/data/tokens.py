@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hif8qat.errors import RunError
+
 _FORMAT_VERSION = 1
 
 
@@ -35,10 +37,16 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+class DataSourceError(RunError, ValueError):
+    """A data source that cannot serve training (too little text, a tokenizer without an end of document):
+    the user's data.source or its settings, reported as an error line (a ValueError too, for callers that
+    check values)."""
+
+
 def _eos_id(tokenizer) -> int:
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no eos token; packing "
+        raise DataSourceError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no eos token; packing "
                          f"needs one to separate documents")
     return int(eos)
 

@@ -43,7 +43,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from hif8qat.errors import RunError
+from hif8qat.errors import RunError, one_line
 from hif8qat.files import sha256_file
 from hif8qat.runs.checkpoint_names import (  # noqa: F401 (the checkpoint API, re-exported)
     COMPLETE_MARKER,
@@ -131,9 +131,10 @@ def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
     text = str(err)
     if any(s in text for s in ("No space left", "StorageFull", "Disk quota exceeded", "os error 28")):
         return True
-    # torch.save names no cause: "file write failed", or the C++ stream's "basic_ios::clear" when the disk
-    # filled exactly at a write; a disk without room for the write is the cause then.
-    if isinstance(err, RuntimeError) and ("write failed" in text or "basic_ios::clear" in text):
+    # torch.save names no cause: "file write failed", or the C++ stream's "basic_ios::clear" or its zip
+    # writer's "unexpected pos N vs M" when the disk filled exactly at a write; a disk without room for the
+    # write is the cause then.
+    if isinstance(err, RuntimeError) and any(s in text for s in ("write failed", "basic_ios::clear", "unexpected pos")):
         return free_bytes(where) < need
     return False
 
@@ -451,7 +452,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler,
     except CheckpointError:
         raise
     except _LOAD_ERRORS as err:
-        raise CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {str(err)[:300]}); it was "
+        raise CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {one_line(str(err), 300)}); it was "
                               "written by another version or model, or is damaged: resume from another "
                               "checkpoint (train.resume=<folder>) or start over with force=true") from None
 

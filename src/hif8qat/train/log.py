@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from hif8qat.artefacts import METRICS_FIELDS, CorruptArtefact, read_jsonl
 from hif8qat.config.run_config import RunConfig
+from hif8qat.errors import concerning
 from hif8qat.files import append_text, write_text
 from hif8qat.runs.folders import METRICS_FILE
 
@@ -61,9 +62,10 @@ class MetricsSink:
         if self.enabled and cfg.logger.wandb:
             import wandb
 
-            self.wandb = wandb.init(project=cfg.logger.wandb_project, mode=cfg.logger.wandb_mode,
-                                    dir=str(run_dir), name=run_dir.relative_to(cfg.results_root).as_posix(),
-                                    config=cfg.to_dict(), resume="allow", id=_wandb_id(run_dir))
+            with concerning(f"logger.wandb_mode={cfg.logger.wandb_mode} (logger.wandb=true)"):
+                self.wandb = wandb.init(project=cfg.logger.wandb_project, mode=cfg.logger.wandb_mode,
+                                        dir=str(run_dir), name=run_dir.relative_to(cfg.results_root).as_posix(),
+                                        config=cfg.to_dict(), resume="allow", id=_wandb_id(run_dir))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -26,7 +26,7 @@ from hif8qat import compute_dtype as numerics
 from hif8qat.config.run_config import RunConfig
 from hif8qat.data.loader import build_eval_windows, build_train_stream
 from hif8qat.data.prefetch import PrefetchedStream
-from hif8qat.errors import RunError
+from hif8qat.errors import RunError, concerning
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.quant.linear import (
     convert_model,
@@ -159,8 +159,9 @@ def _reduce_step(value: float, flags: list[float], ctx: DistContext) -> tuple[fl
 
 
 def _build_model(cfg: RunConfig, ctx: DistContext):
-    model, tokenizer = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
-                                      revision=cfg.model.revision)
+    with concerning(f"model.name={cfg.model.name}"):  # a folder without tokenizer files, truncated weights
+        model, tokenizer = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
+                                          revision=cfg.model.revision)
     if cfg.quirks.bf16_params:
         model.to(torch.bfloat16)
     converted: list[str] = []
@@ -217,9 +218,10 @@ class _Run:
         self.optimizer = torch.optim.AdamW(parameter_groups(self.model, cfg.train.weight_decay), lr=cfg.train.lr,
                                            betas=tuple(cfg.train.betas), eps=cfg.train.eps)
         self.scheduler = warmup_cosine_schedule(self.optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
-        stream = build_train_stream(cfg.data.source, self.tokenizer, seq_len=cfg.train.seq_len,
-                                    micro_batch_size=cfg.train.micro_batch_size, rank=ctx.rank,
-                                    world_size=ctx.world_size, seed=cfg.seed, cache_dir=cfg.data.cache_dir)
+        with concerning(f"data.source={cfg.data.source}"):  # a corpus with bad lines, an unusable cache_dir
+            stream = build_train_stream(cfg.data.source, self.tokenizer, seq_len=cfg.train.seq_len,
+                                        micro_batch_size=cfg.train.micro_batch_size, rank=ctx.rank,
+                                        world_size=ctx.world_size, seed=cfg.seed, cache_dir=cfg.data.cache_dir)
         if stream.kind == "stream":  # tokenized on the fly: the next batches are read in a thread during the step
             stream = PrefetchedStream(stream)
         self.stream = stream
@@ -298,9 +300,10 @@ class _Run:
 
     def held_out(self) -> float:
         if self._held_out_windows is None:  # tokenized once, reused by every validation
-            self._held_out_windows = build_eval_windows(self.cfg.data.source, self.tokenizer,
-                                                        seq_len=self.cfg.train.seq_len,
-                                                        num_windows=self.cfg.data.eval_windows)
+            with concerning(f"data.source={self.cfg.data.source}"):
+                self._held_out_windows = build_eval_windows(self.cfg.data.source, self.tokenizer,
+                                                            seq_len=self.cfg.train.seq_len,
+                                                            num_windows=self.cfg.data.eval_windows)
         return held_out_loss(self.model, self._held_out_windows, self.cfg, self.ctx.device)
 
     def diverged(self, reason: str) -> TrainingDiverged:

@@ -6,6 +6,7 @@ traceback. Each case provokes the real exception through the code path a run tak
 from __future__ import annotations
 
 import errno
+import logging
 import types
 from pathlib import Path
 
@@ -51,6 +52,10 @@ def _first_batch(source: Path):
 def case_jsonl_corpus_with_bad_lines(tmp: Path, monkeypatch):
     bad = tmp / "corpus.jsonl"
     bad.write_text('{"text": "a good line of text"}\n{"text": broken\n{"text": "more text"}\n')
+    # datasets logs its own complaint first, through a handler bound to an earlier test's captured stderr
+    logger = logging.getLogger("datasets")
+    monkeypatch.setattr(logger, "level", logging.CRITICAL + 1)
+    logger.manager._clear_cache()  # the child loggers cache their effective level
     return (lambda: _first_batch(bad)), [f"data.source={bad}", "JSON parse error"]
 
 

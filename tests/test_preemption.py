@@ -42,7 +42,7 @@ def test_the_handler_only_flags_and_the_previous_handlers_come_back(previous_han
         with StopSignals() as stop:
             assert not stop.pending()
             signal.raise_signal(signal.SIGTERM)
-            assert stop.pending() and stop.flags() == [0.0, 1.0]  # USR2, TERM
+            assert stop.pending() and stop.flags() == [0.0, 1.0, 0.0]  # USR2, TERM, INT
             assert previous_handlers == []  # not passed on while the loop runs
             raise RuntimeError("the loop failed")  # an exception: nothing is raised again
     assert {s: signal.getsignal(s) for s in watched_signals()} == before
@@ -67,6 +67,17 @@ def test_only_the_summed_flags_decide_and_chain_calls_the_preemption_handler_fir
     assert previous_handlers == [signal.SIGUSR2, signal.SIGTERM]  # not raised a second time
 
 
+def test_ctrl_c_is_a_stop_at_the_step_boundary_and_a_second_one_interrupts_at_once():
+    with StopSignals() as stop:
+        signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt: the step ends and checkpoints
+        assert stop.agreed(stop.flags()) == [signal.SIGINT]
+        stop.chain([signal.SIGINT])  # Python's own handler is not chained: it would only raise
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_an_ignored_signal_stays_ignored():
     saved = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
@@ -88,8 +99,10 @@ def test_the_preemption_signal_follows_submitit(monkeypatch):
 # ------------------------------------------------------------------------------------------------------------
 def _start(args: list[str], env_extra: dict | None = None, launcher: list[str] | None = None):
     env = {**os.environ, "PYTHONHASHSEED": "0", "HIF8QAT_COMPILE": "0", **(env_extra or {})}
+    # SIGINT as in a terminal (a background shell starts its children with it ignored)
     return subprocess.Popen([*(launcher or [sys.executable]), str(ROOT / "run.py"), *args], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _finish(proc, timeout: float = 300) -> tuple[int, str]:
@@ -151,7 +164,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2], ids=["SIGTERM", "SIGUSR2"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2, signal.SIGINT], ids=["SIGTERM", "SIGUSR2", "SIGINT"])
 def test_a_signal_checkpoints_its_step_and_the_resume_is_bit_for_bit(tmp_path, uninterrupted, sig):
     out = _signalled_then_resumed(tmp_path / "runs", tmp_path / "paused", sig, ranks=1)
     errors = [line for line in out.splitlines() if line.startswith("error:")]

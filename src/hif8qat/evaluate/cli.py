@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from hif8qat.config.eval_tasks import DTYPES
-from hif8qat.errors import RunError
+from hif8qat.errors import concerning, guarded, one_line
 from hif8qat.evaluate.outputs import format_results
 from hif8qat.evaluate.runner import evaluate_export, evaluate_model, evaluate_run
 from hif8qat.evaluate.settings import resolve_numerics
@@ -79,28 +79,43 @@ def main(argv=None) -> int:
     # None, not False: the loader's default, which refuses remote code with an error naming the opt-in
     trust = True if args.trust_remote_code else None
 
-    try:
+    found: list[dict] = []
+
+    def job() -> None:
+        try:
+            evaluate()
+        except RemoteCodeError as err:  # the loader names the config setting; here the opt-in is a flag
+            raise RemoteCodeError(f"{err} From the command line: add --trust-remote-code to allow it.") from None
+
+    def evaluate() -> None:
         device, dtype = resolve_numerics(args.device, args.dtype)
         if args.run_dir:
-            res = evaluate_run(args.run_dir, modes, args.tasks, dtype=dtype, device=device,
-                               trust_remote_code=trust, **kw)
+            found.append(evaluate_run(args.run_dir, modes, args.tasks, dtype=dtype, device=device,
+                                      trust_remote_code=trust, **kw))
         elif args.export:
-            res = {m: evaluate_export(args.export, m, args.tasks, out_dir=args.out / m if args.out else None,
-                                      dtype=dtype, device=device, trust_remote_code=trust, **kw) for m in modes}
+            found.append({m: evaluate_export(args.export, m, args.tasks, out_dir=args.out / m if args.out else None,
+                                             dtype=dtype, device=device, trust_remote_code=trust, **kw)
+                          for m in modes})
         else:
-            model, tok = load_causal_lm(args.model, trust_remote_code=trust)
+            with concerning(f"--model {args.model}"):
+                model, tok = load_causal_lm(args.model, trust_remote_code=trust)
             model.to(device).eval()
-            res = {"bf16": evaluate_model(model, tok, args.tasks, out_dir=args.out, mode="bf16", device=device,
-                                          dtype=dtype, extra_meta={"model": args.model}, **kw)}
-    except RemoteCodeError as err:  # the loader names the config setting; here the opt-in is a flag
-        print(f"error: {err}\nFrom the command line: add --trust-remote-code to allow it.", file=sys.stderr)
+            found.append({"bf16": evaluate_model(model, tok, args.tasks, out_dir=args.out, mode="bf16",
+                                                 device=device, dtype=dtype, extra_meta={"model": args.model},
+                                                 **kw)})
+
+    try:  # the boundary every entry point has (hif8qat.errors.guarded): one error line, or a traceback for a bug
+        code = guarded(job)
+    except ValueError as err:  # the evaluation's own checks of the flags' values
+        print(f"error: {one_line(str(err), 2000)}", file=sys.stderr)
         return 2
-    except (RunError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if code:
+        return code
+    res = found[0]
     for mode, r in res.items():
         meta = r["_meta"]
         print(f"== {mode}  ({meta['wall_time_s']:.1f} s, {meta['device']}, {meta['dtype']} weights, "
               f"autocast {meta['autocast']})")
         print(format_results(r))
     return 0
+

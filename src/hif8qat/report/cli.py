@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
+from hif8qat.errors import guarded
 from hif8qat.files import write_text
 from hif8qat.report.build import build_report
 from hif8qat.report.claims import DEFAULT_MARGINS
@@ -34,6 +35,14 @@ def format_report(rep: dict) -> str:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
+    """The report's command line, behind the boundary every entry point has: a corrupt result file, a disk
+    that refuses a write or Ctrl-C is one line, not a traceback."""
+    code: list[int] = []
+    status = guarded(lambda: code.append(_main(argv)))
+    return status or code[0]
+
+
+def _main(argv: Iterable[str] | None = None) -> int:
     # prog: run as a package, argparse would name the usage after __main__.py
     ap = argparse.ArgumentParser(prog="python -m hif8qat.report",
                                  description="Tables and figures (results/tables, results/figures)")

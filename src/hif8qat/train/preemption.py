@@ -3,7 +3,7 @@
 A job about to be stopped gets a signal first: SLURM sends ``USR2`` ``signal_delay_s`` before the time limit
 (submitit's preemption signal, ``$SUBMITIT_PREEMPT_SIGNAL`` naming another), and ``SIGTERM`` when the job is
 requeued (``scontrol requeue``, a preempting partition) or cancelled, ``KillWait`` seconds before ``SIGKILL``.
-`StopSignals` replaces the handlers of those two signals while the training loop runs with one that only
+`StopSignals` replaces the handlers of those two signals (and of Ctrl-C's SIGINT: the user's own stop) while the training loop runs with one that only
 records which signal came (no I/O, no lock: a handler can interrupt anything, the step's own I/O included).
 The trainer sends its record with the step's loss all-reduce (`flags()`), so every rank learns at the same
 step that some rank was signalled, even a rank that never got the signal, and no rank waits at a collective
@@ -43,12 +43,18 @@ class StopSignals:
     it watches nothing."""
 
     def __init__(self):
-        self.signals = watched_signals()
+        # Ctrl-C too, last: the user's own stop checkpoints the step as a preemption does; a second Ctrl-C
+        # before the step ends interrupts at once (KeyboardInterrupt, as without this class).
+        self.signals = [*watched_signals(), signal.SIGINT]
         self.received = {s: False for s in self.signals}
         self._previous: dict[signal.Signals, object] = {}
 
     def _note(self, signum, frame) -> None:  # the handler: a flag, nothing else
-        self.received[signal.Signals(signum)] = True
+        sig = signal.Signals(signum)
+        if sig == signal.SIGINT and self.received[sig]:
+            self.received[sig] = False  # delivered now, not again when the loop ends
+            raise KeyboardInterrupt
+        self.received[sig] = True
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -90,6 +96,9 @@ class StopSignals:
         UncompletedJobError when it will not requeue; handlers that return let the caller stop."""
         for sig in self.signals:
             previous = self._previous.get(sig)
+            if previous is signal.default_int_handler:  # Python's Ctrl-C handler would only raise KeyboardInterrupt
+                self.received[sig] = False
+                continue
             if (sig in signals or self.received[sig]) and callable(previous):
                 self.received[sig] = False
                 previous(int(sig), None)

@@ -253,9 +253,16 @@ def _quiet_lm_eval(path: Path | None):
         module.tqdm = functools.partial(_silent_bar, bar)
     datasets_bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    # lm-eval records the working folder's git commit by running git with the console as its stderr: outside
+    # a checkout git prints "fatal: not a git repository". The same answer, asked quietly.
+    import lm_eval.evaluator
+
+    saved_git = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = _quiet_git_commit_hash
     try:
         yield
     finally:
+        lm_eval.evaluator.get_git_commit_hash = saved_git
         for handler in handlers:
             handler.close()
         logger.handlers, logger.level, logger.propagate = saved
@@ -263,6 +270,22 @@ def _quiet_lm_eval(path: Path | None):
             module.tqdm = bar
         if datasets_bars:
             datasets.enable_progress_bars()
+
+
+def _quiet_git_commit_hash() -> str | None:
+    """lm-eval's get_git_commit_hash (``git describe --always`` in the working folder, else the commit read
+    from a .git folder there), with git's complaints kept off the console."""
+    import subprocess
+
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    if out is not None and out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip()
+    return get_commit_from_path(os.getcwd())
 
 
 def _silent_bar(bar_class, *args, **kwargs):

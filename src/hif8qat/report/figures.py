@@ -21,6 +21,13 @@ def _plt():
     return plt
 
 
+def legend(ax, **kwargs) -> None:
+    """A legend when the panel has labelled artists: matplotlib warns on the console for an empty one (a run
+    whose metrics hold ratios but no amax columns, or the reverse)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
 def plot_loss_pair(steps_q, loss_q, steps_b, loss_b, *, label_q: str, label_b: str, path: Path, title: str = ""):
     plt = _plt()
     ra = running_ape(steps_q, loss_q, steps_b, loss_b)
@@ -71,14 +78,14 @@ def make_figures(curves, runs, metrics_cache, tel_df, out: Path, profile: str) -
                 axes[0].semilogy(m["step"], s.where(s > 0), lw=0.9, label=c.split("/")[1] + " amax")
             axes[0].set_title("amax per step (metrics.jsonl)")
         axes[0].set_xlabel("step")
-        axes[0].legend(fontsize=7)
+        legend(axes[0], fontsize=7)
         for c in [c for c in cols if c.endswith("/amax_ratio_max")]:
             s = pd.to_numeric(m[c], errors="coerce")
             axes[1].plot(m["step"], s.where(s > 0), lw=0.9, label=c.split("/")[1])
         axes[1].axhline(1.0, color="k", lw=0.6, ls=":")
         axes[1].set_title("max amax / estimate (>1: outgrew the estimate)")
         axes[1].set_xlabel("step")
-        axes[1].legend(fontsize=7)
+        legend(axes[1], fontsize=7)
         fig.suptitle(f"{r.experiment} seed {r.seed} ({r.estimator})", fontsize=9)
         fig.tight_layout()
         p = out / f"scales_{profile}_{r.experiment}_seed{r.seed}.png"

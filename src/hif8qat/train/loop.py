@@ -354,6 +354,14 @@ class _Run:
         raise Preempted(f"stopped by {stop.names(signals)}: {where}; resume with {how}")
 
     def steps(self, start_step: int) -> None:
+        """The training steps; the progress bar is closed however they end, so an error's line starts a line
+        of its own instead of continuing the bar's."""
+        try:
+            self._steps(start_step)
+        finally:
+            self.progress.close()
+
+    def _steps(self, start_step: int) -> None:
         cfg, ctx, model = self.cfg, self.ctx, self.model
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         telemetry_dir = self.run_dir / "telemetry"

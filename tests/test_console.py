@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import pandas as pd
-import pytest
 from test_checkpoint import _smoke
 from test_config import run_module
 

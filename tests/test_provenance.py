@@ -125,3 +125,72 @@ def test_a_damaged_export_file_is_named_when_evaluation_reads_it(quant_export, t
     with pytest.raises(RunError, match=(rf"{name} is unreadable \(sha256" if recorded else
                                         rf"{export} is unreadable")):
         load_for_eval(export, "hif8")
+
+
+# ------------------------------------------------------------------ one schema per kind of document
+RESULT = {"metric": "acc", "value": 0.5, "stderr": 0.1, "n": 10, "num_fewshot": 0}
+
+
+def _eval_mode(tmp_path: Path, **changes) -> Path:
+    from hif8qat.evaluate.outputs import write_eval_dir
+
+    out = tmp_path / "eval" / "hif8"
+    write_eval_dir(out, {"mini_arc": dict(RESULT), "_meta": {"mode": "hif8"}}, {}, None)
+    doc = json.loads((out / "results.json").read_text())
+    for key, value in changes.items():
+        doc[key] = value
+    (out / "results.json").write_text(json.dumps(doc))
+    return out
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"mini_arc": {**RESULT, "value": "0.5"}}, "mini_arc.value"),
+    ({"mini_arc": [0.5, 0.1]}, r"mini_arc is \[0.5, 0.1\], not an object"),
+    ({"_files": "abc"}, "_files is"),
+], ids=["value-as-string", "task-as-list", "files-as-string"])
+def test_a_wrongly_typed_results_file_is_redone_by_the_eval_stage_and_named_by_the_report(
+        tmp_path, changes, field, capsys):
+    from test_config import run_module
+
+    from hif8qat.report.sources import _eval_results
+
+    out = _eval_mode(tmp_path)
+    assert run_module._mode_done(out)  # intact: done
+    out = _eval_mode(tmp_path, **changes)
+    assert not run_module._mode_done(out)  # stage=eval evaluates the mode again
+    assert "evaluating hif8 again" in capsys.readouterr().out
+    with pytest.raises(RunError, match=rf"results.json is unreadable \({field}"):
+        _eval_results(types_run(tmp_path), "hif8")
+
+
+def types_run(path: Path):
+    import types
+
+    return types.SimpleNamespace(path=path)
+
+
+def test_a_wrongly_typed_heldout_summary_field_is_named(tmp_path):
+    from hif8qat.stats.heldout import SUMMARY_FILE, heldout_dir, read_summary
+
+    folder = heldout_dir(tmp_path)
+    folder.mkdir(parents=True)
+    summary = {"pct": {"mean": 0.1, "var": 0.01, "n_windows": 8}, "n_tokens": 100, "nll_ref": 3.0,
+               "nll_diff": {"mean": 0.01}, "kl": {"mean": 0.001, "p99": 0.01}, "top1": {"mean": 0.99}}
+    summary["nll_diff_pct"] = summary.pop("pct")
+    doc = {"comparisons": {"hif8_vs_bf16": {"reference": "bf16", "other": "hif8", "summary": summary}}}
+    (folder / SUMMARY_FILE).write_text(json.dumps(doc))
+    assert read_summary(tmp_path)["comparisons"]
+    summary["nll_diff_pct"]["n_windows"] = "eight"
+    (folder / SUMMARY_FILE).write_text(json.dumps(doc))
+    with pytest.raises(RunError, match=r"summary.json is unreadable \(comparisons.hif8_vs_bf16.summary."
+                                       r"nll_diff_pct.n_windows is \"eight\", not an integer"):
+        read_summary(tmp_path)
+
+
+def test_a_run_info_whose_history_is_not_a_list_is_named(tmp_path):
+    from hif8qat.runs.folders import CorruptRunFile, _read_run_info
+
+    path = tmp_path / "run_info.json"
+    path.write_text(json.dumps({"history": 5}))
+    with pytest.raises(CorruptRunFile, match="history is 5, not a list"):
+        _read_run_info(path)

@@ -55,14 +55,17 @@ def _check_type(path: Path, value: Any, expect: type | None, redo: str) -> Any:
     return value
 
 
-def read_json(path: str | Path, redo: str, *, expect: type | None = dict, sha256: str | None = None) -> Any:
+def read_json(path: str | Path, redo: str, *, expect: type | None = dict, sha256: str | None = None,
+              schema: Any = None) -> Any:
+    """The parsed file, of type ``expect``, following ``schema`` (:func:`schema_problem`) when given."""
     path = Path(path)
     verify_sha256(path, sha256, redo)
     try:
         value = json.loads(_text(path, redo))
     except json.JSONDecodeError as err:
         raise CorruptArtefact(path, f"JSONDecodeError: {err}", redo) from None
-    return _check_type(path, value, expect, redo)
+    value = _check_type(path, value, expect, redo)
+    return value if schema is None else check_schema(path, value, schema, redo)
 
 
 def read_yaml(path: str | Path, redo: str, *, expect: type | None = dict) -> Any:
@@ -188,3 +191,82 @@ def verify_folder_manifest(folder: str | Path, redo: str) -> bool:
             raise CorruptArtefact(path, f"{path.stat().st_size} bytes where {entry['bytes']} were written", redo)
         verify_sha256(path, entry["sha256"], redo)
     return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One schema per kind of document, so a wrongly typed field is named when the file is read, not a traceback
+# wherever the field is used. A schema is a type name ("number", "int", "str", "bool", "dict", "list",
+# "any"; a trailing "?" also allows null), a dict of key -> schema (a key written "?name" may be absent; "*"
+# is the schema of every other key, "_*" of every other key starting with "_"), or a one-element list: the
+# schema of each item.
+# ---------------------------------------------------------------------------------------------------------
+_KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool), "number": _is_number,
+          "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
+          "dict": lambda v: isinstance(v, dict), "list": lambda v: isinstance(v, list), "any": lambda v: True}
+_KIND_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "true or false",
+               "dict": "an object", "list": "a list", "any": "a value"}
+
+
+def _not(value: Any, where: str, what: str) -> str:
+    return f"{where or 'the document'} is {json.dumps(value, default=str)[:60]}, not {what}"
+
+
+def schema_problem(value: Any, schema: Any, where: str = "") -> str | None:
+    """The first place where ``value`` does not follow ``schema`` (a JSON path and what belongs there)."""
+    if isinstance(schema, str):
+        kind, nullable = schema.rstrip("?"), schema.endswith("?")
+        if (value is None and nullable) or _KINDS[kind](value):
+            return None
+        return _not(value, where, _KIND_WORDS[kind])
+    if isinstance(schema, list):
+        if not isinstance(value, list):
+            return _not(value, where, "a list")
+        for i, item in enumerate(value):
+            problem = schema_problem(item, schema[0], f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if not isinstance(value, dict):
+        return _not(value, where, "an object")
+    named = {key.lstrip("?"): sub for key, sub in schema.items() if key not in ("*", "_*")}
+    for key, sub in schema.items():
+        if key not in ("*", "_*") and not key.startswith("?") and key not in value:
+            return f"{where + '.' if where else ''}{key} is missing"
+    for key, item in value.items():
+        other = schema.get("_*", schema.get("*")) if str(key).startswith("_") else schema.get("*")
+        sub = named.get(key, other)
+        if sub is not None:
+            problem = schema_problem(item, sub, f"{where + '.' if where else ''}{key}")
+            if problem:
+                return problem
+    return None
+
+
+def check_schema(path: str | Path, value: Any, schema: Any, redo: str) -> Any:
+    """``value`` (read from ``path``) when it follows ``schema``; else CorruptArtefact naming the field."""
+    problem = schema_problem(value, schema)
+    if problem:
+        raise CorruptArtefact(path, problem, redo)
+    return value
+
+
+# eval/<mode>/results.json: one entry per task, _files (sha256 of the files beside it), _meta.
+# Its fields are typed where present (results written by hand for tests or older runs may lack some).
+TASK_RESULT = {"?metric": "str", "?value": "number", "?stderr": "number?", "?n": "int", "?num_fewshot": "int",
+               "*": "any"}
+RESULTS_SCHEMA = {"?_files": {"*": "str"}, "?_meta": "dict", "_*": "any", "*": TASK_RESULT}
+# eval/heldout/summary.json: the fields the report and the eval stage read.
+_STAT = {"mean": "number", "*": "any"}
+HELDOUT_SUMMARY_SCHEMA = {
+    "?models": {"*": "dict"}, "?baseline_run": "str?", "?tokens_file": "str?", "?tokens_sha256": "str?",
+    "?comparisons": {"*": {"reference": "str", "other": "str", "summary": {
+        "nll_diff_pct": {"mean": "number", "var": "number", "n_windows": "int", "*": "any"},
+        "n_tokens": "int", "nll_ref": "number", "nll_diff": _STAT, "kl": {"mean": "number", "p99": "number",
+                                                                          "*": "any"},
+        "top1": _STAT, "*": "any"}, "*": "any"}},
+    "*": "any",
+}
+# run_info.json: this start's record and the history of the earlier ones.
+RUN_INFO_SCHEMA = {"?history": ["dict"], "?git": "any", "?versions": "dict?", "*": "any"}
+# An export's hif8qat_quant.json.
+QUANT_EXPORT_SCHEMA = {"config": "dict", "*": "any"}

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hif8qat.artefacts import read_csv, read_json, verify_sha256
+from hif8qat.artefacts import RESULTS_SCHEMA, read_csv, read_json, verify_sha256
 from hif8qat.config.eval_tasks import TaskSpec
 from hif8qat.files import atomic_path, sha256_file, write_json, write_text
 from hif8qat.runs.downloads import cache_root
@@ -138,7 +138,7 @@ def verify_eval_dir(out: Path) -> dict:
     """A finished mode's results.json, read through the verified reader with every file whose sha256 it
     recorded (and every samples_*.csv, whole rows only); CorruptArtefact names the first bad file."""
 
-    results = read_json(out / "results.json", EVAL_REDO)
+    results = read_json(out / "results.json", EVAL_REDO, schema=RESULTS_SCHEMA)
     recorded = results.get(FILES_KEY) or {}
     for name, digest in recorded.items():
         verify_sha256(out / name, digest, EVAL_REDO)

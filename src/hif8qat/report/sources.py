@@ -13,6 +13,8 @@ import pandas as pd
 
 from hif8qat.artefacts import (
     METRICS_FIELDS,
+    RESULTS_SCHEMA,
+    RUN_INFO_SCHEMA,
     TELEMETRY_FIELDS,
     CorruptArtefact,
     read_csv,
@@ -44,10 +46,11 @@ REPORT_REDO = ("Write it again (for a file under eval/<mode>/: run.py ... stage=
                "mode; for summary.json: retrain with force=true) or move the run out of the results folder")
 
 
-def _read_json(path: Path) -> Any:
-    """A result file through the verified reader, naming the file and the way out when it does not parse."""
+def _read_json(path: Path, schema: Any = None) -> Any:
+    """A result file through the verified reader, naming the file and the way out when it does not parse or
+    a field has the wrong type (``schema``: artefacts.schema_problem)."""
     try:
-        return read_json(path, REPORT_REDO)
+        return read_json(path, REPORT_REDO, schema=schema)
     except CorruptArtefact as err:
         raise UnreadableResultFile(path, err.why, REPORT_REDO) from None
 
@@ -101,7 +104,8 @@ def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = No
             cfg = read_yaml(cfg_p, REPORT_REDO, expect=None) or {}
             if not isinstance(cfg, dict):
                 raise CorruptArtefact(cfg_p, f"a YAML {type(cfg).__name__} where a mapping belongs", REPORT_REDO)
-            info = read_json(d / "run_info.json", REPORT_REDO) if (d / "run_info.json").exists() else {}
+            info = (read_json(d / "run_info.json", REPORT_REDO, schema=RUN_INFO_SCHEMA)
+                    if (d / "run_info.json").exists() else {})
         except CorruptArtefact as err:
             if skipped is not None:
                 skipped.append({"run_dir": str(d), "reason": f"{err.path.name} does not parse ({err.why[:120]})"
@@ -143,7 +147,7 @@ def _read_samples(p: Path) -> pd.DataFrame | None:
     if not p.exists():
         return None
     results = p.parent / "results.json"
-    recorded = (_read_json(results).get("_files") or {}) if results.exists() else {}
+    recorded = (_read_json(results, RESULTS_SCHEMA).get("_files") or {}) if results.exists() else {}
     return read_csv(p, REPORT_REDO, sha256=recorded.get(p.name), dtype={"doc_id": str})
 
 
@@ -151,7 +155,7 @@ def _eval_results(run: RunInfo, mode: str) -> dict:
     p = run.path / "eval" / mode / "results.json"
     if not p.exists():
         return {}
-    data = _read_json(p)
+    data = _read_json(p, RESULTS_SCHEMA)
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from hif8qat.artefacts import RUN_INFO_SCHEMA, schema_problem
 from hif8qat.compute_dtype import describe, training_device_type
 from hif8qat.config.run_config import RunConfig, check_path_name
 from hif8qat.errors import RunError
@@ -328,6 +329,9 @@ def _read_run_info(path: Path) -> dict[str, Any]:
         info = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         info = err
+    if isinstance(info, dict):  # a wrongly typed history would fail the next start's append
+        problem = schema_problem(info, RUN_INFO_SCHEMA)
+        info = info if problem is None else ValueError(problem)
     if not isinstance(info, dict):
         raise CorruptRunFile(f"{path} is unreadable ({str(info)[:200]}); it holds the run's history of "
                              "starts. Restore or delete it, or start the run again with force=true (the folder "

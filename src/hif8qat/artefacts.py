@@ -229,7 +229,7 @@ def schema_problem(value: Any, schema: Any, where: str = "") -> str | None:
     if not isinstance(value, dict):
         return _not(value, where, "an object")
     named = {key.lstrip("?"): sub for key, sub in schema.items() if key not in ("*", "_*")}
-    for key, sub in schema.items():
+    for key in schema:
         if key not in ("*", "_*") and not key.startswith("?") and key not in value:
             return f"{where + '.' if where else ''}{key} is missing"
     for key, item in value.items():

@@ -221,15 +221,18 @@ def test_an_unpublished_write_is_discarded_and_the_previous_copy_kept(tmp_path, 
     assert not (root / "step_0000004.tmp").exists()
 
 
-def test_torn_and_malformed_metrics_lines_are_dropped_with_a_note(tmp_path, capsys):
+def test_a_torn_last_metrics_line_is_dropped_with_a_note_and_a_malformed_middle_one_refused(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": s, "loss": 1.0 / (s + 1)}) for s in range(6)]
-    lines.insert(2, "garbage")
     path.write_text("\n".join(lines) + "\n" + '{"step": 6, "lo')  # a crash tore the last line
     truncate_metrics(path, from_step=4)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
     out = capsys.readouterr().out
-    assert "2 line(s) of steps 4..5" in out and "2 unparsable line(s) (line 3, 8)" in out
+    assert "2 line(s) of steps 4..5" in out and "1 unparsable line(s) (line 7)" in out
+    lines.insert(2, "garbage")  # no killed writer leaves this: the log was edited or damaged
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(RunError, match=r"metrics.jsonl is unreadable \(line 3 does not parse"):
+        truncate_metrics(path, from_step=4)
 
 
 def test_first_nonfinite_names_the_weight_or_optimizer_state():

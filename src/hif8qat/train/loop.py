@@ -317,7 +317,8 @@ class _Run:
         else:
             kept = (f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}, finite weights); rerunning "
                     "these settings resumes from it and will likely diverge again: change the settings that "
-                    f"diverged (e.g. a lower train.lr), optionally continuing from it with train.resume={last}")
+                    f"diverged (e.g. a lower train.lr), optionally continuing from it with train.resume={last} "
+                    f"{ckpt.ALLOW_MISMATCH_SETTING}=true (it was written under the old settings)")
         return TrainingDiverged(f"{reason}; {kept}")
 
     def save(self, step: int) -> None:

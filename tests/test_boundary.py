@@ -196,3 +196,38 @@ def test_torch_errors_in_a_block_that_names_only_lm_eval_stay_tracebacks():
 
     with pytest.raises(RuntimeError):
         guarded(job)
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_the_report_is_one_line(monkeypatch, tmp_path, capsys):
+    from hif8qat.report import cli
+
+    monkeypatch.setattr(cli, "build_report", _interrupt)
+    assert cli.main(["--runs-root", str(tmp_path), "--tables", str(tmp_path / "t"),
+                     "--figures", str(tmp_path / "f")]) == INTERRUPTED_STATUS
+    assert "interrupted (Ctrl-C)" in capsys.readouterr().err
+
+
+def test_a_corrupt_result_in_the_report_is_one_error_line(monkeypatch, tmp_path, capsys):
+    from hif8qat.artefacts import CorruptArtefact
+    from hif8qat.report import cli
+
+    def corrupt(*args, **kwargs):
+        raise CorruptArtefact(tmp_path / "results.json", "value is \"abc\", not a number", "Redo it")
+
+    monkeypatch.setattr(cli, "build_report", corrupt)
+    assert cli.main(["--runs-root", str(tmp_path), "--tables", str(tmp_path / "t"),
+                     "--figures", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "results.json is unreadable" in err and "Traceback" not in err
+
+
+def test_ctrl_c_in_an_evaluation_is_one_line(monkeypatch, tmp_path, capsys):
+    from hif8qat.evaluate import cli
+
+    monkeypatch.setattr(cli, "resolve_numerics", _interrupt)
+    assert cli.main(["--export", str(tmp_path), "--tasks", "mini_arc"]) == INTERRUPTED_STATUS
+    assert "interrupted (Ctrl-C)" in capsys.readouterr().err

@@ -492,11 +492,11 @@ def check_cache_env() -> None:
 
 
 def guarded(job) -> int:
-    """The exception boundary (hif8qat.errors.guarded): the project's own errors (RunError), a disk that
+    """The exception boundary (hif8qat.boundary.guarded): the project's own errors (RunError), a disk that
     refuses a write, a path the file system refuses and a library's refusal of the input a setting named
     become one ``error:`` line and exit status 2; Ctrl-C one ``interrupted`` line and status 130. Anything else
     propagates as a traceback: it is a bug to fix, not a message to print."""
-    from hif8qat.errors import guarded as boundary
+    from hif8qat.boundary import guarded as boundary
 
     return boundary(job)
 

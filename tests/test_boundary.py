@@ -14,7 +14,8 @@ import pytest
 import torch
 from test_config import run_module
 
-from hif8qat.errors import INTERRUPTED_STATUS, concerning, guarded
+from hif8qat.boundary import guarded
+from hif8qat.errors import INTERRUPTED_STATUS, concerning
 
 
 def _model_folder(root: Path, *, tokenizer: bool = True) -> Path:

@@ -19,6 +19,7 @@ from hif8qat.errors import RunError
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.log import truncate_metrics
 from hif8qat.train.loop import TrainingDiverged, _first_nonfinite, train
+from hif8qat.train.provenance import check_provenance, run_provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -435,4 +436,4 @@ def test_auto_resume_of_a_runs_own_checkpoint_checks_and_keeps_working(tmp_path)
     recorded = json.loads((saved[-1] / ckpt.PROVENANCE_FILE).read_text())
     assert recorded["train.lr"] == 1e-4 and recorded["experiment.name"] == "exp1"
     assert ckpt.PROVENANCE_FILE in json.loads((saved[-1] / ckpt.COMPLETE_MARKER).read_text())["files"]
-    ckpt.check_provenance(saved[-1], ckpt.run_provenance(_smoke(tmp_path)), allow_mismatch=False, explicit=False)
+    check_provenance(saved[-1], run_provenance(_smoke(tmp_path)), allow_mismatch=False, explicit=False)

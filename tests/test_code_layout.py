@@ -19,7 +19,7 @@ MAX_TOP_LEVEL_MODULES = 12
 # The layers, lowest first: a module may import its own layer and those below it, never one above. Each entry
 # is a subpackage or a top-level module of hif8qat; docs/design.md draws the same picture.
 LAYERS = [
-    ("errors", "files", "artefacts", "stats"),  # base: no torch model, no settings
+    ("errors", "files", "boundary", "artefacts", "stats"),  # base: no torch model, no settings
     ("formats",),  # HiF8 / FP8 quantize-dequantize
     ("scaling",),  # delayed scaling: settings, rules, bank
     ("config",),  # the validated run configuration (torch-free)

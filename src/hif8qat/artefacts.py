@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from hif8qat.errors import RunError
-from hif8qat.files import sha256_file
+from hif8qat.files import sha256_file, write_json
 
 
 class CorruptArtefact(RunError):
@@ -162,8 +162,6 @@ FOLDER_MANIFEST = "hif8qat_files.json"
 
 def write_folder_manifest(folder: str | Path) -> None:
     """Record every file under ``folder`` (before it is published) for :func:`verify_folder_manifest`."""
-    from hif8qat.files import write_json
-
     folder = Path(folder)
     files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != FOLDER_MANIFEST}

@@ -10,8 +10,9 @@ from typing import Any
 
 import yaml
 
+from hif8qat.boundary import guarded
 from hif8qat.config.eval_tasks import DTYPES
-from hif8qat.errors import concerning, guarded, one_line
+from hif8qat.errors import concerning, one_line
 from hif8qat.evaluate.outputs import format_results
 from hif8qat.evaluate.runner import evaluate_export, evaluate_model, evaluate_run
 from hif8qat.evaluate.settings import resolve_numerics
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
                                                  device=device, dtype=dtype, extra_meta={"model": args.model},
                                                  **kw)})
 
-    try:  # the boundary every entry point has (hif8qat.errors.guarded): one error line, or a traceback for a bug
+    try:  # the boundary every entry point has (hif8qat.boundary.guarded): one error line, or a traceback for a bug
         code = guarded(job)
     except ValueError as err:  # the evaluation's own checks of the flags' values
         print(f"error: {one_line(str(err), 2000)}", file=sys.stderr)

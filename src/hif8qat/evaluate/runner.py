@@ -82,6 +82,7 @@ import contextlib
 import functools
 import logging
 import os
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -275,8 +276,6 @@ def _quiet_lm_eval(path: Path | None):
 def _quiet_git_commit_hash() -> str | None:
     """lm-eval's get_git_commit_hash (``git describe --always`` in the working folder, else the commit read
     from a .git folder there), with git's complaints kept off the console."""
-    import subprocess
-
     from lm_eval.loggers.utils import get_commit_from_path
 
     try:

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
-from hif8qat.errors import guarded
+from hif8qat.boundary import guarded
 from hif8qat.files import write_text
 from hif8qat.report.build import build_report
 from hif8qat.report.claims import DEFAULT_MARGINS

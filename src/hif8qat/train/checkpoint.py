@@ -77,19 +77,6 @@ _LOAD_ERRORS = (SafetensorError, RuntimeError, EOFError, OSError, pickle.Unpickl
 
 # What a checkpoint records about the run that wrote it (hashed by the manifest like every other file).
 PROVENANCE_FILE = "provenance.json"
-# The settings that decide what a checkpoint's weights, optimizer and scheduler state are: resuming one made
-# under other values would continue another run's training under this run's name. Settings that only steer
-# the run (checkpoint cadence, logging, device, threads, the resume itself) are left out: they may change.
-PROVENANCE_SETTINGS = (
-    "experiment.name", "seed", "model.name", "model.revision", "data.source", "quant", "quirks",
-    "train.steps", "train.lr", "train.lr_warmup_steps", "train.betas", "train.eps", "train.weight_decay",
-    "train.grad_clip", "train.global_batch_size", "train.seq_len",
-)
-# Inside those sections, what only steers the run's logging.
-_PROVENANCE_IGNORED = ("quant.telemetry_dump_every", "quant.telemetry_stats_every")
-ALLOW_MISMATCH_SETTING = "train.resume_allow_mismatch"
-
-
 class CheckpointError(RunError):
     """A checkpoint that cannot be used: incomplete, truncated, corrupt or written for another setup."""
 
@@ -495,61 +482,3 @@ def rank_state_for(path: Path, rank: int, saved_world: int) -> dict:
              for r in range(saved_world)] if "data" in own else []
     return {**own, "data_by_rank": datas, "resized_from": saved_world}
 
-
-def run_provenance(cfg) -> dict[str, Any]:
-    """The values of PROVENANCE_SETTINGS in a resolved RunConfig (plain JSON values)."""
-    flat = cfg.to_dict()
-    out: dict[str, Any] = {}
-    for name in PROVENANCE_SETTINGS:
-        value: Any = flat
-        for part in name.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        out[name] = json.loads(json.dumps(value, default=str))  # tuples as lists, as read back
-    return out
-
-
-def _flatten(prefix: str, value: Any) -> dict[str, Any]:
-    if isinstance(value, dict) and value and prefix in ("quant", "quirks"):
-        return {f"{prefix}.{k}": v for k, v in value.items()}
-    return {prefix: value}
-
-
-def provenance_differences(recorded: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    """'setting: checkpoint X, this run Y' for each setting whose recorded value differs."""
-    rec = {k: v for name, value in recorded.items() for k, v in _flatten(name, value).items()}
-    exp = {k: v for name, value in expected.items() for k, v in _flatten(name, value).items()}
-    return [f"{k}: checkpoint {rec.get(k, '(not recorded)')!r}, this run {exp.get(k, '(not set)')!r}"
-            for k in sorted(set(rec) | set(exp))
-            if k not in _PROVENANCE_IGNORED and rec.get(k, KeyError) != exp.get(k, KeyError)]
-
-
-def check_provenance(path: Path, expected: dict[str, Any], *, allow_mismatch: bool, explicit: bool,
-                     log: Callable[[str], None] = print) -> None:
-    """Refuse a verified checkpoint that a run with other settings wrote (CheckpointError naming them).
-
-    explicit: the checkpoint was named by train.resume=<folder>; one that records no settings (written before
-    checkpoints recorded them) is then refused too, as its origin is unknown. A run's own checkpoints
-    (train.resume=auto) without a record are its own. allow_mismatch turns the refusal into a note."""
-    how = (f"{ALLOW_MISMATCH_SETTING}=true resumes it deliberately (its weights, optimizer and LR schedule "
-           "position continue under this run's settings)")
-    file = path / PROVENANCE_FILE
-    if not file.is_file():
-        if not explicit:
-            return
-        problem = f"checkpoint {path} records no settings ({PROVENANCE_FILE}), so its origin cannot be checked"
-    else:
-        try:
-            recorded = json.loads(file.read_text(encoding="utf-8"))
-            if not isinstance(recorded, dict):
-                raise ValueError(f"a JSON {type(recorded).__name__} where an object belongs")
-        except (OSError, UnicodeDecodeError, ValueError) as err:
-            raise CheckpointError(f"checkpoint {path}: unreadable {PROVENANCE_FILE} ({err})") from None
-        differences = provenance_differences(recorded, expected)
-        if not differences:
-            return
-        problem = (f"checkpoint {path} was written by a run with other settings ({'; '.join(differences)})")
-    if allow_mismatch:
-        log(f"note: {problem}; resuming it anyway ({ALLOW_MISMATCH_SETTING}=true)")
-        return
-    raise CheckpointError(f"{problem}. Resume from a checkpoint of these settings (train.resume=auto continues "
-                          f"this run's own), or {how}")

@@ -32,7 +32,6 @@ from hif8qat.quant.linear import (
     convert_model,
     dump_telemetry,
     freeze_scales,
-    load_quant_state_dict,
     quant_state_dict,
     set_quantization,
     set_step,
@@ -54,6 +53,12 @@ from hif8qat.train.distributed import (
 from hif8qat.train.export import export_or_explain
 from hif8qat.train.log import MetricsSink, progress_bar, train_summary, truncate_metrics
 from hif8qat.train.preemption import StopSignals, hooked_stream
+from hif8qat.train.provenance import (
+    ALLOW_MISMATCH_SETTING,
+    check_provenance,
+    load_saved_scalers,
+    run_provenance,
+)
 from hif8qat.train.schedule import warmup_cosine_schedule
 
 # torch's default is 10 minutes; a 1B model's export or checkpoint to a network filesystem can take longer.
@@ -250,8 +255,8 @@ class _Run:
                 set_quantization(model, True)
             return 0
         # verified above, so its record of the settings that made it is what was written
-        _on_every_rank(ctx, lambda: ckpt.check_provenance(
-            resume_from, ckpt.run_provenance(cfg), allow_mismatch=cfg.train.resume_allow_mismatch,
+        _on_every_rank(ctx, lambda: check_provenance(
+            resume_from, run_provenance(cfg), allow_mismatch=cfg.train.resume_allow_mismatch,
             explicit=cfg.train.resume != "auto", log=print if ctx.is_main else (lambda _line: None)))
         start_step, rank_state = ckpt.load_checkpoint(resume_from, model=model, optimizer=self.optimizer,
                                                       scheduler=self.scheduler, rank=ctx.rank,
@@ -270,25 +275,12 @@ class _Run:
         self.skips.update(rank_state.get("train", {}))
         if cfg.quant.enabled:
             set_quantization(model, start_step >= self.quant_on_step)
-            self._load_scalers(resume_from, rank_state.get("quant") or {}, start_step)
+            load_saved_scalers(model, resume_from, rank_state.get("quant") or {}, start_step=start_step,
+                               quant_on_step=self.quant_on_step, allow_mismatch=cfg.train.resume_allow_mismatch)
         ckpt.set_rng_state(rank_state["rng"])
         if ctx.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
         return start_step
-
-    def _load_scalers(self, path: Path, saved: dict, start_step: int) -> None:
-        """The quantization scalers the checkpoint saved. A checkpoint without them (trained unquantized, or
-        before QAT began) starts them cold, as at the first QAT step, but only where quantization had not yet
-        begun at its step or the user resumed it deliberately (train.resume_allow_mismatch)."""
-        if not saved and (start_step <= (self.quant_on_step or 0) or self.cfg.train.resume_allow_mismatch):
-            return
-        try:
-            load_quant_state_dict(self.model, saved)
-        except KeyError as err:
-            raise ckpt.CheckpointError(
-                f"checkpoint {path} does not hold this run's quantization scalers ({str(err).strip(chr(39))[:300]}): "
-                "it was written by a run with other quant settings. Resume from a checkpoint of these settings, "
-                f"or {ckpt.ALLOW_MISMATCH_SETTING}=true to start its scalers cold") from None
 
     def open_log(self, start_step: int) -> None:
         self.metrics_path = self.run_dir / METRICS_FILE
@@ -318,7 +310,7 @@ class _Run:
             kept = (f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}, finite weights); rerunning "
                     "these settings resumes from it and will likely diverge again: change the settings that "
                     f"diverged (e.g. a lower train.lr), optionally continuing from it with train.resume={last} "
-                    f"{ckpt.ALLOW_MISMATCH_SETTING}=true (it was written under the old settings)")
+                    f"{ALLOW_MISMATCH_SETTING}=true (it was written under the old settings)")
         return TrainingDiverged(f"{reason}; {kept}")
 
     def save(self, step: int) -> None:
@@ -331,7 +323,7 @@ class _Run:
         ckpt.save_checkpoint(self.ckpt_root, step, model=self.model, optimizer=self.optimizer,
                              scheduler=self.scheduler, rank_state=rank_state, rank=ctx.rank,
                              world_size=ctx.world_size, barrier=ctx.barrier if ctx.world_size > 1 else None,
-                             keep=self.cfg.train.keep_checkpoints, provenance=ckpt.run_provenance(self.cfg))
+                             keep=self.cfg.train.keep_checkpoints, provenance=run_provenance(self.cfg))
 
     def stop_here(self, step: int, signals: list, stop: StopSignals, saved: bool) -> None:
         """A stop signal came during the step before `step`: checkpoint `step` (unless just done), verify it,
@@ -355,8 +347,7 @@ class _Run:
         raise Preempted(f"stopped by {stop.names(signals)}: {where}; resume with {how}")
 
     def steps(self, start_step: int) -> None:
-        """The training steps; the progress bar is closed however they end, so an error's line starts a line
-        of its own instead of continuing the bar's."""
+        """The training steps; the bar closed however they end (an error's line then starts a line of its own)."""
         try:
             self._steps(start_step)
         finally:

@@ -190,6 +190,8 @@ def folder_problem(path: str | os.PathLike) -> str | None:
     path = Path(path).expanduser()
     probe = path
     while not probe.exists() and probe != probe.parent:
+        if probe.is_symlink():  # exists() follows links: a dangling one or a loop reads as absent, yet mkdir fails
+            return f"{probe} is a symbolic link to {os.readlink(probe)}, which does not exist (or loops)"
         probe = probe.parent
     if not probe.is_dir():
         return f"{probe} is a file, not a folder"

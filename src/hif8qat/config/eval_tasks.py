@@ -63,3 +63,30 @@ def resolve_tasks(tasks: str | Iterable[str]) -> list[TaskSpec]:
     if not out:
         raise ValueError("eval.tasks: no task given")
     return out
+
+
+def _read_task_yaml(path: Path) -> dict:
+    """A mini task's YAML, lm-eval's ``!function`` tags read as plain strings."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506 - SafeLoader plus one tag
+
+
+def fewshot_pool(name: str) -> int | None:
+    """How many few-shot examples a mini task can draw: the documents of its few-shot split (lm-eval's samplers
+    refuse more, after training). None for a paper task, whose pool is known only once its dataset loads."""
+    spec = TASKS.get(name)
+    if spec is None or not spec.mini:
+        return None
+    cfg = _read_task_yaml(MINITASK_DIR / f"{name}.yaml")
+    split = cfg.get("fewshot_split")
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files") or {}
+    if split not in files:
+        return None
+    lines = (MINITASK_DIR / files[split]).read_text(encoding="utf-8").splitlines()
+    pool = sum(1 for line in lines if line.strip())
+    return pool - 1 if split == cfg.get("test_split") else pool  # the evaluated document is left out

@@ -23,7 +23,7 @@ from hif8qat.config.data_source import validate_source
 from hif8qat.config.eval_tasks import DEVICES as EVAL_DEVICES
 from hif8qat.config.eval_tasks import DTYPES as EVAL_DTYPES
 from hif8qat.config.eval_tasks import MODES as EVAL_MODES
-from hif8qat.config.eval_tasks import SUITES, TASKS, resolve_tasks
+from hif8qat.config.eval_tasks import SUITES, TASKS, fewshot_pool, resolve_tasks
 from hif8qat.config.schema import MAX_SEED, PATH_NAME_RULE, is_path_name, type_problem
 from hif8qat.errors import RunError
 from hif8qat.files import folder_problem
@@ -397,6 +397,9 @@ class RunConfig:
             if task not in TASKS:
                 _fail(f"eval.num_fewshot.{task}", shots, f"keys among {', '.join(TASKS)}")
             _check_positive(f"eval.num_fewshot.{task}", shots, integer=True, allow_zero=True)
+            pool = fewshot_pool(task)
+            if pool is not None and shots > pool:
+                _fail(f"eval.num_fewshot.{task}", shots, f"at most {pool}, the examples in {task}'s few-shot split")
         for key, path in (e.local_datasets or {}).items():
             # A local copy replaces a paper task's hub dataset; mini tasks ship their data, so a key naming one
             # (or a task that is not evaluated) would be silently ignored.

@@ -23,6 +23,7 @@ from hif8qat.config.run_config import ConfigError, RunConfig
 from hif8qat.data.loader import _datasets_offline
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
 from hif8qat.evaluate.task_data import prepare_paper_tasks
+from hif8qat.launch.inputs import check_inputs
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
     PANGU_MODEL_TYPES,
@@ -127,6 +128,10 @@ def check_results_root(cfg: RunConfig) -> None:
     for target in [root, *writes]:
         existing = target
         while not existing.exists() and existing != existing.parent:
+            if existing.is_symlink():  # a dangling link (or a loop) reads as absent, and mkdir then fails
+                raise ConfigError(f"invalid setting results_root={cfg.results_root!r}: {existing} is a symbolic "
+                                  f"link to {os.readlink(existing)}, which does not exist (or loops); allowed a "
+                                  "folder that exists or can be created")
             existing = existing.parent
         if not existing.is_dir():
             raise ConfigError(f"invalid setting results_root={cfg.results_root!r}: {existing} is a file, not a "
@@ -254,6 +259,7 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.stage in ("train", "all"):
         check_model(cfg)
         check_data(cfg)
+        check_inputs(cfg)  # opens the corpus, tokenizer, weights: usable, not only present
         check_device(cfg)
         check_model_fits(cfg)
     if cfg.stage in ("eval", "all"):

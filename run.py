@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -122,7 +123,7 @@ def _natural(name: str) -> tuple:
 
 def override_combinations(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The override lists to compose to check a command line: the line itself, and under multirun one list per
-    swept value (the other sweeps at their first value), so a bad value anywhere in a sweep is found."""
+    point of the sweep (every combination of the swept values), so a bad point anywhere is found."""
     parsed = OverridesParser.create().parse_overrides(overrides)  # raises OverrideParseException
     if not multirun:
         return [list(overrides)]
@@ -136,11 +137,9 @@ def override_combinations(overrides: list[str], multirun: bool) -> list[list[str
             choices.append([f"{override.get_key_element()}={v}" for v in values])
         else:
             choices.append([override.input_line])
-    first = [c[0] for c in choices]
-    combos = [first]
-    for i, values in enumerate(choices):
-        combos += [first[:i] + [v] + first[i + 1:] for v in values[1:]]
-    return combos
+    # Every point Hydra's basic sweeper will run: a value can be valid alone and not with another sweep's
+    # (train.micro_batch_size=4 with train.global_batch_size=6), so the cross product, not one sweep at a time.
+    return [list(point) for point in itertools.product(*choices)]
 
 
 class _RefusedLine(Exception):
@@ -196,6 +195,7 @@ def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str 
             if args.multirun:  # every point's settings, before the first job starts (one job would train)
                 to_run_config(replace_typed_dicts(cfg, combo), combo)
             else:  # an interpolation that cannot resolve fails inside Hydra's job setup, as a traceback
+                refuse_env_interpolation(cfg)
                 _resolve(cfg)
     except HydraException as err:
         return _hydra_error_message(err, combo, typed_overrides)
@@ -263,7 +263,48 @@ def _resolve(cfg: DictConfig) -> dict:
                           "(${train.lr}) or a set environment variable (${oc.env:NAME,default})") from None
 
 
+# Settings that may read an environment variable (${oc.env:NAME,default}): paths, which the shipped configs take
+# from the environment (OPENPANGU_PATH, FINEWEB_PATH) and which a run must record resolved to be repeated or
+# resumed. Elsewhere the value would enter the run folder's name (run_tag, names) or the saved config unasked,
+# a secret included: refused, not resolved and hidden, since the saved config is what a resume compares.
+ENV_SETTINGS = ("model.name", "data.source", "data.cache_dir", "results_root", "train.resume", "eval.local_datasets")
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
+
+
+def _leaves(node, prefix: str = ""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _leaves(value, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], node
+
+
+def _reads_env(raw: dict, value, seen: frozenset = frozenset()) -> bool:
+    """Whether a raw (unresolved) value reads the environment, itself or through the settings it names."""
+    if not isinstance(value, str) or "${" not in value:
+        return False
+    if "oc.env" in value:
+        return True
+    return any(ref not in seen and _reads_env(raw, raw.get(ref), seen | {ref}) for ref in _REFERENCE.findall(value))
+
+
+def refuse_env_interpolation(cfg: DictConfig) -> None:
+    """ConfigError for a setting outside ENV_SETTINGS whose value comes from an environment variable."""
+    container = OmegaConf.to_container(cfg, resolve=False)
+    container.pop("hydra", None)
+    raw = dict(_leaves(container))
+    for key, value in raw.items():
+        if not any(key == s or key.startswith(s + ".") for s in ENV_SETTINGS) and _reads_env(raw, value):
+            raise ConfigError(f"invalid setting {key}={value!r}: it reads an environment variable, whose value "
+                              "would be written into the run folder's name or its saved config; allowed a literal "
+                              "value (an environment variable only in the paths " + ", ".join(ENV_SETTINGS) + ")")
+
+
 def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
+    refuse_env_interpolation(cfg)
     data = _resolve(cfg)
     data.pop("hydra", None)
     if not data.get("run_tag"):

@@ -24,7 +24,7 @@ from hif8qat.config.eval_tasks import DEVICES as EVAL_DEVICES
 from hif8qat.config.eval_tasks import DTYPES as EVAL_DTYPES
 from hif8qat.config.eval_tasks import MODES as EVAL_MODES
 from hif8qat.config.eval_tasks import SUITES, TASKS, fewshot_pool, resolve_tasks
-from hif8qat.config.schema import MAX_SEED, PATH_NAME_RULE, is_path_name, type_problem
+from hif8qat.config.schema import MAX_SEED, PATH_NAME_RULE, is_path_name, type_problem, upper_bound_problems
 from hif8qat.errors import RunError
 from hif8qat.files import folder_problem
 from hif8qat.scaling.settings import ScalingConfig
@@ -268,6 +268,13 @@ class RunConfig:
         self._validate_eval(check_paths)
         if self.profile.steps is not None:
             _check_positive("profile.steps", self.profile.steps, integer=True)
+        self._validate_upper_bounds()
+
+    def _validate_upper_bounds(self) -> None:
+        flat = {f"{section}.{key}": value for section, values in self.to_dict().items() if isinstance(values, dict)
+                for key, value in values.items()}
+        for setting, value, allowed in upper_bound_problems(flat):
+            _fail(setting, value, allowed)
 
     def _validate_booleans(self) -> None:
         """Every setting typed bool takes true or false only: Python's truthiness would read force=maybe or

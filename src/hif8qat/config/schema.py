@@ -46,3 +46,60 @@ def type_problem(annotation: str, value: Any) -> str | None:
         return None  # bool is checked by _validate_booleans; Any-typed settings by their own rules
     ok, allowed = rule
     return None if ok(value) else allowed + (" or null" if optional else "")
+
+
+# Upper bounds, so that a typed-in extra digit (profile.steps=100000000000) is refused instead of training forever
+# or allocating without end. Each is far beyond any real run of this project: the paper trains 10,000 steps of
+# 1,024 sequences of 1,024 tokens.
+MAX_STEPS = 10**8  # optimizer steps (or a step count: warmups, intervals, schedule switch points)
+MAX_SEQUENCES = 2**20  # sequences in one batch
+MAX_TOKENS = 2**20  # tokens in one sequence
+# setting -> (the largest value allowed, what it counts); "{...}" marks a mapping's keys or values.
+UPPER_BOUNDS: dict[str, tuple[int, str]] = {
+    "train.steps": (MAX_STEPS, "steps"),
+    "profile.steps": (MAX_STEPS, "steps"),
+    "train.lr_warmup_steps": (MAX_STEPS, "steps"),
+    "quant.bf16_warmup_steps": (MAX_STEPS, "steps"),
+    "train.checkpoint_every": (MAX_STEPS, "steps"),
+    "train.log_every": (MAX_STEPS, "steps"),
+    "train.val_every": (MAX_STEPS, "steps"),
+    "train.max_consecutive_skips": (MAX_STEPS, "steps"),
+    "quant.telemetry_dump_every": (MAX_STEPS, "steps"),
+    "quant.telemetry_stats_every": (MAX_STEPS, "steps"),
+    "quant.interval": (MAX_STEPS, "steps"),
+    "quant.interval{keys}": (MAX_STEPS, "steps"),
+    "quant.algo{keys}": (MAX_STEPS, "steps"),
+    "quant.history_len": (MAX_SEQUENCES, "amax values kept per tensor"),
+    "train.global_batch_size": (MAX_SEQUENCES, "sequences"),
+    "train.micro_batch_size": (MAX_SEQUENCES, "sequences"),
+    "eval.batch_size": (MAX_SEQUENCES, "sequences"),
+    "train.seq_len": (MAX_TOKENS, "tokens"),
+    "data.eval_windows": (MAX_SEQUENCES, "windows"),
+    "train.keep_checkpoints": (10_000, "checkpoints"),
+    "train.keep_checkpoints_when_done": (10_000, "checkpoints"),
+    "train.num_threads": (4096, "threads"),
+    "eval.num_fewshot{values}": (10_000, "examples"),
+    "eval.limit": (10**9, "documents"),
+    "eval.subset{values}": (10**9, "documents"),
+    "eval.subset_seed": (MAX_SEED, "a seed"),
+}
+
+
+def upper_bound_problems(settings: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """(setting, value, allowed) for each integer above its bound in UPPER_BOUNDS; ``settings`` maps each
+    dotted setting to its value (others, and values that are not integers, are checked elsewhere)."""
+    out = []
+    for key, (bound, unit) in UPPER_BOUNDS.items():
+        setting, _, part = key.partition("{")
+        value = settings.get(setting)
+        items = value.items() if part and isinstance(value, dict) else ()
+        if part == "keys}":  # a schedule's switch steps
+            pairs = [(f"{setting} key", k, "keys") for k, _ in items]
+        elif part:
+            pairs = [(f"{setting}.{k}", v, "integers") for k, v in items]
+        else:
+            pairs = [(setting, value, "an integer")]
+        for name, v, what in pairs:
+            if isinstance(v, int) and not isinstance(v, bool) and v > bound:
+                out.append((name, v, f"{what} of at most {bound} ({unit})"))
+    return out

@@ -253,6 +253,7 @@ class RunConfig:
     def validate(self, *, known_experiments: list[str] | None = None, check_paths: bool = True) -> None:
         self._validate_booleans()
         self._validate_types()
+        self._validate_upper_bounds()  # before the relations between settings, so a huge value is named itself
         _check_choice("stage", self.stage, STAGES)
         if not 0 <= self.seed <= MAX_SEED:
             _fail("seed", self.seed, f"an integer from 0 to {MAX_SEED}")
@@ -268,7 +269,6 @@ class RunConfig:
         self._validate_eval(check_paths)
         if self.profile.steps is not None:
             _check_positive("profile.steps", self.profile.steps, integer=True)
-        self._validate_upper_bounds()
 
     def _validate_upper_bounds(self) -> None:
         flat = {f"{section}.{key}": value for section, values in self.to_dict().items() if isinstance(values, dict)

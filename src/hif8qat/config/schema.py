@@ -70,6 +70,7 @@ UPPER_BOUNDS: dict[str, tuple[int, str]] = {
     "quant.interval{keys}": (MAX_STEPS, "steps"),
     "quant.algo{keys}": (MAX_STEPS, "steps"),
     "quant.history_len": (MAX_SEQUENCES, "amax values kept per tensor"),
+    "quant.margin": (64, "halvings of the format's largest value"),
     "train.global_batch_size": (MAX_SEQUENCES, "sequences"),
     "train.micro_batch_size": (MAX_SEQUENCES, "sequences"),
     "eval.batch_size": (MAX_SEQUENCES, "sequences"),

@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_reliability import assert_user_error, cli, cli_config
 
+
 def inputs():
     """The module under test, imported where used: the command-line cases run against any version of it."""
     from hif8qat.launch import inputs as module

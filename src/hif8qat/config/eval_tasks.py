@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 MINITASK_DIR = Path(__file__).resolve().parents[1] / "evaluate" / "minitasks"
 MODES = ("bf16", "hif8")
 DEVICES = ("auto", "cpu", "cuda")
@@ -67,8 +69,6 @@ def resolve_tasks(tasks: str | Iterable[str]) -> list[TaskSpec]:
 
 def _read_task_yaml(path: Path) -> dict:
     """A mini task's YAML, lm-eval's ``!function`` tags read as plain strings."""
-    import yaml
-
     class Loader(yaml.SafeLoader):
         pass
 

@@ -14,8 +14,18 @@ import struct
 import typing
 from pathlib import Path
 
+from huggingface_hub import try_to_load_from_cache
+
 from hif8qat.config.data_source import local_files
 from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.models.loading import (
+    OPENPANGU_EMBEDDED_1B,
+    PANGU_MODEL_TYPES,
+    _decide_remote_code,
+    _looks_like_path,
+    hub_offline,
+    model_config_facts,
+)
 
 # Each corpus file is checked over its first bytes, not whole: a corpus may be many gigabytes.
 CORPUS_HEAD_BYTES = 8 << 20
@@ -126,10 +136,6 @@ def check_corpus(cfg: RunConfig) -> None:
 def _model_folder(cfg: RunConfig) -> Path | None:
     """The folder transformers will read model.name from, when that can be known without the network: a local
     folder, or a hub snapshot in the cache while the hub is switched off (online, a missing file is fetched)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    from hif8qat.models.loading import OPENPANGU_EMBEDDED_1B, _looks_like_path, hub_offline
-
     name = cfg.model.name.strip()
     if name == "tiny" or name.startswith(("tiny:", "smollm2_135m")):
         return None  # built in code, or converted by the project itself
@@ -215,8 +221,6 @@ def check_model_files(cfg: RunConfig) -> None:
 def check_remote_code(cfg: RunConfig) -> None:
     """A config.json that declares its own code (auto_map) loads only with model.trust_remote_code=true: refused
     here, as models.loading would refuse it, before any folder exists."""
-    from hif8qat.models.loading import PANGU_MODEL_TYPES, _decide_remote_code, model_config_facts
-
     config = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if isinstance(config, dict) and config.get("model_type") not in PANGU_MODEL_TYPES:  # openPangu: never its code
         _decide_remote_code(cfg.model.name, config, cfg.model.trust_remote_code)

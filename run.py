@@ -195,8 +195,8 @@ def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str 
             if args.multirun:  # every point's settings, before the first job starts (one job would train)
                 to_run_config(replace_typed_dicts(cfg, combo), combo)
             else:  # an interpolation that cannot resolve fails inside Hydra's job setup, as a traceback
-                refuse_env_interpolation(cfg)
                 _resolve(cfg)
+                refuse_env_interpolation(cfg)
     except HydraException as err:
         return _hydra_error_message(err, combo, typed_overrides)
     except RunError as err:
@@ -304,8 +304,8 @@ def refuse_env_interpolation(cfg: DictConfig) -> None:
 
 
 def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
+    data = _resolve(cfg)  # an interpolation that does not resolve is named as such first
     refuse_env_interpolation(cfg)
-    data = _resolve(cfg)
     data.pop("hydra", None)
     if not data.get("run_tag"):
         data["run_tag"] = run_tag_from_overrides(overrides)

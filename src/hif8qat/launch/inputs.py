@@ -201,7 +201,7 @@ def check_model_files(cfg: RunConfig) -> None:
     if not any(n in names for n in TOKENIZER_FILES) and not any(n.endswith(TOKENIZER_SUFFIXES) for n in names):
         refuse(f"{folder} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
+    if index.is_file() and not (folder / "model.safetensors").is_file():  # transformers prefers the single file
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:

@@ -17,12 +17,13 @@ APE, Holm's adjustment.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 from scipy import stats as st
+from scipy.special import gammaln
 
 EQUIVALENT = "equivalent within {m}"
 NOT_EQUIVALENT = "not equivalent"
@@ -323,6 +324,9 @@ def binomial_se_pp(p_pct: float, n: int) -> float:
 # own units, chosen by the metric before any data are seen, never by which variance turns out larger.
 BOOT_MIN_SEEDS = 5  # the hierarchical bootstrap resamples seeds; with fewer it underestimates their spread badly
 BOOT_MIN_UNITS = 10
+# Relative tolerance (to the largest mean square) under which a variance component counts as zero: far above
+# float64 rounding of sums of squares (about 1e-15 relative) and far below any real component.
+COMPONENT_RTOL = 1e-9
 
 
 @dataclass
@@ -375,8 +379,8 @@ def crossed_mean(y, unit: str = "units") -> Contrast:
 
     Method of moments from the two-way analysis of variance: with k seeds, n units and the mean squares MS_s
     (seeds, k - 1 df), MS_u (units, n - 1 df) and MS_e (interaction, (k-1)(n-1) df), the components are
-    sigma_s^2 = (MS_s - MS_e) / n, sigma_u^2 = (MS_u - MS_e) / k and sigma_e^2 = MS_e; a negative estimate means
-    no such component and is set to 0 (as REML does). Var(mean) = sigma_s^2/k + sigma_u^2/n + sigma_e^2/(kn),
+    sigma_s^2 = (MS_s - MS_e) / n, sigma_u^2 = (MS_u - MS_e) / k and sigma_e^2 = MS_e; an estimate not above 0
+    (within COMPONENT_RTOL of the mean squares' scale) means no such component and is set to 0 (as REML does). Var(mean) = sigma_s^2/k + sigma_u^2/n + sigma_e^2/(kn),
     with Satterthwaite's degrees of freedom for that combination of mean squares. One seed: the units' variance
     alone, n - 1 df (the seed's own effect cannot be seen). ``unit``: what the columns are, for the method text."""
     y = np.asarray(y, float)
@@ -395,7 +399,12 @@ def crossed_mean(y, unit: str = "units") -> Contrast:
     df_s, df_u, df_e = k - 1, n - 1, (k - 1) * (n - 1)
     ms_s, ms_u = n * float(np.var(r, ddof=1)), k * float(np.var(c, ddof=1))
     ms_e = float(((y - r[:, None] - c[None, :] + mean) ** 2).sum() / df_e)
-    s2_s, s2_u = max(ms_s - ms_e, 0.0) / n, max(ms_u - ms_e, 0.0) / k
+    # a component is kept only when its mean square exceeds MS_e by more than rounding noise: sparse 0/1 flips
+    # make MS_s == MS_e exactly in exact arithmetic (one flipped cell gives equal mean squares), and a 1e-16
+    # "component" would otherwise pick the df of the two-df seed term (3.4 df where 199 is right)
+    tol = COMPONENT_RTOL * max(ms_s, ms_u, ms_e)
+    s2_s = (ms_s - ms_e) / n if ms_s - ms_e > tol else 0.0
+    s2_u = (ms_u - ms_e) / k if ms_u - ms_e > tol else 0.0
     # the same variance as a combination of mean squares, kn Var = c_s MS_s + c_u MS_u + c_e MS_e (what
     # Satterthwaite's df needs): each component kept adds its mean square and takes one MS_e away
     c_s, c_u = float(s2_s > 0), float(s2_u > 0)
@@ -487,3 +496,157 @@ def mde_item_flips(n_items: int, net: Sequence[float], k: int, *, alpha: float =
         if float(null_dist[hit].sum()) >= power:
             return a / n_items
     return float("nan")
+
+
+# ------------------------------------------------- the item test's interval, its assumption, its reach
+def _binom_pmf(c: int, theta: float) -> np.ndarray:
+    """Binomial(c, theta) probabilities of 0..c (the ufuncs directly: scipy.stats' pmf costs far more per call
+    and the interval's bisection calls it thousands of times)."""
+    j = np.arange(c + 1)
+    if theta <= 0.0 or theta >= 1.0:
+        return (j == (c if theta >= 1.0 else 0)).astype(float)
+    return np.exp(gammaln(c + 1) - gammaln(j + 1) - gammaln(c - j + 1) + j * math.log(theta)
+                  + (c - j) * math.log1p(-theta))
+
+
+def _signed_sum_dist(mags: Sequence[int], theta: float = 0.5) -> np.ndarray:
+    """P(S = s) for s = 0..sum(mags), S the summed magnitude of the items signed +, each item + with probability
+    ``theta`` independently (the signed sum is T = 2S - sum(mags)). Items of one magnitude w form a binomial on
+    a lattice of step w, so the work grows with the distinct magnitudes (at most the seeds), not the items."""
+    a = np.asarray(mags, np.int64)
+    a = a[a > 0]
+    dist = np.ones(1)
+    for w, c in zip(*np.unique(a, return_counts=True), strict=True):
+        kernel = np.zeros(int(c) * int(w) + 1)
+        kernel[:: int(w)] = _binom_pmf(int(c), theta)
+        if len(dist) * len(kernel) > 4_000_000:  # large samples (items needed): FFT, rounding far below alpha
+            from scipy.signal import fftconvolve
+            dist = np.clip(fftconvolve(dist, kernel), 0.0, None)
+        else:
+            dist = np.convolve(dist, kernel)
+    return dist
+
+
+def item_test_interval(net: Sequence[float], n_items: int, k: int, conf: float = 0.95) -> tuple[float, float]:
+    """Interval of the accuracy difference (a proportion, per item and seed) that inverts the exact item test
+    (:func:`item_permutation_test`), so that the two cannot disagree: it excludes 0 exactly when that test's p is
+    below ``1 - conf``.
+
+    Conditional on the items that changed and the size of each one's net change over the seeds (as the test
+    is), an effect is a share ``theta`` of them changing for the better, each independently; the interval holds
+    every theta that the two one-sided tests of the signed sum do not reject at ``(1 - conf) / 2`` each (at
+    theta = 1/2 their doubled smaller tail is the test's two-sided p, the null being symmetric), mapped to
+    ``(2 theta - 1) * sum(|net|) / (k * n_items)``. At one seed this is the Clopper-Pearson interval of the
+    exact McNemar test. (0, 0) when no item changed; its bounds cannot pass the changed items' total."""
+    a = np.rint(np.asarray(net, float)).astype(np.int64)
+    a = a[a != 0]
+    if n_items <= 0 or k <= 0:
+        return float("nan"), float("nan")
+    if not len(a):
+        return 0.0, 0.0
+    mags = np.abs(a)
+    total = int(mags.sum())
+    s_obs = (int(a.sum()) + total) // 2  # the observed summed magnitude of the items that gained
+    half = (1 - conf) / 2
+
+    def upper_tail(theta):  # P(S >= s_obs), increasing in theta
+        return float(_signed_sum_dist(mags, theta)[s_obs:].sum())
+
+    def lower_tail(theta):  # P(S <= s_obs), decreasing in theta
+        return float(_signed_sum_dist(mags, theta)[: s_obs + 1].sum())
+
+    def bisect(f, want_above):  # the theta in [0, 1] where the monotone f crosses ``half``
+        lo, hi = 0.0, 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if (f(mid) >= half) == want_above:
+                hi = mid
+            else:
+                lo = mid
+        return lo, hi
+
+    theta_lo = 0.0 if s_obs == 0 else bisect(upper_tail, True)[1]
+    theta_hi = 1.0 if s_obs == total else bisect(lower_tail, False)[0]
+    scale = total / (k * n_items)
+    return (2 * theta_lo - 1) * scale, (2 * theta_hi - 1) * scale
+
+
+def gain_share_homogeneity(lost: Sequence[int], gained: Sequence[int], *, n_sim: int = 9999, seed: int = 0
+                           ) -> tuple[float, int, float]:
+    """Whether the seeds share one share of gains among their flips: the chi-square statistic of the seeds x
+    (lost, gained) table, its df and a p-value conditional on the table's margins (Monte Carlo over the
+    multivariate hypergeometric law, as the counts are small for the chi-square law).
+
+    The item test is exact only if the items' net flips are independent; a training-noise shift shared by the
+    items of one seed would tilt that seed's flips one way and another seed's the other, which this detects.
+    Seeds without a flip carry no share; a row with fewer than two such seeds, or with flips all one way, has
+    nothing to compare: (nan, 0, nan)."""
+    L, G = np.asarray(lost, np.int64), np.asarray(gained, np.int64)
+    keep = (L + G) > 0
+    L, G = L[keep], G[keep]
+    if len(L) < 2 or L.sum() == 0 or G.sum() == 0:
+        return float("nan"), 0, float("nan")
+    m = L + G
+    M, g_tot = int(m.sum()), int(G.sum())
+    e = m * g_tot / M  # expected gains per seed
+
+    def chi2(g):
+        return ((g - e) ** 2 * (1 / e + 1 / (m - e))).sum(-1)
+
+    obs = float(chi2(G))
+    sims = np.random.default_rng(seed).multivariate_hypergeometric(m, g_tot, size=n_sim)
+    p = (1 + int((chi2(sims) >= obs - 1e-9 * max(obs, 1.0)).sum())) / (n_sim + 1)
+    return obs, len(L) - 1, float(p)
+
+
+def item_test_power(null_mags: Sequence[int], effect_items: int, k: int, alpha: float = 0.05) -> float:
+    """Power of the item test under the flip model of :func:`mde_item_flips`: ``effect_items`` items lose in
+    every one of the k seeds (net -k each) besides the null items, whose net sizes are ``null_mags`` and whose
+    signs are fair coins. The test refers the signed sum to all sign assignments of every changed item."""
+    null = np.asarray(null_mags, np.int64)
+    null = null[null > 0]
+    a = int(effect_items)
+    test = _signed_sum_dist(np.concatenate([null, np.full(a, int(k), np.int64)]))
+    w_test = len(test) - 1
+    absstat = np.abs(2 * np.arange(w_test + 1) - w_test)
+    # the smallest |T| the test rejects: p(|t|) = P(|T| >= |t|) falls as |t| grows
+    order = np.argsort(-absstat, kind="stable")
+    tail = np.cumsum(test[order])
+    vals = absstat[order]
+    p_at = {}
+    for v, pv in zip(vals, tail, strict=True):
+        p_at[int(v)] = float(pv)  # the last write per value holds the tail up to and including it
+    rejected = [v for v, pv in p_at.items() if pv < alpha]
+    if not rejected:
+        return 0.0
+    crit = min(rejected)
+    dist = _signed_sum_dist(null)
+    t_null = 2 * np.arange(len(dist)) - (len(dist) - 1) - a * int(k)
+    return float(dist[np.abs(t_null) >= crit].sum())
+
+
+def items_needed_flip_model(effect: float, n_items: int, sizes: Mapping[int, int], k: int, *, alpha: float = 0.05,
+                            power: float = 0.8, max_items: int = 10_000_000) -> float:
+    """Items the item test needs to detect an accuracy difference ``effect`` (a proportion of the items per
+    seed) with ``power``, under the flip model of :func:`mde_item_flips`: at N items, ``effect * N`` items lose
+    in every one of the k seeds, and the items that change by chance keep the rate and sizes seen here
+    (``sizes``: |net change over the seeds| -> count among ``n_items``), scaled to N. NaN when even
+    ``max_items`` do not reach the power or the effect is 0."""
+    if not effect or n_items <= 0 or k <= 0:
+        return float("nan")
+
+    def pw(n):
+        null = np.concatenate([np.full(int(round(c * n / n_items)), int(w), np.int64) for w, c in sizes.items()]
+                              + [np.zeros(0, np.int64)])
+        return item_test_power(null, int(round(abs(effect) * n)), k, alpha)
+
+    hi = 8
+    while pw(hi) < power:
+        if hi >= max_items:
+            return float("nan")
+        hi = min(hi * 2, max_items)
+    lo = hi // 2  # the power grows with the items, up to the steps of the test's discreteness
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if pw(mid) < power else (lo, mid)
+    return float(hi)

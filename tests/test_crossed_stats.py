@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from reference_stats import textbook_crossed
 from scipy import stats as st
 
 from hif8qat.stats import paired as stats
@@ -164,14 +165,16 @@ def test_heldout_claims_cross_seeds_with_windows_and_list_the_token_files(tmp_pa
     row = rep["tables"]["heldout_smoke"].iloc[0]
     assert row["n_seeds"] == 3 and "16 windows crossed" in row["ci_method"]
     assert row["cost"] == pytest.approx(np.mean(pct), rel=1e-5)
-    # the mean KL's interval: the crossed model (checked against REML above) on each window's mean KL, read
+    # the mean KL's interval: the textbook crossed model written in the tests on each window's mean KL, read
     # from the token files (the window means here come from the generated columns, not from those files)
-    c = stats.crossed_mean(np.array(kls), "windows")
-    assert (row["kl_ci_lo"], row["kl_ci_hi"]) == pytest.approx((c.lo, c.hi), rel=1e-5)
+    kl_ref = textbook_crossed(np.array(kls))
+    assert (row["kl_ci_lo"], row["kl_ci_hi"]) == pytest.approx((kl_ref["lo"], kl_ref["hi"]), rel=1e-5)
     assert row["top1_ci_lo"] < row["top1_agreement"] < row["top1_ci_hi"]
     # a shared window effect: far fewer degrees of freedom than 3 seeds x 15 windows, and wider than each
     # seed's own window interval divided by the seeds (the rule before)
-    assert row["df"] < 3 * 15
+    nll_ref = textbook_crossed(np.array(pct))
+    assert row["df"] == pytest.approx(nll_ref["df"], rel=1e-6) and row["df"] < 3 * 15
+    assert (row["ci_lo"], row["ci_hi"]) == pytest.approx((nll_ref["lo"], nll_ref["hi"]), rel=1e-5)
     assert row["ci_hi"] - row["ci_lo"] > 2 * 1.96 * np.sqrt(np.mean([np.var(p, ddof=1) / 16 for p in pct]) / 3)
     src = json.loads((tmp_path / "t" / "heldout_smoke.sources.json").read_text())
     listed = {f["path"] for f in src["files"]}

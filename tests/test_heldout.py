@@ -73,6 +73,24 @@ def _windows(rng, n_windows, length, window_sd, token_sd=1.0, mean=0.0):
     return (mean + rng.normal(0, window_sd, n_windows)[:, None] + rng.normal(0, token_sd, (n_windows, length))).ravel()
 
 
+def test_block_interval_is_a_t_interval_on_the_window_means_with_windows_minus_one_df():
+    # the textbook batch-means interval, written out here: the windows' means are the independent values
+    rng = np.random.default_rng(3)
+    for nw, length in ((2, 8), (5, 16), (24, 32)):
+        x = _windows(rng, nw, length, 0.4, mean=0.1)
+        r = heldout_stats.block_mean(x, length)
+        w = x.reshape(nw, length).mean(1)
+        se = w.std(ddof=1) / math.sqrt(nw)
+        assert r["n_windows"] == nw and r["df"] == nw - 1
+        assert r["se"] == pytest.approx(se, rel=1e-12)
+        for conf, lo, hi in ((0.95, "ci_lo", "ci_hi"), (0.90, "ci90_lo", "ci90_hi")):
+            q = st.t.ppf(0.5 + conf / 2, nw - 1)
+            assert (r[lo], r[hi]) == pytest.approx((w.mean() - q * se, w.mean() + q * se), rel=1e-12)
+        assert r["p"] == pytest.approx(2 * st.t.sf(abs(w.mean()) / se, nw - 1), rel=1e-9)
+    # one window has no spread to estimate: no interval
+    assert math.isnan(heldout_stats.block_mean(np.ones(8), 8)["df"])
+
+
 def test_block_interval_matches_the_spread_of_the_mean_and_covers():
     rng = np.random.default_rng(0)
     nw, length, sd_w = 24, 32, 0.5

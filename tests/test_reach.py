@@ -8,7 +8,14 @@ import math
 import pandas as pd
 import pytest
 
-from hif8qat.report.reach import items_needed, paper_effects, paper_loss_gap, reach_table, reach_verdict
+from hif8qat.report.reach import (
+    items_needed,
+    paper_effects,
+    paper_loss_gap,
+    parse_sizes,
+    reach_table,
+    reach_verdict,
+)
 
 
 def test_the_paper_loss_gap_is_the_signed_mean_over_the_quantized_phase_only():
@@ -29,10 +36,15 @@ def test_the_paper_effects_reproduce_the_published_headline_numbers():
 
 
 def test_items_needed_by_hand():
-    # effect 1 % of a 50 % score: net flip share 0.005; 10 % of items flip either way:
-    # n = (1.96 + 0.8416)^2 x 0.10 / 0.005^2 = 7.849 x 0.10 / 2.5e-5 = 31,396
-    assert items_needed(1.0, 50.0, 0.10) == pytest.approx(7.8489 * 0.10 / 0.005 ** 2, rel=1e-4)
-    assert math.isnan(items_needed(1.0, 50.0, 0.0))
+    # the flip model: the paper's drop of 1 % of a 50 % score is 0.5 % of the items losing in every seed; with
+    # no item changing by chance, the item test needs 6 of them one way (two-sided p = 2 / 2^6 < 0.05), which
+    # 0.005 x n reaches at n = 1,100 items
+    n = items_needed(1.0, 50.0, 200, {}, 3)
+    assert round(0.005 * n) == 6 and round(0.005 * (n - 1)) == 5
+    # items changing by chance (here 10 % of them, by one answer net) make the test need more
+    assert items_needed(1.0, 50.0, 200, {1: 20}, 3) > 2 * n
+    assert math.isnan(items_needed(0.0, 50.0, 200, {1: 20}, 3))
+    assert parse_sizes("1:3 2:1") == {1: 3, 2: 1} and parse_sizes(float("nan")) == {}
 
 
 def test_verdicts_say_resolvable_or_the_sample_needed_and_whether_the_paper_is_inside_the_interval():

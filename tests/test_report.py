@@ -1,5 +1,6 @@
 """hif8qat.report: drop/APE/bootstrap maths on hand-made inputs, the paper's numbers, report structure."""
 
+import hashlib
 import json
 import math
 import shutil
@@ -257,6 +258,13 @@ def test_build_report_structure(tmp_path):
     src = json.loads((tmp_path / "tables" / "drops_smoke.sources.json").read_text())
     commits = {c for f in src["files"] for c in f["git_commits"]}
     assert commits == {"abcexp7", "abcexp8"}
+    # every file the report reads, with its hash: the pairing, done-ness and commit come from these three
+    listed = {f["path"]: f["sha256"] for f in src["files"]}
+    for exp in ("exp7", "exp8"):
+        for name in ("config_resolved.yaml", "run_info.json", "DONE", "summary.json", "metrics.jsonl",
+                     "eval/bf16/samples_mini_arc.csv", "eval/bf16/results.json"):
+            path = runs / "smoke" / exp / "seed0" / name
+            assert listed[str(path)] == hashlib.sha256(path.read_bytes()).hexdigest(), path
     pngs = sorted(p.name for p in (tmp_path / "figures").glob("*.png"))
     assert any(p.startswith("loss_smoke_exp8_vs_exp7") for p in pngs)
     assert any(p.startswith("scales_smoke_exp8") for p in pngs) and "saturation_smoke.png" in pngs

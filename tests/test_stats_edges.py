@@ -252,3 +252,38 @@ def test_items_needed_reaches_the_power_in_a_simulation_of_the_item_test():
 
     assert simulated_power(n) >= 0.8 - 0.05
     assert simulated_power(int(n * 0.6)) < 0.8
+
+
+# ------------------------------------------------------------------------------------ a claims row, end to end
+def _accuracy_contrasts(k, n, cells, base=0.4):
+    """seed_contrasts-like accuracy rows of one claim: seeds x items flips (+1 gained, -1 lost) as given."""
+    import pandas as pd
+
+    rows = []
+    for seed in range(k):
+        flips = np.zeros(n)
+        for (i, j), v in cells.items():
+            if i == seed:
+                flips[j] = v
+        rows.append({"experiment": "exp13", "run_tag": "", "against": "baseline", "counterpart": "exp1",
+                     "mode": "bf16", "task": "hellaswag", "metric": "accuracy", "seed": seed, "n": n,
+                     "recorded": True, "diff": flips.mean() * 100, "var": np.nan, "within_df": np.inf,
+                     "base": base * 100, "lost": int((flips < 0).sum()), "gained": int((flips > 0).sum()),
+                     "units": pd.Series(flips * 100, index=[str(i) for i in range(n)]), "dirty": False,
+                     "run": f"exp13/seed{seed}", "counterpart_run": f"exp1/seed{seed}"})
+    return pd.DataFrame(rows)
+
+
+def test_an_accuracy_row_with_few_flips_has_an_interval_that_agrees_with_its_test():
+    from hif8qat.report.claims import claims_table
+
+    # four items gained, each in one seed: the item test's p is 2 / 2^4 = 0.125, so the interval holds 0 (the
+    # crossed t interval alone excluded it)
+    c = _accuracy_contrasts(3, 130, {(0, 5): 1, (1, 9): 1, (2, 17): 1, (2, 60): 1})
+    row = claims_table(c, n_boot=10).iloc[0]
+    assert row["p"] == pytest.approx(0.125)
+    assert row["ci_lo"] < 0 < row["ci_hi"] and "exact" in row["ci_method"]
+    t = stats.crossed_mean(np.stack([u.to_numpy() for u in c["units"]]))
+    assert t.lo > 0  # what the interval was before: gains only, yet a test that finds nothing
+    assert row["homog_df"] == 0  # flips one way: no share to compare
+    assert row["changed_by_size"] == "1:4"

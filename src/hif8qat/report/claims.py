@@ -40,11 +40,12 @@ from hif8qat.stats.paired import (
     block_variance_of_mean,
     crossed_mean,
     equivalence_verdict,
-    exact_difference_ci,
+    gain_share_homogeneity,
     hierarchical_bootstrap,
     holm,
     item_pair,
     item_permutation_test,
+    item_test_interval,
     make_contrast,
     mde_from_se,
     mde_item_flips,
@@ -62,6 +63,11 @@ METRIC_UNITS = {"accuracy": "% of score", "train_loss": "% of loss", "gold_ll": 
 ITEM_METRICS = ("gold_ll", "gold_margin")  # per-item columns of samples_<task>.csv, when the run recorded them
 NOT_RECORDED = "not recorded in this run"
 UNITS_OF = {"accuracy": "items", HELDOUT_METRIC: "windows", **{m: "items" for m in ITEM_METRICS}}
+# "Few" changed items: an accuracy row whose items with a non-zero net change over the seeds number fewer than
+# this takes the interval that inverts the exact item test (item_test_interval), not the crossed t interval,
+# whose normal theory does not hold for a handful of 0/1 flips; the per-seed tables switch to the exact
+# McNemar interval at the same count.
+FEW_CHANGED_ITEMS = EXACT_BELOW_DISCORDANT
 LOSS_BLOCK = 5  # consecutive steps per block for the within-seed variance of the loss difference
 
 
@@ -81,11 +87,12 @@ def _signed_loss_difference(mq: pd.DataFrame, mb: pd.DataFrame, from_step: int |
     return float(rel.mean()), block_variance_of_mean(rel, LOSS_BLOCK), int(len(rel))
 
 
-def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Mapping[str, pd.DataFrame]
-                   ) -> list[dict[str, Any]]:
+def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Mapping[str, pd.DataFrame],
+                   used: FilesUsed | None = None) -> list[dict[str, Any]]:
     """One seed's paired contrasts of ``run`` against ``other``: per evaluation mode and task the accuracy
     (points, run minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), and
-    the signed training-loss difference (% of other's loss, from the run's QAT phase).
+    the signed training-loss difference (% of other's loss, from the run's QAT phase). ``used`` records the
+    samples files read.
 
     ``against``: "baseline" (every mode of the run against the baseline's bf16 evaluation), "derived_from"
     (bf16 against bf16, and the quantized mode against the other's when both are quantized) or "bf16_mode"
@@ -113,6 +120,9 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
             qs = _read_samples(run.path / "eval" / mode / f"samples_{task}.csv")
             if bs is None or qs is None:
                 continue
+            if used is not None:
+                used.add(other, other.path / "eval" / other_mode / f"samples_{task}.csv")
+                used.add(run, run.path / "eval" / mode / f"samples_{task}.csv")
             m = bs.drop_duplicates("doc_id").merge(qs.drop_duplicates("doc_id"), on="doc_id", suffixes=("_b", "_q"))
             ip = item_pair(m["correct_b"].to_numpy(float), m["correct_q"].to_numpy(float))
             at = {**head, "mode": mode, "task": task}
@@ -198,6 +208,11 @@ def _loss_contrast(g: pd.DataFrame) -> Contrast:
                      "variance)")
 
 
+def _disagrees(p: float, lo: float, hi: float, alpha: float = 0.05) -> bool:
+    """Whether a 95 % interval and a test at 5 % say different things about a zero difference."""
+    return bool((p < alpha) != (lo > 0 or hi < 0))
+
+
 def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = None, *, alpha: float = 0.05,
                  power: float = 0.8, n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
     """Per claim (a run against its baseline or the experiment it derives from), mode, task and metric: the
@@ -245,18 +260,32 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
             items_lost, items_gained, p = item_permutation_test(net)
             lo95, hi95, lo90, hi90 = c.lo, c.hi, c.lo90, c.hi90
             method = c.method
+            changed = items_lost + items_gained
             if not (y != 0).any():  # no flip in any seed: a zero-width interval would claim too much
                 lo95 = lo90 = -100.0 / n_units
                 hi95 = hi90 = 100.0 / n_units
                 method = "no flip in any seed: +-1 item"
-            elif len(g) == 1 and items_lost + items_gained < EXACT_BELOW_DISCORDANT:
-                # one seed, few flips: a t interval on a handful of items is unreliable; the exact conditional
-                # McNemar interval of that seed is not (over several seeds the crossed t interval is
-                # conservative for sparse flips, and the bootstrap stands beside it)
-                e95, e90 = (exact_difference_ci(items_lost, items_gained, n_units, cf) for cf in (0.95, 0.90))
-                lo95, hi95 = min(lo95, e95[0] * 100), max(hi95, e95[1] * 100)
-                lo90, hi90 = min(lo90, e90[0] * 100), max(hi90, e90[1] * 100)
-                method += "; widened to the exact McNemar interval"
+            elif changed < FEW_CHANGED_ITEMS or _disagrees(p, lo95, hi95):
+                # few items changed (or the crossed t interval contradicts the item test): the t interval's normal
+                # theory does not hold for a handful of flips, and the interval that inverts the exact item test
+                # (exact at 0, conditional on how many items changed) is narrow where few changed. Their hull
+                # covers whenever either does; where it would still contradict the test (the test finds a
+                # difference that the t interval holds 0 for) the inverted interval alone, so that the interval
+                # and the test cannot disagree
+                e95, e90 = (item_test_interval(net, n_units, len(g), cf) for cf in (0.95, 0.90))
+                e95, e90 = (e95[0] * 100, e95[1] * 100), (e90[0] * 100, e90[1] * 100)
+                hull = (min(lo95, e95[0]), max(hi95, e95[1]))
+                why = (f"{changed} items changed, fewer than {FEW_CHANGED_ITEMS}" if changed < FEW_CHANGED_ITEMS
+                       else "the crossed t interval contradicted the item test")
+                if not _disagrees(p, *hull):
+                    lo95, hi95 = hull
+                    lo90, hi90 = min(lo90, e90[0]), max(hi90, e90[1])
+                    method += f"; {why}: widened to the exact interval of the item test"
+                else:
+                    (lo95, hi95), (lo90, hi90) = e95, e90
+                    method = f"exact: inverts the item test ({why}; the t interval holds 0, the test rejects it)"
+            homog = gain_share_homogeneity(g["lost"].to_numpy(int), g["gained"].to_numpy(int), seed=seed)
+            sizes = pd.Series(np.abs(np.rint(net[net != 0])).astype(int)).value_counts().sort_index()
             mde_pts = mde_item_flips(n_units, net, len(g), alpha=alpha, power=power) * 100.0
             row.update(base=base, cost=rel(c.mean), ci_lo=rel(hi95), ci_hi=rel(lo95), ci90_lo=rel(hi90),
                        ci90_hi=rel(lo90), diff_points=c.mean, lost=int(g["lost"].sum()), gained=int(g["gained"].sum()),
@@ -264,7 +293,8 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
                        item_change_ms=float(np.mean((net / len(g)) ** 2)),
                        p=p, test="exact permutation test over items (net flips over seeds)", ci_method=method,
                        mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts,
-                       boot_lo=rel(boot[1]), boot_hi=rel(boot[0]))
+                       boot_lo=rel(boot[1]), boot_hi=rel(boot[0]), homog_chi2=homog[0], homog_df=homog[1],
+                       homog_p=homog[2], changed_by_size=" ".join(f"{w}:{c}" for w, c in sizes.items()))
         else:
             row.update(base=float(g["base"].mean()), cost=c.mean, ci_lo=c.lo, ci_hi=c.hi, ci90_lo=c.lo90,
                        ci90_hi=c.hi90, p=c.p, test=f"t on the interval's model, {c.df:.1f} df", ci_method=c.method,
@@ -313,7 +343,7 @@ def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
         for against, other in (("baseline", b), ("derived_from", p if p is not b else None),
                                ("bf16_mode", r if r.quant else None)):
             if other is not None:
-                rows += seed_contrasts(r, other, against, metrics_cache)
+                rows += seed_contrasts(r, other, against, metrics_cache, used)
         rows += heldout_contrasts(r, b, used)
     return pd.DataFrame(rows)
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from hif8qat.report.claims import CLAIM_KEYS, DEFAULT_MARGINS, METRIC_UNITS
+from hif8qat.report.claims import CLAIM_KEYS, DEFAULT_MARGINS, FEW_CHANGED_ITEMS, METRIC_UNITS
 from hif8qat.report.items import EXACT_BELOW_DISCORDANT
 
 
@@ -80,11 +80,20 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "held-out NLL) with a 95 % CI from the design's own units, fixed by the metric: "
                              "train_loss, t on the per-seed means (k - 1 df); accuracy, gold_ll, gold_margin and "
                              "heldout_nll, seeds x items (or held-out windows) as crossed random effects, since "
-                             "every seed scores the same items and windows (method of moments, components below 0 "
-                             "set to 0, Satterthwaite df; ci_method names it, df gives it; seed_var / unit_var / "
-                             "resid_var: the components). One seed: the units alone (no seed variance; accuracy "
-                             f"widened to the exact McNemar interval when fewer than {EXACT_BELOW_DISCORDANT} items "
-                             "flip). boot_lo / boot_hi: hierarchical bootstrap 95 % interval (seeds and units "
+                             "every seed scores the same items and windows (method of moments, components not "
+                             "above 0 within 1e-9 of the mean squares' scale set to 0, Satterthwaite df; ci_method "
+                             "names it, df gives it; seed_var / unit_var / resid_var: the components). One seed: "
+                             "the units alone (no seed variance). Accuracy, where few items change (fewer than "
+                             f"{FEW_CHANGED_ITEMS} with a non-zero net change over the seeds) or the crossed t "
+                             "interval would contradict the item test: the interval that inverts the exact item "
+                             "test (conditional on the changed items and their sizes, a share theta of them "
+                             "changing for the better; at one seed the Clopper-Pearson interval of exact McNemar), "
+                             "so that interval and test cannot disagree (ci_method says exact; df stays the crossed "
+                             "model's). homog_chi2 / homog_df / homog_p: the item test assumes the items' net flips "
+                             "independent; a shift shared by one seed's items would make the seeds' shares of gains "
+                             "among their flips differ: chi-square of the seeds x (lost, gained) table, p "
+                             "conditional on its margins (9,999 draws). changed_by_size: items by the size of their "
+                             "net change over the seeds (size:count). boot_lo / boot_hi: hierarchical bootstrap 95 % interval (seeds and units "
                              "resampled, 2000 times, seed 0) where there are at least 5 seeds. equivalence: two "
                              "one-sided tests (90 % CI) against `margin`; difference: one test per row, Holm within "
                              "the claim (accuracy: exact permutation test over items of each item's net flips "
@@ -104,10 +113,11 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                             "training loss, the signed per-step difference over the paper's QAT phase in % of the "
                             "baseline's loss (authors' logs); accuracy, the relative drop of the newest summary "
                             "holding the pair (few-shot, MMLU lettered: another form than here). needed: the seeds "
-                            "(train_loss: n x (mde / effect)^2) or the items (accuracy: normal approximation to the "
-                            "item test, at the mean square of the items' mean change over the seeds here; the "
-                            "seeds share their items, so more seeds do not add items) that would resolve the "
-                            "paper's effect at 80 % power, two-sided alpha 0.05.",
+                            "(train_loss: n x (mde / effect)^2) or the items (accuracy: the exact item test under "
+                            "the flip model of mde_" + profile + ", the paper's drop as items losing in every seed "
+                            "on top of items changing by chance at the rate and sizes seen here; the seeds share "
+                            "their items, so more seeds do not add items) that would resolve the paper's effect at "
+                            "80 % power, two-sided alpha 0.05.",
         f"mde_{profile}": "Minimum detectable cost per claim (80 % power, two-sided alpha 0.05) under the test "
                           "the claim uses: accuracy, the exact permutation test over items, under a stated flip "
                           "model (an effect of a items makes a further a items lose in every seed, on top of the "

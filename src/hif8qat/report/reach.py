@@ -10,6 +10,7 @@ import pandas as pd
 
 from hif8qat.report.paper import PAPER_RUNS, paper_drop_table, read_authors_run
 from hif8qat.report.paths import PAPER_DIR
+from hif8qat.stats.paired import items_needed_flip_model
 
 # The paper's loss pairs among its eight runs (E6 has no published log) and the tasks it scores that the
 # profiles here evaluate (MMLU in its cloze form here, lettered 5-shot in the paper).
@@ -49,18 +50,25 @@ def paper_effects(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
 
 # Full sizes of the benchmarks (test splits; HellaSwag validation), the most items an accuracy test can use.
 BENCHMARK_ITEMS = {"mmlu_continuation": 14_042, "hellaswag": 10_042, "arc_challenge": 1_172}
-_Z = 1.959964 + 0.841621  # two-sided alpha 0.05, 80 % power
 
 
-def items_needed(paper_effect: float, base_pct: float, item_change_ms: float) -> float:
-    """Items a paired accuracy test over items needs to detect the paper's relative drop: the mean change per
-    item to detect is effect x score, its standard error sqrt(ms / n), where ms is the mean square of each item's
-    mean change over the seeds here (at one seed, the share of items that flip: McNemar's normal approximation).
+def parse_sizes(text) -> dict[int, int]:
+    """A claim row's ``changed_by_size`` ("1:3 2:1": three items changed by one answer net over the seeds, one
+    by two) as {size: count}."""
+    if not isinstance(text, str) or not text.strip():
+        return {}
+    return {int(w): int(c) for w, c in (part.split(":") for part in text.split())}
+
+
+def items_needed(paper_effect: float, base_pct: float, n_items: int, sizes: dict[int, int], k: int) -> float:
+    """Items the claim's own item test needs to detect the paper's relative drop with 80 % power, under the
+    flip model its MDE states (:func:`hif8qat.stats.paired.items_needed_flip_model`): the drop is effect x
+    score items losing in every seed, on top of items that change by chance at the rate and sizes seen here.
     The seeds score the same items, so this counts items, not items per seed."""
     net = abs(paper_effect) / 100 * base_pct / 100
-    if net == 0 or not item_change_ms > 0:
+    if net == 0 or n_items <= 0:
         return math.nan
-    return _Z ** 2 * item_change_ms / net ** 2
+    return items_needed_flip_model(net, n_items, sizes, k)
 
 
 def reach_verdict(paper_effect: float, mde: float, ci_lo: float, ci_hi: float, n: float, unit_of_n: str) -> str:
@@ -92,7 +100,7 @@ def reach_table(claims: pd.DataFrame, effects: pd.DataFrame | None = None) -> pd
     def needed(r) -> float:
         if r.metric == "train_loss":  # between-seed spread dominates: more seeds, not more steps
             return math.ceil(r.n_seeds * (r.mde / abs(r.paper_effect)) ** 2) if math.isfinite(r.mde) else math.nan
-        items = items_needed(r.paper_effect, r.base, r.item_change_ms)
+        items = items_needed(r.paper_effect, r.base, int(r.n_units), parse_sizes(r.changed_by_size), int(r.n_seeds))
         return math.ceil(items) if math.isfinite(items) else math.nan
 
     merged["needed"] = [needed(r) for r in merged.itertuples()]

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy import stats as st
 
-from hif8qat.report.claims import DEFAULT_MARGINS, METRIC_UNITS, NOT_RECORDED, all_contrasts, claims_table
+from hif8qat.report.claims import (
+    DEFAULT_MARGINS,
+    FEW_CHANGED_ITEMS,
+    METRIC_UNITS,
+    NOT_RECORDED,
+    all_contrasts,
+    claims_table,
+)
 from hif8qat.report.pairing import pair_runs
 from hif8qat.report.reach import reach_section, reach_table
 from hif8qat.report.replay import replay_table
@@ -97,8 +105,56 @@ def _claim_words(g: pd.DataFrame) -> list[str]:
                      + (f"the smallest cost a row's item test detects with 80 % power, under the flip model (the "
                         f"effect's items lose in every seed), is {mde.min():.1f} % of the score"
                         if len(mde) else "no row can size a detectable drop") + ".")
+            text += " " + _homogeneity_words(rows)
         out.append(text)
     return out
+
+
+def _homogeneity_words(rows: pd.DataFrame) -> str:
+    """The item test's independence assumption checked on a claim's accuracy rows: the seeds' shares of gains
+    among their flips (chi-square of seeds x lost / gained, summed over the rows that can show it)."""
+    if "homog_df" not in rows:
+        return ""
+    ok = rows[rows["homog_df"].fillna(0) > 0]
+    if ok.empty:
+        return ("Gain share across seeds (the item test's independence check): no row has flips both ways in two "
+                "seeds, nothing to compare.")
+    chi2, dof = float(ok["homog_chi2"].sum()), int(ok["homog_df"].sum())
+    low = ok[ok["homog_p"] < 0.05]
+    return (f"Gain share across seeds (the item test's independence check): chi-square {chi2:.1f} on {dof} df "
+            f"over {len(ok)} row(s) (p {_num(st.chi2.sf(chi2, dof), 3, False)}); "
+            + ("no row below p 0.05." if low.empty else "below p 0.05: " + ", ".join(
+                f"{r['mode']} {r['task']} (p {r['homog_p']:.3f})" for _, r in low.iterrows()) + "."))
+
+
+def accuracy_checks(claims: pd.DataFrame) -> list[str]:
+    """The accuracy rows' interval against their test, and the item test's assumption over every claim, in
+    words (after the claims)."""
+    if claims.empty or "homog_df" not in claims:
+        return []
+    acc = claims[(claims["metric"] == "accuracy") & (claims["equivalence"] != NOT_RECORDED)]
+    if acc.empty:
+        return []
+    excludes = (acc["ci_lo"] > 0) | (acc["ci_hi"] < 0)
+    disagree = int(((acc["p"] < 0.05) != excludes).sum())
+    exact = int(acc["ci_method"].str.contains("exact").sum())
+    ok = acc[acc["homog_df"].fillna(0) > 0]
+    chi2, dof = float(ok["homog_chi2"].sum()), int(ok["homog_df"].sum())
+    low = ok[ok["homog_p"] < 0.05]
+    lines = ["#### Accuracy: the interval, the test and its assumption", "",
+             f"Of {len(acc)} accuracy rows, {disagree} have a 95 % interval and an item test (p < 0.05) that "
+             "disagree about a zero difference. Where few items change (fewer than "
+             f"{FEW_CHANGED_ITEMS} with a non-zero net change over the seeds: {exact} rows here) the interval "
+             "includes the one that inverts the exact item test, so the two cannot disagree. The item test is "
+             "exact only if the items' net flips are independent; a training-noise shift shared by all items of "
+             "one seed would break it and would show as seeds whose shares of gains among their flips differ. "
+             f"Over the {len(ok)} rows with flips both ways in at least two seeds: chi-square {chi2:.1f} on {dof} "
+             f"df (p {_num(st.chi2.sf(chi2, dof), 3, False)}); "
+             + ("no row below p 0.05." if low.empty else
+                f"{len(low)} row(s) below p 0.05 (about {0.05 * len(ok):.1f} expected by chance): " + "; ".join(
+                    f"{r['experiment']} vs {r['counterpart']} ({r['against']}) {r['mode']} {r['task']}, "
+                    f"p {r['homog_p']:.3f}" for _, r in low.iterrows()) + "."), ""]
+    return lines
 
 
 def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
@@ -123,8 +179,10 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
               "difference on held-out text in % of the counterpart's). Each row pools the same-seed "
               "pairs; its 95 % CI comes from the design's own units, fixed by the metric: training loss, t on the "
               "per-seed means (seeds - 1 df); the other metrics score the same items (held-out windows) in every "
-              "seed, so seeds and items are crossed random effects (Satterthwaite df; one seed: the items alone). "
-              "df: the interval's degrees of freedom. "
+              "seed, so seeds and items are crossed random effects (Satterthwaite df, a component within 1e-9 of "
+              "the mean squares' scale of zero counting as none; one seed: the items alone). df: the crossed "
+              "model's degrees of freedom (accuracy with few items changing: its interval widened to the exact "
+              "one of the item test, below). "
               "Equivalence: two one-sided tests against the margin ("
               + ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in margins.items())
               + "): \"equivalent within M\", \"not equivalent\" or \"inconclusive at this size\"; a "
@@ -160,7 +218,7 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
                          f"{_num(r['mde'], 2, False)} | {r['margin']:g} | {r['equivalence']} | "
                          f"{r['difference']} |")
         lines += [""] + [f"- {w}" for w in _claim_words(g)] + [""]
-    lines += list(telemetry) + reach_section(reach_table(claims))
+    lines += accuracy_checks(claims) + list(telemetry) + reach_section(reach_table(claims))
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from hif8qat.artefacts import (
     read_jsonl,
     read_yaml,
 )
+from hif8qat.files import sha256_file
 from hif8qat.runs.folders import is_archive
 from hif8qat.stats.heldout import run_label
 
@@ -173,9 +174,14 @@ def _qat_start(run: RunInfo, metrics: pd.DataFrame) -> int | None:
     return int(_get(run.config, "quant.bf16_warmup_steps", 0) or 0)
 
 
+# What the report reads of every run besides its results: the configuration (pairing, seed, format), the run
+# record (commit, dirty tree), the DONE marker (a finished run) and the training summary (wall time).
+RUN_FILES = ("config_resolved.yaml", "run_info.json", "DONE", "summary.json")
+
+
 class FilesUsed:
-    """The run files the tables were built from, each with the git commits of the runs it belongs to (listed in
-    every table's .sources.json)."""
+    """The run files the tables were built from, each with the git commits of the runs it belongs to and its
+    sha256 when listed (in every table's .sources.json)."""
 
     def __init__(self) -> None:
         self.commits: dict[str, set] = {}
@@ -184,5 +190,10 @@ class FilesUsed:
         for f in files:
             self.commits.setdefault(str(f), set()).add(_git_of(run))
 
+    def add_run(self, run: RunInfo) -> None:
+        """The run's own files the report reads (RUN_FILES), those that exist."""
+        self.add(run, *(run.path / name for name in RUN_FILES if (run.path / name).exists()))
+
     def listing(self) -> list[dict[str, Any]]:
-        return [{"path": p, "git_commits": sorted(c for c in g if c)} for p, g in sorted(self.commits.items())]
+        return [{"path": p, "sha256": sha256_file(p) if Path(p).is_file() else None,
+                 "git_commits": sorted(c for c in g if c)} for p, g in sorted(self.commits.items())]

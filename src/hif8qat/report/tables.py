@@ -63,6 +63,7 @@ def runs_table(runs: list[RunInfo], skipped: list[dict], used: FilesUsed
                 used.add(r, r.path / "eval" / mode / "results.json")
         if mp.exists():
             used.add(r, mp)
+        used.add_run(r)
         run_rows.append(row)
     runs_df = pd.DataFrame(run_rows).sort_values(["experiment", "run_tag", "seed"]).reset_index(drop=True)
     return runs_df, metrics_cache

@@ -5,7 +5,8 @@ per row and the minimum detectable cost of that test.
 One model per paired metric, fixed by its design before any data are seen: the training loss has seeds as its
 only unit (t on the per-seed means, k - 1 df); the per-item metrics and the held-out ones score the same items
 or windows in every seed, so seeds and items (windows) are crossed random effects
-(:func:`hif8qat.stats.paired.crossed_mean`); accuracy is tested by an exact permutation test over items of their net flips."""
+(:func:`hif8qat.stats.paired.crossed_mean`); accuracy is tested by an exact permutation test over items of their net flips,
+and where few items change its interval includes the one that inverts that test, so that the two cannot disagree."""
 
 from __future__ import annotations
 

@@ -127,6 +127,14 @@ def _homogeneity_words(rows: pd.DataFrame) -> str:
                 f"{r['mode']} {r['task']} (p {r['homog_p']:.3f})" for _, r in low.iterrows()) + "."))
 
 
+def _pair_words(r) -> str:
+    """A claim row's comparison in words: "exp8 in hif8 vs bf16 mode", "exp2 vs exp1 (bf16)"."""
+    tag = f" [{r['run_tag']}]" if r.get("run_tag") else ""
+    if r["against"] == "bf16_mode":
+        return f"{r['experiment']}{tag} in {r['mode']} vs bf16 mode"
+    return f"{r['experiment']}{tag} vs {r['counterpart']} ({r['mode']})"
+
+
 def accuracy_checks(claims: pd.DataFrame) -> list[str]:
     """The accuracy rows' interval against their test, and the item test's assumption over every claim, in
     words (after the claims)."""
@@ -152,8 +160,7 @@ def accuracy_checks(claims: pd.DataFrame) -> list[str]:
              f"df (p {_num(st.chi2.sf(chi2, dof), 3, False)}); "
              + ("no row below p 0.05." if low.empty else
                 f"{len(low)} row(s) below p 0.05 (about {0.05 * len(ok):.1f} expected by chance): " + "; ".join(
-                    f"{r['experiment']} vs {r['counterpart']} ({r['against']}) {r['mode']} {r['task']}, "
-                    f"p {r['homog_p']:.3f}" for _, r in low.iterrows()) + "."), ""]
+                    f"{_pair_words(r)} {r['task']}, p {r['homog_p']:.3f}" for _, r in low.iterrows()) + "."), ""]
     return lines
 
 

@@ -380,8 +380,10 @@ def crossed_mean(y, unit: str = "units") -> Contrast:
     Method of moments from the two-way analysis of variance: with k seeds, n units and the mean squares MS_s
     (seeds, k - 1 df), MS_u (units, n - 1 df) and MS_e (interaction, (k-1)(n-1) df), the components are
     sigma_s^2 = (MS_s - MS_e) / n, sigma_u^2 = (MS_u - MS_e) / k and sigma_e^2 = MS_e; an estimate not above 0
-    (within COMPONENT_RTOL of the mean squares' scale) means no such component and is set to 0 (as REML does). Var(mean) = sigma_s^2/k + sigma_u^2/n + sigma_e^2/(kn),
-    with Satterthwaite's degrees of freedom for that combination of mean squares. One seed: the units' variance
+    (within COMPONENT_RTOL of the mean squares' scale) means no such component and is set to 0, as REML does
+    (REML would also pool that term's sum of squares into the residual; the moments keep MS_e).
+    Var(mean) = sigma_s^2/k + sigma_u^2/n + sigma_e^2/(kn), with Satterthwaite's degrees of freedom for that
+    combination of mean squares. One seed: the units' variance
     alone, n - 1 df (the seed's own effect cannot be seen). ``unit``: what the columns are, for the method text."""
     y = np.asarray(y, float)
     if y.ndim == 1:

@@ -310,7 +310,7 @@ def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
     if not data.get("run_tag"):
         data["run_tag"] = run_tag_from_overrides(overrides)
     run_cfg = RunConfig.from_dict(data, known_experiments=known_experiments())
-    from hif8qat.compute_dtype import resolve_run
+    from hif8qat.config.numerics import resolve_run
 
     return resolve_run(resolve_profile(run_cfg))  # train.autocast=auto: the numerics this machine will use
 

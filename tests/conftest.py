@@ -111,15 +111,16 @@ def write_quantized_export(folder, *, scope: str, seed: int, seq: int = 32):
     """A tiny Llama saved as a run's export, quantized (max estimator, history 4) with scales from one forward:
     what the hif8 evaluation mode loads. Returns the folder."""
     from hif8qat.models.loading import build_tiny_llama
+    from hif8qat.models.quant_files import save_quant_export
     from hif8qat.quant import linear as qlinear
     from hif8qat.scaling.settings import ScalingConfig
 
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=seed)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    qlinear.convert_model(model, scope, "none", ScalingConfig(algo="max", history_len=4))
+    qlinear.convert_model(model, scope, None, ScalingConfig(algo="max", history_len=4))
     qlinear.set_quantization(model, True)
     with torch.no_grad():
         model(torch.randint(3, 200, (2, seq)))
-    qlinear.save_quant_export(model, folder, {"step": 1})
+    save_quant_export(model, folder, {"step": 1})
     return folder

@@ -18,13 +18,13 @@ from hif8qat.quant.linear import (
     QuantLinear,
     convert_model,
     freeze_scales,
-    load_quant_export,
     quant_linears,
     quant_state_dict,
     set_quantization,
     set_step,
     update_scales,
 )
+from hif8qat.models.quant_files import load_quant_export
 from hif8qat.scaling.bank import QuantizerCalledTwice, ScalerBank
 from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ROLES, ScalingConfig

@@ -291,7 +291,8 @@ def test_fsdp_two_cpu_ranks_resume_bit_exact_and_export_like_ddp(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from hif8qat.models.loading import load_causal_lm
-    from hif8qat.quant.linear import load_quant_export, quant_state_dict
+    from hif8qat.models.quant_files import load_quant_export
+    from hif8qat.quant.linear import quant_state_dict
 
     # Uninterrupted run: two ranks started by submitit's local executor (the launcher's srun-like path:
     # env_from_slurm maps its task variables to torch's), FSDP over gloo, amax all-reduced.

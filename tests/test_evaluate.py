@@ -13,6 +13,7 @@ from conftest import smollm2_weights_missing
 
 from hif8qat import evaluate as ev
 from hif8qat.models import loading as tiny
+from hif8qat.models.quant_files import save_quant_export
 from hif8qat.quant import linear as qlinear
 
 
@@ -92,12 +93,12 @@ def test_hif8_mode_from_export(tmp_path):
     export = tmp_path / "export"
     model.save_pretrained(export)
     tok.save_pretrained(export)
-    qlinear.convert_model(model, "mlp", "none", ScalingConfig(algo="max", history_len=4))
+    qlinear.convert_model(model, "mlp", None, ScalingConfig(algo="max", history_len=4))
     qlinear.set_quantization(model, True)
     with torch.no_grad():
         model(torch.randint(3, 200, (2, 16)))
     sd_before = {k: v.clone() for k, v in qlinear.quant_state_dict(model).items()}
-    qlinear.save_quant_export(model, export, {"step": 1})
+    save_quant_export(model, export, {"step": 1})
 
     loaded, _ = ev.load_for_eval(export, "hif8")
     assert len(list(qlinear.quant_linears(loaded))) == 6  # gate/up/down x 2 blocks

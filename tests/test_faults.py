@@ -44,7 +44,7 @@ def _tiny_quantized():
 
 
 def test_dumping_a_step_twice_leaves_one_copy_and_keeps_other_steps(tmp_path):
-    from hif8qat.quant.linear import dump_telemetry
+    from hif8qat.models.quant_files import dump_telemetry
 
     model, names = _tiny_quantized()
     path = tmp_path / "telemetry" / "dump.jsonl"

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hif8qat import compute_dtype as numerics
+from hif8qat.config.numerics import resolve_run
 from hif8qat.models.loading import build_tiny_llama
 from hif8qat.quant import linear as qlinear
 from hif8qat.scaling.settings import ScalingConfig
@@ -152,7 +153,7 @@ def test_compiled_training_in_fp32_sends_no_bf16_operand_and_emulated_compile_is
     # setting is refused before a run starts (on every machine: train.autocast=bf16_emulated set explicitly)
     cfg = _with_autocast(cli_config(["experiment=exp3", "profile=smoke", "train.compile=true"]), "bf16_emulated")
     with pytest.raises(ConfigError, match="train.compile"):
-        numerics.resolve_run(cfg)
+        resolve_run(cfg)
 
 
 def _with_autocast(cfg, value):
@@ -230,7 +231,7 @@ def test_the_chunked_loss_recomputes_under_the_emulation(monkeypatch):
 
     monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 8 * 259)  # chunks of 8 tokens at the tiny vocabulary
     model, _ = _model("mlp", seed=4)
-    assert chunked_loss.install_loss_head(model) is not None
+    assert chunked_loss.install_loss_head(model, emulate_bf16=True) is not None
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))
     counter = GemmOperandDtypes()

@@ -243,12 +243,13 @@ def test_fsdp_checkpoint_roundtrip_over_nccl(tmp_path):
 def test_evaluation_defaults_to_the_gpu_with_bf16_autocast_over_fp32_weights(tmp_path):
     from hif8qat import evaluate as ev
     from hif8qat.models.loading import build_tiny_llama
-    from hif8qat.quant.linear import convert_model, save_quant_export, set_quantization
+    from hif8qat.models.quant_files import save_quant_export
+    from hif8qat.quant.linear import convert_model, set_quantization
 
     model, tok = build_tiny_llama(num_layers=2, hidden_size=64, intermediate_size=128)
     model.save_pretrained(tmp_path / "export")
     tok.save_pretrained(tmp_path / "export")
-    convert_model(model, "mlp", "none", ScalingConfig(algo="max", history_len=4))
+    convert_model(model, "mlp", None, ScalingConfig(algo="max", history_len=4))
     set_quantization(model, True)
     with torch.no_grad():
         model(torch.randint(3, 200, (2, 16)))

@@ -11,16 +11,14 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hif8qat.formats.qdq import hif8_qdq_scaled
+from hif8qat.config.blocks import parse_high_precision_blocks
+from hif8qat.models.quant_files import dump_telemetry, load_quant_export, save_quant_export
 from hif8qat.quant.linear import (
     QuantLinear,
     convert_model,
-    dump_telemetry,
     freeze_scales,
-    load_quant_export,
     load_quant_state_dict,
-    parse_high_precision_blocks,
     quant_state_dict,
-    save_quant_export,
     set_quantization,
     set_step,
     set_weight_recompute,
@@ -124,7 +122,7 @@ def test_convert_26_blocks_hp5_mlp_gives_63_and_keeps_state_dict_keys():
 
 def test_convert_attn_mlp_and_first_last_spec():
     m = tiny_llama(26)
-    names = convert_model(m, "attn_mlp", "first3_last2", ScalingConfig())
+    names = convert_model(m, "attn_mlp", parse_high_precision_blocks("first3_last2", 26), ScalingConfig())
     assert len(names) == 21 * 7
     assert "model.layers.3.self_attn.o_proj" in names and "model.layers.2.self_attn.q_proj" not in names
 
@@ -256,7 +254,7 @@ def test_step_telemetry_and_dump(tmp_path):
 def test_export_round_trip_restores_scales(tmp_path):
     cfg = ScalingConfig(algo="max", history_len=8)
     m = tiny_llama(4)
-    names = convert_model(m, "mlp", "first1_last1", cfg)
+    names = convert_model(m, "mlp", parse_high_precision_blocks("first1_last1", len(m.model.layers)), cfg)
     _train_steps(m, 2)
     m.save_pretrained(tmp_path)
     save_quant_export(m, tmp_path, {"experiment": "exp8"})

@@ -60,7 +60,7 @@ def test_valid_format_settings_compose():
                        "quant.algo={0:max,1000:current}"])
     assert cfg.quant.format == "e5m2" and cfg.quant.margin == 3 and cfg.quant.algo == {0: "max", 1000: "current"}
     assert [target_for(cfg.quant, r) for r in "AWG"] == [7168.0] * 3
-    assert cfg.quant.scaling_dict()["format"] == "e5m2"  # reaches the scaler's config
+    assert cfg.quant.scaling.format == "e5m2"  # reaches the scaler's config
 
 
 @pytest.mark.parametrize("exp,parent,baseline,format_,algo", [

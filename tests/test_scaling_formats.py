@@ -20,13 +20,11 @@ from hif8qat.formats.qdq import (
     hif8_qdq_scaled,
     qdq_scaled_amax,
 )
+from hif8qat.models.quant_files import QUANT_JSON, load_quant_export, save_quant_export
 from hif8qat.quant.linear import (
-    QUANT_JSON,
     convert_model,
     freeze_scales,
-    load_quant_export,
     quant_linears,
-    save_quant_export,
     set_step,
     step_telemetry,
 )

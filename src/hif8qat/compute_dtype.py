@@ -26,7 +26,6 @@ emulated path is measured and tested on a machine that has native BF16.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -35,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hif8qat.config.run_config import NUMERICS as SETTINGS  # train.autocast: auto, bf16, bf16_emulated, none
-from hif8qat.config.run_config import ConfigError
-
+# The numerics settings (train.autocast; the run configuration checks its value against these): auto = native
+# BF16 autocast where the device has it, else BF16 emulated.
+SETTINGS = ("auto", "bf16", "bf16_emulated", "none")
 RESOLVED = tuple(s for s in SETTINGS if s != "auto")
 NO_NATIVE_BF16_ENV = "HIF8QAT_NO_NATIVE_BF16"
 _BF16 = torch.bfloat16
@@ -153,11 +152,6 @@ class BF16Emulation(TorchFunctionMode):
             return _round_to(func(*up_args, **up_kwargs), out_dtype)
 
 
-def emulation_active() -> bool:
-    """Whether a :class:`BF16Emulation` is on this thread's mode stack (asked in a forward, never a backward)."""
-    return any(isinstance(m, BF16Emulation) for m in torch.overrides._get_current_function_mode_stack())
-
-
 _ROUNDED_ATTR = "_hif8qat_bf16_rounded"  # on a parameter: ((version, data_ptr) when rounded, the rounded copy)
 
 
@@ -218,23 +212,6 @@ def _stacked(*managers: contextlib.AbstractContextManager) -> Iterator[None]:
         yield
 
 
-
 def training_device_type(device_setting: str) -> str:
     """The device type a training with ``train.device`` runs on (as train.setup_distributed picks it)."""
     return "cuda" if device_setting != "cpu" and torch.cuda.is_available() else "cpu"
-
-
-def resolve_run(cfg):
-    """The RunConfig with ``train.autocast`` resolved for its training device, so the saved config names the
-    numerics actually used."""
-
-    numerics = resolve(cfg.train.autocast, training_device_type(cfg.train.device))
-    if numerics == "bf16_emulated" and cfg.train.compile:
-        # torch.compile traces the backward under the forward's autocast, so the emulated GEMMs' gradients would
-        # run as BF16 GEMMs: torch's slow path on exactly the machines the emulation is for.
-        raise ConfigError(f"invalid setting train.compile=true with train.autocast={cfg.train.autocast} "
-                          "(bf16_emulated numerics on this machine): allowed train.compile=false, or "
-                          "train.autocast=none (FP32, compiles) or bf16 (native BF16)")
-    if numerics == cfg.train.autocast:
-        return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, autocast=numerics))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hif8qat.compute_dtype import SETTINGS as NUMERICS  # train.autocast: auto, bf16, bf16_emulated, none
 from hif8qat.config.blocks import parse_high_precision_blocks
 from hif8qat.config.data_source import validate_source
 from hif8qat.config.eval_tasks import DEVICES as EVAL_DEVICES
@@ -32,8 +33,6 @@ from hif8qat.scaling.settings import ScalingConfig
 PAPER_TOTAL_STEPS = 10_000
 STAGES = ("train", "eval", "report", "all")
 SCOPES = ("mlp", "attn_mlp")
-# train.autocast: auto = native BF16 autocast where the device has it, else BF16 emulated (see compute_dtype.py).
-NUMERICS = ("auto", "bf16", "bf16_emulated", "none")
 NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
 KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
@@ -78,6 +77,15 @@ def _check_type(setting: str, annotation: str, value: Any) -> None:
 def _from_mapping(cls, data: dict[str, Any], prefix: str):
     """Build dataclass `cls` from `data`, rejecting unknown keys (typos) by name."""
     data = dict(data or {})
+    if hasattr(cls, "from_flat"):
+        names = set(cls.FLAT_KEYS)
+        unknown = sorted(set(data) - names)
+        if unknown:
+            _fail(f"{prefix}.{unknown[0]}", data[unknown[0]], "known keys: " + ", ".join(sorted(names)))
+        try:
+            return cls.from_flat(data)
+        except ValueError as err:
+            raise _as_config_error(err, prefix) from None
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -125,19 +133,41 @@ class DataConfig:
     eval_windows: int = 16
 
 
+# The delayed-scaling settings a run writes as quant.<field>: the fields of the library core's ScalingConfig.
+SCALING_FIELDS = tuple(f.name for f in fields(ScalingConfig))
+
+
 @dataclass
-class QuantConfig(ScalingConfig):
-    """The delayed-scaling settings (inherited from ScalingConfig, validated there) plus which layers are
-    quantized and from which step."""
+class QuantConfig:
+    """Which layers are quantized and from which step, holding the library core's :class:`ScalingConfig`
+    (``scaling``: frozen, checked once when made). The YAML and each run's saved config keep the delayed-scaling
+    settings flat (``quant.history_len``), and ``cfg.quant.history_len`` reads the held config."""
 
     enabled: bool = False
     scope: str = "mlp"
     high_precision_blocks: Any = "none"
     bf16_warmup_steps: int = 0
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
-    def scaling_dict(self) -> dict[str, Any]:
-        """The subset understood by `hif8qat.scaling.settings.ScalingConfig`."""
-        return {f.name: getattr(self, f.name) for f in fields(ScalingConfig)}
+    FLAT_KEYS = (*SCALING_FIELDS, "enabled", "scope", "high_precision_blocks", "bf16_warmup_steps")
+
+    def __getattr__(self, name: str) -> Any:
+        scaling = self.__dict__.get("scaling")
+        if scaling is not None and name in SCALING_FIELDS:
+            return getattr(scaling, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @classmethod
+    def from_flat(cls, data: dict[str, Any]) -> QuantConfig:
+        """From the flat ``quant:`` section (ValueError, naming the ScalingConfig field, for a bad setting)."""
+        scaling = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k in SCALING_FIELDS}
+        rest = {k: v for k, v in data.items() if k not in SCALING_FIELDS}
+        return cls(**rest, scaling=ScalingConfig(**scaling))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat form (delayed-scaling fields first, as the saved configs of earlier runs have it)."""
+        return {**self.scaling.to_dict(), "enabled": self.enabled, "scope": self.scope,
+                "high_precision_blocks": self.high_precision_blocks, "bf16_warmup_steps": self.bf16_warmup_steps}
 
 
 @dataclass
@@ -247,7 +277,9 @@ class RunConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["quant"] = self.quant.to_dict()
+        return d
 
     # ------------------------------------------------------------------ validation
     def validate(self, *, known_experiments: list[str] | None = None, check_paths: bool = True) -> None:
@@ -375,11 +407,7 @@ class RunConfig:
         _check_positive("quant.bf16_warmup_steps", q.bf16_warmup_steps, integer=True, allow_zero=True)
         if q.bf16_warmup_steps >= self.train.steps:
             _fail("quant.bf16_warmup_steps", q.bf16_warmup_steps, f"fewer than train.steps={self.train.steps}")
-        try:
-            ScalingConfig.validate(q)
-        except ValueError as err:
-            raise _as_config_error(err, "quant") from None
-        if q.enabled:
+        if q.enabled:  # the delayed-scaling settings were checked when q.scaling was made
             self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
 
     def _validate_eval(self, check_paths: bool) -> None:
@@ -502,8 +530,8 @@ def resolve_profile(cfg: RunConfig) -> RunConfig:
         out.train.steps = cfg.profile.steps
         out.train.lr_warmup_steps = _scale_steps(cfg.train.lr_warmup_steps, factor)
         out.quant.bf16_warmup_steps = _scale_steps(cfg.quant.bf16_warmup_steps, factor)
-        out.quant.algo = _scale_schedule(cfg.quant.algo, factor)
-        out.quant.interval = _scale_schedule(cfg.quant.interval, factor)
+        out.quant.scaling = dataclasses.replace(cfg.quant.scaling, algo=_scale_schedule(cfg.quant.algo, factor),
+                                                interval=_scale_schedule(cfg.quant.interval, factor))
     out.profile.steps = out.train.steps
     if out.quant.enabled:
         out.quant.high_precision_blocks = cfg.high_precision_block_list()

@@ -11,7 +11,8 @@ from safetensors import SafetensorError
 from hif8qat.artefacts import CorruptArtefact, verify_folder_manifest
 from hif8qat.config.eval_tasks import MODES
 from hif8qat.models.loading import load_causal_lm
-from hif8qat.quant.linear import freeze_scales, load_quant_export, quant_linears, read_quant_export
+from hif8qat.models.quant_files import load_quant_export, read_quant_export
+from hif8qat.quant.linear import freeze_scales, quant_linears
 
 EXPORT_REDO = ("Delete that export/ folder and rerun the run with stage=all: it writes the export again from the "
                "run's final checkpoint (or retrain it with force=true)")

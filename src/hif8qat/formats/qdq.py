@@ -242,11 +242,17 @@ def target_for(config, role: str) -> float:
     """Scale target of ``role`` under a scaling config (any object with ``format``, ``margin``,
     ``target_fwd`` and ``target_bwd``, e.g. ``scaling.ScalingConfig``).
 
-    HiF8: ``target_bwd`` for G, ``target_fwd`` for A and W (the paper's 15 by default). FP8: the format max
+    HiF8: ``target_bwd`` for G, ``target_fwd`` for A and W (the paper's 15 by default), unless the config has a
+    ``target`` (one number for every role, or a mapping role -> number) naming this role. FP8: the format max
     of the role's element format over ``2^margin`` (TE ``DelayedScaling``).
     """
     fmt = element_format(getattr(config, "format", "hif8"), role)
     if fmt == "hif8":
+        override = getattr(config, "target", None)
+        if isinstance(override, (int, float)):
+            return float(override)
+        if override is not None and role in override:
+            return float(override[role])
         return float(config.target_bwd if role == "G" else config.target_fwd)
     return FORMATS[fmt].target(getattr(config, "margin", 0))
 

@@ -29,7 +29,6 @@ from hif8qat.evaluate.heldout import heldout_window_count
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.quant.linear import convert_model, freeze_scales, set_quantization
 from hif8qat.runs.folders import is_done, run_dir_for
-from hif8qat.scaling.settings import ScalingConfig
 from hif8qat.train.loop import lm_loss
 
 # Tokens an evaluation of one run forwards at the mini profile (its three subsets, each item's context once,
@@ -168,8 +167,8 @@ def measure(cfg, repeats: int = 2) -> Costs:
     plain_step, plain_token = step_s(opt), token_s()
     qat_step, quant_token = plain_step, plain_token
     if cfg.quant.enabled:
-        convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks),
-                      ScalingConfig.from_dict(cfg.quant.scaling_dict()))
+        convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
+                      emulate_bf16=mode == "bf16_emulated")
         set_quantization(model, True)
         qat_step = step_s(torch.optim.AdamW(model.parameters(), lr=1e-9))
         freeze_scales(model, True)

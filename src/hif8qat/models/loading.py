@@ -48,6 +48,7 @@ from torch import nn
 
 from hif8qat.errors import RunError
 from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
+from hif8qat.quant.blocks import find_transformer_blocks
 from hif8qat.runs.downloads import cache_root, hub_offline, hub_reachable, pip_download
 
 log = logging.getLogger(__name__)
@@ -490,28 +491,7 @@ def _no_weight_loading_bar():
 # ----------------------------------------------------------------------------------------------------------
 # structure helpers
 # ----------------------------------------------------------------------------------------------------------
-# Submodule names that mark a decoder block (Llama, GPT-2, GPT-NeoX, OPT, openPangu name theirs so).
-MLP_CONTAINERS = frozenset({"mlp", "feed_forward", "ffn"})
-ATTN_CONTAINERS = frozenset({"self_attn", "attention", "attn", "self_attention"})
-
-
-def find_transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """``(name, ModuleList)`` of the decoder layers: the longest ModuleList whose entries all have an MLP or
-    attention submodule; for a model without such names, the longest non-empty ModuleList."""
-    decoder, largest = None, None
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
-            continue
-        if largest is None or len(mod) > len(largest[1]):
-            largest = (name, mod)
-        if all(any(hasattr(b, c) for c in MLP_CONTAINERS | ATTN_CONTAINERS) for b in mod):
-            if decoder is None or len(mod) > len(decoder[1]):
-                decoder = (name, mod)
-    found = decoder or largest
-    if found is None:
-        raise ValueError(f"{type(model).__name__}: no ModuleList of decoder layers (blocks with an 'mlp' or "
-                         "'self_attn' submodule) found; is this a Llama-style causal LM?")
-    return found
+# The decoder blocks are found by the library core's finder, so a run converts what a foreign trainer would.
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:

@@ -16,7 +16,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hif8qat.compute_dtype import backward_context, describe, forward_context, resolve, training_device_type
-from hif8qat.models.loading import build_tiny_llama
 from hif8qat.quant.linear import convert_model, set_quantization
 from hif8qat.scaling.settings import ScalingConfig
 
@@ -45,10 +44,21 @@ class GemmOperandCount(TorchDispatchMode):
         return sum(n for dtypes, n in self.counts.items() if "bfloat16" in dtypes)
 
 
+def _tiny_llama() -> torch.nn.Module:
+    """A 2-block Llama of random weights (a few hundred kilobytes): the GEMMs of a real decoder step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+
 def count_step_gemms(numerics: str, device_type: str = "cpu") -> GemmOperandCount:
     """One training step (forward and backward) of a tiny quantized Llama under ``numerics``, its GEMMs counted."""
-    model, _ = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=0)
-    convert_model(model, "attn_mlp", None, ScalingConfig())
+    model = _tiny_llama()
+    convert_model(model, "attn_mlp", None, ScalingConfig(), emulate_bf16=numerics == "bf16_emulated")
     set_quantization(model, True)
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     counter = GemmOperandCount()

@@ -2,8 +2,11 @@
 
 ``QuantLinear`` is an ``nn.Linear`` (same parameters ``weight`` / ``bias``, so ``state_dict()`` keys and
 ``save_pretrained`` folders are those of the plain model) with three quantizers A, W, G, which are rows of a
-:class:`~hif8qat.scaling.bank.ScalerBank`: one bank per converted model (a layer built on its own has a private
-one). The scaler state is kept out of the model's state dict (see :func:`quant_state_dict`).
+:class:`~hif8qat.scaling.bank.ScalerBank`: one bank per converted model, built once after the swap (a layer
+built on its own has a private one). The scaler state is kept out of the model's state dict (see
+:func:`quant_state_dict`) unless :func:`set_state_in_state_dict` puts it there, as the public
+``convert_to_hif8_training`` does: then ``{layer}.hif8_scaler.{A|W|G}.{key}`` entries travel with any trainer's
+checkpoint of ``model.state_dict()``.
 
 With quantization on, a custom autograd function computes::
 
@@ -30,6 +33,9 @@ backward ends (or at the next call of a forward-only pass, or :func:`update_scal
 checkpointing is safe: the recomputed forward reuses the forward's scales and records nothing; any other
 second call of a layer in one micro-batch raises :class:`~hif8qat.scaling.bank.QuantizerCalledTwice`.
 
+BF16 emulation is a value of the layer (``emulate_bf16``, set at conversion or by :func:`set_bf16_emulation`):
+a BF16 GEMM of the layer then runs as FP32 on BF16 values (:mod:`hif8qat.compute_dtype`), in forward and backward.
+
 Autocast: under ``torch.autocast`` the quantizers see the incoming tensors as they are (the HiF8
 arithmetic is done in fp32 inside ``formats``) and write the quantized A and W in the autocast dtype
 (bit for bit the cast of the result in the input's dtype, without a separate cast pass); the bias is cast
@@ -41,41 +47,22 @@ Without autocast everything runs in the input dtype.
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import re
 import warnings
-from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Collection, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hif8qat import compute_dtype as numerics
-from hif8qat.config.blocks import parse_high_precision_blocks
-from hif8qat.files import atomic_path, replace_step_records, write_text
-from hif8qat.formats.qdq import element_format
-from hif8qat.models.loading import ATTN_CONTAINERS as _ATTN_CONTAINERS
-from hif8qat.models.loading import MLP_CONTAINERS as _MLP_CONTAINERS
-from hif8qat.models.loading import find_transformer_blocks
+from hif8qat.quant.blocks import SCOPES, ModuleFilter, find_transformer_blocks, select_linears
 from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
 from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ROLES, TELEMETRY_COUNT_FIELDS, TELEMETRY_MAX_FIELDS, ScalingConfig
 
-SCOPES = ("mlp", "attn_mlp")
-QUANT_JSON = "hif8qat_quant.json"
-SCALERS_FILE = "hif8qat_scalers.safetensors"
 BANK_ATTR = "hif8qat_bank"  # the model-level bank's attribute on a converted model
-
-# Linear layers converted per scope: container segment + leaf name (Llama / SmolLM2 / Qwen / openPangu
-# use mlp.{gate,up,down}_proj and self_attn.{q,k,v,o}_proj; a few other common spellings are accepted).
-_MLP_LEAVES = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"}
-_ATTN_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", "query", "key", "value",
-                "query_key_value", "dense"}
+STATE_KEY = "hif8_scaler"  # a layer's scaler entries in model.state_dict(): {layer}.hif8_scaler.{role}.{key}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,15 +70,15 @@ _ATTN_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", 
 # --------------------------------------------------------------------------------------------------
 class _QuantLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, bank_id, rows, mode, keep_w):
+    def forward(ctx, x, weight, bias, bank_id, rows, mode, keep_w, emulate_bf16):
         dev = x.device.type
         cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         qa = bank_qdq(x, bank_id, rows[0], mode, cdt)  # written in the matmul's dtype by the kernel
         # eager: the bank keeps Q(W) for a checkpoint recompute (compiled graphs may reuse an op result's memory)
         qw = bank_qdq(weight, bank_id, rows[1], mode, cdt, keep_w and not torch.compiler.is_compiling())
         b = bias.to(cdt) if bias is not None and cdt is not None else bias
-        # BF16 emulation is decided here, in the forward, and kept for the backward, which may run where no mode is
-        emulate = qa.dtype == torch.bfloat16 and numerics.emulation_active()
+        # BF16 emulation is the layer's setting, decided here and kept for the backward
+        emulate = qa.dtype == torch.bfloat16 and emulate_bf16
         if emulate:
             out = numerics.emulated_linear(qa, qw, b)
         else:
@@ -128,21 +115,26 @@ class _QuantLinearFn(torch.autograd.Function):
                 dw = flat_g.t().matmul(qa.reshape(-1, qa.shape[-1])).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = qg.reshape(-1, qg.shape[-1]).sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class QuantLinear(nn.Linear):
     """Drop-in ``nn.Linear`` with 8-bit (HiF8 or FP8) fake quantization of A, W (forward) and G (backward)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 config: ScalingConfig | None = None, name: str = "", enabled: bool = True):
+                 config: ScalingConfig | None = None, name: str = "", enabled: bool = True,
+                 emulate_bf16: bool = False, own_bank: bool = True):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.config = config if config is not None else ScalingConfig()
-        self.config.validate()
+        self.config = config if config is not None else ScalingConfig()  # validated when it was made
         self.quant_name = name
         self.quant_enabled = bool(enabled)
+        self.emulate_bf16 = bool(emulate_bf16)
         self.recompute_weight = False  # True under FSDP: see set_weight_recompute
-        self._own_bank(device)
+        self.state_in_state_dict = False  # see set_state_in_state_dict
+        object.__setattr__(self, "_bank", None)
+        self._rows = (0, 1, 2)
+        if own_bank:  # a conversion builds one bank for all its layers instead
+            self._own_bank(device)
 
     def _own_bank(self, device) -> None:
         bank = ScalerBank(self.config, ROLES, device=device)
@@ -158,13 +150,15 @@ class QuantLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: ScalingConfig | None = None, name: str = "",
-                    enabled: bool = True) -> QuantLinear:
-        """Wrap an existing ``nn.Linear``, sharing its Parameter objects (optimizer state stays valid)."""
+                    enabled: bool = True, *, emulate_bf16: bool = False, own_bank: bool = True) -> QuantLinear:
+        """Wrap an existing ``nn.Linear``, sharing its Parameter objects (optimizer state stays valid).
+        ``own_bank=False``: no scaler bank yet (a conversion attaches the model's one)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
-                  config=config, name=name, enabled=enabled)
+                  config=config, name=name, enabled=enabled, emulate_bf16=emulate_bf16, own_bank=False)
         new.weight = linear.weight
         new.bias = linear.bias
-        new._own_bank(linear.weight.device)
+        if own_bank:
+            new._own_bank(linear.weight.device)
         new.train(linear.training)
         return new
 
@@ -187,57 +181,92 @@ class QuantLinear(nn.Linear):
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
                                             or (self.bias is not None and self.bias.requires_grad))
         return _QuantLinearFn.apply(x, self.weight, self.bias, self._bank.bank_id, self._rows,
-                                   RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight)
+                                   RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight, self.emulate_bf16)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, hif8={'on' if self.quant_enabled else 'off'}"
+
+    # -- the scalers in the module's own state dict (opt-in: set_state_in_state_dict) -------------------------
+    def scaler_state(self, host: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """This layer's scalers: ``{A|W|G}.{key}`` (CPU tensors of :mod:`hif8qat.scaling.bank_state`) and
+        ``enabled``."""
+        bank = self._bank
+        bank.update()
+        host = host if host is not None else bank._host()
+        sd = {"enabled": torch.tensor(int(self.quant_enabled), dtype=torch.int64)}
+        for role, row in zip(ROLES, self._rows):
+            sd.update({f"{role}.{k}": v for k, v in bank.row_state_dict(row, host).items()})
+        return sd
+
+    def load_scaler_state(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for key, v in sd.items():
+            role, _, k = key.partition(".")
+            if key != "enabled" and role not in ROLES:
+                raise KeyError(f"{self.quant_name or 'QuantLinear'}: unexpected scaler state key {key!r}")
+            if role in ROLES:
+                states.setdefault(self._rows[ROLES.index(role)], {})[k] = v
+        if strict and len(states) != len(ROLES):
+            raise KeyError(f"{self.quant_name or 'QuantLinear'}: scaler state for {sorted(states)} rows only")
+        self._bank.load_row_state_dicts(states, strict)
+        if "enabled" in sd:
+            self.quant_enabled = bool(int(sd["enabled"]))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.state_in_state_dict and self._bank is not None:
+            for k, v in self.scaler_state().items():
+                destination[f"{prefix}{STATE_KEY}.{k}"] = v
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        head = f"{prefix}{STATE_KEY}."
+        mine = {k[len(head):]: v for k, v in state_dict.items() if k.startswith(head)}
+        rest = {k: v for k, v in state_dict.items() if not k.startswith(head)} if mine else state_dict
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if not self.state_in_state_dict:
+            unexpected_keys.extend(head + k for k in mine)
+        elif mine:
+            try:
+                self.load_scaler_state(mine, strict)
+            except (KeyError, ValueError) as err:
+                error_msgs.append(f"{head}*: {err}")
+        elif strict:
+            missing_keys.append(f"{head}*")
 
 
 # --------------------------------------------------------------------------------------------------
 # conversion
 # --------------------------------------------------------------------------------------------------
-def _matches(name: str, scope: str) -> bool:
-    parts = name.split(".")
-    leaf, containers = parts[-1], set(parts[:-1])
-    if containers & _MLP_CONTAINERS and leaf in _MLP_LEAVES:
-        return True
-    return scope == "attn_mlp" and bool(containers & _ATTN_CONTAINERS) and leaf in _ATTN_LEAVES
-
-
-def convert_model(model: nn.Module, scope: str = "mlp", high_precision_blocks: Any = None,
-                  config: ScalingConfig | None = None, *, enabled: bool = True) -> list[str]:
-    """Replace the scope's ``nn.Linear``s of every non-high-precision block by :class:`QuantLinear`.
+def convert_model(model: nn.Module, scope: str = "mlp", high_precision_blocks: Collection[int] | None = None,
+                  config: ScalingConfig | None = None, *, enabled: bool = True,
+                  module_filter_fn: ModuleFilter | None = None, emulate_bf16: bool = False) -> list[str]:
+    """Replace the scope's ``nn.Linear``s of every block not listed in ``high_precision_blocks`` (block indices)
+    and accepted by ``module_filter_fn(module, fqn)`` by :class:`QuantLinear`; all share one scaler bank.
 
     scope ``mlp``: gate/up/down projections; ``attn_mlp``: also q/k/v/o. Embeddings, lm_head, norms
     and everything outside the decoder blocks stay untouched. Returns the converted module names.
     """
-    if scope not in SCOPES:
-        raise ValueError(f"convert_model: scope={scope!r} is invalid; allowed: {SCOPES}")
     config = config if config is not None else ScalingConfig()
-    config.validate()
-    prefix, blocks = find_transformer_blocks(model)
-    hp = parse_high_precision_blocks(high_precision_blocks, len(blocks))
-    candidates = [(i, name, mod) for i, block in enumerate(blocks) for name, mod in block.named_modules()
-                  if isinstance(mod, nn.Linear) and _matches(name, scope)]
-    if not candidates:
-        raise ValueError(f"convert_model: no nn.Linear matched scope={scope!r} in the {len(blocks)} blocks of "
-                         f"{prefix!r} (expected names like mlp.gate_proj / self_attn.q_proj)")
+    try:
+        chosen, _ = select_linears(model, scope, high_precision_blocks or (), module_filter_fn)
+    except ValueError as err:
+        raise ValueError(f"convert_model: {err}") from None
     converted = []
-    for i, name, mod in candidates:
-        if i in hp:
-            continue
-        full = f"{prefix}.{i}.{name}" if prefix else f"{i}.{name}"
+    for full, parent, leaf in chosen:
+        mod = getattr(parent, leaf)
         if not isinstance(mod, QuantLinear):
-            parent_name, _, leaf = name.rpartition(".")
-            parent = blocks[i].get_submodule(parent_name) if parent_name else blocks[i]
-            setattr(parent, leaf, QuantLinear.from_linear(mod, config, full, enabled=enabled))
+            setattr(parent, leaf, QuantLinear.from_linear(mod, config, full, enabled=enabled,
+                                                           emulate_bf16=emulate_bf16, own_bank=False))
         converted.append(full)
     if not converted:
-        warnings.warn(f"convert_model: every block is high precision ({hp}); nothing converted", stacklevel=2)
+        warnings.warn("convert_model: no linear left to convert (high-precision blocks / filter); nothing converted",
+                      stacklevel=2)
     else:
         _build_bank(model, config)
-    model._hif8qat_conversion = {"scope": scope, "high_precision_blocks": hp, "config": config.to_dict(),
-                                 "converted": list(converted)}
+    model._hif8qat_conversion = {"scope": scope, "high_precision_blocks": sorted(set(high_precision_blocks or ())),
+                                 "config": ScalingConfig.to_dict(config), "converted": list(converted)}
     return converted
 
 
@@ -260,13 +289,16 @@ def quant_linears(model: nn.Module) -> Iterator[tuple[str, QuantLinear]]:
             yield name, mod
 
 
-
-
 def _banks(model: nn.Module) -> list[ScalerBank]:
     out: dict[int, ScalerBank] = {}
     for _, mod in quant_linears(model):
         out.setdefault(id(mod.bank), mod.bank)
     return list(out.values())
+
+
+def scaler_banks(model: nn.Module) -> list[ScalerBank]:
+    """The distinct scaler banks of a model's quantized layers (one after a conversion)."""
+    return _banks(model)
 
 
 def set_quantization(model: nn.Module, enabled: bool) -> None:
@@ -286,6 +318,20 @@ def set_weight_recompute(model: nn.Module, recompute: bool = True) -> None:
     from forward to backward). Bit-identical either way; off by default, on from ``distributed.apply_fsdp``."""
     for _, mod in quant_linears(model):
         mod.recompute_weight = bool(recompute)
+
+
+def set_bf16_emulation(model: nn.Module, emulate: bool = True) -> None:
+    """Whether the quantized layers run their BF16 GEMMs as FP32 GEMMs on BF16 values (see
+    :mod:`hif8qat.compute_dtype`); the numerics of a run decide it, the layers never guess it."""
+    for _, mod in quant_linears(model):
+        mod.emulate_bf16 = bool(emulate)
+
+
+def set_state_in_state_dict(model: nn.Module, on: bool = True) -> None:
+    """Put each quantized layer's scaler state (amax histories, scales, step, counters) into
+    ``model.state_dict()`` and read it back in ``load_state_dict``, so any trainer's checkpoint carries it."""
+    for _, mod in quant_linears(model):
+        mod.state_in_state_dict = bool(on)
 
 
 def set_step(model: nn.Module, step: int) -> None:
@@ -324,10 +370,7 @@ def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if id(bank) not in hosts:
             bank.update()
             hosts[id(bank)] = bank._host()  # one device-to-host copy per table
-        sd[f"{name}.enabled"] = torch.tensor(int(mod.quant_enabled), dtype=torch.int64)
-        for role, row in zip(ROLES, mod._rows):
-            for k, v in bank.row_state_dict(row, hosts[id(bank)]).items():
-                sd[f"{name}.{role}.{k}"] = v
+        sd.update({f"{name}.{k}": v for k, v in mod.scaler_state(hosts[id(bank)]).items()})
     return sd
 
 
@@ -400,94 +443,8 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
     return out
 
 
-def _json_value(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v
-
-
-def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | None = None) -> int:
-    """Write one JSON line per scaler (last call values + accumulators since the last step_telemetry) into
-    ``path``, replacing the lines of the same step already there (a resumed run that redoes a step leaves one
-    copy) and keeping other steps' lines; the file is replaced atomically.
-
-    Call it before :func:`step_telemetry` in a step to get that step's per-layer aggregates.
-    Returns the number of lines written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for bank in _banks(model):  # count the last micro-batch too, as step_telemetry does
-        bank.update()
-    records = {id(bank): bank.telemetry_records() for bank in _banks(model)}
-    for name, mod in quant_linears(model):
-        for role, row in zip(ROLES, mod._rows):
-            rec = {"step": mod.bank.step if step is None else int(step), "layer": name, "role": role}
-            rec.update(records[id(mod.bank)][row])
-            lines.append(json.dumps({k: _json_value(v) for k, v in rec.items()}))
-    replace_step_records(path, lines)
-    return len(lines)
-
-
-# --------------------------------------------------------------------------------------------------
-# export
-# --------------------------------------------------------------------------------------------------
-def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapping[str, Any] | None = None) -> None:
-    """Write hif8qat_quant.json and hif8qat_scalers.safetensors into ``directory`` (beside save_pretrained)."""
-
-    record = getattr(model, "_hif8qat_conversion", None)
-    if record is None:
-        raise ValueError("save_quant_export: the model was not converted with convert_model")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    doc = {"format": "hif8qat-quant", "version": 1, **record, "meta": dict(meta or {}),
-           "element_formats": element_formats(ScalingConfig.from_dict(record["config"]))}
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in quant_state_dict(model).items()}
-
-    with atomic_path(directory / SCALERS_FILE) as tmp:
-        save_file(tensors, str(tmp))
-    write_text(directory / QUANT_JSON, json.dumps(doc, indent=2, sort_keys=True))
-
-
-def element_formats(config: ScalingConfig) -> dict[str, str]:
-    """Element format per role under ``config`` (what an export records and an evaluation quantizes to)."""
-
-    return {r: element_format(config.format, r) for r in ROLES}
-
-
-def read_quant_export(directory: str | os.PathLike) -> dict[str, Any]:
-    """``hif8qat_quant.json`` of an export, with its scaling config completed: an export written before FP8
-    (no ``format`` in its config) is HiF8, and ``element_formats`` is filled in when absent."""
-    doc = json.loads((Path(directory) / QUANT_JSON).read_text(encoding="utf-8"))
-    config = ScalingConfig.from_dict(doc["config"])
-    doc["config"] = config.to_dict()
-    doc.setdefault("element_formats", element_formats(config))
-    return doc
-
-
-def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[str, Any]:
-    """Convert a plain HF model as recorded in ``directory`` (if not yet converted), restore the scalers.
-
-    The model quantizes in the export's format (HiF8 for exports written before FP8). Returns the ``meta``
-    dict given to :func:`save_quant_export`.
-    """
-
-    directory = Path(directory)
-    doc = read_quant_export(directory)
-    config = ScalingConfig.from_dict(doc["config"])
-    if not any(True for _ in quant_linears(model)):
-        converted = convert_model(model, doc["scope"], doc["high_precision_blocks"], config)
-        if sorted(converted) != sorted(doc["converted"]):
-            raise ValueError(f"load_quant_export: converted layers differ from the export "
-                             f"({len(converted)} vs {len(doc['converted'])})")
-    load_quant_state_dict(model, load_file(str(directory / SCALERS_FILE)))
-    return doc.get("meta", {})
-
-
 __all__ = [
-    "SCOPES", "QuantLinear", "convert_model", "dump_telemetry", "element_formats", "find_transformer_blocks",
-    "freeze_scales", "quant_linears", "load_quant_export", "load_quant_state_dict", "parse_high_precision_blocks",
-    "quant_state_dict", "read_quant_export", "save_quant_export", "set_quantization", "set_step", "set_weight_recompute",
-    "step_telemetry",
-    "update_scales",
+    "BANK_ATTR", "SCOPES", "STATE_KEY", "QuantLinear", "convert_model", "find_transformer_blocks", "freeze_scales",
+    "load_quant_state_dict", "quant_linears", "quant_state_dict", "scaler_banks", "set_bf16_emulation", "set_quantization",
+    "set_state_in_state_dict", "set_step", "set_weight_recompute", "step_telemetry", "update_scales",
 ]

@@ -146,8 +146,7 @@ class ScalerBank(nn.Module):
     def __init__(self, config: ScalingConfig | None = None, roles: Sequence[str] = ROLES, *,
                  device: torch.device | str | None = None):
         super().__init__()
-        config = config if config is not None else ScalingConfig()
-        config.validate()
+        config = config if config is not None else ScalingConfig()  # validated when it was made
         bad = [r for r in roles if r not in ROLES]
         if bad:
             raise ValueError(f"ScalerBank: roles {bad} are invalid; allowed: {ROLES}")

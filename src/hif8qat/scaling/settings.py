@@ -57,9 +57,13 @@ def _normalize_schedule(name: str, value: Any) -> Any:
     return dict(sorted(out.items()))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScalingConfig:
-    """Delayed-scaling settings shared by every quantizer of a model (docs/design.md, section 2)."""
+    """Delayed-scaling settings shared by every quantizer of a model (docs/design.md, section 2).
+
+    Frozen and checked once, when it is made (``validate`` from ``__post_init__``): a config that exists is valid,
+    so nothing downstream checks it again. ``dataclasses.replace`` makes a changed (and checked) copy.
+    """
 
     algo: str | dict[int, str] = "max"
     history_len: int = 64
@@ -80,11 +84,13 @@ class ScalingConfig:
     margin: int = 0
 
     def __post_init__(self) -> None:
-        self.algo = _normalize_schedule("algo", self.algo)
-        self.interval = _normalize_schedule("interval", self.interval)
+        object.__setattr__(self, "algo", _normalize_schedule("algo", self.algo))
+        object.__setattr__(self, "interval", _normalize_schedule("interval", self.interval))
+        self.validate()
 
     # -- validation ------------------------------------------------------------------------------
     def validate(self) -> ScalingConfig:
+        """Raise ValueError naming the first invalid field and its allowed values (run once, by ``__post_init__``)."""
         self._validate_schedule("algo", self.algo, lambda v: isinstance(v, str) and v in ALGOS,
                                 f"one of {ALGOS}")
         self._validate_schedule("interval", self.interval, lambda v: _is_int(v) and v >= 1,
@@ -159,7 +165,9 @@ class ScalingConfig:
 
     # -- (de)serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """The delayed-scaling fields only (a subclass adds its own by overriding this)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(ScalingConfig)}
+        d = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}
         for k in ("algo", "interval"):
             if isinstance(d[k], Mapping):
                 d[k] = {int(s): v for s, v in d[k].items()}
@@ -172,7 +180,7 @@ class ScalingConfig:
         if unknown:
             raise ValueError(f"ScalingConfig: unknown field(s) {unknown}; allowed: {sorted(known)}")
         kw = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}
-        return cls(**kw).validate()
+        return cls(**kw)
 
 
 def lookup(schedule: Sequence[tuple[int, Any]], step: int) -> Any:

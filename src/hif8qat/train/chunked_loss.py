@@ -35,15 +35,16 @@ def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          targets: torch.Tensor, rows: int) -> torch.Tensor:
+                          targets: torch.Tensor, rows: int, emulate_bf16: bool = False) -> torch.Tensor:
     """Mean cross entropy of ``F.linear(hidden, weight, bias)`` (upcast to FP32) against ``targets``
-    (``IGNORE`` positions left out), ``rows`` tokens at a time."""
+    (``IGNORE`` positions left out), ``rows`` tokens at a time. ``emulate_bf16``: the forward runs under the BF16
+    emulation (the run's numerics), which each chunk's recompute must enter again."""
     h = hidden.reshape(-1, hidden.size(-1))
     t = targets.reshape(-1)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     # non-reentrant checkpoint: torch restores autocast for the recompute, and the kwargs re-enter the BF16
     # emulation when this forward runs under it
-    kwargs = numerics.checkpoint_kwargs("bf16_emulated" if numerics.emulation_active() else "none", h.device.type)
+    kwargs = numerics.checkpoint_kwargs("bf16_emulated" if emulate_bf16 else "none", h.device.type)
     for start in range(0, h.size(0), rows):
         part = (h[start:start + rows], weight, bias, t[start:start + rows])
         total = total + (checkpoint(_chunk_loss_sum, *part, **kwargs) if torch.is_grad_enabled()
@@ -55,23 +56,26 @@ class LossHead(nn.Linear):
     """An ``nn.Linear`` lm_head that returns the loss for one forward when given targets (see module doc)."""
 
     pending_targets: torch.Tensor | None = None
+    emulate_bf16 = False  # the run's numerics are bf16_emulated (set by install_loss_head)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         targets, self.pending_targets = self.pending_targets, None
         if targets is None:
             return super().forward(hidden)
-        return chunked_cross_entropy(hidden, self.weight, self.bias, targets, chunk_rows(self.out_features))
+        return chunked_cross_entropy(hidden, self.weight, self.bias, targets, chunk_rows(self.out_features),
+                                     self.emulate_bf16)
 
 
-def install_loss_head(model: nn.Module) -> LossHead | None:
+def install_loss_head(model: nn.Module, emulate_bf16: bool = False) -> LossHead | None:
     """Make the model's output layer a :class:`LossHead` in place (its parameters and names are untouched);
-    None for a model whose head is not a plain ``nn.Linear`` (it keeps computing whole logits)."""
+    None for a model whose head is not a plain ``nn.Linear`` (it keeps computing whole logits).
+    ``emulate_bf16``: the forwards run under BF16 emulation (``compute_dtype``'s ``bf16_emulated``)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, LossHead):
-        return head
-    if type(head) is not nn.Linear:
-        return None
-    head.__class__ = LossHead
+    if not isinstance(head, LossHead):
+        if type(head) is not nn.Linear:
+            return None
+        head.__class__ = LossHead
+    head.emulate_bf16 = bool(emulate_bf16)
     return head
 
 

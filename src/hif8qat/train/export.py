@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 
 from hif8qat.artefacts import write_folder_manifest
 from hif8qat.config.run_config import RunConfig
-from hif8qat.quant.linear import save_quant_export
+from hif8qat.models.quant_files import save_quant_export
 from hif8qat.runs.folders import EXPORT_DIR
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.distributed import unsharded_class
@@ -53,7 +53,7 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
     if cfg.quant.enabled:
         save_quant_export(model, tmp, {"scope": cfg.quant.scope,
                                        "high_precision_blocks": list(cfg.quant.high_precision_blocks),
-                                       "scaling": cfg.quant.scaling_dict(), "converted": converted})
+                                       "scaling": cfg.quant.scaling.to_dict(), "converted": converted})
     write_folder_manifest(tmp)  # last: evaluation verifies every file against it
     if directory.exists():
 

@@ -28,9 +28,9 @@ from hif8qat.data.loader import build_eval_windows, build_train_stream
 from hif8qat.data.prefetch import PrefetchedStream
 from hif8qat.errors import RunError, concerning
 from hif8qat.models.loading import load_causal_lm
+from hif8qat.models.quant_files import dump_telemetry
 from hif8qat.quant.linear import (
     convert_model,
-    dump_telemetry,
     freeze_scales,
     quant_state_dict,
     set_quantization,
@@ -39,7 +39,6 @@ from hif8qat.quant.linear import (
 )
 from hif8qat.runs.folders import METRICS_FILE, mark_done, update_summary
 from hif8qat.runs.launch_env import env_from_slurm
-from hif8qat.scaling.settings import ScalingConfig
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.chunked_loss import install_loss_head, lm_loss
 from hif8qat.train.distributed import (
@@ -170,11 +169,12 @@ def _build_model(cfg: RunConfig, ctx: DistContext):
     if cfg.quirks.bf16_params:
         model.to(torch.bfloat16)
     converted: list[str] = []
+    emulate = _numerics(cfg, ctx.device) == "bf16_emulated"  # the layers are told the numerics, never guess them
     if cfg.quant.enabled:
-        scaling = ScalingConfig.from_dict(cfg.quant.scaling_dict())
-        converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), scaling)
+        converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
+                                  emulate_bf16=emulate)
         set_quantization(model, False)
-    install_loss_head(model)  # the loss in chunks: the micro-batch's whole FP32 logits never exist
+    install_loss_head(model, emulate)  # the loss in chunks: the micro-batch's whole FP32 logits never exist
     model.to(ctx.device)
     model.train()
     if cfg.train.activation_checkpointing:  # the recompute reuses the forward's HiF8 scales, records nothing

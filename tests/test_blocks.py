@@ -1,5 +1,6 @@
-"""One block finder (models.find_transformer_blocks) and one high-precision-block parser (config/blocks.py) for
-the config check and the conversion: the edges of the spec and which ModuleList is the decoder stack."""
+"""One block finder (quant.blocks, which models.loading uses too) and one high-precision-block parser (config/blocks.py):
+the config parses the spec, the conversion takes the indices; the edges of the spec and which ModuleList is the
+decoder stack."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from hif8qat.config.blocks import parse_high_precision_blocks
 from hif8qat.config.run_config import ConfigError, RunConfig
 from hif8qat.models.loading import build_tiny_llama, find_transformer_blocks, transformer_blocks
 from hif8qat.quant.linear import find_transformer_blocks as qlinear_finder
-from hif8qat.quant.linear import parse_high_precision_blocks as qlinear_parser
 
 
 # ------------------------------------------------------------------------------------ the parser's edges
@@ -52,8 +52,7 @@ def test_refused_specs_name_the_setting(spec, depth, why):
     assert why in str(err.value)
 
 
-def test_config_and_conversion_use_the_same_parser():
-    assert qlinear_parser is parse_high_precision_blocks
+def test_the_config_parses_the_spec_and_the_conversion_takes_indices():
     cfg = RunConfig.from_dict({"model": {"name": "tiny:4"}, "quant": {"high_precision_blocks": "first1_last1"}},
                               check_paths=False)
     assert cfg.high_precision_block_list() == [0, 3]

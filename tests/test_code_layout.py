@@ -1,5 +1,9 @@
-"""The source tree keeps its shape: subpackages in one layer order, no import cycle, imports at the top of
-each file, and no module so long that one file does several jobs.
+"""The source tree keeps its shape: a library core that knows nothing of the pipeline, subpackages in one layer
+order, no import cycle, imports at the top of each file, and no module so long that one file does several jobs.
+
+The core (``formats``, ``scaling``, ``compute_dtype``, ``quant``: the quantizer any trainer can import) imports
+only itself, ``errors``, the standard library, torch and numpy. ``run.py``, the entry point, is part of the graph:
+it sits above every layer and nothing imports it.
 
 Every import statement counts, wherever it stands: at module level, inside a function, under
 ``if TYPE_CHECKING:``. An import inside a function is still a dependency (it only moves the failure to run time),
@@ -9,25 +13,31 @@ so the layer order and the cycle check read all of them. Only imports of the hea
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 PACKAGE = "hif8qat"
+ENTRY_POINTS = {"run": ROOT / "run.py"}  # above every layer
 MAX_LINES = 550  # "about 500": a module past this has grown a second job
 MAX_TOP_LEVEL_MODULES = 12
 
 # The layers, lowest first: a module may import its own layer and those below it, never one above. Each entry
 # is a subpackage or a top-level module of hif8qat; docs/design.md draws the same picture.
 LAYERS = [
-    ("errors", "files", "boundary", "artefacts", "stats"),  # base: no torch model, no settings
+    ("errors",),  # the one base class of user-facing failures
+    # the library core
     ("formats",),  # HiF8 / FP8 quantize-dequantize
     ("scaling",),  # delayed scaling: settings, rules, bank
-    ("config",),  # the validated run configuration (torch-free)
     ("compute_dtype",),  # BF16 native / emulated / FP32 compute
+    ("quant",),  # the quantized linear, model conversion, the public training API
+    # the pipeline
+    ("files", "boundary", "artefacts", "stats"),  # base of the pipeline: no torch model, no settings
+    ("config",),  # the validated run configuration
     ("runs",),  # run folders and downloads
     ("models",),
     ("data",),
-    ("quant",),  # the quantized linear and model conversion
     ("train",),
     ("evaluate",),
     ("report",),
@@ -35,11 +45,18 @@ LAYERS = [
     ("rehearse",),  # rehearsals of the paper path and of SLURM
 ]
 
+CORE = ("formats", "scaling", "compute_dtype", "quant")
+CORE_MAY_IMPORT = (*CORE, "errors")
+# What a core module may import from outside the project: the standard library, torch and numpy (a user's
+# environment with torch has all of them).
+CORE_LIBRARIES = ("torch", "numpy")
+
 # Libraries that may be imported inside a function, and why: each is slow to import or optional, and the modules
 # that use them are also imported on paths that never call them. Everything else, the project's own modules
 # included, is imported at the top of its file.
 LAZY_LIBRARIES = {
-    "transformers": "seconds to import; the quantized linear, run folders and checks use models.loading's names only",
+    "transformers": "seconds to import; run folders and checks use models.loading's names only, and the core's "
+                    "GEMM check builds its tiny model only when run",
     "lm_eval": "seconds to import, and it registers every task: evaluation only",
     "datasets": "seconds to import: streamed corpora and evaluation data only",
     "pandas": "report tables only",
@@ -58,6 +75,10 @@ def _modules() -> dict[str, Path]:
             parts.pop()
         found[".".join(parts)] = path
     return found
+
+
+def _graph_modules() -> dict[str, Path]:
+    return {**_modules(), **ENTRY_POINTS}
 
 
 def _imports(tree: ast.Module):
@@ -92,8 +113,8 @@ def _targets(node: ast.Import | ast.ImportFrom, here: str, modules: dict[str, Pa
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports, by every import statement in it."""
-    modules = _modules()
+    """Module -> the project modules it imports, by every import statement in it (run.py included)."""
+    modules = _graph_modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         here = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -103,6 +124,8 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 def _layer_of(module: str) -> int | None:
+    if module in ENTRY_POINTS:
+        return len(LAYERS)
     parts = module.split(".")
     if len(parts) < 2:
         return None  # the package itself
@@ -158,6 +181,50 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
     wrong = sorted(f"{name} -> {target}" for name, targets in _import_graph().items() for target in targets
                    if (a := _layer_of(name)) is not None and (b := _layer_of(target)) is not None and b > a)
     assert not wrong, "imports from a lower layer to a higher one:\n" + "\n".join(wrong)
+
+
+def _core_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> target`` for every import from a core module (or the package's own ``__init__``, which is the
+    public API) into anything but the core and ``errors``."""
+    def unit(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if parts[0] == PACKAGE and len(parts) > 1 else None
+
+    return sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                  if (unit(name) in CORE or name == PACKAGE) and unit(target) not in CORE_MAY_IMPORT)
+
+
+def test_the_core_rule_catches_an_import_into_the_pipeline():
+    graph = {"hif8qat.quant.linear": {"hif8qat.models.loading", "hif8qat.scaling.bank"},
+             "hif8qat.scaling.bank": {"hif8qat.errors"}, "hif8qat": {"hif8qat.config.run_config"},
+             "hif8qat.train.loop": {"hif8qat.quant.linear"}, "run": {"hif8qat.files"}}
+    assert _core_violations(graph) == ["hif8qat -> hif8qat.config.run_config",
+                                       "hif8qat.quant.linear -> hif8qat.models.loading"]
+
+
+def test_the_core_imports_nothing_of_the_pipeline():
+    wrong = _core_violations(_import_graph())
+    assert not wrong, "the library core imports the pipeline:\n" + "\n".join(wrong)
+
+
+def test_the_core_imports_no_library_but_torch_and_numpy_at_import_time():
+    wrong = []
+    for name, path in _modules().items():
+        if name.split(".")[1:2] and name.split(".")[1] not in CORE and name != PACKAGE:
+            continue
+        for node, in_function in _imports(ast.parse(path.read_text(), str(path))):
+            if in_function or (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            top = (node.names[0].name if isinstance(node, ast.Import) else node.module).split(".")[0]
+            if top not in (*CORE_LIBRARIES, PACKAGE, "__future__") and top not in sys.stdlib_module_names:
+                wrong.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
+    assert not wrong, "the core imports a library beyond torch and numpy:\n" + "\n".join(wrong)
+
+
+def test_nothing_imports_the_entry_point_and_it_is_in_the_graph():
+    graph = _import_graph()
+    assert "run" in graph and any(t.startswith(PACKAGE) for t in graph["run"])
+    assert not [name for name, targets in graph.items() if "run" in targets]
 
 
 def test_no_import_cycle_between_modules():

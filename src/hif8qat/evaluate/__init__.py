@@ -5,7 +5,7 @@ the run's 8-bit format with the scales of training frozen), and the held-out tok
 into a model, quantized or not), ``prefix_lm`` (each context forwarded once), ``ranks`` (requests shared over
 ranks), ``task_data``, ``offline_benchmarks`` and ``minitasks/`` (the tasks' data), ``outputs``, ``settings``,
 ``subsets``, ``heldout`` (per-token NLL, KL, top-1 against the baseline), ``cli``.
-Layer 11: imports ``train`` (ranks' gathers), ``quant``, ``models``, ``data``, ``runs``, ``config`` and below;
+Layer 12: imports ``train`` (ranks' gathers), ``quant``, ``models``, ``data``, ``runs``, ``config`` and below;
 never ``report`` or ``launch``.
 """
 

@@ -60,10 +60,10 @@ class GemmOperandDtypes(TorchDispatchMode):
         return sum(self.calls.values())
 
 
-def _model(variant: str, *, recompute_w: bool = False, seed: int = 0):
+def _model(variant: str, *, recompute_w: bool = False, seed: int = 0, emulate: bool = False):
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=seed)
-    if variant != "plain":
-        qlinear.convert_model(model, variant, None, ScalingConfig())
+    if variant != "plain":  # the layers are told the numerics (the trainer does so from train.autocast)
+        qlinear.convert_model(model, variant, None, ScalingConfig(), emulate_bf16=emulate)
         qlinear.set_quantization(model, True)
         if recompute_w:
             qlinear.set_weight_recompute(model, True)
@@ -88,7 +88,7 @@ def _step(model, ids, mode: str, counter: TorchDispatchMode) -> torch.Tensor:
     ("attn_mlp", False, True), ("mlp", True, True),
 ])
 def test_a_training_step_sends_no_bf16_operand_to_a_gemm(mode, variant, recompute_w, checkpointing):
-    model, _ = _model(variant, recompute_w=recompute_w)
+    model, _ = _model(variant, recompute_w=recompute_w, emulate=mode == "bf16_emulated")
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=numerics.checkpoint_kwargs(mode, "cpu"))
     model.train()
@@ -105,8 +105,9 @@ def test_the_quantized_backward_under_emulation_computes_what_torchs_bf16_kernel
     """Keeping BF16 out of the GEMMs keeps the numbers: a quantized layer's dX and dW under emulation equal torch's
     own BF16 GEMM on the same quantized operands (tiny shapes: fast on any CPU) up to summation order."""
     torch.manual_seed(0)
-    emulated_layer = qlinear.QuantLinear(64, 32, name="probe", config=ScalingConfig())
+    emulated_layer = qlinear.QuantLinear(64, 32, name="probe", config=ScalingConfig(), emulate_bf16=True)
     native_layer = copy.deepcopy(emulated_layer)
+    native_layer.emulate_bf16 = False
     x = torch.randn(8, 64)
     g = torch.randn(8, 32).to(torch.bfloat16)
 
@@ -230,7 +231,7 @@ def test_the_chunked_loss_recomputes_under_the_emulation(monkeypatch):
     from hif8qat.train import chunked_loss
 
     monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 8 * 259)  # chunks of 8 tokens at the tiny vocabulary
-    model, _ = _model("mlp", seed=4)
+    model, _ = _model("mlp", seed=4, emulate=True)
     assert chunked_loss.install_loss_head(model, emulate_bf16=True) is not None
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))

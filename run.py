@@ -77,7 +77,8 @@ def _setting_names() -> list[str]:
     names = []
     for f in fields(RunConfig):
         section = f.default_factory() if callable(f.default_factory) else None
-        names += [f"{f.name}.{g.name}" for g in fields(section)] if is_dataclass(section) else [f.name]
+        keys = getattr(section, "FLAT_KEYS", None) or [g.name for g in fields(section)] if is_dataclass(section) else []
+        names += [f"{f.name}.{key}" for key in keys] if keys else [f.name]
     return names
 
 

@@ -56,7 +56,7 @@ def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_lis
 
     from hif8qat import compute_dtype as numerics
     from hif8qat.quant.gemm_check import GemmOperandCount
-    from hif8qat.quant.linear import convert_model, set_quantization
+    from hif8qat.quant.linear import convert_model, set_bf16_emulation, set_quantization
     from hif8qat.scaling.settings import ScalingConfig
 
     model = build_model(model_name).float().train()
@@ -68,6 +68,7 @@ def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_lis
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
 
     def step(mode: str) -> float:
+        set_bf16_emulation(model, mode == "bf16_emulated")  # the layers are told the numerics, as the trainer does
         t0 = time.perf_counter()
         with numerics.forward_context(mode, "cpu"):
             logits = model(input_ids=ids[:, :-1]).logits

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hif8qat.formats.qdq import hif8_qdq_scaled
+from hif8qat.models.quant_files import load_quant_export
 from hif8qat.quant.linear import (
     QuantLinear,
     convert_model,
@@ -24,7 +25,6 @@ from hif8qat.quant.linear import (
     set_step,
     update_scales,
 )
-from hif8qat.models.quant_files import load_quant_export
 from hif8qat.scaling.bank import QuantizerCalledTwice, ScalerBank
 from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ROLES, ScalingConfig

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hif8qat.formats.qdq import hif8_qdq_scaled
 from hif8qat.config.blocks import parse_high_precision_blocks
+from hif8qat.formats.qdq import hif8_qdq_scaled
 from hif8qat.models.quant_files import dump_telemetry, load_quant_export, save_quant_export
 from hif8qat.quant.linear import (
     QuantLinear,

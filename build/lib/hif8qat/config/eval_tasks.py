@@ -1,0 +1,65 @@
+"""The evaluation task table: tasks, suites and the allowed modes, devices and dtypes.
+
+Torch-free and free of lm-eval and of the rest of the project, so that :mod:`hif8qat.config.run_config` can validate
+``eval.*`` settings against it without importing the evaluation (which would import :mod:`hif8qat.runs.folders`,
+which imports the config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+MINITASK_DIR = Path(__file__).resolve().parents[1] / "evaluate" / "minitasks"
+MODES = ("bf16", "hif8")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16", "bf16_emulated")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    num_fewshot: int
+    metric: str  # the sample-level metric the paper reports (acc / acc_norm / exact_match)
+    filter: str = "none"
+    mini: bool = False
+    lm_eval_dir: str | None = None  # folder under lm_eval/tasks holding the task's YAMLs (indexed alone: fast)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "mini_mmlu": TaskSpec("mini_mmlu", 1, "acc", mini=True),
+    "mini_hellaswag": TaskSpec("mini_hellaswag", 1, "acc_norm", mini=True),
+    "mini_arc": TaskSpec("mini_arc", 1, "acc_norm", mini=True),
+    "mini_mmlu_letters": TaskSpec("mini_mmlu_letters", 5, "acc", mini=True),
+    "mmlu": TaskSpec("mmlu", 5, "acc", lm_eval_dir="mmlu"),
+    # MMLU's cloze formulation (question -> answer text): small models are at chance on lettered options
+    "mmlu_continuation": TaskSpec("mmlu_continuation", 5, "acc", lm_eval_dir="mmlu"),
+    "hellaswag": TaskSpec("hellaswag", 10, "acc_norm", lm_eval_dir="hellaswag"),
+    "arc_challenge": TaskSpec("arc_challenge", 25, "acc_norm", lm_eval_dir="arc"),
+    "arc_easy": TaskSpec("arc_easy", 25, "acc_norm", lm_eval_dir="arc"),
+    "gsm8k": TaskSpec("gsm8k", 5, "exact_match", filter="flexible-extract", lm_eval_dir="gsm8k"),
+}
+SUITES: dict[str, tuple[str, ...]] = {
+    "mini": ("mini_mmlu", "mini_hellaswag", "mini_arc"),
+    "paper": ("mmlu", "hellaswag", "arc_challenge"),
+    "paper_full": ("mmlu", "hellaswag", "arc_challenge", "arc_easy", "gsm8k"),
+}
+
+
+def resolve_tasks(tasks: str | Iterable[str]) -> list[TaskSpec]:
+    """``"mini"``/``"paper"``/``"paper_full"``, a comma-separated string, or a list of task names."""
+    if isinstance(tasks, str):
+        names = list(SUITES[tasks]) if tasks in SUITES else [t.strip() for t in tasks.split(",") if t.strip()]
+    else:
+        names = []
+        for t in tasks:
+            names.extend(SUITES.get(t, (t,)))
+    out = []
+    for n in names:
+        if n not in TASKS:
+            raise ValueError(f"eval.tasks: unknown task {n!r}; allowed: {sorted(TASKS)} or suites {sorted(SUITES)}")
+        out.append(TASKS[n])
+    if not out:
+        raise ValueError("eval.tasks: no task given")
+    return out

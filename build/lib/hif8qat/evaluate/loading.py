@@ -1,0 +1,47 @@
+"""Loading an export folder for evaluation, and what its quantized mode runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hif8qat.config.eval_tasks import MODES
+from hif8qat.models.loading import load_causal_lm
+from hif8qat.models.quant_files import load_quant_export, read_quant_export
+from hif8qat.quant.linear import freeze_scales, quant_linears
+
+
+def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", trust_remote_code: bool | None = None):
+    """Load an exported model folder for evaluation in ``mode``, FP32 weights on ``device`` (module doc).
+
+    trust_remote_code: the run's model.trust_remote_code; an export of a remote-code model (openPangu) keeps
+    its ``auto_map`` and modeling file, and loads only with the opt-in its training had."""
+
+    if mode not in MODES:
+        raise ValueError(f"eval mode {mode!r}; allowed: {MODES}")
+    export_dir = Path(export_dir)
+    if not (export_dir / "config.json").exists():
+        raise FileNotFoundError(f"{export_dir} is not a save_pretrained folder (no config.json)")
+    model, tok = load_causal_lm(str(export_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if mode == "hif8":
+        quant_json = export_dir / "hif8qat_quant.json"
+        if not quant_json.exists():
+            raise FileNotFoundError(f"mode hif8 needs {quant_json} (written by save_quant_export)")
+
+        load_quant_export(model, export_dir)
+        freeze_scales(model, True)
+    model.to(device=device)
+    model.eval()
+    return model, tok
+
+
+def quant_eval_meta(model, export_dir: str | Path) -> dict:
+    """What a quantized evaluation of ``export_dir`` runs: the format per role and how scales are chosen."""
+
+    doc = read_quant_export(export_dir)
+    cfg = doc["config"]
+    jit = any(layer.bank.just_in_time for _, layer in quant_linears(model))
+    return {"format": cfg["format"], "element_formats": doc["element_formats"], "margin": cfg["margin"],
+            "algo": cfg["algo"],
+            "scales": "just-in-time (each tensor's own amax)" if jit else "frozen (final training scales)"}

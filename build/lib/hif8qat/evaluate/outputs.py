@@ -1,0 +1,163 @@
+"""The evaluation folder: per-task results and per-sample rows from lm-eval's output, written and read back."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hif8qat.artefacts import read_csv, read_json, verify_sha256
+from hif8qat.config.eval_tasks import TaskSpec
+from hif8qat.files import atomic_path, sha256_file, write_json, write_text
+from hif8qat.runs.downloads import cache_root
+
+
+def _sample_correct(sample: dict, metric: str) -> int:
+    v = sample.get(metric)
+    if v is None:
+        raise KeyError(f"lm-eval sample has no {metric!r} (keys: {sorted(sample)})")
+    return int(round(float(v)))
+
+
+def _samples_by_task(raw: dict, spec: TaskSpec, group_subtasks: Mapping[str, list]) -> list[tuple[str, int, dict]]:
+    """(doc_id, correct, compact sample) for the task's metric; groups use "<subtask>:<doc_id>" ids."""
+    leaves = [spec.name] if spec.name in raw else _flatten_group(spec.name, group_subtasks)
+    rows = []
+    for leaf in leaves:
+        for s in raw.get(leaf, []):
+            if s.get("filter", "none") != spec.filter:
+                continue
+            doc_id = str(s["doc_id"]) if leaf == spec.name else f"{leaf}:{s['doc_id']}"
+            rows.append((doc_id, _sample_correct(s, spec.metric), _compact_sample(s, doc_id, leaf)))
+    return rows
+
+
+def _flatten_group(name: str, group_subtasks: Mapping[str, list]) -> list[str]:
+    out = []
+    for child in group_subtasks.get(name, []):
+        if child in group_subtasks and group_subtasks[child]:
+            out.extend(_flatten_group(child, group_subtasks))
+        else:
+            out.append(child)
+    return out
+
+
+def _jsonable(x):
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def _compact_sample(s: dict, doc_id: str, leaf: str) -> dict:
+    keep = {"doc_id": doc_id, "task": leaf, "target": s.get("target"),
+            "filtered_resps": s.get("filtered_resps"), "filter": s.get("filter")}
+    for m in s.get("metrics", []):
+        if m in s:
+            keep[m] = s[m]
+    return _jsonable(keep)
+
+
+def _task_result(res: dict, spec: TaskSpec, n: int, nshot: int) -> dict:
+    key = f"{spec.metric},{spec.filter}"
+    r = res.get(spec.name, {})
+    if key not in r:
+        raise KeyError(f"lm-eval returned no {key!r} for {spec.name} (keys: {sorted(r)})")
+    stderr = r.get(f"{spec.metric}_stderr,{spec.filter}")
+    try:
+        stderr = float(stderr)
+    except (TypeError, ValueError):
+        stderr = float("nan")
+    return {"metric": spec.metric, "value": float(r[key]), "stderr": stderr, "n": int(n), "num_fewshot": int(nshot)}
+
+
+def gold_scores(compact: Mapping[str, Any]) -> tuple[float, float]:
+    """(log-likelihood of the gold choice, its margin over the best wrong choice) of one logged sample.
+
+    From lm-eval's per-choice ``filtered_resps`` (``[log-likelihood, is_greedy]`` per choice) and the gold
+    index ``target``. Raw log-likelihoods: a continuous, paired per-item measure that moves before the item's
+    0/1 score does (acc_norm decides on length-normalized ones, so a margin's sign can differ from ``correct``).
+    NaN where there is no single integer gold index within the choices or fewer than two choices.
+    """
+    nan = float("nan")
+    target, resps = compact.get("target"), compact.get("filtered_resps")
+    if isinstance(target, str) and target.strip().isdigit():
+        target = int(target)
+    if isinstance(target, bool) or not isinstance(target, int) or not isinstance(resps, list) or len(resps) < 2:
+        return nan, nan
+    try:
+        lls = [float(r[0] if isinstance(r, (list, tuple)) else r) for r in resps]
+    except (TypeError, ValueError, IndexError):
+        return nan, nan
+    if not 0 <= target < len(lls):
+        return nan, nan
+    wrong = lls[:target] + lls[target + 1:]
+    return lls[target], lls[target] - max(wrong)
+
+
+FILES_KEY = "_files"  # results.json: sha256 of each file written beside it, checked when it is read back
+EVAL_REDO = "Rerun the same `python run.py ... stage=eval` (it redoes a mode whose files are corrupt)"
+
+
+def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for task, rows in samples.items():
+        written += [out / f"samples_{task}.csv", out / f"samples_{task}.jsonl.gz"]
+        with atomic_path(out / f"samples_{task}.csv") as tmp, tmp.open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["doc_id", "correct", "gold_ll", "gold_margin"])
+            for doc_id, correct, compact in rows:
+                ll, margin = gold_scores(compact)
+                # repr keeps every digit, so paired differences are recomputable exactly; NaN as empty
+                w.writerow([doc_id, correct, *("" if math.isnan(v) else repr(v) for v in (ll, margin))])
+        with atomic_path(out / f"samples_{task}.jsonl.gz") as tmp, gzip.open(tmp, "wt", encoding="utf-8") as fh:
+            for _, _, compact in rows:
+                fh.write(json.dumps(compact) + "\n")
+    if raw is not None:
+
+        lm_json = {k: v for k, v in raw.items() if k != "samples"}
+        # lm-eval records the offline copies' machine paths: name them relative to the cache root instead
+        text = json.dumps(_jsonable(lm_json), indent=1).replace(str(cache_root()), "$HIF8QAT_CACHE")
+        write_text(out / "lm_eval_results.json", text + "\n")
+    hashes = {p.name: sha256_file(p) for p in written}
+    # last: its presence marks a finished eval
+    write_json(out / "results.json", {**_jsonable(results), FILES_KEY: hashes}, indent=1)
+
+
+def verify_eval_dir(out: Path) -> dict:
+    """A finished mode's results.json, read through the verified reader with every file whose sha256 it
+    recorded (and every samples_*.csv, whole rows only); CorruptArtefact names the first bad file."""
+
+    results = read_json(out / "results.json", EVAL_REDO)
+    recorded = results.get(FILES_KEY) or {}
+    for name, digest in recorded.items():
+        verify_sha256(out / name, digest, EVAL_REDO)
+    for path in sorted(out.glob("samples_*.csv")):
+        read_csv(path, EVAL_REDO, dtype={"doc_id": str})
+    return results
+
+
+def load_eval_results(path: str | Path) -> dict[str, dict]:
+    """Task entries of a ``results.json`` (drops ``_meta`` and other ``_``-prefixed keys)."""
+    data = json.loads(Path(path).read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def format_results(results: Mapping[str, Mapping[str, Any]]) -> str:
+    lines = [f"{'task':<20}{'metric':<10}{'value':>8}{'stderr':>8}{'n':>7}{'shots':>6}"]
+    for task, r in results.items():
+        if task.startswith("_"):
+            continue
+        lines.append(f"{task:<20}{r['metric']:<10}{100 * r['value']:>7.2f}%{100 * r['stderr']:>7.2f}%"
+                     f"{r['n']:>7}{r['num_fewshot']:>6}")
+    return "\n".join(lines)

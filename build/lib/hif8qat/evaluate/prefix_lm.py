@@ -1,0 +1,280 @@
+"""lm-eval's HF model, with each multiple-choice context forwarded once for all of its continuations.
+
+lm-eval's :class:`~lm_eval.models.huggingface.HFLM` forwards ``context + continuation[:-1]`` once per
+request and shares work only between one-token continuations of one context. A multiple-choice item
+(HellaSwag endings, ARC answers, MMLU cloze answers: several tokens each) thus pays for its shared
+context once per choice. :class:`SharedContextLM` scores the same requests, tokenized exactly as HFLM
+tokenizes them (``context_enc`` and ``continuation_enc`` from lm-eval's ``_encode_pair``), as follows:
+
+* requests are grouped by identical context tokens;
+* a group's context is forwarded once with the KV cache on; the logits of its last token score every
+  continuation's first token;
+* the context's cache row is then copied for each of its continuations and ``continuation[:-1]`` is
+  forwarded from the cached prefix (padding of the batched prefixes masked out, positions continued),
+  scoring the remaining tokens;
+* a request whose context is shared with no other is forwarded whole (``context + continuation[:-1]``),
+  batched with the contexts, as HFLM forwards every request;
+* contexts (and, per batch of contexts, continuations) are sorted by length and cut into batches of at
+  most ``batch_size`` rows in which no row is shorter than ``min_fill`` (0.8) of the longest, so padding
+  stays small; only the scored positions go through the output layer (``logits_to_keep``);
+* requests that HFLM would truncate to ``max_length`` (and every request when ``batch_size="auto"``)
+  go through HFLM's own path unchanged.
+
+Outputs are HFLM's: ``(sum of the continuation's log-probabilities, whether every continuation token is
+the argmax)``, in the order of the requests. The numbers agree with HFLM's up to float rounding (the
+matmuls have other shapes; see ``tests/test_prefix_lm.py`` for the tolerance).
+
+Numerics: every model call (the shared-context path, HFLM's own path, generation) runs inside
+``numerics()``, the zero-argument context-manager factory given at construction: that is the one place
+where the evaluation's compute numerics (e.g. bf16 autocast) are applied.
+
+Ranks: with ``ranks`` (under torchrun) every rank runs lm-eval whole and scores only its share of each call's
+context groups; the answers are all-gathered (:mod:`hif8qat.evaluate.ranks`).
+
+Token counts (this rank's share under ``ranks``): :attr:`SharedContextLM.token_counts` accumulates, over every ``loglikelihood`` call, the
+tokens HFLM would forward (``per_request``: the sum of each request's input length) and the tokens this
+model forwards (``forwarded``: real tokens, padding excluded; ``forwarded_padded``: positions including
+padding; ``forward_calls``: model calls of the shared-context path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.models.huggingface import HFLM
+from tqdm import tqdm
+
+from hif8qat.evaluate.ranks import Ranks, deal, gather_answers
+
+Request = tuple[Any, list[int], list[int]]  # (cache key or None, context_enc, continuation_enc)
+
+
+class SharedContextLM(HFLM):
+    """:class:`HFLM` whose ``_loglikelihood_tokens`` forwards each distinct context once (module doc).
+
+    ``numerics``: a zero-argument callable returning the context manager every forward runs under
+    (default: HFLM's ``mixed_precision_dtype`` autocast, or none). ``ranks``: evaluate data-parallel over
+    these ranks (:mod:`hif8qat.evaluate.ranks`; every rank runs lm-eval whole and makes the same calls, each
+    scores its share of each call's context groups, all get every answer). Other arguments are HFLM's.
+    """
+
+    def __init__(self, *args, numerics: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 ranks: Ranks | None = None, **kwargs):
+        amp = kwargs.pop("mixed_precision_dtype", None)
+        # HFLM's own autocast stays off: numerics are applied in _forward only
+        super().__init__(*args, mixed_precision_dtype=None, **kwargs)
+        if numerics is None:
+            amp_dtype = getattr(torch, amp) if isinstance(amp, str) else amp
+            device_type = self.device.type
+
+            def numerics():
+                if amp_dtype is None:
+                    return contextlib.nullcontext()
+                return torch.autocast(device_type=device_type, dtype=amp_dtype)
+        self._numerics = numerics
+        self._ranks = ranks if ranks is not None and ranks.world_size > 1 else None
+        self.token_counts = {"requests": 0, "per_request": 0, "forwarded": 0, "forwarded_padded": 0,
+                             "forward_calls": 0}
+        params = inspect.signature(self.model.forward).parameters.values()
+        self._keeps_logits = any(p.name == "logits_to_keep" or p.kind is inspect.Parameter.VAR_KEYWORD
+                                 for p in params)
+
+    # ------------------------------------------------------------------------------ the model calls
+    def _forward(self, **kwargs):
+        """The one place a model forward runs: under ``numerics()``, without gradients."""
+        with torch.no_grad(), self._numerics():
+            return self.model(**kwargs)
+
+    def _model_call(self, inps, attn_mask=None, labels=None):
+        if attn_mask is not None or labels is not None:  # seq2seq: HFLM's call, under the same numerics
+            return self._forward(input_ids=inps, attention_mask=attn_mask, labels=labels).logits
+        return self._forward(input_ids=inps).logits
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        with self._numerics():
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def _scored_logits(self, keep: torch.Tensor, **kwargs):
+        """Forward and return (logits at the ``True`` positions of ``keep`` in row-major order, output)."""
+        if self._keeps_logits:
+            kwargs["logits_to_keep"] = keep
+        out = self._forward(**kwargs)
+        logits = out.logits
+        if logits.dim() == 3:  # the model computed every position
+            logits = logits[keep]
+        return logits, out
+
+    # ---------------------------------------------------------------------------------- scoring
+    def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
+                              override_bs: int | None = None) -> list[tuple[float, bool]]:
+        if self._ranks is None:
+            return self._score_requests(requests, disable_tqdm, override_bs)
+        # this rank's share: whole context groups, balanced by the tokens a request forwards
+        shares = deal([tuple(c) for _, c, _ in requests], [len(c) + len(k) for _, c, k in requests],
+                      self._ranks.world_size)
+        mine = shares[self._ranks.rank]
+        answers = self._score_requests([requests[i] for i in mine], disable_tqdm or self._ranks.rank != 0,
+                                       override_bs)
+        return gather_answers(self._ranks, len(requests), mine, answers)
+
+    def _score_requests(self, requests: list[Request], disable_tqdm: bool = False,
+                        override_bs: int | None = None) -> list[tuple[float, bool]]:
+        counts = self.token_counts
+        counts["requests"] += len(requests)
+        counts["per_request"] += sum(min(len(c) + len(k) - 1, self.max_length) for _, c, k in requests)
+        bs = override_bs or self.batch_size
+        if self.backend != "causal" or not isinstance(bs, int):
+            stock = [min(len(c) + len(k) - 1, self.max_length) for _, c, k in requests]
+            counts["forwarded"] += sum(stock)
+            counts["forwarded_padded"] += sum(stock)
+            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+
+        res: list[tuple[float, bool] | None] = [None] * len(requests)
+        # HFLM truncates from the left when context + continuation exceeds max_length + 1: its path
+        truncated = [i for i, (_, c, k) in enumerate(requests) if len(c) + len(k) > self.max_length + 1]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (_, ctx, cont) in enumerate(requests):
+            if len(ctx) + len(cont) <= self.max_length + 1:
+                groups.setdefault(tuple(ctx), []).append(i)
+        plan = self._plan(groups, requests, bs)
+        pbar = tqdm(total=len(requests) - len(truncated), disable=disable_tqdm or self.rank != 0,
+                    desc="Running loglikelihood requests (shared contexts)")
+        for batch, subs in plan:
+            self._count(batch, subs, requests)
+            for i, answer in self._score_batch(batch, subs, requests):
+                res[i] = answer
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                pbar.update(1)
+        pbar.close()
+
+        if truncated:
+            stock = super()._loglikelihood_tokens([requests[i] for i in truncated], True, override_bs)
+            for i, answer in zip(truncated, stock, strict=True):
+                res[i] = answer
+            n = sum(self.max_length for _ in truncated)
+            counts["forwarded"] += n
+            counts["forwarded_padded"] += n
+        return res
+
+    #: a row joins a batch only while it is at least this fraction of the batch's longest row, so padding
+    #: stays under 1 - min_fill of a batch (more, shorter forwards instead)
+    min_fill = 0.8
+
+    def _spans(self, lengths: list[int], bs: int) -> list[tuple[int, int]]:
+        """Batches ``[start, end)`` over rows sorted by decreasing length: at most ``bs`` rows, little padding."""
+        spans, start = [], 0
+        while start < len(lengths):
+            end = start + 1
+            while end < len(lengths) and end - start < bs and lengths[end] >= self.min_fill * lengths[start]:
+                end += 1
+            spans.append((start, end))
+            start = end
+        return spans
+
+    def _plan(self, groups: dict[tuple[int, ...], list[int]], requests, bs: int) -> list:
+        """Batches of units, each with the sub-batches of its continuations forwarded from cached contexts.
+
+        A unit is ``(prefix tokens, members, shared)``: a context shared by several requests (scored from its
+        last position, then its continuations from the cache), or one request forwarded whole. Units are
+        sorted longest first (as HFLM: a memory error shows at once), continuation rows likewise per batch.
+        """
+        units = []
+        for ctx, members in groups.items():
+            if len(members) == 1:
+                _, c, k = requests[members[0]]
+                units.append((c + k[:-1], members, False))
+            else:
+                units.append((list(ctx), members, True))
+        units.sort(key=lambda u: (-len(u[0]), u[0]))
+        plan = []
+        for s, e in self._spans([len(u[0]) for u in units], bs):
+            batch = units[s:e]
+            rows = sorted(((b, i) for b, (_, members, shared) in enumerate(batch) if shared
+                           for i in members if len(requests[i][2]) > 1),
+                          key=lambda r: -len(requests[r[1]][2]))
+            subs = [rows[a:z] for a, z in self._spans([len(requests[i][2]) - 1 for _, i in rows], bs)]
+            plan.append((batch, subs))
+        return plan
+
+    def _count(self, batch, subs, requests) -> None:
+        """Add a batch's tokens: its prefix rows, then its continuations forwarded from cached contexts."""
+        lens = [len(p) for p, _, _ in batch]
+        forwarded, padded = sum(lens), len(lens) * max(lens)
+        for sub in subs:
+            n = [len(requests[i][2]) - 1 for _, i in sub]
+            forwarded += sum(n)
+            padded += len(n) * max(n)
+        self.token_counts["forwarded"] += forwarded
+        self.token_counts["forwarded_padded"] += padded
+        self.token_counts["forward_calls"] += 1 + len(subs)
+
+    def _score_batch(self, batch, subs, requests):
+        """Forward a batch of units, then each sub-batch of continuations from the cached contexts."""
+        dev = self.device
+        lens = [len(p) for p, _, _ in batch]
+        width = max(lens)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        keep = torch.zeros(len(batch), width, dtype=torch.bool)
+        first = []  # row of ``logits`` holding each unit's first scored position
+        n_scored = 0
+        for b, (prefix, members, shared) in enumerate(batch):
+            ids[b, :len(prefix)] = torch.tensor(prefix)
+            # a shared context's last position scores every continuation's first token; a whole request's
+            # last len(continuation) positions score its continuation
+            n = 1 if shared else len(requests[members[0]][2])
+            keep[b, len(prefix) - n:len(prefix)] = True
+            first.append(n_scored)
+            n_scored += n
+        logits, out = self._scored_logits(keep.to(dev), input_ids=ids.to(dev), use_cache=bool(subs))
+
+        rest: dict[int, torch.Tensor] = {}  # request -> logits of its continuation tokens 2..n
+        if subs:
+            from transformers import DynamicCache
+
+            layers = list(out.cache if hasattr(out, "cache") else out.past_key_values)
+            for sub in subs:
+                rows = torch.tensor([b for b, _ in sub])
+                # each continuation gets a copy of its context's cache row
+                cache = DynamicCache([(k[rows.to(k.device)], v[rows.to(v.device)]) for k, v, *_ in layers],
+                                     config=self.model.config)
+                s_len = max(len(requests[i][2]) - 1 for _, i in sub)
+                s_ids = torch.zeros(len(sub), s_len, dtype=torch.long)
+                s_keep = torch.zeros(len(sub), s_len, dtype=torch.bool)
+                # the cache holds each context's tokens, then right padding up to ``width``: masked out
+                mask = torch.zeros(len(sub), width + s_len, dtype=torch.long)
+                mask[:, width:] = 1
+                for r, (b, i) in enumerate(sub):
+                    cont = requests[i][2][:-1]
+                    s_ids[r, :len(cont)] = torch.tensor(cont)
+                    s_keep[r, :len(cont)] = True
+                    mask[r, :lens[b]] = 1
+                positions = torch.tensor(lens)[rows].unsqueeze(1) + torch.arange(s_len)
+                s_logits, _ = self._scored_logits(s_keep.to(dev), input_ids=s_ids.to(dev),
+                                                  attention_mask=mask.to(dev), position_ids=positions.to(dev),
+                                                  cache=cache, use_cache=True)
+                pos = 0
+                for _, i in sub:
+                    n = len(requests[i][2]) - 1
+                    rest[i] = s_logits[pos:pos + n]
+                    pos += n
+
+        for b, (_, members, shared) in enumerate(batch):
+            for i in members:
+                cont = requests[i][2]
+                scored = logits[first[b]:first[b] + (1 if shared else len(cont))]
+                if i in rest:
+                    scored = torch.cat([scored, rest[i]])
+                yield i, self._answer(scored, cont)
+
+    def _answer(self, logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
+        """HFLM's answer from the continuation's logits [len(cont), vocab], with HFLM's dtypes and ops."""
+        logprobs = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)
+        target = torch.tensor(cont, dtype=torch.long, device=logprobs.device)
+        greedy = bool((logprobs.argmax(dim=-1) == target).all())
+        return float(torch.gather(logprobs, 1, target.unsqueeze(-1)).sum()), greedy

@@ -1,0 +1,231 @@
+"""Datasets of the paper tasks: local copies through generated task YAMLs, and a fail-fast check of the rest
+(see "Datasets for the paper tasks without internet" in :mod:`hif8qat.evaluate`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub.constants as hconst
+import yaml
+
+from hif8qat.config.eval_tasks import TaskSpec
+from hif8qat.errors import RunError
+from hif8qat.runs.downloads import hub_reachable
+
+LOCAL_DATA_ENV = "HIF8QAT_LM_EVAL_DATA"
+
+
+class DatasetUnavailableError(RunError):
+    """A paper task's dataset is neither on disk, in the datasets cache, nor reachable on the hub."""
+
+
+def lm_eval_task_dirs(specs: Iterable[TaskSpec]) -> list[Path] | None:
+    """lm-eval's own YAML folders for the paper tasks (None = index everything: a task without a folder).
+
+    Indexing only these folders takes a second; lm-eval's full index (~15k YAMLs) takes 10-90 s here.
+    """
+    import lm_eval.tasks
+
+    root = Path(lm_eval.tasks.__file__).resolve().parent
+    dirs: list[Path] = []
+    for s in specs:
+        if s.mini:
+            continue
+        if s.lm_eval_dir is None:
+            return None
+        d = root / s.lm_eval_dir
+        if d not in dirs:
+            dirs.append(d)
+    return dirs
+
+
+def task_index_for(specs: Iterable[TaskSpec]) -> Mapping[str, Any]:
+    from lm_eval.tasks._index import TaskIndex
+
+    dirs = lm_eval_task_dirs(specs)
+    if dirs is None:
+        from lm_eval.tasks import TaskManager
+
+        return TaskManager().task_index
+    return TaskIndex.build(dirs)
+
+
+def _leaf_tasks(name: str, index: Mapping[str, Any], _seen: set[str] | None = None) -> list[str]:
+    """Leaf task names under a task/group/tag name in lm-eval's task index."""
+    from lm_eval.tasks._index import Kind
+
+    _seen = set() if _seen is None else _seen
+    if name in _seen:
+        return []
+    _seen.add(name)
+    entry = index.get(name)
+    if entry is None:
+        return []
+    if entry.kind in (Kind.TASK, Kind.PY_TASK):
+        return [name]
+    members: list[str] = []
+    if entry.kind == Kind.TAG:
+        members = sorted(entry.tags)
+    elif entry.kind == Kind.GROUP:
+        members = _group_members((entry.cfg or {}).get("task", []))
+    out: list[str] = []
+    for m in members:
+        out.extend(_leaf_tasks(m, index, _seen))
+    return out
+
+
+def _group_members(items) -> list[str]:
+    """Task/tag names in a group's ``task:`` list; inline subgroups (``{group: stem, task: [...]}``, as in
+    ``mmlu_continuation``) are flattened."""
+    out: list[str] = []
+    for m in items if isinstance(items, list) else [items]:
+        if isinstance(m, str):
+            out.append(m)
+        elif isinstance(m, Mapping):
+            out.extend(_group_members(m.get("task", [])))
+    return out
+
+
+def _local_dataset_map(local_datasets: Mapping[str, str | os.PathLike] | None) -> dict[str, Path]:
+    out = {k: Path(v).expanduser() for k, v in (local_datasets or {}).items()}
+    for k, p in out.items():
+        if not p.exists():
+            raise DatasetUnavailableError(f"eval.local_datasets[{k!r}] = {p} does not exist")
+    return out
+
+
+def _offline_env() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+
+
+@contextlib.contextmanager
+def _forced_offline():
+    """Make datasets/huggingface_hub fail fast instead of retrying an unreachable hub."""
+    import datasets.config as dcfg
+
+    saved = (dcfg.HF_HUB_OFFLINE, hconst.HF_HUB_OFFLINE, os.environ.get("HF_DATASETS_OFFLINE"))
+    dcfg.HF_HUB_OFFLINE = hconst.HF_HUB_OFFLINE = True
+    if hasattr(dcfg, "HF_DATASETS_OFFLINE"):
+        dcfg.HF_DATASETS_OFFLINE = True
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        dcfg.HF_HUB_OFFLINE, hconst.HF_HUB_OFFLINE = saved[0], saved[1]
+        if hasattr(dcfg, "HF_DATASETS_OFFLINE"):
+            dcfg.HF_DATASETS_OFFLINE = saved[0]
+        if saved[2] is None:
+            os.environ.pop("HF_DATASETS_OFFLINE", None)
+        else:
+            os.environ["HF_DATASETS_OFFLINE"] = saved[2]
+
+
+def local_splits(folder: Path, config_name: str | None) -> set[str] | None:
+    """Splits a hub-style local copy declares for a config (its README ``configs:`` block); None = unknown."""
+
+    readme = Path(folder) / "README.md"
+    if not readme.is_file():
+        return None
+    text = readme.read_text(encoding="utf-8")
+    if not text.startswith("---"):
+        return None
+    try:
+        meta = yaml.safe_load(text.split("---", 2)[1]) or {}
+    except yaml.YAMLError:
+        return None
+    for cfg in meta.get("configs") or []:
+        if cfg.get("config_name", "default") == (config_name or "default"):
+            files = cfg.get("data_files")
+            return {f["split"] for f in files if isinstance(f, Mapping) and "split" in f} \
+                if isinstance(files, list) else None
+    return None
+
+
+def prepare_paper_tasks(
+    specs: list[TaskSpec],
+    local_datasets: Mapping[str, str | os.PathLike] | None,
+    workdir: Path,
+    *,
+    index: Mapping[str, Any] | None = None,
+    check: bool = True,
+    data_root: str | os.PathLike | None = None,
+) -> tuple[list[Path], bool]:
+    """Write override YAMLs for paper tasks with a local dataset copy and check the rest can be loaded.
+
+    A dataset is looked up in ``local_datasets`` (hub id or task name), then under ``$HIF8QAT_LM_EVAL_DATA``,
+    then under ``data_root`` (the offline benchmark copies of :mod:`hif8qat.evaluate.offline_benchmarks`). When the local copy
+    has no train split and the task takes its few-shot examples from it (HellaSwag, ARC; the offline copies
+    ship none), the override also sets ``training_split: null``, so lm-eval's own fallback picks the
+    few-shot source: the validation split (ARC: disjoint from test; HellaSwag: the evaluated split, with
+    the evaluated document excluded from its own context by lm-eval's sampler).
+
+    Returns (extra include paths, whether evaluation must run with the hub forced offline).
+    Raises :class:`DatasetUnavailableError` for a dataset with no local copy, no cache and no hub.
+    """
+    paper = [s for s in specs if not s.mini]
+    if not paper:
+        return [], False
+    if index is None:
+        index = task_index_for(paper)
+    local = _local_dataset_map(local_datasets)
+    roots = [Path(r) for r in (os.environ.get(LOCAL_DATA_ENV), data_root) if r]
+    override_dir = workdir / "task_overrides"
+    written = 0
+    unresolved: dict[str, tuple[str, str | None]] = {}  # dataset_path -> (first leaf, dataset_name)
+    for spec in paper:
+        leaves = _leaf_tasks(spec.name, index)
+        if not leaves:
+            raise ValueError(f"lm-eval has no task named {spec.name!r}")
+        for leaf in leaves:
+            entry = index[leaf]
+            cfg = entry.cfg or {}
+            ds_path = cfg.get("dataset_path")
+            if not ds_path:
+                continue
+            target = local.get(leaf) or local.get(spec.name) or local.get(ds_path)
+            if target is None:
+                target = next((r / ds_path for r in roots if (r / ds_path).exists()), None)
+            if target is not None:
+                override_dir.mkdir(parents=True, exist_ok=True)
+                text = (f"# generated by hif8qat.evaluate: {leaf} on a local copy of {ds_path}\n"
+                        f"include: {json.dumps(str(Path(entry.yaml_path).resolve()))}\n"
+                        f"task: {json.dumps(leaf)}\n"
+                        f"dataset_path: {json.dumps(str(Path(target).resolve()))}\n")
+                splits = local_splits(Path(target), cfg.get("dataset_name"))
+                train = cfg.get("training_split")
+                if splits is not None and train and train not in splits and not cfg.get("fewshot_split"):
+                    text += "training_split: null\n"
+                (override_dir / f"{leaf}.yaml").write_text(text)
+                written += 1
+            elif ds_path not in unresolved:
+                unresolved[ds_path] = (leaf, cfg.get("dataset_name"))
+    force_offline = False
+    if unresolved and check:
+        online = not _offline_env() and hub_reachable()
+        if not online:
+            force_offline = True
+            missing = []
+            with _forced_offline():
+                import datasets
+
+                for ds_path, (leaf, ds_name) in unresolved.items():
+                    try:
+                        datasets.load_dataset(ds_path, ds_name)
+                    except Exception as err:  # noqa: BLE001 - any failure means "not available"
+                        missing.append(f"  {ds_path} (task {leaf}): {type(err).__name__}: {str(err)[:160]}")
+            if missing:
+                raise DatasetUnavailableError(
+                    "lm-eval datasets not available: the hub is unreachable"
+                    + (" (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE set)" if _offline_env() else "")
+                    + " and there is no local or cached copy of:\n" + "\n".join(missing)
+                    + f"\nProvide a copy of each hub dataset repo and set {LOCAL_DATA_ENV}=<root> (laid out as "
+                    "<root>/<hub id>, e.g. <root>/cais/mmlu) or eval.local_datasets={<hub id>: <dir>}; "
+                    "or run the mini tasks (eval.tasks=mini)."
+                )
+    return ([override_dir] if written else []), force_offline

@@ -1,0 +1,249 @@
+"""Checks that what a run needs can be had, before any model, data or run folder is touched.
+
+`RunConfig.validate` checks the settings themselves (types, ranges, paths that must exist); this module checks
+the environment they point at: results_root must be a writable folder, a hub model id must be cached or
+reachable, a streamed dataset needs the hub, a paper evaluation task needs its dataset, `train.device=cuda` needs
+a GPU, train.seq_len must fit the model's positions and a training step the machine's memory. Each failure is a ConfigError
+naming the setting and the accepted forms, so `run.py` reports it as ``error: ...`` (exit 2) in seconds
+instead of after loading a model or training for hours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from huggingface_hub import hf_hub_download
+
+from hif8qat.config.eval_tasks import resolve_tasks
+from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.data.loader import _datasets_offline
+from hif8qat.evaluate.offline_benchmarks import ensure_installed
+from hif8qat.evaluate.task_data import prepare_paper_tasks
+from hif8qat.models.loading import (
+    OPENPANGU_EMBEDDED_1B,
+    PANGU_MODEL_TYPES,
+    _hub_cached,
+    _looks_like_path,
+    hub_offline,
+    model_config_facts,
+)
+from hif8qat.runs.downloads import hub_reachable
+from hif8qat.train import chunked_loss
+
+MODEL_FORMS = ("tiny or tiny:N (N >= 1 blocks), smollm2_135m, smollm2_135m_offline, openpangu_embedded_1b, "
+               "an existing local save_pretrained folder, or a Hugging Face hub id that is cached or reachable")
+
+
+def check_local_model_type(name: str, config_file: Path, trust_remote_code: bool | None) -> None:
+    """A local folder's config.json must parse and name a model_type transformers knows (or openPangu's, loaded as
+    Llama, or one its remote code defines, when model.trust_remote_code allows it): otherwise transformers fails
+    after the run folder exists."""
+
+    from transformers import CONFIG_MAPPING
+
+
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"invalid setting model.name={name!r}: its config.json cannot be read ({err}); "
+                          f"allowed {MODEL_FORMS}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type in CONFIG_MAPPING or model_type in PANGU_MODEL_TYPES:
+        return
+    if isinstance(config, dict) and config.get("auto_map") and trust_remote_code:
+        return  # the folder's own code defines it
+    raise ConfigError(f"invalid setting model.name={name!r}: its config.json has model_type={model_type!r}, which "
+                      "this transformers does not know; allowed a model_type of transformers (e.g. llama, qwen2), "
+                      "openPangu's PanguEmbedded, or a folder with remote code and model.trust_remote_code=true")
+
+
+def check_model(cfg: RunConfig) -> None:
+    """model.name must name something `models.load_causal_lm` can load without failing later."""
+
+    name = cfg.model.name.strip()
+    if name == "tiny" or name.startswith("tiny:") or name in ("smollm2_135m", "smollm2_135m_offline"):
+        return  # built in code, or converted from a PyPI wheel with its own clear error
+    hub_id = OPENPANGU_EMBEDDED_1B["hub_id"] if name == "openpangu_embedded_1b" else name
+    local = Path(name).expanduser()
+    if local.exists():
+        if not (local.is_dir() or local.suffix == ".gguf"):
+            raise ConfigError(f"invalid setting model.name={name!r}: a file; allowed {MODEL_FORMS}")
+        if local.is_dir():
+            check_local_model_type(name, local / "config.json", cfg.model.trust_remote_code)
+        return
+    if _looks_like_path(name) or local.is_absolute():
+        raise ConfigError(f"invalid setting model.name={name!r}: no such local folder and not a hub id "
+                          f"(org/name); allowed {MODEL_FORMS}")
+    if _hub_cached(hub_id, cfg.model.revision):
+        return
+    extra = (f" To use it offline: {OPENPANGU_EMBEDDED_1B['how_to']}" if name == "openpangu_embedded_1b" else
+             f" Download it where the hub is reachable (huggingface-cli download {hub_id}) or give a local folder.")
+    if hub_offline():
+        raise ConfigError(f"invalid setting model.name={name!r}: {hub_id} is not in the Hugging Face cache and "
+                          f"the hub is switched off (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE); allowed {MODEL_FORMS}."
+                          + extra)
+    if not hub_reachable():
+        raise ConfigError(f"invalid setting model.name={name!r}: {hub_id} is not in the Hugging Face cache and "
+                          f"the hub is unreachable; allowed {MODEL_FORMS}." + extra)
+
+    try:  # the one small file load_causal_lm reads first; cached afterwards
+        hf_hub_download(hub_id, "config.json", revision=cfg.model.revision)
+    except Exception as err:  # noqa: BLE001 - unknown repo, gated, no config.json: all mean "cannot load"
+        raise ConfigError(f"invalid setting model.name={name!r}: the hub has no loadable model {hub_id} "
+                          f"({type(err).__name__}: {str(err)[:200]}); allowed {MODEL_FORMS}") from None
+
+
+def check_data(cfg: RunConfig) -> None:
+
+    if cfg.data.source.strip() == "fineweb" and _datasets_offline():
+        raise ConfigError("invalid setting data.source='fineweb': it streams from the Hugging Face hub, but "
+                          "HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set; allowed 'mini', or a local directory, file "
+                          "or glob of .parquet/.jsonl/.json/.txt files (e.g. a downloaded copy of fineweb "
+                          "sample/10BT)")
+
+
+def check_results_root(cfg: RunConfig) -> None:
+    """results_root must be a folder (or creatable as one) that this process can write: a plain file or a
+    read-only mount there would fail only once a run folder, checkpoint or table is written."""
+    root = Path(cfg.results_root).expanduser()
+    writes = [root] if cfg.stage != "report" else []
+    if cfg.stage in ("report", "all"):  # the tables and figures go beside the runs: <results_root>/../tables
+        writes.append(root.parent / "tables")
+    for target in [root, *writes]:
+        existing = target
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ConfigError(f"invalid setting results_root={cfg.results_root!r}: {existing} is a file, not a "
+                              "folder; allowed a folder that exists or can be created")
+        if target not in writes:
+            continue
+        try:  # what os.access cannot tell: a read-only mount for root, a full quota, ...
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as err:
+            raise ConfigError(f"invalid setting results_root={cfg.results_root!r}: cannot write in {existing} "
+                              f"({err.strerror or err}); allowed a folder this user can write") from None
+
+
+def _parameter_count(c: dict) -> int:
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    inter = c.get("intermediate_size") or 4 * h
+    heads = c.get("num_attention_heads") or 1
+    kv, head_dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
+    per_layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * inter + 2 * h
+    return layers * per_layer + vocab * h * (1 if c.get("tie_word_embeddings", True) else 2) + h
+
+
+def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1) -> dict[str, int]:
+    """A lower estimate of the bytes one training process holds during a step, by part.
+
+    weights, gradients and the two AdamW moments (4 copies of the parameters); the activations autograd keeps
+    per block (the residual stream, q/k/v, the attention output and the MLP's gate, up and product at the
+    autocast width; eager attention adds its probability matrix), only each block's input under
+    activation checkpointing; the loss's vocabulary-wide tensors: over the whole micro-batch, 12 bytes per logit
+    (the log-softmax kept for backward and two FP32 gradients; measured), or, when the loss runs in chunks
+    (`chunked_loss`), one chunk's logits at the autocast width plus three FP32 tensors. Counted low (no
+    allocator slack, no quantizer buffers): within 20 % of a measured CPU peak, below it on a GPU.
+    """
+
+    t = cfg.train
+    h, layers, vocab = facts["hidden_size"], facts["num_hidden_layers"], facts["vocab_size"]
+    inter = facts.get("intermediate_size") or 4 * h
+    heads = facts.get("num_attention_heads") or 1
+    width = 2 if t.autocast == "bf16" else 4
+    states = _parameter_count(facts) * (2 if cfg.quirks.bf16_params else 4) * 4
+    if t.distributed == "fsdp" and world_size > 1:
+        states //= world_size
+    tokens = t.micro_batch_size * t.seq_len
+    block = tokens * (4 * h + 3 * inter) * width
+    if facts.get("attn_implementation") == "eager":
+        block += t.micro_batch_size * heads * t.seq_len ** 2 * width  # the softmax output, kept for backward
+    kept = tokens * h * width if t.activation_checkpointing else block
+    activations = (layers - 1) * kept + block
+    if tokens * vocab > chunked_loss.CHUNK_ELEMENTS:  # read when called: the loss head's setting, as it is then
+        logits = min(tokens, chunked_loss.chunk_rows(vocab)) * vocab * (width + 12)
+    else:
+        logits = tokens * vocab * 12
+    return {"weights, gradients and AdamW state": states, "activations": activations, "logits": logits}
+
+
+def _machine_memory(device: str) -> tuple[int | None, str]:
+
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        index = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+        return torch.cuda.get_device_properties(index).total_memory, f"memory on GPU {index}"
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None, ""
+    try:  # a container's memory limit, when one is set
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    # Ranks on one machine without GPUs share its memory.
+    return total // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1), "RAM"
+
+
+def check_model_fits(cfg: RunConfig) -> None:
+    """train.seq_len within the model's positions, and one step's memory within the machine's, read from the
+    model's config.json only (no weights). A model whose config cannot be had offline is not checked."""
+
+    facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
+    if not facts or not all(isinstance(facts.get(k), int) for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
+        return
+    limit = facts.get("max_position_embeddings")
+    if isinstance(limit, int) and cfg.train.seq_len > limit:
+        raise ConfigError(f"invalid setting train.seq_len={cfg.train.seq_len}: allowed at most {limit}, the "
+                          f"max_position_embeddings of model.name={cfg.model.name!r} (its config.json)")
+
+    parts = step_memory(cfg, facts, int(os.environ.get("WORLD_SIZE", "1")))
+    have, where = _machine_memory(cfg.train.device)
+    need = sum(parts.values())
+    if have and need > have:
+        gib = 2.0 ** 30
+        detail = ", ".join(f"{k} {v / gib:.1f}" for k, v in parts.items())
+        raise ConfigError(
+            f"invalid setting train.micro_batch_size={cfg.train.micro_batch_size} with train.seq_len="
+            f"{cfg.train.seq_len}: one training step of {cfg.model.name} needs at least {need / gib:.1f} GiB "
+            f"({detail} GiB), more than the {have / gib:.1f} GiB of {where} here; allowed settings that fit: a "
+            "smaller train.micro_batch_size (train.global_batch_size stays, by gradient accumulation), a shorter "
+            "train.seq_len, or train.activation_checkpointing=true")
+
+
+def check_device(cfg: RunConfig) -> None:
+
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("invalid setting train.device='cuda': no CUDA device is visible here; allowed auto "
+                          "(CUDA when available, else CPU) or cpu")
+
+
+def check_eval_datasets(cfg: RunConfig) -> None:
+    """Paper tasks need their datasets (local copy, cache or hub): find out before training, not after."""
+
+    specs = [s for s in resolve_tasks(list(cfg.eval.tasks)) if not s.mini]
+    if specs:
+        data_root = None
+        if cfg.eval.offline_data:  # the offline copies the evaluation will read (installed once, else a RunError)
+
+            data_root = ensure_installed()
+        with tempfile.TemporaryDirectory(prefix="hif8qat-preflight-") as tmp:
+            prepare_paper_tasks(specs, dict(cfg.eval.local_datasets) or None, Path(tmp), data_root=data_root)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Every check that applies to cfg.stage; raises ConfigError (or DatasetUnavailableError) on the first."""
+    check_results_root(cfg)
+    if cfg.stage in ("train", "all"):
+        check_model(cfg)
+        check_data(cfg)
+        check_device(cfg)
+        check_model_fits(cfg)
+    if cfg.stage in ("eval", "all"):
+        check_eval_datasets(cfg)

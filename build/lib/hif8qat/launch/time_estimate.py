@@ -1,0 +1,172 @@
+"""How long a batch of runs will take on this machine, from a short measured training step.
+
+    python run.py --estimate --profile mini --experiments exp1 exp2 ... --seeds 0 [--label "make all"]
+        [--baseline exp1 --baseline-overrides K=V ...] [--overrides K=V ...]
+
+Loads the profile's model (timed), times a few training steps at the profile's batch, sequence length and
+numerics (``train.autocast=auto`` resolved here) and an evaluation-sized forward pass, plain and quantized;
+then adds up, for every run that is not finished yet, its plain and quantized steps, the forwards and setup
+of each of its evaluation modes, and its model loads. Printed before ``make all`` and the other
+long targets, so a user on a slower machine knows what they started. Only the mini profile is estimated
+(its runs take minutes to an hour on a CPU); elsewhere it says nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hif8qat import compute_dtype as numerics
+from hif8qat.evaluate.heldout import heldout_window_count
+from hif8qat.models.loading import load_causal_lm
+from hif8qat.quant.linear import convert_model, freeze_scales, set_quantization
+from hif8qat.runs.folders import is_done, run_dir_for
+from hif8qat.train.loop import lm_loss
+
+# Tokens an evaluation of one run forwards at the mini profile (its three subsets, each item's context once,
+# the bf16 mode only), counted by the evaluation itself into results.json (_meta.eval_tokens); used when no
+# finished evaluation of this profile exists yet to read it from. A workload size, not a time.
+_EVAL_TOKENS_FALLBACK = {"mini": 60_000}
+
+
+def eval_tokens(results_root: Path, profile: str) -> int:
+    """Tokens one run's evaluation forwards: from the newest recorded evaluation of the profile, else a fallback."""
+    counts = []
+    for path in sorted((results_root / profile).glob("*/seed*/eval/bf16/results.json")):
+        tokens = (json.loads(path.read_text()).get("_meta") or {}).get("eval_tokens") or {}
+        if tokens.get("forwarded_padded") or tokens.get("forwarded"):
+            counts.append(int(tokens.get("forwarded_padded") or tokens["forwarded"]))
+    return max(counts) if counts else _EVAL_TOKENS_FALLBACK.get(profile, 0)
+
+
+# Per evaluation mode, besides the forwards: lm-eval building its three tasks from the offline copies and
+# writing the per-item files (about 15 s measured at the mini profile, docs/calibration.md).
+EVAL_SETUP_S = 15.0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What one piece of a run costs on this machine, measured by :func:`measure`."""
+
+    numerics: str
+    load_s: float  # loading the model (once for training, once per evaluation mode)
+    train_step_s: float  # a plain (BF16-warmup) optimizer step at the profile's batch
+    qat_step_s: float  # a step with the quantized linears on
+    eval_token_s: float  # one evaluated token, unquantized forward
+    quant_eval_token_s: float  # one evaluated token, quantized forward with frozen scales
+
+
+def run_seconds(cfg, costs: Costs, eval_tokens_per_mode: int) -> float:
+    """Seconds one run takes: its plain and quantized steps, each evaluation mode's forwards and setup, and
+    one model load per process that needs the model (training, then each evaluation mode); for a quantized run
+    also the held-out distances computed after its evaluation."""
+
+    modes = list(cfg.eval.modes)
+    qat_steps = max(cfg.train.steps - cfg.quant.bf16_warmup_steps, 0) if cfg.quant.enabled else 0
+    train = (cfg.train.steps - qat_steps) * costs.train_step_s + qat_steps * costs.qat_step_s
+    evaluate = sum(eval_tokens_per_mode * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
+                   + EVAL_SETUP_S for mode in modes)
+    heldout = 0.0
+    if cfg.quant.enabled:  # held-out distances: the baseline's export and each mode of the run, forwarded once
+        tokens = heldout_window_count(cfg.train.seq_len) * cfg.train.seq_len
+        heldout = sum(costs.load_s + tokens * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
+                      for mode in ["bf16", *modes])
+    return train + evaluate + heldout + costs.load_s * (1 + len(modes))
+
+
+def measure(cfg, repeats: int = 2) -> Costs:
+    """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant)."""
+
+
+    t0 = time.perf_counter()
+    model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+    load_s = time.perf_counter() - t0
+    mode = numerics.resolve(cfg.train.autocast, "cpu")
+    ids = torch.randint(0, model.config.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
+    batch = torch.randint(0, model.config.vocab_size, (16, 128))
+
+    def step_s(opt) -> float:
+        def once() -> float:
+            t = time.perf_counter()
+            with numerics.forward_context(mode, "cpu"):
+                loss = lm_loss(model, ids)
+            with numerics.backward_context(mode, "cpu"):
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return time.perf_counter() - t
+
+        model.train()
+        once()  # first call: allocation, the quantizers' cold start
+        return min(once() for _ in range(repeats)) * cfg.grad_accum_steps(1)
+
+    def token_s() -> float:
+        model.eval()
+        with torch.inference_mode(), numerics.forward_context(mode, "cpu"):
+            model(input_ids=batch)
+            t = time.perf_counter()
+            model(input_ids=batch)
+            return (time.perf_counter() - t) / batch.numel()
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-9)
+    plain_step, plain_token = step_s(opt), token_s()
+    qat_step, quant_token = plain_step, plain_token
+    if cfg.quant.enabled:
+        convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
+                      emulate_bf16=mode == "bf16_emulated")
+        set_quantization(model, True)
+        qat_step = step_s(torch.optim.AdamW(model.parameters(), lr=1e-9))
+        freeze_scales(model, True)
+        quant_token = token_s()
+    return Costs(mode, load_s, plain_step, qat_step, plain_token, quant_token)
+
+
+def main(argv, config_for: Callable[..., Any]) -> int:
+    """``config_for(profile, experiment, seed, overrides)``: the resolved RunConfig run.py would build (run.py
+    composes it)."""
+    ap = argparse.ArgumentParser(prog="run.py --estimate", description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="mini")
+    ap.add_argument("--experiments", nargs="+", required=True)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--results-root", default="results/runs")
+    ap.add_argument("--label", default="these runs")
+    ap.add_argument("--baseline", default="", help="an experiment run first with --baseline-overrides (make expN)")
+    ap.add_argument("--overrides", nargs="*", default=[], help="the command line's settings (make's ARGS)")
+    ap.add_argument("--baseline-overrides", nargs="*", default=[], help="the baseline's settings (BASELINE_ARGS)")
+    args = ap.parse_args(argv)
+    plain_config_for = config_for
+
+    def config_for(profile, experiment, seed):  # every run with the settings it will be started with
+        extra = args.baseline_overrides if experiment == args.baseline else args.overrides
+        return plain_config_for(profile, experiment, seed, tuple(extra))
+
+    experiments = [e for e in (args.baseline, *args.experiments) if e]
+    if args.profile != "mini":
+        return 0
+
+    pending = []
+    for seed in args.seeds:
+        for experiment in experiments:
+            cfg = config_for(args.profile, experiment, seed)
+            if not is_done(run_dir_for(cfg)) and (experiment, seed) not in pending:
+                pending.append((experiment, seed))
+    if not pending:
+        print(f"estimate: every run of {args.label} is finished; only the report is left")
+        return 0
+    # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
+    configs = [config_for(args.profile, experiment, seed) for experiment, seed in pending]
+    costs = measure(next((c for c in configs if c.quant.enabled), configs[0]))
+    tokens = eval_tokens(Path(args.results_root), args.profile)
+    total = sum(run_seconds(c, costs, tokens) for c in configs)
+    print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
+          f"this machine ({costs.numerics} numerics, measured just now: a training step {costs.train_step_s:.1f} s "
+          f"plain / {costs.qat_step_s:.1f} s quantized, {costs.eval_token_s * 1e3:.2f} / "
+          f"{costs.quant_eval_token_s * 1e3:.2f} ms per evaluated token, {costs.load_s:.0f} s to load the model)")
+    return 0

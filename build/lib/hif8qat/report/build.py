@@ -1,0 +1,106 @@
+"""``build_report``: every table of one profile's run folders, written with its note and sources, the claims
+section and the figures; what was built, and what was left out and why, in one message."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from hif8qat.files import write_text
+from hif8qat.report.anchor import anchor_beside
+from hif8qat.report.claims import UNIT_COLUMNS, heldout_table, mde_table
+from hif8qat.report.figures import make_figures
+from hif8qat.report.notes import multiple_comparisons, table_notes
+from hif8qat.report.reach import reach_table
+from hif8qat.report.readme import claims_parts
+from hif8qat.report.seeds import seed_null_table, seed_spread
+from hif8qat.report.sources import FilesUsed, RunInfo, discover_runs
+from hif8qat.report.sweeps import plot_sweeps, sweep_table
+from hif8qat.report.table_files import write_table
+from hif8qat.report.tables import ablations_table, drops_table, telemetry_table, vs_base_table
+
+
+def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
+                 seed: int = 0, last_frac: float = 0.1, figures: bool = True, replay: bool | None = None,
+                 margins: Mapping[str, float] | None = None) -> dict:
+    """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
+    "message": str, "claims_section": markdown}``; with no runs, writes nothing and says so in ``message``.
+    ``margins``: equivalence margins per metric (default DEFAULT_MARGINS)."""
+    runs_root, out_tables, out_figures = Path(runs_root), Path(out_tables), Path(out_figures)
+    skipped: list[dict] = []  # runs (or parts of them) the tables could not use, and why
+    runs = discover_runs(runs_root, profile, skipped)
+    if not runs:
+        msg = f"no runs under {runs_root / profile} (train some first, e.g. `make exp8 PROFILE={profile}`)"
+        msg += "".join(f"\n  not used: {s['run_dir']}: {s['reason']}" for s in skipped)
+        return {"tables": {}, "files": [], "message": msg}
+    used = FilesUsed()
+
+    parts = claims_parts(runs, runs_root, profile, margins=margins, last_frac=last_frac,
+                         replay=figures if replay is None else replay, skipped=skipped, used=used)
+    runs_df, metrics_cache, claims_df = parts.runs_df, parts.metrics_cache, parts.claims_df
+    baseline_of, parent_of = parts.baseline_of, parts.parent_of
+    # against the baseline (same seed): accuracy drops; against the experiment each run derives from: one factor
+    drops_df = drops_table(runs, baseline_of, used, n_boot, seed)
+    tel_df = telemetry_table(runs, metrics_cache)
+    abl_df = ablations_table(runs, parent_of, n_boot, seed)
+    vs_base_df = vs_base_table(runs, runs_root, profile, n_boot, seed)
+    # seeds: the spread and the BF16-vs-BF16 seed null
+    seeds_df = seed_spread(runs_df, drops_df)
+    null_df = seed_null_table(runs, n_boot, seed)
+    sweeps_df = sweep_table(runs, claims_df, runs_df)
+    heldout_df = heldout_table(claims_df, parts.contrasts_df)
+
+    tables = {f"runs_{profile}": runs_df, f"drops_{profile}": drops_df, f"ape_{profile}": pd.DataFrame(parts.ape),
+              f"telemetry_{profile}": tel_df, f"replay_{profile}": parts.replay_df, f"ablations_{profile}": abl_df,
+              f"scaling_pairs_{profile}": parts.scaling_pairs_df,
+              f"vs_base_{profile}": vs_base_df, f"seeds_{profile}": seeds_df, f"seed_null_{profile}": null_df,
+              f"claims_{profile}": claims_df, f"mde_{profile}": mde_table(claims_df),
+              f"reach_{profile}": reach_table(claims_df),
+              "anchor": anchor_beside(runs_root),
+              f"pairing_{profile}": parts.pairing_df, f"paired_{profile}": parts.contrasts_df.drop(columns=UNIT_COLUMNS, errors="ignore"),
+              f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
+    multiple, n_tests = multiple_comparisons(claims_df, profile)
+    notes = table_notes(profile, n_boot=n_boot, seed=seed, last_frac=last_frac, margins=margins, multiple=multiple)
+    sources = {"files": used.listing(), "runs_root": str(runs_root), "profile": profile, "runs_not_used": skipped}
+    files = write_tables(tables, notes, sources, out_tables)
+    section_p = out_tables / f"claims_section_{profile}.md"
+    write_text(section_p, parts.section + "\n")
+    files.append(str(section_p))
+    if figures:
+        files += make_figures(parts.curves, runs, metrics_cache, tel_df, out_figures, profile)
+        files += plot_sweeps(sweeps_df, out_figures, profile)
+    msg = report_message(runs, tables, profile, parts.unpaired, skipped, multiple if n_tests else "")
+    return {"tables": tables, "files": files, "message": msg, "claims_section": parts.section}
+
+
+def write_tables(tables: Mapping[str, pd.DataFrame], notes: Mapping[str, str], sources: Mapping[str, Any],
+                 out_tables: Path) -> list[str]:
+    """Every table's csv, md and sources.json, each with its note; the paths written."""
+    files = []
+    for name, df in tables.items():
+        files += list(write_table(df, out_tables, name, title=name.replace("_", " "),
+                                  sources={**sources, "note": notes[name]}).values())
+    return files
+
+
+def report_message(runs: list[RunInfo], tables: Mapping[str, pd.DataFrame], profile: str, unpaired: Sequence[str],
+                   skipped: Sequence[Mapping[str, str]], multiple: str) -> str:
+    """What was built; runs made from a dirty tree, runs without a pair, runs not used (and why); ``multiple``:
+    the multiple-comparisons note when the claims hold any test."""
+    runs_df = tables[f"runs_{profile}"]
+    msg = f"{len(runs)} runs, {len(tables[f'drops_{profile}'])} drop rows, {len(tables[f'ape_{profile}'])} APE rows"
+    n_dirty = int(runs_df["dirty"].fillna(False).astype(bool).sum())
+    if n_dirty:
+        msg += (f"\nwarning: {n_dirty} of {len(runs)} runs were made from a tree with uncommitted changes (runs_"
+                f"{profile} column dirty): their recorded commit does not hold their exact code")
+    if unpaired:
+        msg += f"\nnot paired ({len(unpaired)}; pairing_{profile}):\n  " + "\n  ".join(unpaired)
+    if skipped:
+        msg += "\nruns not used, or used in part (also in each table's .sources.json, runs_not_used):" + "".join(
+            f"\n  {s['run_dir']}: {s['reason']}" for s in skipped)
+    if multiple:
+        msg += "\n" + multiple
+    return msg

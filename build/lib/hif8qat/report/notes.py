@@ -1,0 +1,145 @@
+"""The note written above each table of the report (what its columns mean, how its intervals are made)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pandas as pd
+
+from hif8qat.report.claims import CLAIM_KEYS, DEFAULT_MARGINS, METRIC_UNITS
+from hif8qat.report.items import EXACT_BELOW_DISCORDANT
+
+
+def multiple_comparisons(claims_df: pd.DataFrame, profile: str) -> tuple[str, int]:
+    """How many claims and tests the claims table holds and how they are adjusted, and the number of tests."""
+    n_tests = int(claims_df["p"].notna().sum()) if "p" in claims_df else 0
+    n_claims = int(claims_df.groupby(CLAIM_KEYS).ngroups) if len(claims_df) else 0
+    multiple = (f"Multiple comparisons: one family per claim ({n_claims} claims, {n_tests} tests in "
+                f"claims_{profile}), seeds pooled into one test per task and metric; p_holm is Holm-adjusted "
+                "within the claim. Per-seed rows (drops, ablations) are descriptive and unadjusted.")
+    return multiple, n_tests
+
+
+def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margins: Mapping[str, float] | None,
+                multiple: str) -> dict[str, str]:
+    """Every table's note, keyed by table name; ``multiple``: the text of :func:`multiple_comparisons`."""
+    margins_text = ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in {**DEFAULT_MARGINS, **(margins or {})}.items())
+    return {
+        f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %. dirty: made from a tree "
+                           "with uncommitted changes (run_info.json), so its commit does not hold its exact code.",
+        f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
+                            "evaluation, one row per seed. 95 % CI: exact (conditional McNemar, Clopper-Pearson) "
+                            f"when fewer than {EXACT_BELOW_DISCORDANT} items differ (ci_method exact; significant: "
+                            "exact p_mcnemar < 0.05), else a paired percentile bootstrap "
+                            f"({n_boot} resamples of the common documents, seed {seed}; significant: CI excludes "
+                            "0). n_lost / n_gained: items right in the baseline and wrong in the run, and the "
+                            "reverse; discordant: their share. " + multiple,
+        f"ape_{profile}": f"Training-loss APE (%) over all common steps, the last {last_frac:.0%} of them, and the "
+                          "QAT phase (ape_qat_pct: steps from qat_from_step, the first step the quantized run "
+                          "logged as quantized, i.e. after its BF16 warmup).",
+        f"pairing_{profile}": "Every run's pairs: its BF16 baseline (same seed, same training settings apart "
+                              "from quant.*) and the experiment it derives from (same seed, same training "
+                              "settings apart from its declared changes). Logging, evaluation and checkpoint "
+                              "cadence and run_tag do not count. An empty *_run names no pair; *_unpaired says "
+                              "why, and the run is left out of that comparison.",
+        f"paired_{profile}": "Per seed, the paired contrasts the claims pool: diff (accuracy: run minus "
+                             "counterpart in points; train_loss: signed loss difference, % of the counterpart's "
+                             "loss; gold_ll / gold_margin: counterpart minus run, nats per item; heldout_nll: "
+                             "run minus counterpart per held-out token, % of the counterpart's held-out NLL), var "
+                             "(its within-seed variance: items, blocks of 5 steps, or held-out windows; the claims "
+                             "use it only for a training loss measured at one seed), "
+                             "within_df (its degrees of freedom; inf for items), lost / gained (items right only "
+                             "in the counterpart / only in the run; for the per-item metrics, items worse / "
+                             "better), recorded (false: the run files lack the metric).",
+        f"sweeps_{profile}": "Sweeps: each experiment run under several run tags (e.g. a Hydra multirun over a "
+                             "knob), the knobs that differ between them (from the saved configs), and each claim "
+                             "metric's cost against the baseline per knob value, 95 % CI over seeds as in "
+                             "claims; baseline_seed_sd_pct: the baseline's own sd over seeds (score, or final "
+                             "loss) in % of its mean. Figures: sweep_<profile>_<experiment>.png.",
+        f"heldout_{profile}": "Held-out text (hif8qat.evaluate.heldout; <run>/eval/heldout/): the heldout_nll rows of "
+                              f"claims_{profile} (per token of a fixed held-out set, the same for every run of "
+                              "the profile: the run's NLL of the actual next token against its baseline's, or its "
+                              "quantized mode against its own bf16 mode; cost in % of the reference's held-out "
+                              "NLL, seeds crossed with the windows, same Holm family, MDE and equivalence verdict as "
+                              "the other claim metrics), with beside them, as means over the seeds: nll_diff_nats (the cost "
+                              "in nats per token), kl_mean / kl_p99 (each seed's mean and 99th percentile over "
+                              "tokens of KL(P_reference || P_run), nats) and top1_agreement (share of tokens whose "
+                              "most likely next token is the same); kl_ci_lo / kl_ci_hi and top1_ci_lo / top1_ci_hi: "
+                              "95 % intervals of the mean KL and top-1 agreement from the same crossed seeds x "
+                              "windows model (descriptive, no test).",
+        f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
+        f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
+                                "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
+                                "these drops are the noise floor of any claim.",
+        f"claims_{profile}": "Each run against its baseline and against the experiment it derives from, pooled "
+                             "over same-seed pairs, and a quantized run's quantized evaluation against its own "
+                             "bf16 one (against = bf16_mode): cost (positive = the run is worse; accuracy: relative drop, % "
+                             "of the baseline score; train_loss: signed per-step loss difference over the QAT "
+                             "phase, % of the baseline loss; gold_ll / gold_margin: nats per item; heldout_nll: "
+                             "paired per-token NLL difference on the held-out text, % of the counterpart's "
+                             "held-out NLL) with a 95 % CI from the design's own units, fixed by the metric: "
+                             "train_loss, t on the per-seed means (k - 1 df); accuracy, gold_ll, gold_margin and "
+                             "heldout_nll, seeds x items (or held-out windows) as crossed random effects, since "
+                             "every seed scores the same items and windows (method of moments, components below 0 "
+                             "set to 0, Satterthwaite df; ci_method names it, df gives it; seed_var / unit_var / "
+                             "resid_var: the components). One seed: the units alone (no seed variance; accuracy "
+                             f"widened to the exact McNemar interval when fewer than {EXACT_BELOW_DISCORDANT} items "
+                             "flip). boot_lo / boot_hi: hierarchical bootstrap 95 % interval (seeds and units "
+                             "resampled, 2000 times, seed 0) where there are at least 5 seeds. equivalence: two "
+                             "one-sided tests (90 % CI) against `margin`; difference: one test per row, Holm within "
+                             "the claim (accuracy: exact permutation test over items of each item's net flips "
+                             "summed over the seeds, so an item flipping in several seeds counts once, with its "
+                             "weight; lost / gained: flips summed over seeds; flip_items: distinct items behind "
+                             "them; items_lost / items_gained: items whose net change is a loss / a gain; else the "
+                             "t test of the interval). mde: the cost that test detects with 80 % power (accuracy: "
+                             "under the flip model of mde_" + profile + "). n_items: scored pairs summed over "
+                             "seeds; n_units: items or windows common to every seed. Margins: "
+                             f"{margins_text}. Runs made from a tree with uncommitted changes count in dirty_runs.",
+        "anchor": "The base SmolLM2-135M on the full real benchmarks (make anchor; our weights: the Instruct model "
+                  "dequantized from Q4_1, lm-eval's prompts) next to the scores HuggingFace published (lighteval, "
+                  "0-shot; results/anchor/published_smollm2_135m.csv names the source). ARC (Average) = mean of "
+                  "ARC-Easy and ARC-Challenge.",
+        f"reach_{profile}": "What this profile can show of the paper's effects: each claim row here (against the BF16 "
+                            "baseline; bf16 mode) that the paper measured for the same pair of runs. paper_effect: "
+                            "training loss, the signed per-step difference over the paper's QAT phase in % of the "
+                            "baseline's loss (authors' logs); accuracy, the relative drop of the newest summary "
+                            "holding the pair (few-shot, MMLU lettered: another form than here). needed: the seeds "
+                            "(train_loss: n x (mde / effect)^2) or the items (accuracy: normal approximation to the "
+                            "item test, at the mean square of the items' mean change over the seeds here; the "
+                            "seeds share their items, so more seeds do not add items) that would resolve the "
+                            "paper's effect at 80 % power, two-sided alpha 0.05.",
+        f"mde_{profile}": "Minimum detectable cost per claim (80 % power, two-sided alpha 0.05) under the test "
+                          "the claim uses: accuracy, the exact permutation test over items, under a stated flip "
+                          "model (an effect of a items makes a further a items lose in every seed, on top of the "
+                          "items whose net change here is not zero, which keep their sizes and take either sign), "
+                          "in % of the baseline score and in points (a / n_units); the others, the t test of their "
+                          "interval. Only the claim's own runs enter. The paper's drops are 0.2-0.6 % of the "
+                          "score, its loss APE 0.11 %.",
+        f"telemetry_{profile}": "Scaling telemetry from metrics.jsonl, per run and role: share of steps and of "
+                                "calls whose amax outgrew the delayed estimate (amax/estimate > 1), the largest "
+                                "ratio, and the clipped values on statistics calls (clipped_total, "
+                                "clipped_per_stats_call): for HiF8 the overflow |x*s| >= 40960 (at target 15 only "
+                                "a tensor 2731x its estimate overflows), for FP8 |x*s| > max (at margin 0 every "
+                                "call with amax/estimate > 1 clips its largest values).",
+        f"ablations_{profile}": "Each run against the experiment it derives from (same seed): relative drop (%) with "
+                                "a paired bootstrap 95 % CI, in bf16 mode and, when both are quantized, in the "
+                                "quantized mode (`mode` hif8: each run in its own format); `changes` lists the "
+                                "settings that differ. exp7 vs exp1 isolates the learning rate (forgetting), "
+                                "exp9 vs exp8 the BF16 warmup, exp10/exp11 the FP8 format (vs exp2/exp8), "
+                                "exp12/exp13 just-in-time scaling (vs exp8/exp2): a positive drop there is what the "
+                                "oracle loses against the delayed estimator, a negative one how far the delayed "
+                                "estimator is from the oracle.",
+        f"scaling_pairs_{profile}": "One-factor pairs that change only the element format or the scale algorithm "
+                                    "(quant.format / quant.margin / quant.algo), side by side: format and "
+                                    "algorithm, share of quantizer calls whose amax outgrew the estimate, clipped "
+                                    "values per statistics call (HiF8 overflow, FP8 clipping; all roles pooled), "
+                                    "QAT-phase loss APE against the common baseline and the final loss. Accuracy "
+                                    f"differences with CIs: ablations_{profile}.",
+        f"vs_base_{profile}": "Each run's bf16 evaluation against the untrained base model's "
+                              f"(results/base_model/{profile}/): relative drop (%) with a paired bootstrap 95 % CI. "
+                              "Drops common to quantized and BF16 runs at one learning rate are forgetting, not "
+                              "quantization.",
+        f"replay_{profile}": "Each estimator replayed (interval 1) on the same per-call amax traces recorded in a run's "
+                             "final scaler state: share of calls whose amax exceeded the delayed estimate, how far, "
+                             "and the share beyond the 2-bit-mantissa tier (ratio > 128/15).",
+    }

@@ -1,0 +1,122 @@
+"""What this profile can and cannot show of the paper's effects: each claim's estimate here beside the effect
+the paper reports for the same pair of runs, and whether the claim's own test could resolve that effect."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from hif8qat.report.paper import PAPER_RUNS, paper_drop_table, read_authors_run
+from hif8qat.report.paths import PAPER_DIR
+
+# The paper's loss pairs among its eight runs (E6 has no published log) and the tasks it scores that the
+# profiles here evaluate (MMLU in its cloze form here, lettered 5-shot in the paper).
+_LOSS_PAIRS = [("E8", "E7"), ("E2", "E1"), ("E3", "E1"), ("E4", "E1"), ("E5", "E1")]
+_TASK_HERE = {"mmlu": "mmlu_continuation", "hellaswag": "hellaswag", "arc_challenge": "arc_challenge"}
+
+
+def paper_loss_gap(quantized: pd.DataFrame, baseline: pd.DataFrame) -> tuple[float, int]:
+    """Signed mean per-step loss difference over the quantized run's QAT phase (steps it logged with quant
+    ON), in % of the baseline's loss, and the number of those steps: the quantity the claims measure here."""
+    both = quantized.merge(baseline, on="step", suffixes=("_q", "_b"))
+    qat = both[both["quant_q"].astype(str).str.upper() == "ON"]
+    diff = (qat["loss_q"] - qat["loss_b"]) / qat["loss_b"] * 100
+    return float(diff.mean()), len(diff)
+
+
+def paper_effects(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
+    """The paper's effect per (experiment, counterpart, metric, task), as this project's claims express it:
+    train_loss from the authors' per-step logs, accuracy drops (% of the baseline's score) from their newest
+    evaluation summary that holds the pair."""
+    rows = []
+    logs = {key: read_authors_run(paper_dir / "authors_runs" / f"{PAPER_RUNS[key]}.csv.gz")[1]
+            for key in {k for pair in _LOSS_PAIRS for k in pair}}
+    for q, b in _LOSS_PAIRS:
+        gap, n = paper_loss_gap(logs[q], logs[b])
+        rows.append({"experiment": f"exp{q[1:]}", "counterpart": f"exp{b[1:]}", "metric": "train_loss",
+                     "task": "loss", "paper_effect": gap, "paper_basis": f"{n} QAT steps, {q} vs {b}"})
+    drops = paper_drop_table(paper_dir)
+    drops = drops[drops["quant_exp"].str.fullmatch(r"E\d") & drops["task"].isin(_TASK_HERE)]
+    for (q, b, task), group in drops.groupby(["quant_exp", "baseline_exp", "task"]):
+        newest = group.sort_values("summary_file").iloc[-1]
+        rows.append({"experiment": f"exp{q[1:]}", "counterpart": f"exp{b[1:]}", "metric": "accuracy",
+                     "task": _TASK_HERE[task], "paper_effect": float(newest["drop_pct_from_scores"]),
+                     "paper_basis": f"{task} {int(newest['num_fewshot'])}-shot, {newest['summary_file']}"})
+    return pd.DataFrame(rows)
+
+
+# Full sizes of the benchmarks (test splits; HellaSwag validation), the most items an accuracy test can use.
+BENCHMARK_ITEMS = {"mmlu_continuation": 14_042, "hellaswag": 10_042, "arc_challenge": 1_172}
+_Z = 1.959964 + 0.841621  # two-sided alpha 0.05, 80 % power
+
+
+def items_needed(paper_effect: float, base_pct: float, item_change_ms: float) -> float:
+    """Items a paired accuracy test over items needs to detect the paper's relative drop: the mean change per
+    item to detect is effect x score, its standard error sqrt(ms / n), where ms is the mean square of each item's
+    mean change over the seeds here (at one seed, the share of items that flip: McNemar's normal approximation).
+    The seeds score the same items, so this counts items, not items per seed."""
+    net = abs(paper_effect) / 100 * base_pct / 100
+    if net == 0 or not item_change_ms > 0:
+        return math.nan
+    return _Z ** 2 * item_change_ms / net ** 2
+
+
+def reach_verdict(paper_effect: float, mde: float, ci_lo: float, ci_hi: float, n: float, unit_of_n: str) -> str:
+    """Whether the claim's own test can resolve the paper's effect (its minimum detectable cost is at most
+    that effect), else how large a sample it would need (a minimum detectable effect shrinks as 1/sqrt(n));
+    and whether the estimate here agrees with the paper's (its 95 % interval holds the paper's value)."""
+    agrees = ("consistent with the paper" if ci_lo <= paper_effect <= ci_hi
+              else "differs from the paper (95 % CI excludes its value)")
+    if not math.isfinite(n):
+        return f"{agrees}; too few items flip to size a test"
+    if mde is not None and math.isfinite(mde) and mde <= abs(paper_effect):
+        return f"resolvable; {agrees}"
+    return f"not resolvable: needs about {n:,.0f} {unit_of_n}; {agrees}"
+
+
+def reach_table(claims: pd.DataFrame, effects: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per claim row here that the paper also measured (against its BF16 baseline, the bf16 mode for
+    accuracy): estimate, 95 % CI, equivalence verdict, minimum detectable cost, the paper's effect, and the
+    reach verdict of :func:`reach_verdict`."""
+    if claims.empty:
+        return pd.DataFrame()
+    effects = paper_effects() if effects is None else effects
+    here = claims[(claims["against"] == "baseline") & claims["mode"].isin(["bf16", "train"])]
+    if "run_tag" in here:
+        here = here[here["run_tag"].fillna("") == ""]  # the experiment as defined, not a sweep point
+    merged = here.merge(effects, on=["experiment", "counterpart", "metric", "task"], how="inner")
+    if merged.empty:
+        return pd.DataFrame()
+    def needed(r) -> float:
+        if r.metric == "train_loss":  # between-seed spread dominates: more seeds, not more steps
+            return math.ceil(r.n_seeds * (r.mde / abs(r.paper_effect)) ** 2) if math.isfinite(r.mde) else math.nan
+        items = items_needed(r.paper_effect, r.base, r.item_change_ms)
+        return math.ceil(items) if math.isfinite(items) else math.nan
+
+    merged["needed"] = [needed(r) for r in merged.itertuples()]
+    merged["reach"] = [reach_verdict(r.paper_effect, r.mde, r.ci_lo, r.ci_hi, r.needed,
+                                     "seeds" if r.metric == "train_loss"
+                                     else f"items at {r.n_seeds} seed(s) (the benchmark holds {BENCHMARK_ITEMS[r.task]:,})")
+                       for r in merged.itertuples()]
+    cols = ["experiment", "counterpart", "mode", "task", "metric", "unit", "n_seeds", "cost", "ci_lo", "ci_hi",
+            "margin", "equivalence", "mde", "paper_effect", "paper_basis", "needed", "reach"]
+    return merged[cols].sort_values(["experiment", "metric", "task"]).reset_index(drop=True)
+
+
+def reach_section(reach: pd.DataFrame) -> list[str]:
+    """Markdown lines for the claims section: the reach table in words."""
+    if reach.empty:
+        return []
+    lines = ["#### What this profile can show of the paper's effects", "",
+             "Each claim measured here that the paper also measured: the estimate here (95 % CI), the paper's "
+             "effect for the same pair of runs (its training loss as here, the signed per-step difference over the "
+             "QAT phase; its accuracy drops few-shot, MMLU lettered), this claim's minimum detectable cost, and "
+             "the sample the test would need to resolve the paper's effect.", "",
+             "| claim | metric | task | seeds | here (95 % CI) | paper | MDE here | reach |", "|---|---|---|---|---|---|---|---|"]
+    for r in reach.itertuples():
+        mde = f"{r.mde:.2f}" if math.isfinite(r.mde) else "-"
+        lines.append(f"| {r.experiment} vs {r.counterpart} | {r.metric} | {r.task} | {r.n_seeds} | {r.cost:+.2f} "
+                     f"({r.ci_lo:+.2f} to {r.ci_hi:+.2f}) | {r.paper_effect:+.2f} | {mde} | {r.reach} |")
+    return lines + [""]

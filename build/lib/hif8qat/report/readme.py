@@ -1,0 +1,222 @@
+"""The claims section in words (the markdown experiments/README.md includes between its claims markers), built
+from the claims table alone; ``python -m hif8qat.report --readme`` rewrites it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from hif8qat.report.claims import DEFAULT_MARGINS, METRIC_UNITS, NOT_RECORDED, all_contrasts, claims_table
+from hif8qat.report.pairing import pair_runs
+from hif8qat.report.reach import reach_section, reach_table
+from hif8qat.report.replay import replay_table
+from hif8qat.report.saturation import saturation_section
+from hif8qat.report.sources import FilesUsed, RunInfo, discover_runs
+from hif8qat.report.tables import ape_rows, loss_pairs, runs_table, scaling_pairs_table
+from hif8qat.stats.heldout import HELDOUT_METRIC
+
+# The paper's claims and ours, each answered by one comparison of the claims table:
+# (title, experiment, against, counterpart, what a cost > 0 means).
+PAPER_CLAIMS = [
+    ("Near-lossless final recipe", "exp8", "baseline", "exp7", "the HiF8 recipe is worse than BF16 at LR 1e-5"),
+    ("Saturation cost, most_recent(30) at LR 1e-4", "exp3", "baseline", "exp1", "QAT with the lagging estimator "
+     "is worse than BF16"),
+    ("Saturation cost, max(64) recipe at LR 1e-4", "exp6", "baseline", "exp1", "the recipe at LR 1e-4 is worse "
+     "than BF16"),
+    ("Forgetting at LR 1e-4", "exp7", "derived_from", "exp1", "LR 1e-5 is worse than LR 1e-4 (forgetting at "
+     "1e-4 shows as a negative cost)"),
+    ("Delayed estimator vs the just-in-time oracle, max(64)", "exp12", "derived_from", "exp8", "the oracle is "
+     "worse than the delayed estimate"),
+    ("Delayed estimator vs the just-in-time oracle, most_recent(30)", "exp13", "derived_from", "exp2", "the "
+     "oracle is worse than the delayed estimate"),
+    ("FP8 HYBRID vs HiF8, max(64)", "exp11", "derived_from", "exp8", "FP8 is worse than HiF8"),
+    ("FP8 HYBRID vs HiF8, most_recent(30)", "exp10", "derived_from", "exp2", "FP8 is worse than HiF8"),
+    ("The BF16 warmup alone (ours)", "exp9", "derived_from", "exp8", "QAT from step 0 is worse than after the "
+     "BF16 warmup"),
+    ("Quantized inference of the final recipe", "exp8", "bf16_mode", "exp8", "exp8 evaluated in HiF8 (W8A8, "
+     "final frozen scales) is worse than its own weights evaluated in BF16"),
+]
+CLAIMS_BEGIN, CLAIMS_END = "<!-- claims:begin -->", "<!-- claims:end -->"
+
+
+def _num(v: float, nd: int = 2, sign: bool = True) -> str:
+    if v is None or not np.isfinite(v):
+        return "-"
+    v = round(float(v), nd) + 0.0  # no "-0.00"
+    return f"{v:+.{nd}f}" if sign else f"{v:.{nd}f}"
+
+
+def _df(r) -> str:
+    """A row's degrees of freedom as the table shows them: whole when they are, else one decimal."""
+    df = r.get("df", np.nan)
+    if df is None or not np.isfinite(df):
+        return "-"
+    return f"{df:.0f}" if abs(df - round(df)) < 0.05 else f"{df:.1f}"
+
+
+def _claim_words(g: pd.DataFrame) -> list[str]:
+    """Sentences for one claim from its rows: the loss difference, then accuracy and per-item metrics by verdict."""
+    out = []
+    continuous = g[g.metric.isin(["train_loss", HELDOUT_METRIC])]
+    for _, r in continuous.iterrows():
+        if r["equivalence"] == NOT_RECORDED:
+            continue
+        cost = _num(r["cost"], 3)
+        what = (f"Training loss: {cost} % of the counterpart's loss" if r["metric"] == "train_loss" else
+                f"Held-out NLL ({r['mode']} mode): {cost} % of the counterpart's held-out NLL")
+        out.append(what + f" (95 % CI {_num(r['ci_lo'], 3)} to "
+                   f"{_num(r['ci_hi'], 3)}, {r['n_seeds']} seed(s), {_df(r)} df): {r['equivalence']}; difference "
+                   f"{r['difference']} (p Holm {_num(r['p_holm'], 3, False)}; detectable: "
+                   f"{_num(r['mde'], 3, False)} %).")
+    for metric, label in (("accuracy", "Accuracy"), ("gold_ll", "Gold log-likelihood"),
+                          ("gold_margin", "Gold margin")):
+        rows = g[g.metric == metric]
+        if rows.empty:
+            continue
+        if (rows["equivalence"] == NOT_RECORDED).all():
+            out.append(f"{label}: {NOT_RECORDED}.")
+            continue
+        rows = rows[rows["equivalence"] != NOT_RECORDED]
+        verdicts = rows["equivalence"].value_counts()
+        parts = [f"{v} on {n} of {len(rows)}" for v, n in verdicts.items()]
+        diff = rows[rows["difference"] != "not detected"]
+        found = ("; a difference after Holm on " + ", ".join(f"{r['mode']} {r['task']} ({r['difference']})"
+                                                          for _, r in diff.iterrows())) if len(diff) else \
+            "; no difference detected after Holm"
+        text = f"{label} (mode x task): " + ", ".join(parts) + found + "."
+        if metric == "accuracy":
+            flips = int(rows["lost"].sum() + rows["gained"].sum())
+            mde = rows["mde"].dropna()
+            text += (f" {flips} flips in all ({int(rows['lost'].sum())} lost, {int(rows['gained'].sum())} gained) "
+                     f"from {int(rows['flip_items'].sum())} distinct items (summed over the mode x task rows), each item "
+                     "tested once over its seeds; "
+                     + (f"the smallest cost a row's item test detects with 80 % power, under the flip model (the "
+                        f"effect's items lose in every seed), is {mde.min():.1f} % of the score"
+                        if len(mde) else "no row can size a detectable drop") + ".")
+        out.append(text)
+    return out
+
+
+def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
+                   margins: Mapping[str, float] | None = None, telemetry: Sequence[str] = ()) -> str:
+    """The claims, numbers and verdicts in words, as markdown built from the claims table, and ``telemetry``
+    (:func:`hif8qat.report.saturation.saturation_section`) before the reach (the README includes it between
+    CLAIMS_BEGIN and CLAIMS_END; ``python -m hif8qat.report --readme`` updates it)."""
+    margins = {**DEFAULT_MARGINS, **(margins or {})}
+    lines = [f"_Generated by the report from the run files (`claims_{profile}`); do not edit by hand._", ""]
+    if len(runs_df) and "dirty" in runs_df:
+        dirty = runs_df[runs_df["dirty"].fillna(False).astype(bool)]
+        commits = runs_df.groupby("experiment")["git"].agg(lambda c: ", ".join(sorted({str(x)[:7] for x in c})))
+        state = ("all made from a clean tree (`git.dirty` false in their run_info.json), so each commit holds "
+                 "the exact code of its runs" if dirty.empty else
+                 f"**{len(dirty)} of them were made from a tree with uncommitted changes** (`git.dirty` in their "
+                 "run_info.json): their commit does not hold their exact code")
+        lines += [f"**Provenance.** {len(runs_df)} runs, {state}. Commits per experiment: "
+                  + "; ".join(f"{e} {c}" for e, c in commits.items()) + ".", ""]
+    lines += ["**Reading.** cost > 0: the run is worse than its counterpart (accuracy: relative drop in % of the "
+              "counterpart's score; training loss: signed per-step difference over the QAT phase in % of the "
+              "counterpart's loss; gold log-likelihood and margin: nats per item; held-out NLL: paired per-token "
+              "difference on held-out text in % of the counterpart's). Each row pools the same-seed "
+              "pairs; its 95 % CI comes from the design's own units, fixed by the metric: training loss, t on the "
+              "per-seed means (seeds - 1 df); the other metrics score the same items (held-out windows) in every "
+              "seed, so seeds and items are crossed random effects (Satterthwaite df; one seed: the items alone). "
+              "df: the interval's degrees of freedom. "
+              "Equivalence: two one-sided tests against the margin ("
+              + ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in margins.items())
+              + "): \"equivalent within M\", \"not equivalent\" or \"inconclusive at this size\"; a "
+              "non-significant difference is never read as no effect. Difference: one test per row with the "
+              "seeds pooled (accuracy: an exact permutation test over items of each item's net flips over the "
+              "seeds, so an item flipping in several seeds counts once), Holm within the claim. MDE: the cost "
+              "that test detects with 80 % power (accuracy: under a flip model where the effect's items lose in "
+              "every seed). Flips: lost / gained summed over seeds, and the distinct items behind them.", ""]
+    if claims.empty:
+        return "\n".join(lines + ["_(no claims: no paired runs)_", ""])
+    for title, exp, against, counterpart, meaning in PAPER_CLAIMS:
+        g = claims[(claims.experiment == exp) & (claims.run_tag == "") & (claims.against == against)
+                   & (claims.counterpart == counterpart)]
+        seeds = ", ".join(sorted({x for s in g["seeds"] for x in str(s).split(",")})) if len(g) else ""
+        pair = f"{exp} in hif8 vs bf16 mode" if against == "bf16_mode" else f"{exp} vs {counterpart}"
+        lines += [f"#### {title}: {pair}" + (f" (seeds {seeds})" if seeds else ""), ""]
+        if g.empty:
+            lines += [f"No paired runs of {exp} and {counterpart} (see `pairing_{profile}`).", ""]
+            continue
+        lines += [f"cost > 0: {meaning}.", ""]
+        lines += ["| mode | task | metric | seeds | cost (95 % CI) | df | lost / gained | p Holm | MDE | margin | "
+                  "equivalence | difference |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for _, r in g.iterrows():
+            if r["equivalence"] == NOT_RECORDED:
+                continue
+            flips = f"{int(r['lost'])} / {int(r['gained'])}" if r["metric"] not in ("train_loss", HELDOUT_METRIC) and \
+                np.isfinite(r.get("lost", np.nan)) else "-"
+            if r["metric"] == "accuracy" and np.isfinite(r.get("flip_items", np.nan)):
+                flips += f" ({int(r['flip_items'])} items)"
+            lines.append(f"| {r['mode']} | {r['task']} | {r['metric']} | {r['n_seeds']} | {_num(r['cost'])} "
+                         f"({_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {_df(r)} | {flips} | "
+                         f"{_num(r['p_holm'], 3, False)} | "
+                         f"{_num(r['mde'], 2, False)} | {r['margin']:g} | {r['equivalence']} | "
+                         f"{r['difference']} |")
+        lines += [""] + [f"- {w}" for w in _claim_words(g)] + [""]
+    lines += list(telemetry) + reach_section(reach_table(claims))
+    return "\n".join(lines)
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    """``text`` with what lies between CLAIMS_BEGIN and CLAIMS_END replaced by ``block``."""
+    i, j = text.find(CLAIMS_BEGIN), text.find(CLAIMS_END)
+    if i < 0 or j < i:
+        raise ValueError(f"no {CLAIMS_BEGIN} ... {CLAIMS_END} block")
+    return text[: i + len(CLAIMS_BEGIN)] + "\n" + block.strip() + "\n" + text[j:]
+
+
+def between_markers(text: str) -> str | None:
+    i, j = text.find(CLAIMS_BEGIN), text.find(CLAIMS_END)
+    return text[i + len(CLAIMS_BEGIN): j].strip() if 0 <= i < j else None
+
+
+@dataclass
+class ClaimsParts:
+    """What the claims section is built from, and the section: shared by the report and the README."""
+
+    runs_df: pd.DataFrame
+    metrics_cache: dict[str, pd.DataFrame]
+    baseline_of: dict
+    parent_of: dict
+    pairing_df: pd.DataFrame
+    unpaired: list[str]
+    curves: list
+    ape: list[dict]
+    scaling_pairs_df: pd.DataFrame
+    replay_df: pd.DataFrame
+    contrasts_df: pd.DataFrame
+    claims_df: pd.DataFrame
+    section: str
+
+
+def claims_parts(runs: list[RunInfo], runs_root: Path, profile: str, *, margins: Mapping[str, float] | None = None,
+                 last_frac: float = 0.1, replay: bool = True, skipped: list[dict] | None = None,
+                 used: FilesUsed | None = None) -> ClaimsParts:
+    """The pairs, contrasts, claims, saturation telemetry and the claims section of ``runs`` (``replay=False``:
+    no estimator replay). ``skipped`` / ``used`` collect the runs left out and the files read."""
+    used = used if used is not None else FilesUsed()
+    runs_df, metrics_cache = runs_table(runs, skipped if skipped is not None else [], used)
+    baseline_of, parent_of, pairing_df, unpaired = pair_runs(runs, runs_root, profile)
+    curves = loss_pairs(runs, baseline_of, metrics_cache)
+    ape = ape_rows(curves, last_frac)
+    scaling_pairs_df = scaling_pairs_table(runs, parent_of, metrics_cache, ape)
+    replay_df = replay_table(runs if replay else [], used)
+    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache, used)
+    claims_df = claims_table(contrasts_df, margins)
+    section = claims_section(claims_df, runs_df, profile, margins,
+                             saturation_section(scaling_pairs_df, replay_df, profile))
+    return ClaimsParts(runs_df, metrics_cache, baseline_of, parent_of, pairing_df, unpaired, curves, ape,
+                       scaling_pairs_df, replay_df, contrasts_df, claims_df, section)
+
+
+def build_claims(runs_root: Path, profile: str, margins: Mapping[str, float] | None = None) -> str:
+    """The claims section alone, from the run folders (what the README includes): no bootstrap, no figures."""
+    runs_root = Path(runs_root)
+    return claims_parts(discover_runs(runs_root, profile), runs_root, profile, margins=margins).section

@@ -1,0 +1,153 @@
+"""Statistics of held-out per-token distances (pure functions; :mod:`hif8qat.evaluate.heldout` computes the tokens).
+
+One comparison pairs a reference model (a run's BF16 baseline, or the run's own unquantized export) with
+another (the run, or its quantized mode) on the same held-out tokens. Per token it has both models' NLL of the
+actual next token, KL(P_ref || P_other) of the next-token distributions and whether their top-1 tokens agree.
+
+Tokens of one window share their context, so they are not independent: the variance of a token mean is taken
+from the window means (batch means, one block per window; all windows have the same number of tokens, so the
+mean of the window means is the token mean), with ``n_windows - 1`` degrees of freedom
+(:func:`hif8qat.stats.paired.block_variance_of_mean`). Over seeds the windows are the same in every seed, so the report
+crosses seeds with windows (:func:`window_costs`, :func:`hif8qat.stats.paired.crossed_mean`) for one more claim metric
+(``heldout_nll``, :func:`hif8qat.report.claims.claims_table`): same Holm family, MDE and equivalence test as the
+other claim metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats as st
+
+from hif8qat.artefacts import read_json, verify_sha256
+from hif8qat.stats.paired import _quantile, block_variance_of_mean, mde_from_se
+
+# Equivalence margin of the held-out NLL difference, % of the baseline's held-out NLL: the training-loss margin
+# of the report (DEFAULT_MARGINS["train_loss"]), since both are the same quantity on seen and unseen text.
+HELDOUT_MARGIN_PCT = 0.25
+HELDOUT_METRIC = "heldout_nll"  # its claim metric; `python -m hif8qat.report --margin heldout_nll=M` sets the margin
+KL_PERCENTILES = (50.0, 99.0, 99.9)
+HELDOUT_DIR = "heldout"  # under <run>/eval/
+SUMMARY_FILE = "summary.json"
+
+
+def run_label(run_dir) -> str:
+    """How a held-out summary names the baseline it was paired with: ``<experiment>/<seed folder>``."""
+    return f"{run_dir.parent.name}/{run_dir.name}"
+
+
+def block_mean(x: Sequence[float], tokens_per_window: int, *, alpha: float = 0.05, power: float = 0.8
+               ) -> dict[str, float]:
+    """Mean of a per-token series laid out window after window, with its block (window) standard error, a
+    (1 - alpha) t interval on ``n_windows - 1`` degrees of freedom, the 90 % interval, a two-sided p-value for
+    a zero mean, and the minimum detectable mean (two-sided ``alpha``, ``power``) of that test.
+
+    ``se_iid`` is the standard error as if tokens were independent: the ratio se / se_iid shows how much the
+    within-window correlation widens the interval."""
+    a = np.asarray(x, float)
+    n = int(a.size)
+    nb = n // int(tokens_per_window) if tokens_per_window > 0 else 0
+    mean = float(a.mean()) if n else float("nan")
+    var = block_variance_of_mean(a, int(tokens_per_window)) if nb >= 2 else float("nan")
+    se = math.sqrt(var) if np.isfinite(var) else float("nan")
+    df = float(nb - 1) if nb >= 2 else float("nan")
+    out = {"mean": mean, "se": se, "var": var, "df": df, "n_tokens": n, "n_windows": nb,
+           "se_iid": float(a.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")}
+    if not np.isfinite(se):
+        return {**out, "ci_lo": float("nan"), "ci_hi": float("nan"), "ci90_lo": float("nan"),
+                "ci90_hi": float("nan"), "p": float("nan"), "mde": float("nan")}
+    q, q90 = _quantile(1 - alpha / 2, df), _quantile(0.95, df)
+    p = float(2 * st.t.sf(abs(mean) / se, df)) if se > 0 else (1.0 if mean == 0 else 0.0)
+    return {**out, "ci_lo": mean - q * se, "ci_hi": mean + q * se, "ci90_lo": mean - q90 * se,
+            "ci90_hi": mean + q90 * se, "p": p, "mde": mde_from_se(se, df, alpha=alpha, power=power)}
+
+
+def kl_summary(kl: Sequence[float]) -> dict[str, float]:
+    """llama.cpp's KL statistics of a quantized model against its reference: mean, median, high percentiles,
+    maximum (nats per token)."""
+    a = np.asarray(kl, float)
+    if not a.size:
+        return {"mean": float("nan"), "max": float("nan"), **{f"p{p:g}": float("nan") for p in KL_PERCENTILES}}
+    return {"mean": float(a.mean()), "max": float(a.max()),
+            **{f"p{p:g}": float(np.percentile(a, p)) for p in KL_PERCENTILES}}
+
+
+def comparison_summary(nll_ref: Sequence[float], nll_other: Sequence[float], kl: Sequence[float],
+                       top1_agree: Sequence[float], tokens_per_window: int, *, alpha: float = 0.05,
+                       power: float = 0.8) -> dict[str, Any]:
+    """Everything one comparison reports from its per-token columns (window-major order).
+
+    ``nll_diff``: other minus reference, nats per token (positive: the other model predicts the text worse),
+    with its block interval and minimum detectable difference; ``nll_diff_pct``: the same in % of the
+    reference's mean NLL (the unit of the equivalence margin); ``kl``: mean and percentiles; ``top1``: the share
+    of tokens whose most likely next token is the same under both models, with its block interval."""
+    ref = np.asarray(nll_ref, float)
+    other = np.asarray(nll_other, float)
+    if ref.shape != other.shape:
+        raise ValueError(f"paired columns differ in length: {ref.shape} vs {other.shape}")
+    diff = block_mean(other - ref, tokens_per_window, alpha=alpha, power=power)
+    base = float(ref.mean()) if ref.size else float("nan")
+    scale = 100.0 / base if base > 0 else float("nan")
+    pct = {k: (v * scale if k in ("mean", "se", "se_iid", "ci_lo", "ci_hi", "ci90_lo", "ci90_hi", "mde")
+               else v * scale**2 if k == "var" else v) for k, v in diff.items()}
+    return {"n_tokens": int(ref.size), "tokens_per_window": int(tokens_per_window),
+            "nll_ref": base, "nll_other": float(other.mean()) if other.size else float("nan"),
+            "ppl_ref": math.exp(base) if np.isfinite(base) else float("nan"),
+            "ppl_other": math.exp(float(other.mean())) if other.size else float("nan"),
+            "nll_diff": diff, "nll_diff_pct": pct, "kl": kl_summary(kl),
+            "top1": block_mean(np.asarray(top1_agree, float), tokens_per_window, alpha=alpha, power=power)}
+
+
+# ------------------------------------------------------------------------------------------- files
+def heldout_dir(run_dir) -> Path:
+    return Path(run_dir) / "eval" / HELDOUT_DIR
+
+
+HELDOUT_REDO = ("Write it again with `python run.py ... stage=eval` (it redoes a corrupt held-out comparison) or "
+                "`python -m hif8qat.evaluate.heldout --run <run folder>`")
+
+
+def read_summary(run_dir) -> dict | None:
+    """A run's ``eval/heldout/summary.json``, None when there is none (the report reads it without torch).
+
+    Read through the verified reader: a summary that does not parse, or whose token table no longer has the
+    sha256 it recorded, raises artefacts.CorruptArtefact naming the file and what to run."""
+
+    path = heldout_dir(run_dir) / SUMMARY_FILE
+    if not path.exists():
+        return None
+    doc = read_json(path, HELDOUT_REDO)
+    tokens = doc.get("tokens_file")
+    if tokens:
+        verify_sha256(heldout_dir(run_dir) / tokens, doc.get("tokens_sha256"), HELDOUT_REDO)
+    return doc
+
+
+def window_costs(tokens: pd.DataFrame, reference: str, other: str) -> pd.Series | None:
+    """Per held-out window, the paired NLL cost ``other - reference`` in % of the reference's mean NLL over all
+    tokens (windows hold equal token counts, so their mean is the comparison's ``nll_diff_pct`` mean): the units
+    the claims cross with seeds, since every seed scores the same windows. None when the columns are absent."""
+    ref, oth = f"nll_{reference}", f"nll_{other}"
+    if not {"window", ref, oth} <= set(tokens.columns):
+        return None
+    base = float(tokens[ref].mean())
+    if not base > 0:
+        return None
+    diff = (tokens[oth].astype(float) - tokens[ref].astype(float)) * (100.0 / base)
+    out = diff.groupby(tokens["window"]).mean()
+    out.index = out.index.astype(str)
+    return out
+
+
+def window_means(tokens: pd.DataFrame, column: str) -> pd.Series | None:
+    """Per held-out window, the mean of a per-token column (KL, top-1 agreement); None when it is absent."""
+    if not {"window", column} <= set(tokens.columns):
+        return None
+    out = tokens[column].astype(float).groupby(tokens["window"]).mean()
+    out.index = out.index.astype(str)
+    return out

@@ -1,0 +1,59 @@
+"""The export of a trained run: a save_pretrained folder that plain transformers and lm-eval load, plus the
+quantizers' final state; a full disk while writing it is reported as what filled and how to finish."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from hif8qat.config.run_config import RunConfig
+from hif8qat.models.quant_files import save_quant_export
+from hif8qat.runs.folders import EXPORT_DIR
+from hif8qat.train import checkpoint as ckpt
+from hif8qat.train.distributed import unsharded_class
+
+
+def export_or_explain(model, tokenizer, run_dir: Path, cfg: RunConfig, converted: list[str], full_state,
+                       optimizer) -> None:
+    """export_model, with a full disk reported as what filled and how to finish (the final checkpoint holds
+    every trained step, so a rerun only writes the export)."""
+
+    try:
+        export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted, state_dict=full_state)
+    except (OSError, RuntimeError, SafetensorError) as err:
+        need = ckpt.state_bytes(model, optimizer)
+        if not ckpt.is_disk_full(err, run_dir, need):
+            raise
+        shutil.rmtree(run_dir / (EXPORT_DIR + ".tmp"), ignore_errors=True)
+        last = ckpt.latest_checkpoint(run_dir / "checkpoints")
+        raise ckpt.DiskFull(ckpt.disk_full_message(
+            f"the export ({EXPORT_DIR}/, about a third of a checkpoint)", run_dir, need,
+            f"Training is complete in {last}; the unfinished export was removed. Free space there, then rerun the "
+            "same command: it resumes from that checkpoint and writes only the export.")) from None
+
+
+def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: list[str],
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """A save_pretrained folder that plain transformers and lm-eval load, plus the scalers' final state.
+
+    state_dict: the gathered full weights of an FSDP-sharded model (distributed.full_model_state_dict).
+    """
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+
+        shutil.rmtree(tmp)
+
+    with unsharded_class(model):  # FSDP2's generated class would replace the model's own modeling code
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    if cfg.quant.enabled:
+        save_quant_export(model, tmp, {"scope": cfg.quant.scope,
+                                       "high_precision_blocks": list(cfg.quant.high_precision_blocks),
+                                       "scaling": cfg.quant.scaling.to_dict(), "converted": converted})
+    if directory.exists():
+
+        shutil.rmtree(directory)
+    tmp.rename(directory)

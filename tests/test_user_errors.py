@@ -81,7 +81,8 @@ def _setting_names() -> set[str]:
     names = set()
     for f in fields(RunConfig):
         default = f.default_factory() if callable(f.default_factory) else None
-        names |= {f"{f.name}.{g.name}" for g in fields(default)} if is_dataclass(default) else {f.name}
+        keys = (getattr(default, "FLAT_KEYS", None) or [g.name for g in fields(default)]) if is_dataclass(default) else []
+        names |= {f"{f.name}.{key}" for key in keys} if keys else {f.name}  # quant's as the YAML writes them
     return names
 
 

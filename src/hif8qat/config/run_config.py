@@ -133,8 +133,7 @@ class DataConfig:
     eval_windows: int = 16
 
 
-# The delayed-scaling settings a run writes as quant.<field>: the fields of the library core's ScalingConfig.
-SCALING_FIELDS = tuple(f.name for f in fields(ScalingConfig))
+SCALING_FIELDS = tuple(f.name for f in fields(ScalingConfig))  # quant.<field>: the core's ScalingConfig
 
 
 @dataclass
@@ -161,8 +160,7 @@ class QuantConfig:
     def from_flat(cls, data: dict[str, Any]) -> QuantConfig:
         """From the flat ``quant:`` section (ValueError, naming the ScalingConfig field, for a bad setting)."""
         scaling = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k in SCALING_FIELDS}
-        rest = {k: v for k, v in data.items() if k not in SCALING_FIELDS}
-        return cls(**rest, scaling=ScalingConfig(**scaling))
+        return cls(**{k: v for k, v in data.items() if k not in SCALING_FIELDS}, scaling=ScalingConfig(**scaling))
 
     def to_dict(self) -> dict[str, Any]:
         """The flat form (delayed-scaling fields first, as the saved configs of earlier runs have it)."""

@@ -15,6 +15,7 @@ import pytest
 from reference_stats import textbook_crossed
 from scipy import stats as st
 
+from hif8qat.stats import item_flips
 from hif8qat.stats import paired as stats
 
 
@@ -93,14 +94,14 @@ def test_item_permutation_test_equals_scipys_exact_sign_flip_test():
         changed = net[net != 0].astype(float)
         ref = st.permutation_test((changed,), np.sum, permutation_type="samples", n_resamples=np.inf,
                                   alternative="two-sided")
-        lost, gained, p = stats.item_permutation_test(net)
+        lost, gained, p = item_flips.item_permutation_test(net)
         assert (lost, gained) == ((net < 0).sum(), (net > 0).sum())
         assert p == pytest.approx(min(1.0, ref.pvalue)) and p == pytest.approx(_brute_sign_flip_p(changed))
     # one seed: every item weighs 1, the exact McNemar (binomial) test
-    assert stats.item_permutation_test([-1] * 7 + [1] * 2)[2] == pytest.approx(st.binomtest(2, 9).pvalue)
+    assert item_flips.item_permutation_test([-1] * 7 + [1] * 2)[2] == pytest.approx(st.binomtest(2, 9).pvalue)
     # an item lost in all 5 seeds is one item, not five independent flips
-    assert stats.item_permutation_test([-5, -5, 1])[2] == pytest.approx(_brute_sign_flip_p([-5, -5, 1]))
-    assert stats.item_permutation_test([-5, -5, 1])[2] > st.binomtest(1, 11).pvalue
+    assert item_flips.item_permutation_test([-5, -5, 1])[2] == pytest.approx(_brute_sign_flip_p([-5, -5, 1]))
+    assert item_flips.item_permutation_test([-5, -5, 1])[2] > st.binomtest(1, 11).pvalue
 
 
 def _power_by_enumeration(null, a, k, alpha=0.05):
@@ -117,13 +118,13 @@ def _power_by_enumeration(null, a, k, alpha=0.05):
 @pytest.mark.parametrize("null,k", [([1, 1, 2], 3), ([1, 2], 5), ([1, 1, 1, 1], 1)])
 def test_accuracy_mde_is_the_smallest_effect_the_item_test_detects_under_the_flip_model(null, k):
     n = 100
-    a = round(stats.mde_item_flips(n, null, k) * n)
+    a = round(item_flips.mde_item_flips(n, null, k) * n)
     assert _power_by_enumeration(null, a, k) >= 0.8 > _power_by_enumeration(null, a - 1, k)
 
 
 def test_accuracy_mde_grows_with_the_flips_seen_not_capped_by_them():
     # the rule before held the discordant count fixed, so its MDE could never exceed m / n
-    few, many = stats.mde_item_flips(130, [1, 1, 2], 5), stats.mde_item_flips(130, [1, -1] * 10 + [2, -2] * 5, 5)
+    few, many = item_flips.mde_item_flips(130, [1, 1, 2], 5), item_flips.mde_item_flips(130, [1, -1] * 10 + [2, -2] * 5, 5)
     assert many > few > (1 + 1 + 2) / 130 / 5
 
 

@@ -15,6 +15,7 @@ import pytest
 from reference_stats import textbook_crossed
 from scipy import stats as st
 
+from hif8qat.stats import item_flips
 from hif8qat.stats import paired as stats
 
 
@@ -162,7 +163,7 @@ def _enumerated_tails(mags, s_obs, theta):
 def test_at_one_seed_the_item_interval_is_clopper_pearson(lost, gained, n):
     net = [-1] * lost + [1] * gained
     ci = st.binomtest(gained, lost + gained).proportion_ci(0.95, method="exact")
-    lo, hi = stats.item_test_interval(net, n, 1)
+    lo, hi = item_flips.item_test_interval(net, n, 1)
     m = lost + gained
     assert (lo, hi) == pytest.approx(((2 * ci.low - 1) * m / n, (2 * ci.high - 1) * m / n), abs=1e-9)
 
@@ -171,7 +172,7 @@ def test_at_one_seed_the_item_interval_is_clopper_pearson(lost, gained, n):
                                    ([5, 5, -1], 5)])
 def test_the_item_interval_inverts_the_enumerated_item_test(net, k):
     n = 130
-    lo, hi = stats.item_test_interval(net, n, k)
+    lo, hi = item_flips.item_test_interval(net, n, k)
     mags = [abs(x) for x in net]
     total = sum(mags)
     s_obs = sum(x for x in net if x > 0)
@@ -192,15 +193,15 @@ def test_the_item_interval_and_the_item_test_never_disagree():
         k = int(rng.integers(1, 6))
         m = int(rng.integers(1, 12))
         net = rng.integers(1, k + 1, m) * rng.choice([-1, 1], m, p=[0.25, 0.75])
-        lo, hi = stats.item_test_interval(net, 150, k)
-        p = stats.item_permutation_test(net)[2]
+        lo, hi = item_flips.item_test_interval(net, 150, k)
+        p = item_flips.item_permutation_test(net)[2]
         assert (p < 0.05) == (lo > 0 or hi < 0), (list(net), k, p, lo, hi)
 
 
 # --------------------------------------------------------------------------------- gain share homogeneity
 def test_gain_share_homogeneity_is_the_chi_square_of_seeds_by_lost_gained():
     lost, gained = [1, 4, 0, 2], [5, 1, 0, 3]
-    chi2, dof, p = stats.gain_share_homogeneity(lost, gained, n_sim=20_000)
+    chi2, dof, p = item_flips.gain_share_homogeneity(lost, gained, n_sim=20_000)
     table = np.array([[1, 4, 2], [5, 1, 3]])  # the seed without a flip carries no share
     ref = st.chi2_contingency(table, correction=False)
     assert chi2 == pytest.approx(ref.statistic) and dof == ref.dof == 2
@@ -218,13 +219,13 @@ def test_gain_share_homogeneity_is_the_chi_square_of_seeds_by_lost_gained():
 
 
 def test_gain_share_homogeneity_has_nothing_to_compare_with_flips_one_way():
-    chi2, dof, p = stats.gain_share_homogeneity([0, 0, 0], [2, 1, 1])
+    chi2, dof, p = item_flips.gain_share_homogeneity([0, 0, 0], [2, 1, 1])
     assert dof == 0 and np.isnan(chi2) and np.isnan(p)
 
 
 def test_a_shift_shared_by_one_seeds_items_shows_in_the_homogeneity_test():
     # seed 0 loses what seed 1 gains: no effect overall, and the item test's independence does not hold
-    chi2, dof, p = stats.gain_share_homogeneity([18, 2, 10], [2, 18, 10])
+    chi2, dof, p = item_flips.gain_share_homogeneity([18, 2, 10], [2, 18, 10])
     assert dof == 2 and p < 0.001
 
 
@@ -232,13 +233,13 @@ def test_a_shift_shared_by_one_seeds_items_shows_in_the_homogeneity_test():
 def test_items_needed_under_the_flip_model_without_chance_flips():
     # no item changes by chance: the effect's items lose in every seed, and the test needs 6 of them one way
     # (two-sided p = 2 / 2^6 < 0.05 > 2 / 2^5); an effect of 1 % of the items reaches 6 items at 550 items
-    n = stats.items_needed_flip_model(0.01, 200, {}, 3)
+    n = item_flips.items_needed_flip_model(0.01, 200, {}, 3)
     assert round(0.01 * n) == 6 and round(0.01 * (n - 1)) == 5
 
 
 def test_items_needed_reaches_the_power_in_a_simulation_of_the_item_test():
     k, effect, sizes, n0 = 3, 0.02, {1: 6, 2: 2}, 200
-    n = int(stats.items_needed_flip_model(effect, n0, sizes, k))
+    n = int(item_flips.items_needed_flip_model(effect, n0, sizes, k))
     rng = np.random.default_rng(1)
 
     def simulated_power(n_items, reps=400):
@@ -247,7 +248,7 @@ def test_items_needed_reaches_the_power_in_a_simulation_of_the_item_test():
         hits = 0
         for _ in range(reps):
             net = np.concatenate([null * rng.choice([-1, 1], len(null)), np.full(a, -k)])
-            hits += stats.item_permutation_test(net)[2] < 0.05
+            hits += item_flips.item_permutation_test(net)[2] < 0.05
         return hits / reps
 
     assert simulated_power(n) >= 0.8 - 0.05

@@ -26,7 +26,8 @@ import torch
 
 from hif8qat import compute_dtype as numerics
 from hif8qat.evaluate.heldout import heldout_window_count
-from hif8qat.models.loading import load_causal_lm
+from hif8qat.models.loading import load_causal_lm, model_config_facts
+from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
 from hif8qat.quant.linear import convert_model, freeze_scales, set_quantization
 from hif8qat.runs.folders import is_done, run_dir_for
 from hif8qat.train.loop import lm_loss
@@ -119,9 +120,6 @@ def flop_costs(cfg, facts: dict, tflops: float = GPU1_TFLOPS) -> Costs:
 
 def _gpu1_facts(cfg) -> tuple[dict, str]:
     """The model's sizes from its config.json, or the published 1B's when it is not on this machine yet."""
-    from hif8qat.models.loading import model_config_facts
-    from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
-
     facts = model_config_facts(cfg.model.name, revision=cfg.model.revision)
     if facts and all(isinstance(facts.get(k), int) for k in ("hidden_size", "num_hidden_layers", "vocab_size",
                                                              "intermediate_size", "num_attention_heads")):

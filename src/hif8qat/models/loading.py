@@ -40,6 +40,7 @@ import time
 import zipfile
 from pathlib import Path
 
+import sentencepiece
 import torch
 from huggingface_hub import hf_hub_download, try_to_load_from_cache
 from tokenizers import Tokenizer, decoders, pre_tokenizers
@@ -224,8 +225,6 @@ def pangu_tokenizer_problem(name: str, *, revision: str | None = None) -> str | 
         return None
     if not model_file.is_file():
         return f"{model_file} does not exist (an openPangu checkpoint needs its SentencePiece tokenizer.model)"
-    import sentencepiece
-
     try:
         sentencepiece.SentencePieceProcessor(model_file=str(model_file))
     except (OSError, RuntimeError) as err:

@@ -36,20 +36,22 @@ from hif8qat.stats.heldout import (
     window_costs,
     window_means,
 )
+from hif8qat.stats.item_flips import (
+    gain_share_homogeneity,
+    item_permutation_test,
+    item_test_interval,
+    mde_item_flips,
+)
 from hif8qat.stats.paired import (
     Contrast,
     block_variance_of_mean,
     crossed_mean,
     equivalence_verdict,
-    gain_share_homogeneity,
     hierarchical_bootstrap,
     holm,
     item_pair,
-    item_permutation_test,
-    item_test_interval,
     make_contrast,
     mde_from_se,
-    mde_item_flips,
     mean_variance,
     seeds_t,
 )
@@ -221,7 +223,7 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
     loss: t on the per-seed means, k - 1 df; per-item and held-out metrics: seeds x items or windows as crossed
     random effects, Satterthwaite df, :func:`hif8qat.stats.paired.crossed_mean`), the equivalence verdict against the
     metric's margin (two one-sided tests on the 90 % interval), one test of a difference per row (accuracy: an
-    exact permutation test over items of their net flips summed over seeds, :func:`hif8qat.stats.paired.item_permutation_test`; else
+    exact permutation test over items of their net flips summed over seeds, :func:`hif8qat.stats.item_flips.item_permutation_test`; else
     the t test of the same model), Holm-adjusted within the claim, the minimum detectable cost of that same test
     and, where the seeds and units allow, a hierarchical bootstrap interval beside (``boot_lo`` / ``boot_hi``).
 

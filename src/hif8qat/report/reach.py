@@ -10,7 +10,7 @@ import pandas as pd
 
 from hif8qat.report.paper import PAPER_RUNS, paper_drop_table, read_authors_run
 from hif8qat.report.paths import PAPER_DIR
-from hif8qat.stats.paired import items_needed_flip_model
+from hif8qat.stats.item_flips import items_needed_flip_model
 
 # The paper's loss pairs among its eight runs (E6 has no published log) and the tasks it scores that the
 # profiles here evaluate (MMLU in its cloze form here, lettered 5-shot in the paper).
@@ -62,7 +62,7 @@ def parse_sizes(text) -> dict[int, int]:
 
 def items_needed(paper_effect: float, base_pct: float, n_items: int, sizes: dict[int, int], k: int) -> float:
     """Items the claim's own item test needs to detect the paper's relative drop with 80 % power, under the
-    flip model its MDE states (:func:`hif8qat.stats.paired.items_needed_flip_model`): the drop is effect x
+    flip model its MDE states (:func:`hif8qat.stats.item_flips.items_needed_flip_model`): the drop is effect x
     score items losing in every seed, on top of items that change by chance at the rate and sizes seen here.
     The seeds score the same items, so this counts items, not items per seed."""
     net = abs(paper_effect) / 100 * base_pct / 100

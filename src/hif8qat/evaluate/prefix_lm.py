@@ -16,7 +16,8 @@ tokenizes them (``context_enc`` and ``continuation_enc`` from lm-eval's ``_encod
   batched with the contexts, as HFLM forwards every request;
 * contexts (and, per batch of contexts, continuations) are sorted by length and cut into batches of at
   most ``batch_size`` rows in which no row is shorter than ``min_fill`` (0.8) of the longest, so padding
-  stays small; only the scored positions go through the output layer (``logits_to_keep``);
+  stays small; only the scored positions go through the output layer (the model's trunk runs, then its
+  output layer on the scored rows alone: public API that every supported transformers version has);
 * requests that HFLM would truncate to ``max_length`` (and every request when ``batch_size="auto"``)
   go through HFLM's own path unchanged.
 
@@ -80,15 +81,13 @@ class SharedContextLM(HFLM):
         self._ranks = ranks if ranks is not None and ranks.world_size > 1 else None
         self.token_counts = {"requests": 0, "per_request": 0, "forwarded": 0, "forwarded_padded": 0,
                              "forward_calls": 0}
-        params = inspect.signature(self.model.forward).parameters.values()
-        self._keeps_logits = any(p.name == "logits_to_keep" or p.kind is inspect.Parameter.VAR_KEYWORD
-                                 for p in params)
 
     # ------------------------------------------------------------------------------ the model calls
-    def _forward(self, **kwargs):
-        """The one place a model forward runs: under ``numerics()``, without gradients."""
+    def _forward(self, *args, module: torch.nn.Module | None = None, **kwargs):
+        """The one place a model forward runs (the model's, or ``module``'s: its trunk or output layer): under
+        ``numerics()``, without gradients."""
         with torch.no_grad(), self._numerics():
-            return self.model(**kwargs)
+            return (self.model if module is None else module)(*args, **kwargs)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         if attn_mask is not None or labels is not None:  # seq2seq: HFLM's call, under the same numerics
@@ -99,15 +98,43 @@ class SharedContextLM(HFLM):
         with self._numerics():
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
-    def _scored_logits(self, keep: torch.Tensor, **kwargs):
-        """Forward and return (logits at the ``True`` positions of ``keep`` in row-major order, output)."""
-        if self._keeps_logits:
-            kwargs["logits_to_keep"] = keep
-        out = self._forward(**kwargs)
-        logits = out.logits
-        if logits.dim() == 3:  # the model computed every position
-            logits = logits[keep]
-        return logits, out
+    def _scored_logits(self, keep: torch.Tensor, cache=None, **kwargs):
+        """Forward and return (logits at the ``True`` positions of ``keep`` in row-major order, output);
+        ``cache``: a KV cache to continue from, passed under the keyword the model takes."""
+        parts = self._trunk_and_head()
+        called = parts[0] if parts else self.model
+        if cache is not None:
+            kwargs[self._cache_keyword(called)] = cache
+        if parts is None:
+            out = self._forward(**kwargs)
+            return out.logits[keep], out
+        trunk, head = parts
+        out = self._forward(module=trunk, **kwargs)
+        return self._forward(out.last_hidden_state[keep], module=head), out
+
+    def _trunk_and_head(self):
+        """(base model, output layer) when the model's logits are exactly ``head(trunk(...).last_hidden_state)``,
+        else None (then whole logits are computed and the scored rows picked from them).
+
+        Not ``logits_to_keep``: a 2-D mask is accepted by recent transformers releases and indexes the wrong
+        axis in earlier ones, so the rows are selected here, from the public ``base_model`` and
+        ``get_output_embeddings()``. Looked up per call: quantization swaps modules after construction."""
+        model = self.model
+        trunk = getattr(model, "base_model", None)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        config = getattr(model, "config", None)
+        # heads that rescale or cap their logits after the matmul keep the model's own forward
+        rescaled = any(getattr(config, k, None) not in (None, 1, 1.0)
+                       for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+        if trunk is None or trunk is model or head is None or rescaled:
+            return None
+        return trunk, head
+
+    @staticmethod
+    def _cache_keyword(module: torch.nn.Module) -> str:
+        """The name under which ``module.forward`` takes a KV cache: ``cache`` in recent transformers
+        releases, ``past_key_values`` before."""
+        return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
     # ---------------------------------------------------------------------------------- scoring
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,

@@ -1,0 +1,91 @@
+"""Supported versions: pyproject.toml declares them once; run.py refuses a library outside its range with one
+``error:`` line and exit status 2 before any work; make test-compat's requirements come from the same ranges."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from hif8qat.launch import versions
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _fake_dist(folder: Path, name: str, version: str) -> None:
+    """An installed-package record claiming ``version``: importlib.metadata finds it first on the path, while the
+    real library is still the one imported."""
+    info = folder / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_the_core_and_the_pipeline_declare_their_ranges_and_the_check_reads_them():
+    project = _pyproject()
+    core = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
+    pipeline = {Requirement(r).name: Requirement(r).specifier for r in project["optional-dependencies"]["pipeline"]}
+    assert core["torch"].contains("2.11.0") and not core["torch"].contains("2.10.2")
+    assert pipeline["transformers"].contains("5.17.0") and not pipeline["transformers"].contains("5.16.0")
+    for name in ("hydra-core", "omegaconf", "lm_eval", "datasets", "pandas", "scipy"):
+        assert name in pipeline
+    assert "transformers" not in core and "hydra-core" not in core  # the library core stays pipeline-free
+    wanted = versions.declared()
+    assert set(wanted) == {versions.canonicalize_name(n) for n in [*core, *pipeline]}  # optional extras unchecked
+    assert versions.problems(wanted) == []  # the pinned environment the suite runs in is supported
+
+
+def test_the_pins_lie_inside_the_declared_ranges():
+    wanted = versions.declared(extras=("pipeline", "wandb", "test"))
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        body = line.split("#", 1)[0].strip()
+        if not body:
+            continue
+        pin = Requirement(body)
+        declared = wanted.get(versions.canonicalize_name(pin.name))
+        if declared is not None:
+            assert declared.specifier.contains(next(iter(pin.specifier)).version), (pin, declared)
+
+
+def test_a_missing_or_unsupported_package_is_one_message_each():
+    wanted = {"torch": Requirement("torch>=99"), "no-such-package-here": Requirement("no-such-package-here>=1")}
+    found = versions.problems(wanted)
+    assert len(found) == 2
+    assert found[0].startswith("no-such-package-here is not installed (supported: >=1)")
+    assert found[1] == f"torch {versions.md.version('torch')} is not supported (supported: >=99)"
+
+
+def test_a_cuda_build_of_a_supported_torch_is_supported(tmp_path, monkeypatch):
+    monkeypatch.setattr(versions, "_installed", lambda name: "2.11.0+cu130")
+    assert versions.problems({"torch": Requirement("torch>=2.11,<3")}) == []
+
+
+def test_the_compat_requirements_pin_the_lowest_versions_and_keep_torch_first():
+    text = "# a comment\ntorch==2.13.0\nnumpy==2.4.6\ntransformers==5.24.0  # why\nlm_eval[hf]==0.4.13\n"
+    out = versions.lowest_requirements(text, ["torch", "transformers"]).splitlines()
+    lowest_torch = versions.lowest("torch")
+    assert out == ["# a comment", f"torch=={lowest_torch}", "numpy==2.4.6",
+                   f"transformers=={versions.lowest('transformers')}", "lm_eval[hf]==0.4.13"]
+    assert Requirement(_pyproject()["dependencies"][0]).specifier.contains(lowest_torch)
+
+
+@pytest.mark.parametrize("name,version", [("torch", "2.10.0"), ("transformers", "5.16.0")])
+def test_run_py_refuses_an_unsupported_version_before_any_work(tmp_path, name, version):
+    _fake_dist(tmp_path / "site", name, version)
+    results = tmp_path / "results"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{ROOT / 'src'}"}
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "experiment=exp8", "profile=smoke", "stage=all",
+                           f"results_root={results}"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=300)
+    supported = str(versions.declared()[name].specifier)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {name} {version} is not supported (supported: {supported})"]
+    assert proc.stdout == "" and not results.exists()

@@ -37,7 +37,7 @@ ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-compat wheelhouse test-rehearsals lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check rehearse slurm-rehearse verify-hif8 clean-venv
+.PHONY: help venv test test-fast test-compat test-rehearsals lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check wheelhouse rehearse slurm-rehearse verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -170,8 +170,18 @@ bench: $(STAMP) ## benchmarks: HiF8 qdq throughput and QAT step-time ratio
 	$(PY) benchmarks/bench_qdq.py
 	$(PY) benchmarks/bench_step.py
 
-gpu-check: $(STAMP) ## one GPU: pytest -m gpu, qdq bandwidth, QAT/BF16 step ratios, exp8 at paper shapes (<8 min)
-	benchmarks/gpu_check.sh
+# With WHEELHOUSE=<folder> (make wheelhouse's, carried to the node) it uses the node's own python3, torch and
+# transformers and installs the rest from the folder with no index: no .venv is built, nothing is downloaded.
+# GPU_CHECK_PLAN=1 prints the stages and their caps without running anything.
+WHEELHOUSE ?=
+gpu-check: $(if $(WHEELHOUSE)$(GPU_CHECK_PLAN),,$(STAMP)) ## one GPU, offline: pytest -m gpu, qdq bandwidth, QAT/BF16 step ratios, exp8 at 1B shapes (<8 min) [WHEELHOUSE=dir]
+	$(if $(WHEELHOUSE),WHEELHOUSE=$(WHEELHOUSE) PYTHON=$${PYTHON:-python3}) benchmarks/gpu_check.sh
+
+# The wheels a GPU node with its own torch and transformers (benchmarks/gpu_node_packages.txt) lacks, for Python
+# 3.12 and this machine's Python, manylinux x86_64; fails over 60 MiB. Downloads; minutes (pip resolves twice).
+wheelhouse: $(STAMP) ## the offline kit for a GPU node: the wheels it lacks, into wheelhouse/ (at most 60 MiB)
+	rm -rf wheelhouse
+	$(PY) benchmarks/wheelhouse.py --out wheelhouse
 
 # Installs slurm-wlm + munge when missing (root), starts a one-node cluster on 127.0.0.1 in a temporary folder,
 # drives hydra/launcher=slurm_cpu through it and stops every daemon it started; skips (exit 0) where it cannot start.

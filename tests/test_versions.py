@@ -66,7 +66,10 @@ def test_a_missing_or_unsupported_package_is_one_message_each():
 
 def test_a_cuda_build_of_a_supported_torch_is_supported(tmp_path, monkeypatch):
     monkeypatch.setattr(versions, "_installed", lambda name: "2.11.0+cu130")
-    assert versions.problems({"torch": Requirement("torch>=2.11,<3")}) == []
+    assert versions.problems({"torch": Requirement("torch<3,>=2.11")}) == []
+    monkeypatch.setattr(versions, "_installed", lambda name: "2.10.1+cu128")
+    assert versions.problems({"torch": Requirement("torch<3,>=2.11")}) == [
+        "torch 2.10.1+cu128 is not supported (supported: >=2.11,<3)"]
 
 
 def test_the_compat_requirements_pin_the_lowest_versions_and_keep_torch_first():
@@ -86,7 +89,7 @@ def test_run_py_refuses_an_unsupported_version_before_any_work(tmp_path, name, v
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "experiment=exp8", "profile=smoke", "stage=all",
                            f"results_root={results}"], capture_output=True, text=True, cwd=tmp_path, env=env,
                           timeout=300)
-    supported = str(versions.declared()[name].specifier)
+    supported = versions.supported(versions.declared()[name])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {name} {version} is not supported (supported: {supported})"]
     assert proc.stdout == "" and not results.exists()

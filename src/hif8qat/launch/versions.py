@@ -73,18 +73,24 @@ def _installed(name: str) -> str | None:
         return None
 
 
+def supported(req: Requirement) -> str:
+    """The range as a reader writes it: lower bound first (``>=5.17,<6``)."""
+    specs = sorted(req.specifier, key=lambda s: (not s.operator.startswith((">", "=", "~")), s.version))
+    return ",".join(str(s) for s in specs) or "any version"
+
+
 def problems(wanted: dict[str, Requirement] | None = None) -> list[str]:
     """One message per declared package that is missing or outside its range (empty when all are supported)."""
     wanted = declared() if wanted is None else wanted
     found = []
     for _, req in sorted(wanted.items()):
-        supported = str(req.specifier) or "any version"
+        allowed = supported(req)
         version = _installed(req.name)
         if version is None:
-            found.append(f"{req.name} is not installed (supported: {supported}); "
+            found.append(f"{req.name} is not installed (supported: {allowed}); "
                          f"pip install '{PACKAGE}[{','.join(CHECKED_EXTRAS)}]' or make venv")
         elif not req.specifier.contains(version, prereleases=True):  # a CUDA build's 2.11.0+cu130 included
-            found.append(f"{req.name} {version} is not supported (supported: {supported})")
+            found.append(f"{req.name} {version} is not supported (supported: {allowed})")
     return found
 
 

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(args.out), *pins],
                    check=True)
-    pure = {canonicalize_name(w.name.split("-")[0]) for w in args.out.glob("*-none-any.whl")}
+    # wheels every Python 3 takes (py3-none-any); py311-none-any (multiprocess) or cp311 ones need their 3.12 twin
+    pure = {name for name, _, _, tags in map(parse_wheel_filename, (w.name for w in args.out.glob("*.whl")))
+            if all(t.interpreter in ("py3", "py2") and t.abi == "none" and t.platform == "any" for t in tags)}
     compiled = [pin for pin in pins if canonicalize_name(pin.split("==")[0]) not in pure]
     platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
     for py in (v for v in args.python if v != here):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -93,3 +94,38 @@ def test_run_py_refuses_an_unsupported_version_before_any_work(tmp_path, name, v
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {name} {version} is not supported (supported: {supported})"]
     assert proc.stdout == "" and not results.exists()
+
+
+@pytest.mark.slow
+def test_pip_install_into_an_environment_with_torch_needs_no_index_and_declares_the_core(tmp_path):
+    """``pip install .`` beside an existing torch: nothing to download (the core needs torch, numpy and
+    safetensors only), and the installed metadata carries the ranges the check reads."""
+    env = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    py = env / "bin" / "python"
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    # this interpreter's packages (torch among them) behind the new environment's own
+    import site
+    Path(purelib, "existing.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
+    proc = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--no-build-isolation", "--no-deps",
+                           "--target", str(tmp_path / "target"), str(ROOT)], capture_output=True, text=True,
+                          env=clean, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--no-build-isolation", "--dry-run",
+                           "--quiet", "--report", "-", str(ROOT)], capture_output=True, text=True, env=clean,
+                          cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the core's dependencies are met by what is installed: the package alone would be installed
+    assert [i["metadata"]["name"] for i in json.loads(proc.stdout)["install"]] == ["hif8qat"]
+    [info] = [d for d in (tmp_path / "target").glob("hif8qat-*.dist-info")]
+    requires = [line.split(":", 1)[1].strip() for line in (info / "METADATA").read_text().splitlines()
+                if line.startswith("Requires-Dist:")]
+    core = [r for r in requires if "extra ==" not in r]
+    assert sorted(Requirement(r).name for r in core) == ["numpy", "safetensors", "torch"]
+    probe = "import sys; sys.path.insert(0, sys.argv[1]); import hif8qat.formats, hif8qat.launch.versions as v; " \
+            "print(v.problems(v.declared(pyproject=__import__('pathlib').Path('/nonexistent'))))"
+    out = subprocess.run([str(py), "-c", probe, str(tmp_path / "target")], capture_output=True, text=True,
+                         env=clean, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-3000:]

@@ -23,6 +23,11 @@ import sys
 from pathlib import Path
 
 from packaging.requirements import Requirement
+
+try:
+    import tomllib  # Python 3.11+
+except ModuleNotFoundError:  # 3.10: the installed package's metadata is read instead
+    tomllib = None
 from packaging.utils import canonicalize_name
 
 PACKAGE = "hif8qat"
@@ -33,11 +38,7 @@ PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"
 def _pyproject_requirements(path: Path) -> list[str] | None:
     """The dependency strings of the checkout's pyproject.toml, extras as ``; extra == "x"`` markers like the
     installed metadata's; None when not running from a checkout (or Python 3.10 without tomllib)."""
-    try:
-        import tomllib  # Python 3.11+
-    except ModuleNotFoundError:
-        return None
-    if not path.is_file():
+    if tomllib is None or not path.is_file():
         return None
     project = tomllib.loads(path.read_text()).get("project", {})
     if project.get("name") != PACKAGE:

@@ -126,7 +126,8 @@ class SharedContextLM(HFLM):
         # heads that rescale or cap their logits after the matmul keep the model's own forward
         rescaled = any(getattr(config, k, None) not in (None, 1, 1.0)
                        for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-        if trunk is None or trunk is model or head is None or rescaled:
+        # a forward replaced on the instance (a wrapper adding autocast, hooks) is the model's: it runs whole
+        if trunk is None or trunk is model or head is None or rescaled or "forward" in vars(model):
             return None
         return trunk, head
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,12 +110,17 @@ def test_pip_install_into_an_environment_with_torch_needs_no_index_and_declares_
     import site
     Path(purelib, "existing.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
+    source = tmp_path / "source"  # a copy: setuptools builds in the source folder, never in this checkout
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     proc = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--no-build-isolation", "--no-deps",
-                           "--target", str(tmp_path / "target"), str(ROOT)], capture_output=True, text=True,
+                           "--target", str(tmp_path / "target"), str(source)], capture_output=True, text=True,
                           env=clean, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--no-build-isolation", "--dry-run",
-                           "--quiet", "--report", "-", str(ROOT)], capture_output=True, text=True, env=clean,
+                           "--quiet", "--report", "-", str(source)], capture_output=True, text=True, env=clean,
                           cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the core's dependencies are met by what is installed: the package alone would be installed

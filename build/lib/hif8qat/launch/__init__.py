@@ -1,4 +1,0 @@
-"""Starting runs: ``preflight`` (everything checked before compute), ``time_estimate`` (how long a batch of runs
-takes here, from a measured step), ``slurm`` (the Hydra SLURM launcher's resources read from the partition).
-Layer 14: may import every layer below it.
-"""

@@ -1,5 +1,0 @@
-"""The trainer: ``loop`` (BF16 warmup then QAT, AdamW, accumulation), ``schedule`` (warmup then cosine), ``log``
-(metrics and progress), ``checkpoint`` and ``sharded_checkpoint`` (exact resume), ``distributed`` (DDP, FSDP2,
-SLURM -> torch), ``preemption`` (checkpoint on SLURM's signal), ``chunked_loss`` and ``export``. Layer 11: imports
-every layer below it, never ``evaluate``, ``report`` or ``launch``.
-"""

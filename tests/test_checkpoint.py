@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_state
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -24,13 +25,19 @@ from hif8qat.train.provenance import check_provenance, run_provenance
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def _model(seed: int, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer,
+                                                torch.optim.lr_scheduler.LRScheduler]:
+    """A model trained ``steps`` steps: AdamW state exists (trainer.pt holds tensors) and the LR has moved (a
+    constant LR would hide a scheduler state that was not restored)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(3, 8)).square().sum().backward()
-    optimizer.step()  # AdamW state exists, so trainer.pt holds tensors
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 ** s)
+    for _ in range(steps):
+        model(torch.randn(3, 8)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
     return model, optimizer, scheduler
 
 
@@ -41,11 +48,16 @@ def _save(root: Path, step: int, seed: int, keep: int = 5) -> Path:
 
 
 def _loaded_seed(path: Path) -> int:
-    model, optimizer, scheduler = _model(99)
+    """The seed of the model a checkpoint holds, after checking that weights, optimizer and scheduler state all
+    loaded bit for bit (into a model that has not trained: nothing of its own state can pass for the saved one)."""
+    model, optimizer, scheduler = _model(99, steps=0)
     step, rank_state = ckpt.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
     assert step == ckpt.checkpoint_step(path)
-    reference, _, _ = _model(rank_state["seed"])
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    reference, ref_optimizer, ref_scheduler = _model(rank_state["seed"])
+    assert_same_state(model.state_dict(), reference.state_dict(), "model")
+    assert_same_state(optimizer.state_dict(), ref_optimizer.state_dict(), "optimizer")
+    assert_same_state(scheduler.state_dict(), ref_scheduler.state_dict(), "scheduler")
+    assert optimizer.param_groups[0]["lr"] == ref_optimizer.param_groups[0]["lr"] == 1e-2 * 0.5 ** 2
     return rank_state["seed"]
 
 
@@ -351,6 +363,72 @@ def test_checkpoints_save_and_verify_without_hashlib_file_digest(tmp_path, monke
     for name, entry in manifest["files"].items():
         assert entry["sha256"] == hashlib.sha256((path / name).read_bytes()).hexdigest()
     assert _loaded_seed(path) == 1
+
+
+def test_the_rng_state_round_trips_through_a_checkpoint(tmp_path):
+    """torch's and Python's generators continue after a load exactly where they were at the save."""
+    import random
+
+    torch.manual_seed(123)
+    random.seed(123)
+    torch.rand(7), random.random()  # somewhere inside both streams, not at a seed
+    model, optimizer, scheduler = _model(5)
+    path = ckpt.save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler,
+                                rank_state={"rng": ckpt.rng_state()})
+    expected = (torch.rand(16), torch.randint(0, 1 << 23, (16,)), random.random())
+    torch.manual_seed(0)
+    random.seed(0)
+    _, rank_state = ckpt.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    ckpt.set_rng_state(rank_state["rng"])
+    got = (torch.rand(16), torch.randint(0, 1 << 23, (16,)), random.random())
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+class _KilledHere(Exception):
+    """Stands for the SIGKILL of the kill-at-step test hook, in-process: nothing after it runs."""
+
+
+def test_stochastic_rounding_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """quant.grad_rounding=stochastic draws from torch's generator in every backward: a run killed at step 5 and
+    resumed from its step-3 checkpoint gives the uninterrupted run's losses, gradient norms and final state only
+    if the generator's state was saved and restored (ta rounding, which never draws, cannot show it)."""
+    import os
+    import signal
+
+    monkeypatch.setenv("HIF8QAT_COMPILE", "0")  # the eager quantizer: bit-identical, no compile warm-up
+    settings = ("experiment=exp3", "quant.grad_rounding=stochastic", "train.checkpoint_every=3")
+    whole = _run_dir(tmp_path)
+    train(_smoke(tmp_path, *settings), whole)
+
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    real_kill = os.kill
+
+    def kill(pid, sig):
+        if pid == os.getpid() and sig == signal.SIGKILL:
+            raise _KilledHere
+        real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", kill)
+    monkeypatch.setenv("HIF8QAT_TEST_KILL_AT_STEP", "5")
+    with pytest.raises(_KilledHere):
+        train(_smoke(tmp_path, *settings), crashed)
+    monkeypatch.undo()
+    monkeypatch.setenv("HIF8QAT_COMPILE", "0")
+    assert [p.name for p in ckpt.list_checkpoints(crashed / "checkpoints")] == ["step_0000003"]
+    train(_smoke(tmp_path, *settings, "train.resume=auto"), crashed)
+
+    def rows(folder: Path) -> list[tuple]:
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+
+    assert [r[0] for r in rows(crashed)] == list(range(8))
+    assert rows(crashed) == rows(whole)
+    mine, theirs = (f / "checkpoints" / "step_0000008" for f in (crashed, whole))
+    assert_same_state(load_file(mine / "model.safetensors"), load_file(theirs / "model.safetensors"), "model")
+    for name in ("trainer.pt", "rank000.pt"):
+        assert_same_state(torch.load(mine / name, weights_only=True), torch.load(theirs / name, weights_only=True),
+                          name)
 
 
 class _FakeCuda:

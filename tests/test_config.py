@@ -206,7 +206,7 @@ def test_the_baseline_query_prints_only_the_baseline():
 def test_cli_rejects_an_evaluation_device_it_lacks_before_training(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "run.py"), "experiment=exp8", "profile=smoke", "stage=all",
                           "eval.device=cuda", f"results_root={tmp_path}"], capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0
+    assert out.returncode == 2, out.stderr[-2000:]  # a user's error: exit 2, not a crash
     assert "eval.device=cuda" in out.stderr and "no CUDA device" in out.stderr
     assert not any(tmp_path.iterdir())  # nothing trained, no run folder
 

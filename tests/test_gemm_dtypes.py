@@ -242,3 +242,62 @@ def test_the_chunked_loss_recomputes_under_the_emulation(monkeypatch):
         loss.backward()
     assert torch.isfinite(loss) and model.lm_head.weight.grad is not None
     assert counter.bf16() == {}, counter.bf16()
+    assert counter.total() > 0, "the counter saw the loss head's GEMMs"
+
+
+# Every GEMM entry the emulation covers, with operands of the test's own making: (shapes of the float operands,
+# the call). A GEMM the emulation lost would run as torch's BF16 kernel under autocast: a BF16 result from BF16
+# operands, which the counter and the result's dtype both show.
+_T = torch.Tensor
+GEMM_ENTRIES = {
+    "F.linear": (torch.nn.functional.linear, [(3, 8), (5, 8), (5,)], lambda f, a, b, c: f(a, b, c)),
+    "torch.matmul": (torch.matmul, [(2, 3, 8), (8, 5)], lambda f, a, b: f(a, b)),
+    "Tensor.matmul": (_T.matmul, [(3, 8), (8, 5)], lambda f, a, b: a.matmul(b)),
+    "Tensor.__matmul__": (_T.__matmul__, [(3, 8), (8, 5)], lambda f, a, b: a @ b),
+    "Tensor.__rmatmul__": (_T.__rmatmul__, [(8, 5), (3, 8)], lambda f, a, b: a.__rmatmul__(b)),
+    "torch.mm": (torch.mm, [(3, 8), (8, 5)], lambda f, a, b: f(a, b)),
+    "Tensor.mm": (_T.mm, [(3, 8), (8, 5)], lambda f, a, b: a.mm(b)),
+    "torch.bmm": (torch.bmm, [(2, 3, 8), (2, 8, 5)], lambda f, a, b: f(a, b)),
+    "Tensor.bmm": (_T.bmm, [(2, 3, 8), (2, 8, 5)], lambda f, a, b: a.bmm(b)),
+    "torch.addmm": (torch.addmm, [(3, 5), (3, 8), (8, 5)], lambda f, c, a, b: f(c, a, b)),
+    "Tensor.addmm": (_T.addmm, [(3, 5), (3, 8), (8, 5)], lambda f, c, a, b: c.addmm(a, b)),
+    "torch.baddbmm": (torch.baddbmm, [(2, 3, 5), (2, 3, 8), (2, 8, 5)], lambda f, c, a, b: f(c, a, b)),
+    "Tensor.baddbmm": (_T.baddbmm, [(2, 3, 5), (2, 3, 8), (2, 8, 5)], lambda f, c, a, b: c.baddbmm(a, b)),
+    "torch.addbmm": (torch.addbmm, [(3, 5), (2, 3, 8), (2, 8, 5)], lambda f, c, a, b: f(c, a, b)),
+    "torch.einsum": (torch.einsum, [(2, 3, 8), (2, 8, 5)], lambda f, a, b: f("bij,bjk->bik", a, b)),
+    "F.scaled_dot_product_attention": (torch.nn.functional.scaled_dot_product_attention,
+                                       [(1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)], lambda f, q, k, v: f(q, k, v)),
+    "F.conv1d": (torch.nn.functional.conv1d, [(2, 4, 9), (5, 4, 3)], lambda f, x, w: f(x, w)),
+    "F.conv2d": (torch.nn.functional.conv2d, [(2, 4, 6, 6), (5, 4, 3, 3)], lambda f, x, w: f(x, w)),
+}
+
+
+def test_the_gemm_entries_tested_are_the_ones_the_emulation_covers():
+    covered = numerics._LINEAR | numerics._OTHER_GEMMS
+    assert {entry[0] for entry in GEMM_ENTRIES.values()} == covered, "a covered GEMM without a test, or vice versa"
+
+
+@pytest.mark.parametrize("operands", ["float32-autocast", "bfloat16"])
+@pytest.mark.parametrize("entry", sorted(GEMM_ENTRIES))
+def test_every_emulated_gemm_rounds_its_operands_and_result_and_keeps_bf16_off_aten(entry, operands):
+    """float32 operands under the emulated autocast give a float32 result holding BF16 values; BF16 operands (as
+    the quantized linear hands over) a BF16 result. Either way the value is the FP32 op on the operands rounded
+    to BF16, rounded to BF16, and no GEMM kernel receives a BF16 operand."""
+    func, shapes, call = GEMM_ENTRIES[entry]
+    gen = torch.Generator().manual_seed(len(entry))
+    args = [torch.randn(s, generator=gen) * 3 for s in shapes]
+    if operands == "bfloat16":
+        args = [a.to(torch.bfloat16) for a in args]
+        context = numerics.backward_context("bf16_emulated", "cpu")  # the mode alone: BF16 tensors, no autocast
+    else:
+        context = numerics.forward_context("bf16_emulated", "cpu")
+    counter = GemmOperandDtypes()
+    with context, counter:
+        got = call(func, *args)
+    want_dtype = torch.bfloat16 if operands == "bfloat16" else torch.float32
+    with torch.autocast("cpu", enabled=False):  # the oracle: torch's FP32 op on BF16 values, its result cast
+        want = call(func, *[a.to(torch.bfloat16).float() for a in args]).to(torch.bfloat16).to(want_dtype)
+    assert got.dtype == want_dtype
+    assert torch.equal(got, want)
+    assert counter.total() > 0, "the counter saw the GEMM"
+    assert counter.bf16() == {}, f"BF16 operands reached a GEMM: {counter.bf16()}"

@@ -37,7 +37,7 @@ ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-compat test-rehearsals lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check wheelhouse rehearse slurm-rehearse verify-hif8 clean-venv
+.PHONY: help venv test test-fast test-compat test-rehearsals mutation lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check wheelhouse rehearse slurm-rehearse verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -95,6 +95,9 @@ test-compat: $(COMPAT_VENV)/.installed ## the fast tier and a smoke stage=all at
 	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 		$(OFFLINE) $(COMPAT_PY) run.py experiment=exp8 profile=smoke stage=all results_root=$$tmp/runs && \
 		ls $$tmp/runs/smoke/exp8/*/DONE $$tmp/runs/smoke/exp8/*/eval/*/results.json
+
+mutation: $(STAMP) ## plausible bugs the tests must catch (tests/mutation/mutants.yaml), one at a time on a copy: the killed share
+	$(OFFLINE) $(PY) tests/mutation/run_mutants.py $(ARGS)
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .

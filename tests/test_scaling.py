@@ -168,6 +168,8 @@ def test_non_finite_cold_start_falls_back_to_target_then_recovers(impl):
     cfg = ScalingConfig(algo="most_recent")
     # cold NaN -> estimate 1.0 (authors' fallback) -> scale = target; empty history keeps it; then 4
     assert_scales(impl.replay([NAN, NAN, 4, 2], cfg), 1, 1, 1, 4)
+    # a cold +inf amax (an overflowed tensor) falls back the same way: never a zero scale
+    assert_scales(impl.replay([INF, INF, 4, 2], cfg), 1, 1, 1, 4)
     # an all-zero tensor: estimate 0 -> fallback 1.0, later zeros keep the previous estimate
     assert_scales(impl.replay([0, 0, 8, 0, 3], cfg), 1, 1, 1, 8, 8)
 

@@ -20,6 +20,7 @@ then, as when the score is under ``--min-score``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -105,6 +106,11 @@ def _env(copy: Path) -> dict[str, str]:
     return env
 
 
+def _kill_session(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def run_tests(copy: Path, tests: tuple[str, ...], timeout: float, python: str) -> tuple[str, float, str]:
     """(outcome, seconds, output tail): passed, failed, timeout or error (pytest could not run the selection)."""
     cmd = [python, "-m", "pytest", "-q", "-x", "-p", "no:xdist", "-p", "no:cacheprovider", *tests]
@@ -115,11 +121,11 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: float, python: str) -
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc.pid)
         out, _ = proc.communicate()
         return "timeout", time.monotonic() - start, out[-3000:]
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+    except BaseException:  # Ctrl-C: end the tests too, then let the copy be removed
+        _kill_session(proc.pid)
         proc.wait()
         raise
     seconds = time.monotonic() - start

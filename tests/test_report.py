@@ -312,6 +312,12 @@ def test_claims_pool_seeds_into_one_exact_test_over_items(tmp_path):
     assert c["p"] == pytest.approx(2 * 0.5 ** 20)
     assert c["cost"] == pytest.approx(20 / 120 * 100 / base * 100)
     assert c["ci_lo"] > 1.0 and c["equivalence"] == "not equivalent" and c["difference"] == "worse"
+    # every interval is ordered and holds its estimate (accuracy's is mapped through the relative drop, which
+    # turns the points interval around)
+    rows = claims.dropna(subset=["cost", "ci_lo", "ci_hi", "ci90_lo", "ci90_hi"])
+    assert len(rows) > 0
+    assert ((rows.ci_lo <= rows.ci90_lo) & (rows.ci90_lo <= rows.cost) & (rows.cost <= rows.ci90_hi)
+            & (rows.ci90_hi <= rows.ci_hi)).all(), rows[["metric", "ci_lo", "ci90_lo", "cost", "ci90_hi", "ci_hi"]]
     # the signed training-loss difference over the QAT phase (steps 6-40), % of the baseline's loss
     loss = _claim(claims, mode="train", metric="train_loss")
     signed = np.mean([0.01 * (s % 3) / (5.0 - 0.02 * s) * 100 for s in range(6, 41)])

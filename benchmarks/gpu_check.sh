@@ -20,8 +20,9 @@
 #                           1B Llama at seq 1024 with gradient accumulation, for a few steps, writing no
 #                           checkpoint (17 GB of weights and AdamW state at 1B would be written and hashed)
 #   paper_memory            the paper's micro-batch (16 x 1024) through the 1B Llama with exp8's quantization, bf16
-#                           autocast and the chunked loss, two micro-batches and an AdamW step: the peak must fit an
-#                           80 GB GPU; prints it beside the preflight estimate
+#                           autocast and the chunked loss, two micro-batches and an AdamW step (the trainer's own
+#                           functions): measured peak / the simulated estimate (launch.memory) must be within
+#                           0.9-1.1, and the peak must fit an 80 GB GPU
 #   checkpoint              save_checkpoint and load_checkpoint of the 1B model with its AdamW state (weights and
 #                           moments compared after the load)
 #   openpangu               a checkpoint laid out like openPangu's hub repo with the 1B's own config (tied head,
@@ -207,55 +208,63 @@ EOF
 }
 
 stage_paper_memory() {
+    # The trainer's own step (prepare_model, its AdamW, _forward_backward, _optimizer_step) with exp8's settings at
+    # the paper profile, measured (torch.cuda.max_memory_allocated; on CPU torch's MemTracker, the same count of
+    # live tensors) against launch.memory's simulated estimate for the same model and settings.
     # shellcheck disable=SC2086
     "$PY" - "$MEM_MODEL" "$DEVICE" $MEM_SHAPE <<'EOF'
 import sys, time
-from types import SimpleNamespace as NS
 import torch
-sys.path.insert(0, "benchmarks")
+sys.path[:0] = ["benchmarks", "."]
 from bench_step import build_model
-from hif8qat.train.chunked_loss import install_loss_head, lm_loss
-from hif8qat.launch.preflight import step_memory
-from hif8qat.quant.linear import convert_model, set_quantization
-from hif8qat.scaling.settings import ScalingConfig
+from run import config_for
+from hif8qat.launch.memory import ratio_verdict, step_memory
+from hif8qat.quant.linear import set_quantization
+from hif8qat.train import loop
+from hif8qat.train.schedule import warmup_cosine_schedule
 name, dev, micro, seq = sys.argv[1], torch.device(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-model = build_model(name, sys.argv[2]).to(dev).float().train()
-c = model.config
-hp = [0, 1, 2, c.num_hidden_layers - 2, c.num_hidden_layers - 1]  # exp8: mlp scope, first 3 and last 2 in BF16
-convert_model(model, "mlp", hp, ScalingConfig(algo="max", history_len=64))
+model = build_model(name, sys.argv[2])
+n = model.config.num_hidden_layers  # exp8's first 3 and last 2 blocks in BF16, of this model's depth
+cfg = config_for("paper", "exp8", 0, (f"train.micro_batch_size={micro}", f"train.global_batch_size={2 * micro}",
+                                      f"train.seq_len={seq}", f"train.device={dev.type}", "train.autocast=bf16",
+                                      f"quant.high_precision_blocks=[0,1,2,{n - 2},{n - 1}]"))
+facts = {**model.config.to_dict(), "attn_implementation": model.config._attn_implementation}
+estimate = sum(step_memory(cfg, facts, world_size=1, device_type=dev.type).values())
+loop.prepare_model(model, cfg, dev)
 set_quantization(model, True)
-install_loss_head(model)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
-tokens = torch.randint(0, c.vocab_size, (micro, seq + 1), device=dev)
-def step():
-    for _ in range(2):  # gradient accumulation: the second micro-batch runs with the first one's gradients held
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = lm_loss(model, tokens)
-        loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-step()  # AdamW state exists from here on
+opt = loop.build_optimizer(model, cfg)
+sched = warmup_cosine_schedule(opt, 1, 100)
+ctx, skips = loop.DistContext(device=dev), {"skipped_steps": 0, "consecutive_skips": 0}
+short = torch.randint(0, model.config.vocab_size, (micro, 3))
+full = torch.randint(0, model.config.vocab_size, (micro, seq + 1))
+loop._forward_backward(model, iter([short]), 1, "bf16", cfg, ctx)  # AdamW's moments exist from here on
+loop._optimizer_step(model, opt, sched, cfg, ctx, skips, 0)
+t0 = time.time()
+tracker = None
 if dev.type == "cuda":
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-t0 = time.time()
-step()
-peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
-cfg = NS(train=NS(micro_batch_size=micro, seq_len=seq, autocast="bf16", distributed="ddp",
-                  activation_checkpointing=False), quirks=NS(bf16_params=False))
-facts = dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
-             intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
-             num_key_value_heads=c.num_key_value_heads, tie_word_embeddings=c.tie_word_embeddings,
-             attn_implementation=c._attn_implementation)
-estimate = sum(step_memory(cfg, facts).values())
-gib = 2 ** 30
-if peak is None:
-    print(f"RESULT {micro}x{seq} step in {time.time() - t0:.1f} s; estimate {estimate / gib:.2f} GiB (no peak on CPU)")
 else:
-    print(f"RESULT {micro}x{seq}: peak {peak / gib:.1f} GiB, estimate {estimate / gib:.1f} GiB "
-          f"(x{estimate / peak:.2f}), step {time.time() - t0:.1f} s")
-    if peak > 80e9:
-        raise SystemExit(f"the paper's micro-batch needs {peak / 1e9:.1f} GB: more than an 80 GB GPU")
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    tracker.__enter__()
+for _ in range(2):  # two micro-batches of a step: the second runs with the first's gradients held
+    if tracker is not None:
+        tracker.reset_mod_stats()  # else MemTracker takes the model's second call for a second step
+    loop._forward_backward(model, iter([full]), 1, "bf16", cfg, ctx)
+loop._optimizer_step(model, opt, sched, cfg, ctx, skips, 1)
+if tracker is None:
+    peak = torch.cuda.max_memory_allocated()
+else:
+    tracker.__exit__(None, None, None)
+    peak = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+ok, line = ratio_verdict(peak, estimate)
+print(f"RESULT {micro}x{seq}: {line}, step {time.time() - t0:.1f} s")
+if not ok:
+    raise SystemExit(f"the memory estimate is off: {line}")
+if peak > 80e9:
+    raise SystemExit(f"the paper's micro-batch needs {peak / 1e9:.1f} GB: more than an 80 GB GPU")
 EOF
 }
 

@@ -24,6 +24,7 @@ from hif8qat.data.loader import _datasets_offline
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
 from hif8qat.evaluate.task_data import prepare_paper_tasks
 from hif8qat.launch.inputs import check_inputs
+from hif8qat.launch.memory import step_memory
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
     PANGU_MODEL_TYPES,
@@ -34,7 +35,6 @@ from hif8qat.models.loading import (
     pangu_tokenizer_problem,
 )
 from hif8qat.runs.downloads import hub_reachable
-from hif8qat.train import chunked_loss
 
 MODEL_FORMS = ("tiny or tiny:N (N >= 1 blocks), smollm2_135m, smollm2_135m_offline, openpangu_embedded_1b, "
                "an existing local save_pretrained folder, or a Hugging Face hub id that is cached or reachable")
@@ -146,48 +146,6 @@ def check_results_root(cfg: RunConfig) -> None:
                               f"({err.strerror or err}); allowed a folder this user can write") from None
 
 
-def _parameter_count(c: dict) -> int:
-    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    inter = c.get("intermediate_size") or 4 * h
-    heads = c.get("num_attention_heads") or 1
-    kv, head_dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
-    per_layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * inter + 2 * h
-    return layers * per_layer + vocab * h * (1 if c.get("tie_word_embeddings", True) else 2) + h
-
-
-def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1) -> dict[str, int]:
-    """A lower estimate of the bytes one training process holds during a step, by part.
-
-    weights, gradients and the two AdamW moments (4 copies of the parameters); the activations autograd keeps
-    per block (the residual stream, q/k/v, the attention output and the MLP's gate, up and product at the
-    autocast width; eager attention adds its probability matrix), only each block's input under
-    activation checkpointing; the loss's vocabulary-wide tensors: over the whole micro-batch, 12 bytes per logit
-    (the log-softmax kept for backward and two FP32 gradients; measured), or, when the loss runs in chunks
-    (`chunked_loss`), one chunk's logits at the autocast width plus three FP32 tensors. Counted low (no
-    allocator slack, no quantizer buffers): within 20 % of a measured CPU peak, below it on a GPU.
-    """
-
-    t = cfg.train
-    h, layers, vocab = facts["hidden_size"], facts["num_hidden_layers"], facts["vocab_size"]
-    inter = facts.get("intermediate_size") or 4 * h
-    heads = facts.get("num_attention_heads") or 1
-    width = 2 if t.autocast == "bf16" else 4
-    states = _parameter_count(facts) * (2 if cfg.quirks.bf16_params else 4) * 4
-    if t.distributed == "fsdp" and world_size > 1:
-        states //= world_size
-    tokens = t.micro_batch_size * t.seq_len
-    block = tokens * (4 * h + 3 * inter) * width
-    if facts.get("attn_implementation") == "eager":
-        block += t.micro_batch_size * heads * t.seq_len ** 2 * width  # the softmax output, kept for backward
-    kept = tokens * h * width if t.activation_checkpointing else block
-    activations = (layers - 1) * kept + block
-    if tokens * vocab > chunked_loss.CHUNK_ELEMENTS:  # read when called: the loss head's setting, as it is then
-        logits = min(tokens, chunked_loss.chunk_rows(vocab)) * vocab * (width + 12)
-    else:
-        logits = tokens * vocab * 12
-    return {"weights, gradients and AdamW state": states, "activations": activations, "logits": logits}
-
-
 def _machine_memory(device: str) -> tuple[int | None, str]:
 
 
@@ -227,7 +185,7 @@ def check_model_fits(cfg: RunConfig) -> None:
         detail = ", ".join(f"{k} {v / gib:.1f}" for k, v in parts.items())
         raise ConfigError(
             f"invalid setting train.micro_batch_size={cfg.train.micro_batch_size} with train.seq_len="
-            f"{cfg.train.seq_len}: one training step of {cfg.model.name} needs at least {need / gib:.1f} GiB "
+            f"{cfg.train.seq_len}: one training step of {cfg.model.name} needs about {need / gib:.1f} GiB "
             f"({detail} GiB), more than the {have / gib:.1f} GiB of {where} here; allowed settings that fit: a "
             "smaller train.micro_batch_size (train.global_batch_size stays, by gradient accumulation), a shorter "
             "train.seq_len, or train.activation_checkpointing=true")

@@ -174,6 +174,23 @@ def measure(cfg, repeats: int = 2) -> Costs:
     return Costs(mode, load_s, plain_step, qat_step, plain_token, quant_token)
 
 
+def print_memory(cfg, world_size: int | None, device: str | None) -> None:
+    """The simulated memory of one training step of the run (:mod:`hif8qat.launch.memory`), when its model's
+    config.json is at hand."""
+    from hif8qat.launch.memory import describe, step_memory
+    from hif8qat.models.loading import model_config_facts
+
+    facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
+    if not facts:
+        return
+    if world_size is None:  # the Makefile launches the paper profile on every local GPU, the others in one process
+        world_size = max(torch.cuda.device_count(), 1) if cfg.profile.name == "paper" else 1
+    device = device or numerics.training_device_type(cfg.train.device)
+    parts = step_memory(cfg, facts, world_size, device)
+    print(f"memory: {cfg.experiment.name} at profile {cfg.profile.name}: one training step needs about "
+          f"{describe(cfg, parts, world_size, device)}")
+
+
 def main(argv, config_for: Callable[..., Any]) -> int:
     """``config_for(profile, experiment, seed, overrides)``: the resolved RunConfig run.py would build (run.py
     composes it)."""
@@ -186,6 +203,11 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     ap.add_argument("--baseline", default="", help="an experiment run first with --baseline-overrides (make expN)")
     ap.add_argument("--overrides", nargs="*", default=[], help="the command line's settings (make's ARGS)")
     ap.add_argument("--baseline-overrides", nargs="*", default=[], help="the baseline's settings (BASELINE_ARGS)")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="processes the run is launched with (default: the local GPUs for the paper profile, as make "
+                         "launches it, else 1): for the memory estimate")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                    help="where the run trains, for the memory estimate (default: where train.device puts it here)")
     args = ap.parse_args(argv)
     plain_config_for = config_for
 
@@ -194,6 +216,7 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         return plain_config_for(profile, experiment, seed, tuple(extra))
 
     experiments = [e for e in (args.baseline, *args.experiments) if e]
+    print_memory(config_for(args.profile, args.experiments[0], args.seeds[0]), args.world_size, args.device)
     if args.profile not in ("mini", "gpu1"):
         return 0
 

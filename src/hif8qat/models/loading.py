@@ -79,6 +79,14 @@ OPENPANGU_EMBEDDED_1B = {
     ),
 }
 
+#: The 1B's config.json (the keys that shape its training step), for what is estimated before the weights exist:
+#: :func:`model_config_facts` answers with it for ``openpangu_embedded_1b`` when the hub copy is not cached.
+OPENPANGU_EMBEDDED_1B_CONFIG = {
+    "model_type": "PanguEmbedded", "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 26,
+    "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 128, "vocab_size": 153376, "bias": True,
+    "tie_word_embeddings": True, "rope_theta": 4000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
+}
+
 #: ``model_type`` of openPangu-Embedded checkpoints, which load as Llama (:mod:`hif8qat.models.pangu`).
 PANGU_MODEL_TYPES = ("PanguEmbedded",)
 
@@ -199,7 +207,7 @@ def model_config_facts(name: str, *, revision: str | None = None) -> dict | None
             return json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-    return None
+    return dict(OPENPANGU_EMBEDDED_1B_CONFIG) if name == "openpangu_embedded_1b" else None
 
 
 def pangu_tokenizer_problem(name: str, *, revision: str | None = None) -> str | None:

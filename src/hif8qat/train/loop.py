@@ -166,21 +166,36 @@ def _build_model(cfg: RunConfig, ctx: DistContext):
     with concerning(f"model.name={cfg.model.name}"):  # a folder without tokenizer files, truncated weights
         model, tokenizer = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
                                           revision=cfg.model.revision)
-    if cfg.quirks.bf16_params:
+    return model, tokenizer, prepare_model(model, cfg, ctx.device)
+
+
+def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
+    """The loaded model made the one the run trains, in place: BF16 parameters (quirk), quantized linears (off
+    until the BF16 warmup ends), the chunked loss head, the device, activation checkpointing. Returns the
+    converted layers' names. The memory estimate (`launch.memory`) builds its simulated model through this too."""
+    # (moves only when needed: a model built under FakeTensorMode, as the memory estimate's, cannot move)
+    if cfg.quirks.bf16_params and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
     converted: list[str] = []
-    emulate = _numerics(cfg, ctx.device) == "bf16_emulated"  # the layers are told the numerics, never guess them
+    emulate = _numerics(cfg, device) == "bf16_emulated"  # the layers are told the numerics, never guess them
     if cfg.quant.enabled:
         converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
                                   emulate_bf16=emulate)
         set_quantization(model, False)
     install_loss_head(model, emulate)  # the loss in chunks: the micro-batch's whole FP32 logits never exist
-    model.to(ctx.device)
+    if any(t.device != device for t in (*model.parameters(), *model.buffers())):
+        model.to(device)
     model.train()
     if cfg.train.activation_checkpointing:  # the recompute reuses the forward's HiF8 scales, records nothing
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=numerics.checkpoint_kwargs(_numerics(cfg, ctx.device), ctx.device.type))
-    return model, tokenizer, converted
+            activation_checkpointing_kwargs=numerics.checkpoint_kwargs(_numerics(cfg, device), device.type))
+    return converted
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, **kwargs: Any) -> torch.optim.AdamW:
+    """The run's AdamW (kwargs: torch's own options, e.g. ``foreach`` for the memory estimate's simulation)."""
+    return torch.optim.AdamW(parameter_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
+                             betas=tuple(cfg.train.betas), eps=cfg.train.eps, **kwargs)
 
 
 def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) -> torch.nn.Module:
@@ -220,8 +235,7 @@ class _Run:
             wrapped = torch.compile(wrapped)
         self.wrapped = wrapped
         self.quant_on_step = cfg.quant.bf16_warmup_steps if cfg.quant.enabled else None
-        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, cfg.train.weight_decay), lr=cfg.train.lr,
-                                           betas=tuple(cfg.train.betas), eps=cfg.train.eps)
+        self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = warmup_cosine_schedule(self.optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
         with concerning(f"data.source={cfg.data.source}"):  # a corpus with bad lines, an unusable cache_dir
             stream = build_train_stream(cfg.data.source, self.tokenizer, seq_len=cfg.train.seq_len,

@@ -1,0 +1,224 @@
+"""The memory one training step needs, by simulating the step: no hand formula.
+
+:func:`step_memory` builds the run's model from its ``config.json`` (no weights) under torch's ``FakeTensorMode``,
+prepares it as the trainer does (:func:`hif8qat.train.loop.prepare_model`: BF16-parameter quirk, quantized
+linears switched on, the chunked loss head, activation checkpointing), makes the trainer's AdamW
+(:func:`~hif8qat.train.loop.build_optimizer`) and runs a step of it (forward and backward under the run's numerics
+with the previous micro-batch's gradients held when the step accumulates, gradient clipping, the AdamW update with
+its moments already made) while torch's own ``MemTracker`` follows every tensor storage that is alive. Fake
+tensors have shapes and no data, so a 1B model's step at the paper's batch takes seconds and no memory. The
+peak it reports is what the step's tensors occupy at the worst moment, by kind (weights, gradients, AdamW
+state, activations, backward temporaries), which is what ``torch.cuda.max_memory_allocated`` counts on a GPU.
+
+Simulated on the CPU (fake CPU tensors: the CPU-only torch has no CUDA autocast to simulate with), for the device
+the run trains on: a CUDA run's AdamW runs torch's multi-tensor path (``foreach``, one temporary the size of the
+parameters in its update), which is asked for explicitly. What a one-process fake step cannot see is added:
+DDP's gradient buckets (``DistributedDataParallel`` as the trainer builds it keeps ``gradient_as_bucket_view``
+at its default, False: a second copy of every gradient, allocated when DDP wraps the model); under FSDP the
+weights and AdamW state are shared out over the ranks while the gradients accumulate unsharded between
+micro-batches (an approximation, not measured). What no tensor count sees is left out and needs the headroom:
+the CUDA context, cuBLAS/attention workspaces, the allocator's fragmentation.
+
+``python run.py --estimate --profile paper --experiments exp8 --world-size 8 --device cuda`` prints the figure
+(`make expN` prints it for the run it starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from hif8qat import compute_dtype as numerics
+from hif8qat.config.run_config import RunConfig
+
+GIB = 2 ** 30
+
+#: The parts of the estimate, in the order they are printed.
+PARTS = ("weights", "gradients", "AdamW state", "activations", "backward temporaries", "DDP gradient buckets")
+
+
+def model_config(facts: dict):
+    """The transformers config a run's model is built from: its config.json as read by `model_config_facts`
+    (openPangu's mapped to Llama, as `load_causal_lm` loads it)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from hif8qat.models.loading import PANGU_MODEL_TYPES
+    from hif8qat.models.pangu import pangu_llama_config
+
+    facts = dict(facts)
+    attn = facts.pop("attn_implementation", None) or "sdpa"  # from_pretrained's default where torch has SDPA
+    model_type = facts.get("model_type")
+    if model_type in PANGU_MODEL_TYPES:
+        config = pangu_llama_config(facts)
+    elif model_type:
+        config = AutoConfig.for_model(**facts)
+    else:  # the tiny model's facts: a Llama config's own keys
+        config = LlamaConfig(**facts)
+    config._attn_implementation = attn
+    return config
+
+
+@contextlib.contextmanager
+def _kept_weight_results() -> Iterator[None]:
+    """Under fake tensors the quantizer's op runs its shape-only implementation, which keeps nothing; the real
+    op (eager) keeps each quantized weight from its forward call until the layer's backward, so that an
+    activation-checkpointing recompute gets it back instead of quantizing again. Mirrored here, so the
+    simulation holds those weights exactly as long as the real step does (it matters only with checkpointing:
+    without it the forward saves the same tensor for backward anyway)."""
+    from hif8qat.quant import linear
+    from hif8qat.scaling.bank import RECORD, _in_backward
+
+    op, release = linear.bank_qdq, linear.release_kept
+    kept: dict[tuple[int, int], torch.Tensor] = {}
+
+    def bank_qdq(x, bank_id, row, mode, out_dtype=None, keep=False):
+        if mode == RECORD and _in_backward() and (bank_id, row) in kept:  # the recompute: a copy of the kept one
+            return kept.pop((bank_id, row)).clone()
+        y = op(x, bank_id, row, mode, out_dtype, keep)
+        if keep and mode == RECORD and not _in_backward():
+            kept[(bank_id, row)] = y
+        return y
+
+    def release_kept(bank_id, row):
+        kept.pop((bank_id, row), None)
+        release(bank_id, row)
+
+    linear.bank_qdq, linear.release_kept = bank_qdq, release_kept
+    try:
+        yield
+    finally:
+        linear.bank_qdq, linear.release_kept = op, release
+
+
+def _unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+
+
+def _peak_tracker_class():
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class PeakTracker(MemTracker):
+        """torch's MemTracker keeping the whole step's peak only: its per-module peaks walk every module at
+        every op (80 % of a 1B model's simulation), and nothing here reads them."""
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return PeakTracker
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulated:
+    """One process's simulated step: the bytes alive at its peak by kind (:data:`PARTS` but the DDP buckets),
+    and what the distributed wrappers' extras are computed from."""
+
+    parts: dict[str, int]
+    grad_bytes: int  # one copy of the gradients (each tied parameter once)
+    block_bytes: int  # the largest transformer block's parameters
+    root_bytes: int  # the parameters outside the blocks (embedding, head, final norm)
+
+
+def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micro_batches: int = 2) -> Simulated:
+    """One optimizer step of one process under fake tensors (see the module doc). ``micro_batches`` > 1: the
+    measured micro-batch runs with the previous one's gradients held, as every micro-batch after the first of an
+    accumulating step does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from transformers import AutoModelForCausalLM
+
+    from hif8qat.models.loading import transformer_blocks
+    from hif8qat.quant.linear import set_quantization
+    from hif8qat.train.loop import build_optimizer, prepare_model
+
+    t = cfg.train
+    compute = numerics.resolve(t.autocast, device_type)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, autocast=compute))
+    config = model_config(facts)
+    # allow_non_fake_inputs: the scaler banks build their tables from numpy arrays
+    with FakeTensorMode(allow_non_fake_inputs=True), _kept_weight_results():
+        # built in the dtype and on the device the run trains it in: a module of fake tensors cannot move
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16 if cfg.quirks.bf16_params else torch.float32)
+        prepare_model(model, cfg, torch.device("cpu"))
+        if cfg.quant.enabled:
+            set_quantization(model, True)  # after the BF16 warmup: the larger step
+        optimizer = build_optimizer(model, cfg, foreach=True if device_type == "cuda" else None)
+        # AdamW makes its moments at its first step: an earlier step's, with gradients that are only shapes; they
+        # stay as the previous micro-batch's when the step accumulates
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        if micro_batches < 2:
+            optimizer.zero_grad(set_to_none=True)
+        tracker = _peak_tracker_class()()
+        tracker.track_external(model, optimizer)
+        tokens = torch.zeros(t.micro_batch_size, t.seq_len + 1, dtype=torch.long)
+        with tracker:
+            _micro_batch(model, cfg, compute, tokens, tracker)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        params = _unique_parameters(model)
+        grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in transformer_blocks(model)]
+    kinds = {"weights": (_MemRefType.PARAM, _MemRefType.BUFFER), "gradients": (_MemRefType.GRAD,),
+             "AdamW state": (_MemRefType.OPT,), "activations": (_MemRefType.ACT,),
+             "backward temporaries": (_MemRefType.TEMP, _MemRefType.OTH)}
+    parts = {name: sum(peak.get(k, 0) for k in refs) for name, refs in kinds.items()}
+    return Simulated(parts, grad_bytes, max(blocks, default=0), grad_bytes - sum(blocks))
+
+
+def _micro_batch(model, cfg: RunConfig, compute: str, tokens: torch.Tensor, tracker=None) -> None:
+    from hif8qat.train.chunked_loss import lm_loss
+
+    if tracker is not None:  # MemTracker takes a second call of the model as the next iteration unless told
+        tracker.reset_mod_stats()
+    with numerics.forward_context(compute, "cpu"):
+        loss = lm_loss(model, tokens, double_label_shift=cfg.quirks.double_label_shift)
+    with numerics.backward_context(compute, "cpu"):
+        loss.backward()
+
+
+def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1, device_type: str | None = None) -> dict[str, int]:
+    """Bytes one training process holds at the peak of a step, by part (:data:`PARTS`; the sum is the
+    estimate). ``device_type``: where the run trains (default: where ``train.device`` puts it on this machine)."""
+    device_type = device_type or numerics.training_device_type(cfg.train.device)
+    t = cfg.train
+    accumulates = t.global_batch_size > t.micro_batch_size * world_size
+    sim = simulate_step(cfg, facts, device_type=device_type, micro_batches=2 if accumulates else 1)
+    parts = dict(sim.parts)
+    if world_size > 1 and t.distributed == "fsdp":
+        # sharded weights and AdamW state, plus the units gathered while they run (the root, one block and the
+        # next one prefetched); the gradients accumulate unsharded between micro-batches
+        parts["weights"] = parts["weights"] // world_size + sim.root_bytes + 2 * sim.block_bytes
+        parts["AdamW state"] //= world_size
+    parts["DDP gradient buckets"] = sim.grad_bytes if world_size > 1 and t.distributed == "ddp" else 0
+    return parts
+
+
+def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, device_type: str) -> str:
+    """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight)."""
+    t = cfg.train
+    per = "GPU" if device_type == "cuda" else "process"
+    layout = f"{t.distributed.upper()} over {world_size} processes" if world_size > 1 else "one process"
+    detail = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if v)
+    return (f"{sum(parts.values()) / GIB:.1f} GiB per {per} ({layout}, micro-batch {t.micro_batch_size} x "
+            f"{t.seq_len}, {numerics.resolve(t.autocast, device_type)} numerics, activation checkpointing "
+            f"{'on' if t.activation_checkpointing else 'off'}; {detail} GiB)")
+
+
+
+def ratio_verdict(measured: int, estimate: int, tolerance: float = 0.1) -> tuple[bool, str]:
+    """Whether a measured peak agrees with the estimate (measured / estimated within 1 -/+ tolerance), and the
+    line that says so (`make gpu-check`'s memory stage)."""
+    ratio = measured / estimate if estimate else float("inf")
+    ok = 1 - tolerance <= ratio <= 1 + tolerance
+    return ok, (f"peak {measured / GIB:.2f} GiB, estimate {estimate / GIB:.2f} GiB, measured/estimated "
+                f"{ratio:.3f} ({'within' if ok else 'outside'} {1 - tolerance:.1f}-{1 + tolerance:.1f})")

@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hif8qat.config.run_config import RunConfig, resolve_profile
-from hif8qat.launch.memory import GIB, ratio_verdict, step_memory
+from hif8qat.launch.memory import GIB, far_below, ratio_verdict, step_memory
 from hif8qat.models.loading import model_config_facts
 from hif8qat.train import chunked_loss
 
@@ -120,6 +120,15 @@ def test_the_docs_print_the_paper_profiles_estimate(paper):
         assert f"{checkpointed / GIB:.1f} GiB with checkpointing" in text
         others = set(re.findall(r"(\d+\.\d) GiB per GPU", text)) - {figure.split()[0]}
         assert not others, f"{doc} quotes other per-GPU figures {others}"
+
+
+def test_preflight_skips_the_simulation_only_for_steps_far_below_the_memory(paper):
+    cfg, _ = paper
+    assert not far_below(cfg, model_config_facts("openpangu_embedded_1b"), int(80e9))
+    small = _cfg("experiment=exp8", "profile=smoke")
+    facts = model_config_facts(small.model.name)
+    assert far_below(small, facts, 2 ** 34)
+    assert 100 * sum(step_memory(small, facts).values()) < 2 ** 34  # what it skipped fits a hundred times over
 
 
 # ------------------------------------------------------------------ the measured process

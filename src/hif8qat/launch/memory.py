@@ -203,6 +203,22 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1, device_type: s
     return parts
 
 
+def far_below(cfg: RunConfig, facts: dict, limit: int) -> bool:
+    """Whether a step cannot come near ``limit`` bytes, so preflight need not simulate it (seconds per run): a
+    hundred times a generous count (16 bytes per parameter, and per token and block 4 bytes per hidden, MLP and
+    attention-score element) still fits. Not an estimate: a screen for the small models of tests and rehearsals."""
+    h, layers = facts.get("hidden_size"), facts.get("num_hidden_layers")
+    if not (isinstance(h, int) and isinstance(layers, int)):
+        return False
+    inter = facts.get("intermediate_size") or 4 * h
+    heads, vocab = facts.get("num_attention_heads") or 1, facts.get("vocab_size") or 0
+    params = layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h
+    t = cfg.train
+    tokens = t.micro_batch_size * t.seq_len
+    count = 16 * params + 4 * layers * tokens * (h + inter + heads * t.seq_len) + 16 * tokens * vocab
+    return 100 * count < limit
+
+
 def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, device_type: str) -> str:
     """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight)."""
     t = cfg.train

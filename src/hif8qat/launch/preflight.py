@@ -24,7 +24,7 @@ from hif8qat.data.loader import _datasets_offline
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
 from hif8qat.evaluate.task_data import prepare_paper_tasks
 from hif8qat.launch.inputs import check_inputs
-from hif8qat.launch.memory import step_memory
+from hif8qat.launch.memory import far_below, step_memory
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
     PANGU_MODEL_TYPES,
@@ -177,12 +177,14 @@ def check_model_fits(cfg: RunConfig) -> None:
         raise ConfigError(f"invalid setting train.seq_len={cfg.train.seq_len}: allowed at most {limit}, the "
                           f"max_position_embeddings of model.name={cfg.model.name!r} (its config.json)")
 
-    parts = step_memory(cfg, facts, int(os.environ.get("WORLD_SIZE", "1")))
     have, where = _machine_memory(cfg.train.device)
+    if not have or far_below(cfg, facts, have):  # nothing to compare with, or a step that cannot come near it
+        return
+    parts = step_memory(cfg, facts, int(os.environ.get("WORLD_SIZE", "1")))
     need = sum(parts.values())
-    if have and need > have:
+    if need > have:
         gib = 2.0 ** 30
-        detail = ", ".join(f"{k} {v / gib:.1f}" for k, v in parts.items())
+        detail = ", ".join(f"{k} {v / gib:.1f}" for k, v in parts.items() if v)
         raise ConfigError(
             f"invalid setting train.micro_batch_size={cfg.train.micro_batch_size} with train.seq_len="
             f"{cfg.train.seq_len}: one training step of {cfg.model.name} needs about {need / gib:.1f} GiB "

@@ -182,9 +182,9 @@ def test_memory_estimate_counts_the_real_models_parameters(layers):
     cfg = cli_config(["experiment=exp1", "profile=smoke", f"model.name=tiny:{layers}"])
     parts = preflight.step_memory(cfg, facts)
     n = sum(p.numel() for p in model.parameters())
-    # the simulated model is the real one: FP32 weights (and the rotary buffer), two AdamW moments
+    # the simulated model is the real one: FP32 weights (and the rotary buffer), two AdamW moments and a step count
     assert parts["weights"] == 4 * n + sum(b.numel() * b.element_size() for b in model.buffers())
-    assert parts["AdamW state"] == 8 * n
+    assert parts["AdamW state"] == 8 * n + 4 * len(list(model.parameters()))
     assert parts["activations"] > 0
 
 

@@ -37,7 +37,7 @@ ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-compat test-rehearsals mutation lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check wheelhouse rehearse slurm-rehearse verify-hif8 clean-venv
+.PHONY: help venv test test-fast test-memory test-compat test-rehearsals mutation lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check wheelhouse rehearse slurm-rehearse verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -62,10 +62,13 @@ TEST_WORKERS ?= auto
 PYTEST := $(OFFLINE) $(PY) -m pytest -q $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
 test: $(STAMP) ## run the test suite offline, on every core (CI runs it, then make test-rehearsals)
-	$(PYTEST) -m "not slurm and not rehearsal" $(ARGS)
+	$(PYTEST) -m "not slurm and not rehearsal and not memory_peak" $(ARGS)
 
 test-fast: $(STAMP) ## the suite without the slow end-to-end tests
 	$(PYTEST) -m "not slow and not slurm and not rehearsal" $(ARGS)
+
+test-memory: $(STAMP) ## the memory estimate against measured peaks at the 1B's width, every configuration (GBs of RAM, minutes)
+	$(OFFLINE) $(PY) -m pytest -q tests/test_memory_estimate.py $(ARGS)
 
 test-rehearsals: $(STAMP) ## the CPU rehearsals of make gpu-check and make rehearse, checked as tests (minutes)
 	$(PYTEST) -m "rehearsal and not slurm" $(ARGS)

@@ -68,7 +68,9 @@ CONFIGS = {
 SLOW = {"fp32-tied-1B-vocab-checkpointed-chunked", "bf16-untied-whole-logits", "bf16-tied-checkpointed-chunked"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CONFIGS])
+# The heavy ones (GBs of RAM, minutes each on a CPU without native BF16) run in make test-memory, not make test.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow, pytest.mark.memory_peak] if n in SLOW else [])
+                                  for n in CONFIGS])
 def test_estimate_is_within_10_percent_of_the_measured_peak(monkeypatch, name):
     facts, settings, chunk_elements = CONFIGS[name]
     # micro-batch 1, two per step: the measured micro-batch runs with the previous one's gradients held

@@ -108,13 +108,73 @@ def _repo_file(source: str, filename: str, revision: str | None) -> Path | None:
         return None
 
 
+#: Bumped when :func:`sentencepiece_pipeline` changes the ids it gives: part of the converted tokenizer's cache key.
+_PIPELINE_VERSION = b"spm-pipeline-1"
+
+
+def sentencepiece_pipeline(model_file: Path):
+    """A ``tokenizers.Tokenizer`` that encodes like ``SentencePieceProcessor.encode`` on ``model_file`` (no BOS).
+
+    It follows the model's own normalizer spec, in SentencePiece's order: the precompiled character map, then
+    (``remove_extra_whitespaces``) spaces stripped at both ends and runs of them collapsed, spaces escaped as
+    U+2581, and (``add_dummy_prefix``) one U+2581 prepended to non-empty text. BPE merges are ranked by the merged
+    piece's score, as SentencePiece picks the best-scored pair first; user-defined pieces are emitted whole. The
+    rules are those of transformers 5.24's ``build_tokenizer_from_spm_proto``, written here so that every supported
+    transformers version gives the same ids.
+    """
+    import re
+
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE, Unigram
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(model_file).read_bytes())
+    spec, trainer = proto.normalizer_spec, proto.trainer_spec
+    normal_type, user_defined_type = 1, 4  # sentencepiece_model.proto's ModelProto.SentencePiece.Type
+    user_defined = [p.piece for p in proto.pieces if p.type == user_defined_type]
+    if trainer.model_type == trainer.BPE:
+        scored = {p.piece: (-p.score, i) for i, p in enumerate(proto.pieces) if p.type == normal_type}
+        ranked = sorted((rank, piece[:k], piece[k:]) for piece, rank in scored.items() for k in range(1, len(piece))
+                        if piece[:k] in scored and piece[k:] in scored)
+        model = BPE(vocab={p.piece: i for i, p in enumerate(proto.pieces)},
+                    merges=[(left, right) for _, left, right in ranked], unk_token=trainer.unk_piece,
+                    fuse_unk=True, byte_fallback=trainer.byte_fallback, ignore_merges=bool(user_defined))
+    elif trainer.model_type == trainer.UNIGRAM:
+        model = Unigram([(p.piece, p.score) for p in proto.pieces], unk_id=trainer.unk_id,
+                        byte_fallback=trainer.byte_fallback)
+    else:
+        raise ValueError(f"{model_file}: SentencePiece model type {trainer.model_type} (only BPE and unigram)")
+    tk = Tokenizer(model)
+
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:  # only spaces: SentencePiece leaves newlines and tabs alone
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spec.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "\u2581"))
+    if spec.add_dummy_prefix:  # Prepend leaves empty text empty, as SentencePiece does
+        steps.append(normalizers.Prepend("\u2581"))
+    tk.normalizer = normalizers.Sequence(steps)
+    if user_defined:  # SentencePiece never merges across a user-defined piece
+        pattern = "|".join(re.escape(p) for p in sorted(user_defined, key=len, reverse=True))
+        tk.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    steps = [decoders.Replace("\u2581", " ")] + ([decoders.ByteFallback()] if trainer.byte_fallback else [])
+    steps.append(decoders.Fuse())
+    if spec.add_dummy_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tk.decoder = decoders.Sequence(steps)
+    return tk
+
+
 def pangu_tokenizer(source: str, *, revision: str | None = None):
     """openPangu's tokenizer as a fast (Rust ``tokenizers``) tokenizer, converted once from the repo's SentencePiece
     ``tokenizer.model`` and cached under ``$HIF8QAT_CACHE/tokenizers``, keyed by the files' hash.
 
-    The repo's own ``PanguTokenizer`` is remote code over ``sentencepiece`` (a slow, per-string Python loop); the
-    conversion follows the SentencePiece model's normalizer and merges, so ids are the same (BOS first, as
-    ``add_bos_token``), tested on a SentencePiece model built in the tests.
+    The repo's own ``PanguTokenizer`` is remote code over ``sentencepiece`` (a slow, per-string Python loop). The
+    special tokens and ``add_bos_token`` come from transformers' loader; the encoding pipeline is built here from
+    the SentencePiece model (:func:`sentencepiece_pipeline`), so ids are SentencePiece's (BOS first) whatever
+    transformers version converts it: transformers 5.17's own conversion ignores the model's normalizer spec (no
+    dummy prefix, no whitespace removal) and gives other ids. Tested on a SentencePiece model built in the tests.
     """
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -123,7 +183,8 @@ def pangu_tokenizer(source: str, *, revision: str | None = None):
         raise FileNotFoundError(f"model.name={source!r}: an openPangu checkpoint needs its tokenizer.model")
     config_file = _repo_file(source, "tokenizer_config.json", revision)
     config_bytes = config_file.read_bytes() if config_file else b"{}"
-    digest = hashlib.sha256(model_file.read_bytes() + b"\0" + config_bytes).hexdigest()[:16]
+    # The builder's version is in the key: a cache converted by an older one (with other ids) is not reused.
+    digest = hashlib.sha256(_PIPELINE_VERSION + b"\0" + model_file.read_bytes() + b"\0" + config_bytes).hexdigest()[:16]
     out = cache_root() / "tokenizers" / f"openpangu-{digest}"
     if not (out / "tokenizer.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +196,12 @@ def pangu_tokenizer(source: str, *, revision: str | None = None):
             for key in ("auto_map", "tokenizer_class"):  # the remote class is what is being replaced
                 settings.pop(key, None)
             (spm_dir / "tokenizer_config.json").write_text(json.dumps(settings))
-            TokenizersBackend.from_pretrained(spm_dir).save_pretrained(fast_dir)
+            tok = TokenizersBackend.from_pretrained(spm_dir)
+            backend = tok.backend_tokenizer  # its added (special) tokens and BOS post-processor are kept
+            pipeline = sentencepiece_pipeline(model_file)
+            backend.model, backend.normalizer = pipeline.model, pipeline.normalizer
+            backend.pre_tokenizer, backend.decoder = pipeline.pre_tokenizer, pipeline.decoder
+            tok.save_pretrained(fast_dir)
             try:
                 os.rename(fast_dir, out)  # atomic; another process may have won the race
             except OSError:

@@ -242,6 +242,28 @@ def test_the_converted_tokenizer_gives_sentencepiece_ids_and_is_cached(pangu):
     assert list((folder.parent / "cache" / "tokenizers").iterdir()) == cached
 
 
+@pytest.mark.parametrize("spec", [
+    {"user_defined_symbols": ["<sep>", "foo"]},  # emitted whole, never merged across
+    {"remove_extra_whitespaces": False},  # runs of spaces and a leading space kept
+    {"add_dummy_prefix": False},
+    {"model_type": "unigram", "vocab_size": 320},
+], ids=["user-defined", "spaces-kept", "no-dummy-prefix", "unigram"])
+def test_the_pipeline_follows_the_sentencepiece_models_own_settings(tmp_path, spec):
+    """The openPangu model's settings are the tests' default (BPE, extra whitespace removed, a dummy prefix); a
+    model with other settings gets them too, whatever the transformers version."""
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_corpus(3000, 0)), model_prefix=str(tmp_path / "sp"),
+                                   **{"model_type": "bpe", "vocab_size": 400, **spec}, byte_fallback=True,
+                                   character_coverage=1.0, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    tk = pangu_module.sentencepiece_pipeline(tmp_path / "sp.model")
+    rng = random.Random(3)
+    texts = _corpus(300, 1) + ["", " ", " lead", "  two  spaces ", "\n\nx", "a<sep>b", "<sep>", "x <sep> foo y"]
+    texts += ["".join(rng.choice("ab \n中é!") for _ in range(rng.randint(1, 30))) for _ in range(300)]
+    wrong = [t for t in texts if tk.encode(t, add_special_tokens=False).ids != sp.encode(t)]
+    assert not wrong, wrong[:5]
+    assert [tk.decode(sp.encode(t)) for t in texts[:50]] == [sp.decode(sp.encode(t)) for t in texts[:50]]
+
+
 def test_the_real_special_token_layout(pangu):
     """BOS <s> = 1 prepended for evaluation, pad <unk> = 0, EOS [unused10]; the training data is each document's
     SentencePiece ids without BOS, ended by that EOS (data.tokens.tokenize_documents)."""

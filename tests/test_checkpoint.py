@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.errors import RunError
 from hif8qat.train import checkpoint as ckpt
+from hif8qat.train.guards import _first_nonfinite
 from hif8qat.train.log import truncate_metrics
-from hif8qat.train.loop import TrainingDiverged, _first_nonfinite, train
+from hif8qat.train.loop import TrainingDiverged, train
 from hif8qat.train.provenance import check_provenance, run_provenance
 
 ROOT = Path(__file__).resolve().parents[1]

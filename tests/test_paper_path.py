@@ -144,7 +144,7 @@ _NORM_WORKER = '''
 import json, sys, torch, torch.distributed as dist
 from hif8qat.train.distributed import apply_fsdp
 from hif8qat.models.loading import build_tiny_llama
-from hif8qat.train.loop import clip_gradients
+from hif8qat.train.guards import clip_gradients
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

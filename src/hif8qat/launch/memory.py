@@ -30,9 +30,18 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
 from hif8qat import compute_dtype as numerics
 from hif8qat.config.run_config import RunConfig
+from hif8qat.models.loading import PANGU_MODEL_TYPES, transformer_blocks
+from hif8qat.models.pangu import pangu_llama_config
+from hif8qat.quant import linear
+from hif8qat.quant.linear import set_quantization
+from hif8qat.scaling.bank import RECORD, _in_backward
+from hif8qat.train.chunked_loss import lm_loss
+from hif8qat.train.loop import build_optimizer, prepare_model
 
 GIB = 2 ** 30
 
@@ -44,9 +53,6 @@ def model_config(facts: dict):
     """The transformers config a run's model is built from: its config.json as read by `model_config_facts`
     (openPangu's mapped to Llama, as `load_causal_lm` loads it)."""
     from transformers import AutoConfig, LlamaConfig
-
-    from hif8qat.models.loading import PANGU_MODEL_TYPES
-    from hif8qat.models.pangu import pangu_llama_config
 
     facts = dict(facts)
     attn = facts.pop("attn_implementation", None) or "sdpa"  # from_pretrained's default where torch has SDPA
@@ -68,9 +74,6 @@ def _kept_weight_results() -> Iterator[None]:
     activation-checkpointing recompute gets it back instead of quantizing again. Mirrored here, so the
     simulation holds those weights exactly as long as the real step does (it matters only with checkpointing:
     without it the forward saves the same tensor for backward anyway)."""
-    from hif8qat.quant import linear
-    from hif8qat.scaling.bank import RECORD, _in_backward
-
     op, release = linear.bank_qdq, linear.release_kept
     kept: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -98,8 +101,6 @@ def _unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def _peak_tracker_class():
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
-
     class PeakTracker(MemTracker):
         """torch's MemTracker keeping the whole step's peak only: its per-module peaks walk every module at
         every op (80 % of a 1B model's simulation), and nothing here reads them."""
@@ -128,13 +129,7 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
     """One optimizer step of one process under fake tensors (see the module doc). ``micro_batches`` > 1: the
     measured micro-batch runs with the previous one's gradients held, as every micro-batch after the first of an
     accumulating step does."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import _MemRefType
     from transformers import AutoModelForCausalLM
-
-    from hif8qat.models.loading import transformer_blocks
-    from hif8qat.quant.linear import set_quantization
-    from hif8qat.train.loop import build_optimizer, prepare_model
 
     t = cfg.train
     compute = numerics.resolve(t.autocast, device_type)
@@ -176,8 +171,6 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
 
 
 def _micro_batch(model, cfg: RunConfig, compute: str, tokens: torch.Tensor, tracker=None) -> None:
-    from hif8qat.train.chunked_loss import lm_loss
-
     if tracker is not None:  # MemTracker takes a second call of the model as the next iteration unless told
         tracker.reset_mod_stats()
     with numerics.forward_context(compute, "cpu"):

@@ -26,6 +26,7 @@ import torch
 
 from hif8qat import compute_dtype as numerics
 from hif8qat.evaluate.heldout import heldout_window_count
+from hif8qat.launch.memory import describe, step_memory
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
 from hif8qat.quant.linear import convert_model, freeze_scales, set_quantization
@@ -177,9 +178,6 @@ def measure(cfg, repeats: int = 2) -> Costs:
 def print_memory(cfg, world_size: int | None, device: str | None) -> None:
     """The simulated memory of one training step of the run (:mod:`hif8qat.launch.memory`), when its model's
     config.json is at hand."""
-    from hif8qat.launch.memory import describe, step_memory
-    from hif8qat.models.loading import model_config_facts
-
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts:
         return

@@ -109,7 +109,7 @@ def _wandb_mode(tmp_path, _model):
 
 
 def _fewshot_beyond_pool(tmp_path, _model):
-    return ["stage=all", "eval.num_fewshot={mini_arc: 100000}"], {}
+    return ["stage=all", "eval.num_fewshot={mini_arc: 1000}"], {}
 
 
 def _dangling(tmp_path) -> Path:
@@ -152,7 +152,7 @@ CASES = {
     "missing shard": (_missing_shard, ["model.name=", "model-00002-of-00002.safetensors", "missing"]),
     "refused remote code": (_refused_remote_code, ["auto_map", "model.trust_remote_code=true"]),
     "wandb mode": (_wandb_mode, ["logger.wandb_mode='bogus'", "offline", "disabled"]),
-    "few-shot beyond pool": (_fewshot_beyond_pool, ["eval.num_fewshot.mini_arc=100000", "mini_arc",
+    "few-shot beyond pool": (_fewshot_beyond_pool, ["eval.num_fewshot.mini_arc=1000", "mini_arc",
                                                     f"at most {_mini_arc_pool()}"]),
     "results_root dangling": (_results_root_dangling, ["results_root=", "symbolic link", "gone"]),
     "results_root loop": (_results_root_loop, ["results_root=", "symbolic link"]),

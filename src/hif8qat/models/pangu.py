@@ -13,12 +13,16 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from huggingface_hub import hf_hub_download
+from sentencepiece import sentencepiece_model_pb2
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE, Unigram
 
 from hif8qat.runs.downloads import cache_root
 
@@ -122,12 +126,6 @@ def sentencepiece_pipeline(model_file: Path):
     rules are those of transformers 5.24's ``build_tokenizer_from_spm_proto``, written here so that every supported
     transformers version gives the same ids.
     """
-    import re
-
-    from sentencepiece import sentencepiece_model_pb2
-    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers.models import BPE, Unigram
-
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(Path(model_file).read_bytes())
     spec, trainer = proto.normalizer_spec, proto.trainer_spec

@@ -48,6 +48,7 @@ from tokenizers import models as bpe_models  # not "models": this module is hif8
 from torch import nn
 
 from hif8qat.errors import RunError
+from hif8qat.models import pangu
 from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
 from hif8qat.quant.blocks import find_transformer_blocks
 from hif8qat.runs.downloads import cache_root, hub_offline, hub_reachable, pip_download
@@ -81,11 +82,7 @@ OPENPANGU_EMBEDDED_1B = {
 
 #: The 1B's config.json (the keys that shape its training step), for what is estimated before the weights exist:
 #: :func:`model_config_facts` answers with it for ``openpangu_embedded_1b`` when the hub copy is not cached.
-OPENPANGU_EMBEDDED_1B_CONFIG = {
-    "model_type": "PanguEmbedded", "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 26,
-    "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 128, "vocab_size": 153376, "bias": True,
-    "tie_word_embeddings": True, "rope_theta": 4000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
-}
+OPENPANGU_EMBEDDED_1B_CONFIG = {"model_type": "PanguEmbedded", "head_dim": 128, **pangu.OPENPANGU_EMBEDDED_1B_CONFIG}
 
 #: ``model_type`` of openPangu-Embedded checkpoints, which load as Llama (:mod:`hif8qat.models.pangu`).
 PANGU_MODEL_TYPES = ("PanguEmbedded",)

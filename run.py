@@ -4,10 +4,11 @@
     python run.py -m experiment=exp6 quant.history_len=16,32,64 seed=0,1,2
     torchrun --nproc_per_node 8 run.py experiment=exp8 profile=paper
     python run.py --baseline exp3 profile=mini                 # the run exp3 is compared with (exp1)
+    python run.py experiment=exp8 profile=mini stage=export  # its 8-bit export (HiF8 codes + scales)
 
 It composes the config, converts it once into the typed, validated `RunConfig`, checks that the model, data
 and evaluation datasets it names can be had (every setting is checked before a model is loaded or a run
-folder is created), and dispatches stage=train|eval|report|all. Every user-actionable failure (a RunError)
+folder is created), and dispatches stage=train|eval|report|all|export. Every user-actionable failure (a RunError)
 is printed as ``error: <message>`` with exit status 2.
 """
 
@@ -471,6 +472,11 @@ def dispatch(cfg: RunConfig) -> None:
 
     if cfg.stage == "report":
         report(cfg)
+        return
+    if cfg.stage == "export":  # the deployable 8-bit export of a trained run
+        from hif8qat.train.export import export_8bit_stage
+
+        export_8bit_stage(cfg)
         return
     if cfg.stage in ("eval", "all"):
         eval_numerics(cfg)  # an evaluation device this machine lacks fails before training, not after

@@ -45,6 +45,7 @@ INFO_FILE = "run_info.json"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
 EXPORT_DIR = "export"
+EXPORT_8BIT_DIR = "export_8bit"  # the deployable 8-bit export (stage=export), beside export/
 # Settings that may differ between an interrupted run and its resumption without changing the result.
 _RESUME_FREE_KEYS = {"stage", "force", "train.resume", "train.num_threads", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.keep_checkpoints_when_done", "train.log_every", "train.val_every", "data.eval_windows", "quant.telemetry_dump_every", "quant.telemetry_stats_every",

@@ -344,9 +344,21 @@ class ScalerBank(nn.Module):
     def _call_scale(self, x, row) -> torch.Tensor:
         """Frozen: the row's scale; a row that never ran, or any row under ``current``, takes the scale from
         this tensor's own amax (local)."""
+        static = self.static_scale(row)
+        if static is not None:
+            return static
+        return rules.scale_of(self.targets[row], rules.cold_estimate(current.tensor_amax(x)))
+
+    def static_scale(self, row: int) -> torch.Tensor | None:
+        """The scale every frozen call of ``row`` uses whatever its tensor (an 8-bit export stores it), or None
+        where a frozen call scales from the tensor's own amax (a row that never ran, or just-in-time scaling)."""
         if self.initialized[row] and not self._current_now():
             return self._scale_rows[row]
-        return rules.scale_of(self.targets[row], rules.cold_estimate(current.tensor_amax(x)))
+        return None
+
+    def frozen_scale(self, x: torch.Tensor, row: int) -> torch.Tensor:
+        """The scale a frozen (evaluation) call of ``row`` on ``x`` quantizes with."""
+        return self._call_scale(x, row)
 
     def _begin(self, row: int, mode: int, cold_amax, current: bool = False) -> None:
         """Pick the row's scale for this call (before its amax is known; ``current``: from ``cold_amax``)."""

@@ -1,5 +1,6 @@
 """The export of a trained run: a save_pretrained folder that plain transformers and lm-eval load, plus the
-quantizers' final state; a full disk while writing it is reported as what filled and how to finish."""
+quantizers' final state; a full disk while writing it is reported as what filled and how to finish. stage=export
+writes the deployable 8-bit export from it (:mod:`hif8qat.models.eight_bit`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,18 @@ from safetensors import SafetensorError
 
 from hif8qat.artefacts import write_folder_manifest
 from hif8qat.config.run_config import RunConfig
+from hif8qat.errors import RunError
+from hif8qat.models.eight_bit import size_line, write_8bit_export
 from hif8qat.models.quant_files import save_quant_export
-from hif8qat.runs.folders import EXPORT_DIR
+from hif8qat.runs.folders import (
+    EXPORT_8BIT_DIR,
+    EXPORT_DIR,
+    has_export,
+    lock_run_dir,
+    provenance,
+    release_run_dir,
+    run_dir_for,
+)
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.distributed import unsharded_class
 
@@ -59,3 +70,22 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
 
         shutil.rmtree(directory)
     tmp.rename(directory)
+
+
+def export_8bit_stage(cfg: RunConfig) -> Path:
+    """stage=export: ``<run>/export_8bit/`` from the run's export/ (the quantized weights as 8-bit codes with their
+    final scales, the rest in BF16), replaced if there; prints its size against the same tensors in BF16."""
+    run_dir = run_dir_for(cfg)
+    if not has_export(run_dir):  # checked before the lock, which would create the folder
+        raise RunError(f"{run_dir} has no export/ to write the 8-bit export from; train it first "
+                       f"(python run.py experiment={cfg.experiment.name} profile={cfg.profile.name} seed={cfg.seed} "
+                       "stage=all)")
+    lock_run_dir(run_dir)  # one writer of the run folder at a time
+    try:
+        out = run_dir / EXPORT_8BIT_DIR
+        sizes = write_8bit_export(run_dir / EXPORT_DIR, out, trust_remote_code=cfg.model.trust_remote_code,
+                                  meta={"config": cfg.to_dict(), **provenance()})
+    finally:
+        release_run_dir(run_dir)
+    print(f"{size_line(sizes)}: {sizes['layers']} linears in {sizes['format']}, {out}")
+    return out

@@ -407,19 +407,6 @@ class RunConfig:
             _fail("quant.bf16_warmup_steps", q.bf16_warmup_steps, f"fewer than train.steps={self.train.steps}")
         if q.enabled:  # the delayed-scaling settings were checked when q.scaling was made
             self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
-        if self.stage == "export":
-            self._validate_export()
-
-    def _validate_export(self) -> None:
-        """stage=export stores the quantized weights as 8-bit codes: a quantized run whose weights are HiF8 or E4M3
-        (compressed-tensors' float-quantized layout has no E5M2 weights)."""
-        q = self.quant
-        if not q.enabled:
-            _fail("stage", self.stage, f"train, eval, report or all for experiment {self.experiment.name!r}: it "
-                  "trains without quantization (quant.enabled=false), and only a quantized run has an 8-bit export")
-        if q.scaling.format == "e5m2":
-            _fail("stage", self.stage, "train, eval, report or all with quant.format='e5m2': the 8-bit export stores "
-                  "weights in HiF8 or E4M3 only (quant.format hif8, e4m3 or hybrid)")
 
     def _validate_eval(self, check_paths: bool) -> None:
         e = self.eval

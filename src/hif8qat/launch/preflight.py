@@ -213,6 +213,18 @@ def check_eval_datasets(cfg: RunConfig) -> None:
             prepare_paper_tasks(specs, dict(cfg.eval.local_datasets) or None, Path(tmp), data_root=data_root)
 
 
+def check_export(cfg: RunConfig) -> None:
+    """stage=export stores the quantized weights as 8-bit codes: a quantized run whose weights are HiF8 or E4M3
+    (compressed-tensors' float-quantized layout has no E5M2 weights)."""
+    if not cfg.quant.enabled:
+        raise ConfigError(f"invalid setting stage='export' for experiment {cfg.experiment.name!r}: it trains without "
+                          "quantization (quant.enabled=false), and only a quantized run has an 8-bit export; allowed "
+                          "train, eval, report or all")
+    if cfg.quant.scaling.format == "e5m2":
+        raise ConfigError("invalid setting stage='export' with quant.format='e5m2': the 8-bit export stores weights "
+                          "in HiF8 or E4M3 only (quant.format hif8, e4m3 or hybrid); allowed train, eval, report or all")
+
+
 def preflight(cfg: RunConfig) -> None:
     """Every check that applies to cfg.stage; raises ConfigError (or DatasetUnavailableError) on the first."""
     check_results_root(cfg)
@@ -224,3 +236,5 @@ def preflight(cfg: RunConfig) -> None:
         check_model_fits(cfg)
     if cfg.stage in ("eval", "all"):
         check_eval_datasets(cfg)
+    if cfg.stage == "export":
+        check_export(cfg)

@@ -43,7 +43,7 @@ def _export(folder, fmt: str, scope: str = "attn_mlp", *, algo: str = "max", voc
 def _frozen_weights(export):
     """What the hif8 mode's weight quantizer returns for each quantized layer (the module's own quantization)."""
     model, _ = load_for_eval(export, "hif8")
-    return model, {f"{name}.weight": layer.bank.quantize(layer.weight.detach(), layer._rows[1], RECORD_NO_GRAD)
+    return model, {f"{name}.weight": layer.bank.quantize(layer.weight.detach(), layer.scaler_w.row, RECORD_NO_GRAD)
                    for name, layer in qlinear.quant_linears(model)}
 
 
@@ -152,7 +152,7 @@ def test_fp8_export_loads_in_compressed_tensors_with_our_logits(tmp_path):
         x = torch.randn(64, w.shape[1], generator=gen) * (100.0 / s_a)
         mod, q = theirs.get_submodule(layer), ours_layers[layer]
         theirs_q = forward_quantize(mod, x, "input", mod.quantization_scheme.input_activations)
-        ours_q = q.bank.quantize(x, q._rows[0], RECORD_NO_GRAD)
+        ours_q = q.bank.quantize(x, q.scaler_a.row, RECORD_NO_GRAD)
         gap = (theirs_q - ours_q).abs()
         differ = gap > 2 * (torch.nextafter(ours_q.abs(), torch.tensor(float("inf"))) - ours_q.abs())
         assert differ.float().mean() < 1e-3, (layer, differ.float().mean())  # beyond float32 rounding: rare

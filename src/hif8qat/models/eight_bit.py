@@ -106,9 +106,8 @@ def _layer_scales(model) -> dict[str, dict[str, Any]]:
     for name, layer in quant_linears(model):
         if not layer.quant_enabled:
             continue
-        rows = dict(zip(("A", "W", "G"), layer._rows))
-        w_scale = layer.bank.frozen_scale(layer.weight.detach(), rows["W"])
-        a_scale = layer.bank.static_scale(rows["A"])
+        w_scale = layer.bank.frozen_scale(layer.weight.detach(), layer.scaler_w.row)
+        a_scale = layer.bank.static_scale(layer.scaler_a.row)
         out[name] = {"layer": layer, "W": w_scale, "A": a_scale}
     return out
 

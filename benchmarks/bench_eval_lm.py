@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     from lm_eval.models.huggingface import HFLM
 
     from hif8qat import compute_dtype as nm
-    from hif8qat.evaluate import evaluate_model, prefix_lm
+    from hif8qat.evaluate import prefix_lm
+    from hif8qat.evaluate.runner import evaluate_model
     from hif8qat.models.loading import load_causal_lm
 
     class StockLM(HFLM):

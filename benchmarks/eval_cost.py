@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from hif8qat.evaluate import evaluate_model
+    from hif8qat.evaluate.runner import evaluate_model
     from hif8qat.models.loading import load_causal_lm
 
     model, tok = load_causal_lm(args.model, dtype=torch.float32)

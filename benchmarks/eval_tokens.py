@@ -35,8 +35,8 @@ def main(argv=None) -> int:
     import torch
     import yaml
 
-    from hif8qat.evaluate import evaluate_model
     from hif8qat.evaluate.prefix_lm import SharedContextLM
+    from hif8qat.evaluate.runner import evaluate_model
     from hif8qat.models.loading import load_causal_lm
 
     cfg = yaml.safe_load(args.eval_config.read_text()) or {}

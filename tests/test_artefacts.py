@@ -11,10 +11,10 @@ import types
 from pathlib import Path
 
 import pytest
-from test_config import run_module
 from test_reliability import assert_user_error, cli
 from test_report import make_fake_runs
 
+from hif8qat.cli import stages
 from hif8qat.errors import RunError
 from hif8qat.evaluate import heldout
 from hif8qat.evaluate.outputs import write_eval_dir
@@ -77,7 +77,7 @@ def test_a_file_whose_hash_changed_is_refused(tmp_path):
 
 # ------------------------------------------------------------------ stage=eval redoes what is corrupt
 def test_an_intact_mode_is_done(tmp_path):
-    assert run_module._mode_done(_eval_dir(tmp_path))
+    assert stages._mode_done(_eval_dir(tmp_path))
 
 
 @pytest.mark.parametrize("damage", ["truncate_results", "results_is_a_list", "cut_samples_csv", "cut_samples_gz",
@@ -95,7 +95,7 @@ def test_a_corrupt_mode_is_evaluated_again_not_called_done(tmp_path, damage, cap
         gz.write_bytes(gz.read_bytes()[: len(gz.read_bytes()) // 2])
     else:  # a whole, well-formed row changed: only the recorded hash sees it
         csv_p.write_text(csv_p.read_text().replace("\n0,0,", "\n0,1,", 1))
-    assert not run_module._mode_done(out)
+    assert not stages._mode_done(out)
     assert "evaluating bf16 again" in capsys.readouterr().out
 
 
@@ -104,9 +104,9 @@ def test_a_mode_written_before_hashes_were_recorded_is_still_checked_for_cut_row
     doc = json.loads((out / "results.json").read_text())
     del doc["_files"]
     (out / "results.json").write_text(json.dumps(doc))
-    assert run_module._mode_done(out)
+    assert stages._mode_done(out)
     (out / "samples_mini_arc.csv").write_text("doc_id,correct,gold_ll,gold_margin\n0,1\n")
-    assert not run_module._mode_done(out)
+    assert not stages._mode_done(out)
 
 
 # ------------------------------------------------------------------ the held-out comparison

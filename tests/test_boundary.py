@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_config import run_module
 
+from hif8qat import boundary
 from hif8qat.boundary import guarded
+from hif8qat.cli import stages
 from hif8qat.errors import INTERRUPTED_STATUS, concerning
 
 
@@ -149,7 +150,7 @@ def case_cache_a_dangling_symlink(tmp: Path, monkeypatch):
     monkeypatch.setenv("HIF8QAT_CACHE", str(link))
 
     def job():
-        run_module.check_cache_env()
+        stages.check_cache_env()
         (link / "models").mkdir(parents=True, exist_ok=True)  # the first write into it
 
     return job, [str(link)]
@@ -162,7 +163,7 @@ CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith
 def test_each_class_of_failure_is_one_error_line(tmp_path, capsys, monkeypatch, case):
     job, needles = CASES[case](tmp_path, monkeypatch)
     capsys.readouterr()  # what setting the case up printed
-    assert run_module.guarded(job) == 2
+    assert boundary.guarded(job) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     # one line, the last (a library may log its own complaint before it raises)
@@ -175,7 +176,7 @@ def test_ctrl_c_is_one_interrupted_line_not_a_traceback(capsys):
     def job():
         raise KeyboardInterrupt
 
-    assert run_module.guarded(job) == INTERRUPTED_STATUS
+    assert boundary.guarded(job) == INTERRUPTED_STATUS
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err
 

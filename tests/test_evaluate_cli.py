@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from hif8qat.evaluate import main
+from hif8qat.evaluate.cli import main
 from hif8qat.rehearse.standins import write_remote_code_model
 
 

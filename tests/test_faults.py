@@ -15,11 +15,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from test_config import run_module
 from test_reliability import FAST, assert_user_error, cli
 from test_report import make_fake_runs
 from test_train import SMOKE, run
 
+from hif8qat import boundary
 from hif8qat.errors import RunError
 from hif8qat.report.table_files import write_table
 from hif8qat.train import checkpoint as ckpt
@@ -179,7 +179,7 @@ def test_boundary_turns_a_run_error_into_one_error_line(capsys):
     def job():
         raise RunError("the thing the user can fix")
 
-    assert run_module.guarded(job) == 2
+    assert boundary.guarded(job) == 2
     err = capsys.readouterr().err
     assert err == "error: the thing the user can fix\n"
 
@@ -191,7 +191,7 @@ def test_boundary_turns_a_full_disk_from_any_library_into_an_error_line_naming_f
     def job():
         raise _enospc(target)
 
-    assert run_module.guarded(job) == 2
+    assert boundary.guarded(job) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert str(target) in err and "no space left" in err and f"{target.parent} has" in err and " free" in err
@@ -204,7 +204,7 @@ def test_boundary_does_not_swallow_bugs(bug):
         raise bug
 
     with pytest.raises(type(bug)):
-        run_module.guarded(job)
+        boundary.guarded(job)
 
 
 def test_refusing_remote_code_is_a_run_error():

@@ -183,12 +183,12 @@ def test_held_out_comparison_sends_no_bf16_operand_to_a_gemm():
 def test_evaluation_sends_no_bf16_operand_to_a_gemm(mode, tmp_path):
     from conftest import write_quantized_export
 
-    from hif8qat import evaluate as ev
+    from hif8qat.evaluate import runner
 
     export = write_quantized_export(tmp_path / "export", scope="attn_mlp", seed=3)
     counter = GemmOperandDtypes()
     with counter:
-        res = ev.evaluate_export(export, mode, "mini_arc", dtype="bf16_emulated", device="cpu", limit=2,
+        res = runner.evaluate_export(export, mode, "mini_arc", dtype="bf16_emulated", device="cpu", limit=2,
                                  batch_size=4)
     assert res, "the evaluation produced results"
     assert counter.bf16() == {}, counter.bf16()

@@ -304,7 +304,7 @@ def test_hif8_mode_logits_equal_a_frozen_scale_forward_rounded_by_en_dtypes(tmp_
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hif8qat.evaluate import load_for_eval
+    from hif8qat.evaluate.loading import load_for_eval
 
     export = write_quantized_export(tmp_path / "export", scope="mlp", seed=5)
     doc = json.loads((export / "hif8qat_quant.json").read_text())

@@ -13,6 +13,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from hif8qat.cli import main as cli_main
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.runs.folders import find_baseline_run, prepare_run_dir, release_run_dir
 
@@ -142,7 +143,7 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
     run_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_module)
     dispatched = []
-    monkeypatch.setattr(run_module, "dispatch", dispatched.append)
+    monkeypatch.setattr(cli_main, "dispatch", dispatched.append)
     # hydra finds conf/ beside the file of a __main__ function, as when run.py is started as a script
     monkeypatch.setattr(run_module.main.__wrapped__, "__module__", "__main__")
     monkeypatch.setattr(sys, "argv", ["run.py", *overrides, f"hydra.run.dir={tmp_path / 'hydra'}",

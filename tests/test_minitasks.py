@@ -94,7 +94,7 @@ def test_answer_positions_balanced(generated, task):
 def test_yaml_tasks_register_and_load():
     from lm_eval.tasks import TaskManager
 
-    from hif8qat.evaluate import MINITASK_DIR
+    from hif8qat.config.eval_tasks import MINITASK_DIR
 
     tm = TaskManager(include_path=str(MINITASK_DIR), include_defaults=False)
     assert {"mini_mmlu", "mini_hellaswag", "mini_arc", "mini_mmlu_letters"} <= set(tm.all_tasks)

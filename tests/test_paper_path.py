@@ -3,7 +3,6 @@ steps, the gradient norm under FSDP2, and streaming data split across ranks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import uuid
 from pathlib import Path
@@ -12,14 +11,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from hif8qat.cli import stages
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.rehearse.standins import write_remote_code_model
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("hif8qat_run", ROOT / "run.py")
-run_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_module)
 
 
 def _smoke(tmp_path: Path, *overrides: str) -> RunConfig:
@@ -54,12 +51,12 @@ def test_evaluation_loads_a_remote_code_export_only_when_the_run_trusted_remote_
     exported = json.loads((run_dir / "export" / "config.json").read_text())
     assert exported.get("auto_map"), "the export keeps its remote code, as an openPangu export does"
     if trusted:
-        run_module.evaluate(cfg, run_dir)
+        stages.evaluate(cfg, run_dir)
         results = json.loads((run_dir / "eval" / "bf16" / "results.json").read_text())
         assert results["mini_arc"]["n"] == 2
     else:  # a run that did not opt in never runs the export's code at evaluation either
         with pytest.raises(ValueError, match="model.trust_remote_code"):
-            run_module.evaluate(cfg, run_dir)
+            stages.evaluate(cfg, run_dir)
 
 
 def test_an_fsdp_run_exports_a_remote_code_model_with_its_own_modeling_code(tmp_path, remote_model):
@@ -67,7 +64,7 @@ def test_an_fsdp_run_exports_a_remote_code_model_with_its_own_modeling_code(tmp_
     the export and pointed auto_map at them, so the export of every paper run failed to load."""
     import torch.distributed as dist
 
-    from hif8qat.evaluate import load_for_eval
+    from hif8qat.evaluate.loading import load_for_eval
     from hif8qat.models.loading import load_causal_lm
     from hif8qat.train.distributed import apply_fsdp, full_model_state_dict
     from hif8qat.train.export import export_model

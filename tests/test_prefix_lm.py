@@ -31,8 +31,9 @@ import torch
 from conftest import smollm2_weights_missing
 from lm_eval.models.huggingface import HFLM
 
-from hif8qat import evaluate as ev
 from hif8qat.compute_dtype import forward_context
+from hif8qat.config import eval_tasks
+from hif8qat.evaluate import loading, runner
 from hif8qat.evaluate.prefix_lm import SharedContextLM
 from hif8qat.models.loading import build_tiny_llama
 
@@ -52,7 +53,7 @@ def tiny_hif8(tmp_path_factory):
     from hif8qat.quant import linear as qlinear
 
     export = write_quantized_export(tmp_path_factory.mktemp("export"), scope="attn_mlp", seed=4)
-    loaded, tok = ev.load_for_eval(export, "hif8")
+    loaded, tok = loading.load_for_eval(export, "hif8")
     assert len(list(qlinear.quant_linears(loaded))) == 14  # q/k/v/o + gate/up/down, 2 blocks
     return loaded, tok
 
@@ -130,7 +131,7 @@ def test_token_requests_match_hflm(tiny, batch_size, max_length):
 def _mini_instances():
     from lm_eval.tasks import TaskManager
 
-    tm = TaskManager(include_path=[str(ev.MINITASK_DIR)], include_defaults=False)
+    tm = TaskManager(include_path=[str(eval_tasks.MINITASK_DIR)], include_defaults=False)
     tasks = tm.load(["mini_mmlu", "mini_hellaswag", "mini_arc"])["tasks"]
     out = []
     for task in tasks.values():  # the smoke profile's evaluation: 8 items per task, the YAMLs' 1 shot
@@ -163,7 +164,7 @@ def test_smoke_evaluation_matches_hflm(tiny, tiny_hif8, numerics):
 
 def test_results_json_records_the_token_counts(tiny, tmp_path, capsys):
     model, tok = tiny
-    res = ev.evaluate_model(model, tok, "mini_arc", out_dir=tmp_path / "out", limit=3, batch_size=4)
+    res = runner.evaluate_model(model, tok, "mini_arc", out_dir=tmp_path / "out", limit=3, batch_size=4)
     tokens = json.loads((tmp_path / "out" / "results.json").read_text())["_meta"]["eval_tokens"]
     assert tokens == res["_meta"]["eval_tokens"]
     assert tokens["requests"] >= 9 and 0 < tokens["forwarded"] < tokens["per_request"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hif8qat.cli import stages
 from hif8qat.errors import RunError
 
 GOOD = [{"step": s, "loss": 2.0 - 0.1 * s, "lr": 1e-4, "grad_norm": 1.0, "tokens": 64 * (s + 1)} for s in range(4)]
@@ -150,14 +151,13 @@ def _eval_mode(tmp_path: Path, **changes) -> Path:
 ], ids=["value-as-string", "task-as-list", "files-as-string"])
 def test_a_wrongly_typed_results_file_is_redone_by_the_eval_stage_and_named_by_the_report(
         tmp_path, changes, field, capsys):
-    from test_config import run_module
 
     from hif8qat.report.sources import _eval_results
 
     out = _eval_mode(tmp_path)
-    assert run_module._mode_done(out)  # intact: done
+    assert stages._mode_done(out)  # intact: done
     out = _eval_mode(tmp_path, **changes)
-    assert not run_module._mode_done(out)  # stage=eval evaluates the mode again
+    assert not stages._mode_done(out)  # stage=eval evaluates the mode again
     assert "evaluating hif8 again" in capsys.readouterr().out
     with pytest.raises(RunError, match=rf"results.json is unreadable \({field}"):
         _eval_results(types_run(tmp_path), "hif8")

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_config import compose_cfg, run_module
+from test_config import compose_cfg
 from test_train import losses, run, run_folder
 
+from hif8qat.cli import command_line, hydra_config
 from hif8qat.config.run_config import ConfigError, RunConfig, resolve_profile
 from hif8qat.errors import RunError
 from hif8qat.runs import folders as runs
@@ -39,9 +40,9 @@ def assert_user_error(out: subprocess.CompletedProcess, *needles: str) -> None:
 
 def cli_config(overrides: list[str]) -> RunConfig:
     """The RunConfig run.py would build from these command-line overrides."""
-    argv = run_module.force_add_dict_overrides(["run.py", *overrides])[1:]
-    cfg = run_module.replace_typed_dicts(compose_cfg(argv), argv)
-    return run_module.to_run_config(cfg, argv)
+    argv = command_line.force_add_dict_overrides(["run.py", *overrides])[1:]
+    cfg = hydra_config.replace_typed_dicts(compose_cfg(argv), argv)
+    return hydra_config.to_run_config(cfg, argv)
 
 
 # ------------------------------------------------------------------------- rejected before any work
@@ -90,7 +91,7 @@ def test_typed_dict_replaces_the_experiments_dict_instead_of_merging():
     assert cfg.quant.interval == {0: 1, 500: 10}
     cfg = cli_config(["experiment=exp4", "profile=paper", "quant.algo={0:max}"])
     assert cfg.quant.algo == {0: "max"}
-    assert run_module.force_add_dict_overrides(["run.py", "-m", "a.b={0:1}", "+c={x:y}", "d=1", "hydra.x={a:1}"]) \
+    assert command_line.force_add_dict_overrides(["run.py", "-m", "a.b={0:1}", "+c={x:y}", "d=1", "hydra.x={a:1}"]) \
         == ["run.py", "-m", "++a.b={0:1}", "++c={x:y}", "d=1", "hydra.x={a:1}"]
 
 
@@ -106,7 +107,7 @@ def test_local_datasets_need_no_plus_and_are_checked(tmp_path):
 
 
 def test_every_user_facing_failure_is_a_run_error():
-    from hif8qat.evaluate import DatasetUnavailableError
+    from hif8qat.evaluate.task_data import DatasetUnavailableError
     from hif8qat.train.loop import TrainingDiverged
 
     for cls in (ConfigError, DatasetUnavailableError, TrainingDiverged, runs.RunFolderError, runs.SettingsDiffer,
@@ -128,7 +129,7 @@ def _prepared(cfg: RunConfig) -> Path:
 
 
 def test_profile_settings_enter_the_folder_name():
-    tag = run_module.run_tag_from_overrides
+    tag = hydra_config.run_tag_from_overrides
     assert tag(["experiment=exp3", "profile=smoke", "profile.steps=8"]) == "profile.steps=8"
     assert tag(["profile.steps=8"]) != tag(["profile.steps=12"])
     assert tag(["profile=smoke", "profile.name=smoke", "data.cache_dir=/x", "eval.limit=3"]) == ""
@@ -339,7 +340,6 @@ def test_committed_result_files_hold_no_absolute_paths():
 
 
 def test_eval_results_record_run_paths_relative_to_the_results_root(tmp_path, monkeypatch):
-    from hif8qat import evaluate as ev
     from hif8qat.evaluate import runner
 
     seen = {}
@@ -351,11 +351,11 @@ def test_eval_results_record_run_paths_relative_to_the_results_root(tmp_path, mo
     monkeypatch.setattr(runner, "evaluate_export", fake_export)  # where evaluate_run looks it up
     run_dir = tmp_path / "runs" / "smoke" / "exp1" / "seed0"
     (run_dir / "export").mkdir(parents=True)
-    ev.evaluate_run(run_dir, modes=["bf16"], results_root=tmp_path / "runs")
+    runner.evaluate_run(run_dir, modes=["bf16"], results_root=tmp_path / "runs")
     assert seen["bf16"]["run_dir"] == "smoke/exp1/seed0"
     assert seen["bf16"]["export_dir"] == "smoke/exp1/seed0/export"
     seen.clear()
-    ev.evaluate_run(run_dir, modes=["bf16"])  # default root: <root>/<profile>/<experiment>/<run>
+    runner.evaluate_run(run_dir, modes=["bf16"])  # default root: <root>/<profile>/<experiment>/<run>
     assert seen["bf16"]["run_dir"] == "smoke/exp1/seed0"
 
 

@@ -12,7 +12,7 @@ import torch
 from test_bank import tiny_llama
 from test_scaling import assert_no_host_sync
 
-from hif8qat.evaluate import quant_eval_meta
+from hif8qat.evaluate.loading import quant_eval_meta
 from hif8qat.formats.qdq import (
     FORMATS,
     clipped_count,

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_config import run_module
 from test_reliability import FAST, assert_user_error, cli, cli_config
 
+from hif8qat.cli import command_line
 from hif8qat.config.run_config import ConfigError, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,12 +109,12 @@ def test_a_folder_without_a_checkpoint_as_resume_creates_no_run_folder(tmp_path)
     (["-m", "experiment=exp1", "profile=smoke", "experiment.name=ok,../up"], ["experiment.name='../up'"]),
 ])
 def test_every_multirun_point_is_validated_before_the_first_job(line, needles):
-    problem = run_module.check_command_line(line)
+    problem = command_line.check_command_line(line)
     assert problem is not None
     for needle in needles:
         assert needle in problem, (needle, problem)
     # the control: the same sweep with valid values passes the check
-    assert run_module.check_command_line(["-m", "experiment=exp1", "profile=smoke", "train.lr=1e-4,2e-4",
+    assert command_line.check_command_line(["-m", "experiment=exp1", "profile=smoke", "train.lr=1e-4,2e-4",
                                           "seed=0,1"]) is None
 
 

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_config import run_module
 from test_reliability import FAST, assert_user_error, cli, cli_config
 
+from hif8qat.cli import command_line
 from hif8qat.config.run_config import ConfigError, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,11 +84,11 @@ SWEEP = ["-m", "experiment=exp1", "profile=smoke", "train.micro_batch_size=2,4",
 
 def test_every_point_of_a_sweep_is_checked_not_each_value_alone():
     # (4, 6) is the one bad point: 4 and 6 each pair with a first value (2 or 4) that works.
-    problem = run_module.check_command_line(SWEEP)
+    problem = command_line.check_command_line(SWEEP)
     assert problem is not None
     assert "train.global_batch_size=6" in problem and "train.micro_batch_size=4" in problem, problem
     # the control: every point of this sweep divides
-    assert run_module.check_command_line(SWEEP[:3] + ["train.micro_batch_size=1,2", "train.global_batch_size=4,6"]) is None
+    assert command_line.check_command_line(SWEEP[:3] + ["train.micro_batch_size=1,2", "train.global_batch_size=4,6"]) is None
 
 
 def test_a_sweep_with_a_bad_combination_trains_nothing(tmp_path):
@@ -122,4 +122,4 @@ def test_a_path_setting_may_read_the_environment(monkeypatch):
     # The control: paths come from the environment in the shipped configs (OPENPANGU_PATH, FINEWEB_PATH).
     monkeypatch.setenv("HIF8QAT_TEST_MODEL", "tiny:2")
     assert cli_config(["experiment=exp1", "profile=smoke", "model.name=${oc.env:HIF8QAT_TEST_MODEL}"]).model.name == "tiny:2"
-    assert run_module.check_command_line(["experiment=exp1", "model=openpangu_embedded_1b"]) is None
+    assert command_line.check_command_line(["experiment=exp1", "model=openpangu_embedded_1b"]) is None

@@ -117,13 +117,9 @@ def test_a_slurm_sweep_that_cannot_know_its_resources_stops_before_submitting(tm
 @pytest.mark.parametrize("argv", [["-m", "seed=0,1", "--cfg", "hydra", "-p", "hydra.launcher"],
                                   ["--cfg", "job", "-m", "seed=0,1", "stage=train"], ["-m"]])
 def test_pinned_launcher_settings_join_the_overrides_wherever_the_options_are(argv):
-    import sys
-    from pathlib import Path
-
     from hydra._internal.utils import get_args_parser
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from run import insert_overrides
+    from hif8qat.cli.command_line import insert_overrides
 
     extra = ["hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=2"]
     before = get_args_parser().parse_args(argv)

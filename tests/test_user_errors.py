@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_config import EXPERIMENTS, PROFILES, compose_cfg, run_module
+from test_config import EXPERIMENTS, PROFILES, compose_cfg
 from test_reliability import assert_user_error, cli, cli_config
 from test_report import make_fake_runs
 
+from hif8qat.cli import command_line
 from hif8qat.config.run_config import ConfigError, RunConfig
 from hif8qat.launch import preflight
 from hif8qat.train import checkpoint as ckpt
@@ -38,13 +39,13 @@ def test_hydra_composition_failures_are_user_errors(tmp_path, override, needles)
 
 def test_multirun_lines_are_checked_value_by_value():
     # Each swept value is composed: a bad one anywhere in the sweep is found before the first job starts.
-    problem = run_module.check_command_line(["-m", "experiment=exp1,exp99", "seed=0,1"])
+    problem = command_line.check_command_line(["-m", "experiment=exp1,exp99", "seed=0,1"])
     assert problem and "experiment='exp99'" in problem
-    problem = run_module.check_command_line(["-m", "experiment=exp6", "quant.history_len=16,32", "train.lrr=1,2"])
+    problem = command_line.check_command_line(["-m", "experiment=exp6", "quant.history_len=16,32", "train.lrr=1,2"])
     assert problem and "did you mean train.lr" in problem
-    assert run_module.check_command_line(["-m", "experiment=exp6", "quant.history_len=16,32", "seed=0,1,2"]) is None
+    assert command_line.check_command_line(["-m", "experiment=exp6", "quant.history_len=16,32", "seed=0,1,2"]) is None
     # Without -m a sweep is ambiguous (Hydra's rule), and says how to sweep.
-    assert "--multirun" in run_module.check_command_line(["experiment=exp1", "seed=0,1"])
+    assert "--multirun" in command_line.check_command_line(["experiment=exp1", "seed=0,1"])
 
 
 @pytest.mark.parametrize("line", [
@@ -64,7 +65,7 @@ def test_run_py_reads_a_command_line_as_hydra_does(line):
         hydra_args = get_args_parser().parse_args(line)
     except SystemExit:
         hydra_args = None
-    ours = run_module.hydra_command_line(line)
+    ours = command_line.hydra_command_line(line)
     assert (ours is None) == (hydra_args is None), (ours, hydra_args)
     if ours is not None:
         assert (ours.overrides, ours.multirun) == (hydra_args.overrides, hydra_args.multirun)
@@ -73,7 +74,7 @@ def test_run_py_reads_a_command_line_as_hydra_does(line):
                                                           "config_dir"))
         assert ours.plain == plain
         if not plain:  # Hydra answers these itself: run.py composes nothing
-            assert run_module.check_command_line(line) is None
+            assert command_line.check_command_line(line) is None
 
 
 # ------------------------------------------------------------------ every setting exists in every profile

@@ -46,7 +46,8 @@ from hif8qat.artefacts import CorruptArtefact
 from hif8qat.compute_dtype import describe, forward_context
 from hif8qat.data.loader import build_eval_windows, tokenizer_fingerprint
 from hif8qat.errors import RunError
-from hif8qat.evaluate import eval_compute, load_for_eval, quant_eval_meta, resolve_numerics
+from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
+from hif8qat.evaluate.settings import eval_compute, resolve_numerics
 from hif8qat.files import sha256_file, write_bytes, write_json
 from hif8qat.runs.folders import find_baseline_run, has_export, lock_run_dir, provenance, release_run_dir
 from hif8qat.stats.heldout import SUMMARY_FILE, comparison_summary, heldout_dir, read_summary, run_label

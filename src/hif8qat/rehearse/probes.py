@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hif8qat.data.loader import build_train_stream
-from hif8qat.evaluate import evaluate_export, resolve_numerics
+from hif8qat.evaluate.runner import evaluate_export
+from hif8qat.evaluate.settings import resolve_numerics
 from hif8qat.models.loading import build_tiny_tokenizer, load_causal_lm
 from hif8qat.train.checkpoint import load_checkpoint
 from hif8qat.train.loop import parameter_groups

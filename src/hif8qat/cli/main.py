@@ -1,0 +1,40 @@
+"""``python run.py``'s job: the composed config made a RunConfig, checked and dispatched, and ``--estimate``,
+which composes the runs it times. The modules of training, evaluation and report load here; the quick answers
+of :mod:`hif8qat.cli.command_line` come before them."""
+
+from __future__ import annotations
+
+import sys
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from hif8qat.boundary import guarded
+from hif8qat.cli.hydra_config import config_for, replace_typed_dicts, to_run_config
+from hif8qat.cli.stages import check_cache_env, dispatch
+from hif8qat.launch.preflight import preflight
+from hif8qat.launch.time_estimate import main as estimate_main
+from hif8qat.runs.launch_env import env_from_slurm
+
+
+def run_job(cfg: DictConfig) -> None:
+    """The Hydra job of ``python run.py``: the composed config made the run's RunConfig, checked (the cache folder,
+    the preflight: inputs, memory, time), then dispatched. A user's error is one ``error:`` line, exit 2."""
+    overrides = list(HydraConfig.get().overrides.task)
+
+    def run() -> None:
+        run_cfg = to_run_config(replace_typed_dicts(cfg, overrides), overrides)
+        env_from_slurm()  # under srun, preflight's memory check must know the world size
+        check_cache_env()
+        preflight(run_cfg)
+        dispatch(run_cfg)
+
+    code = guarded(run)
+    if code:
+        sys.exit(code)
+
+
+def estimate(argv: list[str]) -> int:
+    """``python run.py --estimate ...`` (make all & co.): how long their unfinished runs will take here."""
+    return estimate_main(argv, config_for)
+

@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from test_reliability import assert_user_error, cli
 
-from hif8qat.evaluate import evaluate_model
 from hif8qat.evaluate.heldout import stream_token_stats
 from hif8qat.evaluate.loading import load_for_eval
+from hif8qat.evaluate.runner import evaluate_model
 from hif8qat.models import eight_bit
 from hif8qat.models.loading import build_tiny_llama
 from hif8qat.models.quant_files import save_quant_export

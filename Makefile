@@ -150,7 +150,7 @@ beyond-seeds: $(STAMP) ## exp10-exp13, exp2, exp8 and their baselines at seeds 1
 
 # The base model is evaluated with the numerics the runs are evaluated with (the profile's train.autocast), so the
 # forgetting table compares like with like.
-BASE_DTYPE = $(if $(filter smoke,$(PROFILE)),fp32,$(shell $(PY) -m hif8qat.quant.gemm_check 2>/dev/null | sed 's/^none$$/fp32/' || echo bf16))
+BASE_DTYPE = $(if $(filter smoke,$(PROFILE)),none,$(shell $(PY) -m hif8qat.quant.gemm_check 2>/dev/null | head -n1 || echo bf16))
 base-model: $(STAMP) ## the untrained base model on the profile's evaluation (results/base_model/PROFILE/, the forgetting table)
 	$(OFFLINE) $(PY) -m hif8qat.evaluate --model smollm2_135m --modes bf16 --dtype $(BASE_DTYPE) --eval-config conf/eval/$(PROFILE).yaml --out results/base_model/$(PROFILE) $(ARGS)
 

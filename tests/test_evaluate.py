@@ -194,11 +194,16 @@ def test_auto_numerics_follow_the_training_settings(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert settings.resolve_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cpu", "bf16")
-    assert settings.resolve_numerics("auto", "auto", train_device="cpu", train_autocast="none") == ("cpu", "fp32")
-    assert settings.resolve_numerics("cpu", "fp32", train_autocast="bf16") == ("cpu", "fp32")  # explicit wins
+    # the training's value passes under its own name: train.autocast=none is evaluated as none, not renamed
+    for value in ("none", "bf16", "bf16_emulated"):
+        assert settings.resolve_numerics("auto", "auto", train_device="cpu", train_autocast=value) == ("cpu", value)
+    assert settings.resolve_numerics("cpu", "none", train_autocast="bf16") == ("cpu", "none")  # explicit wins
+    # fp32, the name earlier versions gave none (command lines, saved configs), is still read, as none
+    assert settings.resolve_numerics("cpu", "fp32", train_autocast="bf16") == ("cpu", "none")
+    assert settings.resolve_numerics("auto", "auto") == ("cpu", "none")  # no training config: FP32 on a CPU
     with pytest.raises(RunError, match="eval.device=cuda.*no CUDA device"):
         settings.resolve_numerics("cuda", "auto")
-    with pytest.raises(RunError, match=r"eval.dtype='fp16'.*allowed one of auto, fp32, bf16"):
+    with pytest.raises(RunError, match=r"eval.dtype='fp16'.*allowed one of auto, bf16, bf16_emulated, none"):
         settings.resolve_numerics("auto", "fp16")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert settings.resolve_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cuda", "bf16")

@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# The numerics settings (train.autocast; the run configuration checks its value against these): auto = native
-# BF16 autocast where the device has it, else BF16 emulated.
+# The values of train.autocast (the run configuration checks it against these; evaluation's eval.dtype takes the
+# same names): auto = native BF16 autocast where the device has it, else BF16 emulated. One name for the value
+# from the config to here: ``autocast``.
 SETTINGS = ("auto", "bf16", "bf16_emulated", "none")
 RESOLVED = tuple(s for s in SETTINGS if s != "auto")
 NO_NATIVE_BF16_ENV = "HIF8QAT_NO_NATIVE_BF16"
@@ -53,18 +54,19 @@ def native_bf16_supported(device_type: str) -> bool:
     return False
 
 
-def resolve(setting: str, device_type: str) -> str:
-    """The concrete numerics (one of RESOLVED) for a setting (one of SETTINGS) on a device type."""
-    if setting not in SETTINGS:
-        raise ValueError(f"numerics must be one of {', '.join(SETTINGS)}, got {setting!r}")
-    if setting == "auto":
+def resolve(autocast: str, device_type: str) -> str:
+    """The concrete value (one of RESOLVED) of an ``autocast`` setting (one of SETTINGS) on a device type. The
+    pipeline calls it once per run, when its configuration is made (``hif8qat.config.numerics``)."""
+    if autocast not in SETTINGS:
+        raise ValueError(f"autocast must be one of {', '.join(SETTINGS)}, got {autocast!r}")
+    if autocast == "auto":
         return "bf16" if native_bf16_supported(device_type) else "bf16_emulated"
-    return setting
+    return autocast
 
 
-def describe(numerics: str, device_type: str) -> dict[str, Any]:
-    """What a result file records about the numerics it was made with."""
-    info: dict[str, Any] = {"numerics": numerics, "device_type": device_type,
+def describe(autocast: str, device_type: str) -> dict[str, Any]:
+    """What a result file records about the numerics it was made with (the key ``numerics``, as files have it)."""
+    info: dict[str, Any] = {"numerics": autocast, "device_type": device_type,
                             "native_bf16": native_bf16_supported(device_type)}
     if device_type == "cpu":
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
@@ -176,30 +178,30 @@ def _linear_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return values[0], values[1], values[2]
 
 
-def checkpoint_kwargs(numerics: str, device_type: str) -> dict[str, Any]:
+def checkpoint_kwargs(autocast: str, device_type: str) -> dict[str, Any]:
     """``torch.utils.checkpoint`` arguments under which an activation-checkpointing recompute runs with the
     forward's numerics: autocast is restored by torch, a mode is not, so the emulation is entered explicitly (a
     recompute without it would run native BF16 GEMMs and produce tensors of another dtype than the forward's)."""
     kwargs: dict[str, Any] = {"use_reentrant": False}
-    if numerics == "bf16_emulated":
+    if autocast == "bf16_emulated":
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), BF16Emulation(device_type))
     return kwargs
 
 
-def forward_context(numerics: str, device_type: str) -> contextlib.AbstractContextManager:
-    """Around a forward pass (training step, held-out loss, evaluation)."""
-    if numerics == "none":
+def forward_context(autocast: str, device_type: str) -> contextlib.AbstractContextManager:
+    """Around a forward pass (training step, held-out loss, evaluation), for a resolved ``autocast`` value."""
+    if autocast == "none":
         return contextlib.nullcontext()
-    if numerics == "bf16":
+    if autocast == "bf16":
         return torch.autocast(device_type=device_type, dtype=_BF16)
-    if numerics == "bf16_emulated":
+    if autocast == "bf16_emulated":
         return _stacked(BF16Emulation(device_type), torch.autocast(device_type=device_type, dtype=_BF16))
-    raise ValueError(f"numerics must be one of {', '.join(RESOLVED)}, got {numerics!r}")
+    raise ValueError(f"autocast must be one of {', '.join(RESOLVED)}, got {autocast!r}")
 
 
-def backward_context(numerics: str, device_type: str) -> contextlib.AbstractContextManager:
+def backward_context(autocast: str, device_type: str) -> contextlib.AbstractContextManager:
     """Around loss.backward(): the emulation must also see the GEMMs a custom backward runs on BF16 tensors."""
-    if numerics == "bf16_emulated":
+    if autocast == "bf16_emulated":
         return BF16Emulation(device_type)
     return contextlib.nullcontext()
 

@@ -49,7 +49,8 @@ def baseline_note(cfg: RunConfig, run_dir: Path) -> None:
 
 
 def eval_numerics(cfg: RunConfig) -> tuple[str, str]:
-    """eval.device / eval.dtype, with auto resolved to the training device and numerics."""
+    """(device, autocast) of the evaluation: eval.device / eval.dtype, auto being the training's device and its
+    (resolved) train.autocast."""
     return resolve_numerics(cfg.eval.device, cfg.eval.dtype, train_device=cfg.train.device,
                             train_autocast=cfg.train.autocast)
 
@@ -61,7 +62,7 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
     alone checks and locks the folder and chooses the modes, writes the results (hif8qat.evaluate.ranks)."""
     main = ctx is None or ctx.is_main
     modes = on_rank0(ctx, lambda: _modes_to_evaluate(cfg, run_dir))
-    device, dtype = eval_numerics(cfg)
+    device, autocast = eval_numerics(cfg)
     if modes:
         on_gpu_ranks = ctx is not None and ctx.world_size > 1 and device == "cuda"
         settings = (f"the evaluation settings (eval.tasks={list(cfg.eval.tasks)}, eval.num_fewshot="
@@ -69,14 +70,14 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
         with concerning(settings, libraries=("lm_eval", "datasets", "pyarrow")):  # what lm-eval cannot honour
             evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
                          device=str(ctx.device) if on_gpu_ranks else device,  # each rank its own GPU
-                         dtype=dtype, limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
+                         dtype=autocast, limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
                          local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
                          subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
                          results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
     elif main:
         print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
     if main:  # one process computes a quantized run's held-out distances (up to three models); once per run
-        after_eval(cfg, run_dir, device=device, dtype=dtype)
+        after_eval(cfg, run_dir, device=device, dtype=autocast)
 
 
 def _modes_to_evaluate(cfg: RunConfig, run_dir: Path) -> list[str]:

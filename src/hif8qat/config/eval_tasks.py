@@ -16,7 +16,9 @@ import yaml
 MINITASK_DIR = Path(__file__).resolve().parents[1] / "evaluate" / "minitasks"
 MODES = ("bf16", "hif8")
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "fp32", "bf16", "bf16_emulated")
+# eval.dtype: train.autocast's values (auto = the training's); fp32 is the old name of none, still read.
+FP32_OLD_NAME = "fp32"
+DTYPES = ("auto", "bf16", "bf16_emulated", "none", FP32_OLD_NAME)
 
 
 @dataclass(frozen=True)

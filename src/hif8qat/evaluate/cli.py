@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=float, default=None, help="first N docs per task (smoke runs)")
     ap.add_argument("--batch-size", type=int, default=None, help="default 16 (or the eval config's)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES,
-                    help="auto (bf16 on CUDA, fp32 on CPU) | bf16 (FP32 weights, bf16 autocast) | fp32")
+                    help="auto (bf16 on CUDA, none on CPU) | bf16 (FP32 weights, bf16 autocast) | bf16_emulated | none (FP32; "
+                         "fp32 is read as none)")
     ap.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
     ap.add_argument("--fewshot", action="append", default=[], metavar="TASK=K")
     ap.add_argument("--local-dataset", action="append", default=[], metavar="HUBID_OR_TASK=DIR")

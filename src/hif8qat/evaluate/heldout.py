@@ -47,7 +47,7 @@ from hif8qat.compute_dtype import describe, forward_context
 from hif8qat.data.loader import build_eval_windows, tokenizer_fingerprint
 from hif8qat.errors import RunError
 from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
-from hif8qat.evaluate.settings import eval_compute, resolve_numerics
+from hif8qat.evaluate.settings import resolve_numerics
 from hif8qat.files import sha256_file, write_bytes, write_json
 from hif8qat.runs.folders import find_baseline_run, has_export, lock_run_dir, provenance, release_run_dir
 from hif8qat.stats.heldout import SUMMARY_FILE, comparison_summary, heldout_dir, read_summary, run_label
@@ -240,9 +240,8 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     p = plan(run_dir, baseline=baseline, modes=modes, results_root=results_root)
     cfg, root = p["config"], p["results_root"]
     ev, tr, data = cfg.get("eval") or {}, cfg.get("train") or {}, cfg.get("data") or {}
-    device, dtype = resolve_numerics(device or ev.get("device", "auto"), dtype or ev.get("dtype", "auto"),
-                                     train_device=tr.get("device"), train_autocast=tr.get("autocast"))
-    compute = eval_compute(dtype)
+    device, autocast = resolve_numerics(device or ev.get("device", "auto"), dtype or ev.get("dtype", "auto"),
+                                        train_device=tr.get("device"), train_autocast=tr.get("autocast"))
     out = heldout_dir(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
@@ -252,7 +251,7 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
         "baseline_dir": _rel(p["baseline_run"], root) if p["baseline_run"] is not None else None,
         "baseline_skipped": p["baseline_skipped"], "paths_relative_to": "results_root",
         "models": {name: {"export": _rel(export, root), "mode": mode} for name, (export, mode) in p["models"].items()},
-        "numerics": {"device": device, "dtype": dtype, **describe(compute, torch.device(device).type)},
+        "numerics": {"device": device, "dtype": autocast, **describe(autocast, torch.device(device).type)},
         "config": cfg,
     }
     if not p["pairs"]:
@@ -275,7 +274,7 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     if "hif8" in loaded:
 
         doc["models"]["hif8"]["quant"] = quant_eval_meta(loaded["hif8"], run_dir / "export")
-    cols = stream_token_stats(loaded, p["pairs"], windows, numerics=compute, device=device,
+    cols = stream_token_stats(loaded, p["pairs"], windows, numerics=autocast, device=device,
                               batch_windows=batch_windows)
     del loaded
     write_tokens(out / TOKENS_FILE, cols)

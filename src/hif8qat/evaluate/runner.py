@@ -19,9 +19,9 @@ Device and numerics
 Weights are always loaded in FP32, the trainer's master weights. ``dtype="bf16"`` runs the forward under
 bf16 autocast, exactly as a ``train.autocast=bf16`` training step: in ``hif8`` mode the FP32 weight is
 quantized and the matmul runs in bf16 (casting the weights to bf16 first would round them twice before
-quantization). ``dtype="fp32"``: no autocast. :func:`resolve_numerics` turns ``auto`` into the training
+quantization). ``dtype="none"`` (``"fp32"``, its old name): no autocast. :func:`resolve_numerics` turns ``auto`` into the training
 device and numerics (run.py's ``eval.device`` / ``eval.dtype``); without a training config, ``auto`` is
-CUDA when available and bf16 there, fp32 on CPU. ``results.json`` records ``device``, ``dtype`` (of the
+CUDA when available and bf16 there, none (FP32) on CPU. ``results.json`` records ``device``, ``dtype`` (of the
 weights) and ``autocast`` (the matmul dtype, or null). The numerics are applied in one place, around each
 model forward of :class:`hif8qat.evaluate.prefix_lm.SharedContextLM` (:func:`hif8qat.compute_dtype.forward_context`).
 
@@ -98,7 +98,7 @@ from hif8qat.evaluate.offline_benchmarks import CACHE_SUBDIR, ensure_installed
 from hif8qat.evaluate.outputs import _jsonable, _samples_by_task, _task_result, write_eval_dir
 from hif8qat.evaluate.prefix_lm import SharedContextLM
 from hif8qat.evaluate.ranks import Ranks, summed
-from hif8qat.evaluate.settings import eval_compute, resolve_numerics
+from hif8qat.evaluate.settings import eval_autocast, resolve_numerics
 from hif8qat.evaluate.subsets import _limited, check_subset, subset_indices
 from hif8qat.evaluate.task_data import _forced_offline, lm_eval_task_dirs, prepare_paper_tasks
 from hif8qat.runs.folders import provenance
@@ -129,7 +129,7 @@ def evaluate_model(
 
     The model is used as it is (the caller puts a QAT model into the wanted mode, e.g. by
     :func:`hif8qat.quant.linear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
-    ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None or ``"fp32"``: none.
+    ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None, ``"none"`` or ``"fp32"``: none.
         ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``subset``: task -> number of
     documents, a fixed seeded subset (:func:`subset_indices`, stratified by subtask, e.g. MMLU subject;
     ``"full"``, None or a missing task = every document); lm-eval's ``samples`` selects them, so per-sample
@@ -159,14 +159,14 @@ def evaluate_model(
         include = (lm_dirs or []) + [MINITASK_DIR] + extra
         tm = TaskManager(include_path=[str(p) for p in include], include_defaults=lm_dirs is None)
         shots = {s.name: int((num_fewshot or {}).get(s.name, s.num_fewshot)) for s in specs}
-        compute = eval_compute(dtype)
+        autocast = eval_autocast(dtype)
         device_type = torch.device(device).type
         ranks = Ranks.current()  # under torchrun: every rank scores its share (hif8qat.evaluate.ranks)
         # log-probabilities in fp32 from the (bf16 under autocast) logits: summed in bf16, an item's
         # log-likelihood of -20..-60 nats is rounded to 0.125-0.25, coarser than the paired per-item differences
         # (gold_ll, gold_margin) that resolve quantization effects, and near-tied choices tie
         lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-                             numerics=functools.partial(numerics.forward_context, compute, device_type),
+                             numerics=functools.partial(numerics.forward_context, autocast, device_type),
                              ranks=ranks, softmax_dtype=torch.float32)
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
         raw = None
@@ -199,8 +199,8 @@ def evaluate_model(
         results[s.name] = _task_result(raw["results"], s, len(rows), shots[s.name])
     meta = {
         "mode": mode, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
-        "autocast": None if compute == "none" else "bfloat16",
-        "numerics": numerics.describe(compute, device_type),
+        "autocast": None if autocast == "none" else "bfloat16",
+        "numerics": numerics.describe(autocast, device_type),
         "batch_size": batch_size, "limit": limit, "seed": seed, "wall_time_s": round(wall, 2),
         "tasks": {s.name: {"metric": s.metric, "filter": s.filter, "num_fewshot": shots[s.name],
                            "mini": s.mini} for s in specs},

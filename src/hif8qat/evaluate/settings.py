@@ -1,11 +1,14 @@
-"""The evaluation's device and numerics: ``auto`` resolved, and the compute numerics of an ``eval.dtype``."""
+"""The evaluation's device and numerics. ``eval.dtype`` takes ``train.autocast``'s values (``bf16``,
+``bf16_emulated``, ``none``), so the training's value reaches the evaluation under its own name; ``auto`` is that
+value, which the run's configuration resolved. ``fp32``, the name earlier versions gave ``none`` here, is still
+read (command lines, saved configs)."""
 
 from __future__ import annotations
 
 import torch
 
-from hif8qat.compute_dtype import resolve
-from hif8qat.config.eval_tasks import DEVICES, DTYPES
+from hif8qat.compute_dtype import RESOLVED
+from hif8qat.config.eval_tasks import DEVICES, DTYPES, FP32_OLD_NAME
 from hif8qat.errors import RunError
 
 
@@ -15,13 +18,13 @@ class EvalSettingError(RunError):
 
 def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device: str | None = None,
                      train_autocast: str | None = None) -> tuple[str, str]:
-    """Concrete ``(device, dtype)`` for an evaluation (``dtype``: ``fp32``, ``bf16`` or ``bf16_emulated``, see
-    the module doc and :mod:`hif8qat.compute_dtype`).
+    """Concrete ``(device, autocast)`` for an evaluation (``autocast``: ``bf16``, ``bf16_emulated`` or ``none``,
+    as :mod:`hif8qat.compute_dtype` takes it).
 
     ``auto`` follows the training settings when given: device as ``train.device`` resolves (CUDA unless it
-    is ``cpu`` or there is no GPU), dtype the training numerics (``train.autocast``, ``auto`` resolved for
-    this machine; ``none`` is ``fp32``). Without them: native bf16 where the device has it (CUDA), else fp32.
-    Raises :class:`EvalSettingError` for an unknown value or ``cuda`` on a machine without a GPU.
+    is ``cpu`` or there is no GPU), dtype the run's resolved ``train.autocast``, passed on unchanged. Without
+    them: native bf16 where the device has it (CUDA), else none (FP32). Raises :class:`EvalSettingError` for an
+    unknown value or ``cuda`` on a machine without a GPU.
     """
 
     for setting, value, allowed in (("eval.device", device, DEVICES), ("eval.dtype", dtype, DTYPES)):
@@ -35,18 +38,17 @@ def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device:
                                "(or auto: the training device)")
     if dtype == "auto":
         if train_autocast is not None:
-
-            compute = resolve(train_autocast, torch.device(device).type)
-            dtype = "fp32" if compute == "none" else compute
+            dtype = train_autocast
         else:
-            dtype = "bf16" if device.startswith("cuda") else "fp32"
-    return device, dtype
+            dtype = "bf16" if device.startswith("cuda") else "none"
+    return device, eval_autocast(dtype)
 
 
-def eval_compute(dtype: str | None) -> str:
-    """The compute numerics (hif8qat.compute_dtype: none | bf16 | bf16_emulated) of an evaluation dtype."""
-    if dtype in (None, "fp32"):
+def eval_autocast(dtype: str | None) -> str:
+    """An evaluation's resolved ``autocast`` value (none | bf16 | bf16_emulated) from a concrete ``dtype``
+    (None and the old name ``fp32`` are ``none``)."""
+    if dtype in (None, FP32_OLD_NAME):
         return "none"
-    if dtype in ("bf16", "bf16_emulated"):
+    if dtype in RESOLVED:
         return dtype
-    raise EvalSettingError(f"invalid setting eval.dtype={dtype!r}: allowed one of fp32, bf16, bf16_emulated (or auto)")
+    raise EvalSettingError(f"invalid setting eval.dtype={dtype!r}: allowed one of {', '.join(RESOLVED)} (or auto)")

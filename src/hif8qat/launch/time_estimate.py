@@ -4,7 +4,7 @@
         [--baseline exp1 --baseline-overrides K=V ...] [--overrides K=V ...]
 
 Loads the profile's model (timed), times a few training steps at the profile's batch, sequence length and
-numerics (``train.autocast=auto`` resolved here) and an evaluation-sized forward pass, plain and quantized;
+numerics (``train.autocast`` as the run's config resolved it) and an evaluation-sized forward pass, plain and quantized;
 then adds up, for every run that is not finished yet, its plain and quantized steps, the forwards and setup
 of each of its evaluation modes, and its model loads. Printed before ``make all`` and the other
 long targets, so a user on a slower machine knows what they started. The mini profile is measured here (its
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hif8qat import compute_dtype as numerics
+from hif8qat import compute_dtype
 from hif8qat.evaluate.heldout import heldout_window_count
 from hif8qat.launch.memory import describe, step_memory
 from hif8qat.models.loading import load_causal_lm, model_config_facts
@@ -135,16 +135,16 @@ def measure(cfg, repeats: int = 2) -> Costs:
     t0 = time.perf_counter()
     model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
     load_s = time.perf_counter() - t0
-    mode = numerics.resolve(cfg.train.autocast, "cpu")
+    autocast = cfg.train.autocast  # resolved with the run's config (config_for)
     ids = torch.randint(0, model.config.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     batch = torch.randint(0, model.config.vocab_size, (16, 128))
 
     def step_s(opt) -> float:
         def once() -> float:
             t = time.perf_counter()
-            with numerics.forward_context(mode, "cpu"):
+            with compute_dtype.forward_context(autocast, "cpu"):
                 loss = lm_loss(model, ids)
-            with numerics.backward_context(mode, "cpu"):
+            with compute_dtype.backward_context(autocast, "cpu"):
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -156,7 +156,7 @@ def measure(cfg, repeats: int = 2) -> Costs:
 
     def token_s() -> float:
         model.eval()
-        with torch.inference_mode(), numerics.forward_context(mode, "cpu"):
+        with torch.inference_mode(), compute_dtype.forward_context(autocast, "cpu"):
             model(input_ids=batch)
             t = time.perf_counter()
             model(input_ids=batch)
@@ -167,12 +167,12 @@ def measure(cfg, repeats: int = 2) -> Costs:
     qat_step, quant_token = plain_step, plain_token
     if cfg.quant.enabled:
         convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
-                      emulate_bf16=mode == "bf16_emulated")
+                      emulate_bf16=autocast == "bf16_emulated")
         set_quantization(model, True)
         qat_step = step_s(torch.optim.AdamW(model.parameters(), lr=1e-9))
         freeze_scales(model, True)
         quant_token = token_s()
-    return Costs(mode, load_s, plain_step, qat_step, plain_token, quant_token)
+    return Costs(autocast, load_s, plain_step, qat_step, plain_token, quant_token)
 
 
 def print_memory(cfg, world_size: int | None, device: str | None) -> None:
@@ -183,7 +183,7 @@ def print_memory(cfg, world_size: int | None, device: str | None) -> None:
         return
     if world_size is None:  # the Makefile launches the paper profile on every local GPU, the others in one process
         world_size = max(torch.cuda.device_count(), 1) if cfg.profile.name == "paper" else 1
-    device = device or numerics.training_device_type(cfg.train.device)
+    device = device or compute_dtype.training_device_type(cfg.train.device)
     parts = step_memory(cfg, facts, world_size, device)
     print(f"memory: {cfg.experiment.name} at profile {cfg.profile.name}: one training step needs about "
           f"{describe(cfg, parts, world_size, device)}")

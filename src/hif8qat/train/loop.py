@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hif8qat import compute_dtype as numerics
+from hif8qat import compute_dtype
 from hif8qat.config.run_config import RunConfig
 from hif8qat.data.loader import build_eval_windows, build_train_stream
 from hif8qat.data.prefetch import PrefetchedStream
@@ -130,10 +130,6 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _numerics(cfg: RunConfig, device: torch.device) -> str:
-    return numerics.resolve(cfg.train.autocast, device.type)
-
-
 @torch.no_grad()
 def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.device, batch: int = 4) -> float:
     """Mean loss on held-out windows, with the quantizers' scales frozen so evaluation leaves no trace."""
@@ -144,7 +140,7 @@ def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.de
         losses = []
         for start in range(0, len(windows), batch):
             chunk = windows[start:start + batch].to(device)
-            with numerics.forward_context(_numerics(cfg, device), device.type):
+            with compute_dtype.forward_context(cfg.train.autocast, device.type):
                 losses.append(lm_loss(model, chunk, double_label_shift=cfg.quirks.double_label_shift).item())
     finally:
         freeze_scales(model, False)
@@ -178,7 +174,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) 
     if cfg.quirks.bf16_params and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
     converted: list[str] = []
-    emulate = _numerics(cfg, device) == "bf16_emulated"  # the layers are told the numerics, never guess them
+    emulate = cfg.train.autocast == "bf16_emulated"  # the layers are told the numerics, never guess them
     if cfg.quant.enabled:
         converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
                                   emulate_bf16=emulate)
@@ -189,7 +185,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) 
     model.train()
     if cfg.train.activation_checkpointing:  # the recompute reuses the forward's HiF8 scales, records nothing
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=numerics.checkpoint_kwargs(_numerics(cfg, device), device.type))
+            activation_checkpointing_kwargs=compute_dtype.checkpoint_kwargs(cfg.train.autocast, device.type))
     return converted
 
 
@@ -246,7 +242,6 @@ class _Run:
             stream = PrefetchedStream(stream)
         self.stream = stream
         self.accum = cfg.grad_accum_steps(ctx.world_size)
-        self.compute = _numerics(cfg, ctx.device)  # bf16 | bf16_emulated | none (resolved in the run's config)
         self.ckpt_root = run_dir / "checkpoints"
         # Optimizer steps skipped for a non-finite gradient norm: in total, and in the current streak.
         self.skips = {"skipped_steps": 0, "consecutive_skips": 0}
@@ -385,7 +380,7 @@ class _Run:
                 t0 = time.perf_counter()
                 epoch = self.stream.epoch
                 loss_value, flags = _reduce_step(
-                    _forward_backward(self.wrapped, self.stream, self.accum, self.compute, cfg, ctx), stop.flags(), ctx)
+                    _forward_backward(self.wrapped, self.stream, self.accum, cfg.train.autocast, cfg, ctx), stop.flags(), ctx)
                 if self.stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
                     order = "in a new order" if self.stream.kind == "packed" else "in the same order"
                     print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {self.stream.epoch} "
@@ -448,7 +443,7 @@ class _Run:
                                                                    self.converted,
                                                                    time.perf_counter() - self.wall_start),
                                      skipped_steps=self.skips["skipped_steps"],
-                                     numerics=numerics.describe(self.compute, ctx.device.type))
+                                     numerics=compute_dtype.describe(cfg.train.autocast, ctx.device.type))
             mark_done(self.run_dir)
         ctx.barrier()
         if ctx.is_main and cfg.train.keep_checkpoints_when_done is not None:
@@ -456,7 +451,7 @@ class _Run:
         return summary
 
 
-def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, compute: str, cfg: RunConfig,
+def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, autocast: str, cfg: RunConfig,
                       ctx: DistContext) -> float:
     """One optimizer step's micro-batches, forward and backward; their mean loss on this rank."""
     loss_sum = 0.0
@@ -466,9 +461,9 @@ def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, compute: str
             tokens = tokens.pin_memory()
         tokens = tokens.to(ctx.device, non_blocking=True)
         with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
-            with numerics.forward_context(compute, ctx.device.type):
+            with compute_dtype.forward_context(autocast, ctx.device.type):
                 loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
-            with numerics.backward_context(compute, ctx.device.type):
+            with compute_dtype.backward_context(autocast, ctx.device.type):
                 (loss / accum).backward()
         loss_sum += loss.detach().float()
     return float(loss_sum / accum)

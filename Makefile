@@ -68,7 +68,7 @@ test-fast: $(STAMP) ## the suite without the slow end-to-end tests
 	$(PYTEST) -m "not slow and not slurm and not rehearsal" $(ARGS)
 
 test-memory: $(STAMP) ## the memory estimate against measured peaks at the 1B's width, every configuration (GBs of RAM, minutes)
-	$(OFFLINE) $(PY) -m pytest -q tests/test_memory_estimate.py $(ARGS)
+	$(OFFLINE) $(PY) -m pytest -q tests/launch/test_memory.py $(ARGS)
 
 test-rehearsals: $(STAMP) ## the CPU rehearsals of make gpu-check and make rehearse, checked as tests (minutes)
 	$(PYTEST) -m "rehearsal and not slurm" $(ARGS)

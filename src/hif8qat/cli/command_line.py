@@ -127,7 +127,7 @@ def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
     refuses with its own usage message.
 
     Hydra's own parser is private (hydra._internal.utils.get_args_parser): this one declares the same flags,
-    with the values they take, so that a flag's value is never read as an override. tests/test_user_errors.py
+    with the values they take, so that a flag's value is never read as an override. tests/integration/test_user_errors.py
     holds the two parsers to the same reading of the lines run.py meets."""
     ap = _HydraLineParser(add_help=False)
     ap.add_argument("overrides", nargs="*")

@@ -25,7 +25,7 @@ ARC test is not shipped as a dataset, only inside OLMES prompt files
 (ids >= 1,000,000 are the unconditional-probability requests and are skipped), question = ``query`` minus
 the leading ``"Question: "`` and trailing ``"\\nAnswer:"``, choices and gold index as given, ``id`` kept.
 The same procedure on the validation prompt files reproduces the raw validation files exactly (question,
-choice texts, answer, id and order; ``tests/test_evaldata.py``). **Option labels are lost** in the prompt
+choice texts, answer, id and order; ``tests/evaluate/test_offline_benchmarks.py``). **Option labels are lost** in the prompt
 files: they are rebuilt as A, B, C, ...; the ~1-4 % of ARC questions whose original labels were 1-4 cannot
 be recognised (lm-eval's ARC tasks score the choice texts, so labels do not change any score).
 

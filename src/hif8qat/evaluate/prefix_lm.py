@@ -23,7 +23,7 @@ tokenizes them (``context_enc`` and ``continuation_enc`` from lm-eval's ``_encod
 
 Outputs are HFLM's: ``(sum of the continuation's log-probabilities, whether every continuation token is
 the argmax)``, in the order of the requests. The numbers agree with HFLM's up to float rounding (the
-matmuls have other shapes; see ``tests/test_prefix_lm.py`` for the tolerance).
+matmuls have other shapes; see ``tests/evaluate/test_prefix_lm.py`` for the tolerance).
 
 Numerics: every model call (the shared-context path, HFLM's own path, generation) runs inside
 ``numerics()``, the zero-argument context-manager factory given at construction: that is the one place

@@ -132,8 +132,10 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
     from transformers import AutoModelForCausalLM
 
     t = cfg.train
-    compute = numerics.resolve(t.autocast, device_type)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, autocast=compute))
+    # `auto` resolved for the device the estimate is for (the paper profile's GPU, estimated on a CPU), which is
+    # not necessarily the one this process runs on; a resolved value passes through unchanged.
+    autocast = numerics.resolve(t.autocast, device_type)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, autocast=autocast))
     config = model_config(facts)
     # allow_non_fake_inputs: the scaler banks build their tables from numpy arrays
     with FakeTensorMode(allow_non_fake_inputs=True), _kept_weight_results():
@@ -155,7 +157,7 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
         tracker.track_external(model, optimizer)
         tokens = torch.zeros(t.micro_batch_size, t.seq_len + 1, dtype=torch.long)
         with tracker:
-            _micro_batch(model, cfg, compute, tokens, tracker)
+            _micro_batch(model, cfg, autocast, tokens, tracker)
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -170,12 +172,12 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
     return Simulated(parts, grad_bytes, max(blocks, default=0), grad_bytes - sum(blocks))
 
 
-def _micro_batch(model, cfg: RunConfig, compute: str, tokens: torch.Tensor, tracker=None) -> None:
+def _micro_batch(model, cfg: RunConfig, autocast: str, tokens: torch.Tensor, tracker=None) -> None:
     if tracker is not None:  # MemTracker takes a second call of the model as the next iteration unless told
         tracker.reset_mod_stats()
-    with numerics.forward_context(compute, "cpu"):
+    with numerics.forward_context(autocast, "cpu"):
         loss = lm_loss(model, tokens, double_label_shift=cfg.quirks.double_label_shift)
-    with numerics.backward_context(compute, "cpu"):
+    with numerics.backward_context(autocast, "cpu"):
         loss.backward()
 
 

@@ -69,8 +69,9 @@ def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapp
         raise ValueError("save_quant_export: the model was not converted with convert_model")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    config = ScalingConfig.from_dict(record["config"])
     doc = {"format": "hif8qat-quant", "version": 1, **record, "meta": dict(meta or {}),
-           "element_formats": element_formats(ScalingConfig.from_dict(record["config"]))}
+           "element_formats": element_formats(config), "targets": config.targets()}
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in quant_state_dict(model).items()}
 
     with atomic_path(directory / SCALERS_FILE) as tmp:
@@ -86,11 +87,13 @@ def element_formats(config: ScalingConfig) -> dict[str, str]:
 
 def read_quant_export(directory: str | os.PathLike) -> dict[str, Any]:
     """``hif8qat_quant.json`` of an export, with its scaling config completed: an export written before FP8
-    (no ``format`` in its config) is HiF8, and ``element_formats`` is filled in when absent."""
+    (no ``format`` in its config) is HiF8, and ``element_formats`` and ``targets`` (each role's scale target)
+    are filled in when absent."""
     doc = json.loads((Path(directory) / QUANT_JSON).read_text(encoding="utf-8"))
     config = ScalingConfig.from_dict(doc["config"])
     doc["config"] = config.to_dict()
     doc.setdefault("element_formats", element_formats(config))
+    doc.setdefault("targets", config.targets())
     return doc
 
 

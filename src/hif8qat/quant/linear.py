@@ -22,8 +22,9 @@ from the re-gathered W with the forward's scale instead, as the authors' HiF8Gem
 and no full quantized weight lives from forward to backward.
 
 Each Q is one call of the custom op ``hif8qat::bank_qdq`` (traceable: a whole-model ``torch.compile`` has
-no graph break from these layers). Q_A / Q_W use round-half-away (``ta``) and ``target_fwd``; Q_G uses
-``grad_rounding`` and ``target_bwd``. With ``ScalingConfig.format`` an FP8 format (``e4m3``, ``e5m2``, or
+no graph break from these layers). Q_A / Q_W use round-half-away (``ta``), Q_G uses ``grad_rounding``;
+each maps the amax estimate to its role's target (``ScalingConfig.targets``: ``target`` per role, else
+``target_fwd`` for A and W, ``target_bwd`` for G). With ``ScalingConfig.format`` an FP8 format (``e4m3``, ``e5m2``, or
 ``hybrid``: E4M3 for A and W, E5M2 for G) the same layer quantizes with saturating FP8 casts and the FP8
 targets instead (see :mod:`hif8qat.scaling.bank`). With quantization off the forward is exactly ``F.linear`` (identical
 outputs and gradients to ``nn.Linear``).
@@ -413,7 +414,8 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
     outgrew the estimate), exceed_frac_max (max fraction of |x*s| > target, on statistics calls),
     clipped_count (elements beyond the format's range, on statistics calls: for HiF8 the overflow
     |x*s| >= 40960, for FP8 |x*s| > max; logs written before FP8 call it overflow_count), nonfinite_count
-    (calls with a non-finite amax), amax_max, calls, stats_calls.
+    (calls with a non-finite amax), amax_max, calls, stats_calls, and target (the scale target the role's
+    quantizers map the amax estimate to: the run's per-role target, FP8's format max / 2^margin).
     """
     banks = _banks(model)
     if not banks:
@@ -437,6 +439,7 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
         out[f"tel/{r}/calls"] = float(sum(int(b.tel_calls[[x == r for x in b.roles]].sum()) for b in banks))
         out[f"tel/{r}/stats_calls"] = float(sum(int(b.tel_stat_calls[[x == r for x in b.roles]].sum())
                                                 for b in banks))
+        out[f"tel/{r}/target"] = max(t for b in banks for t, x in zip(b.targets, b.roles) if x == r)
     if reset:
         for bank in banks:
             bank.reset_telemetry()

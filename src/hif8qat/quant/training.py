@@ -14,8 +14,6 @@ each step when the config has step schedules (``interval``, ``algo``) or ``histo
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,15 +21,11 @@ from torch import nn
 
 from hif8qat.quant.blocks import SCOPES, ModuleFilter
 from hif8qat.quant.linear import convert_model, set_state_in_state_dict
-from hif8qat.scaling.settings import ROLES, ScalingConfig
+from hif8qat.scaling.settings import ScalingConfig
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
     raise ValueError(f"Hif8TrainingConfig.{name}={value!r} is invalid; allowed: {allowed}")
-
-
-def _positive(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 @dataclass(frozen=True)
@@ -41,27 +35,23 @@ class Hif8TrainingConfig(ScalingConfig):
     The delayed-scaling fields are :class:`~hif8qat.scaling.settings.ScalingConfig`'s: ``format`` (hif8, e4m3,
     e5m2, hybrid), ``algo`` (the estimator, or a step schedule ``{step: algo}``), ``history_len``, ``interval``
     (a number or a step schedule), ``history_unit``, ``amax_reduce``, ``grad_rounding`` (G's rounding: ta or
-    stochastic), ``saturate``, ``margin`` (FP8), ``target_fwd`` / ``target_bwd``. Added here:
+    stochastic), ``saturate``, ``margin`` (FP8), ``target`` (HiF8 scale target for every role, a number, or per
+    role, ``{"A": .., "W": .., "G": ..}``; roles left out keep ``target_fwd`` / ``target_bwd``). Added here:
 
     * ``scope``: ``mlp`` (gate/up/down projections) or ``attn_mlp`` (also q/k/v/o);
     * ``high_precision_blocks``: indices of decoder blocks left unquantized;
-    * ``target``: HiF8 scale target for every role (a number) or per role (``{"A": .., "W": .., "G": ..}``,
-      roles left out keep ``target_fwd`` / ``target_bwd``);
     * ``emulate_bf16``: run the quantized layers' BF16 GEMMs as FP32 GEMMs on BF16 values (for machines without
       native BF16; use it with :func:`hif8qat.compute_dtype.forward_context` ``("bf16_emulated", ...)``).
     """
 
     scope: str = "attn_mlp"
     high_precision_blocks: tuple[int, ...] = ()
-    target: float | Mapping[str, float] | None = None
     emulate_bf16: bool = False
 
     def __post_init__(self) -> None:
         blocks = self.high_precision_blocks
         if isinstance(blocks, (list, tuple, set, frozenset, range)):
             object.__setattr__(self, "high_precision_blocks", tuple(sorted(set(blocks))))
-        if isinstance(self.target, Mapping):
-            object.__setattr__(self, "target", dict(self.target))
         super().__post_init__()  # normalises the schedules, then validate(): the one check
 
     def validate(self) -> Hif8TrainingConfig:
@@ -71,14 +61,6 @@ class Hif8TrainingConfig(ScalingConfig):
         if not isinstance(self.high_precision_blocks, tuple) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.high_precision_blocks):
             _fail("high_precision_blocks", self.high_precision_blocks, "a list of block indices (integers >= 0)")
-        if self.target is not None:
-            if self.format != "hif8":
-                _fail("target", self.target, f"None with format={self.format} (FP8 targets come from margin)")
-            ok = _positive(self.target) or (isinstance(self.target, Mapping) and self.target
-                                            and set(self.target) <= set(ROLES)
-                                            and all(_positive(v) for v in self.target.values()))
-            if not ok:
-                _fail("target", self.target, "a finite number > 0, or a mapping of roles A, W, G to such numbers")
         if not isinstance(self.emulate_bf16, bool):
             _fail("emulate_bf16", self.emulate_bf16, "true or false")
         return self
@@ -86,7 +68,6 @@ class Hif8TrainingConfig(ScalingConfig):
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         d.update(scope=self.scope, high_precision_blocks=list(self.high_precision_blocks),
-                 target=dict(self.target) if isinstance(self.target, Mapping) else self.target,
                  emulate_bf16=self.emulate_bf16)
         return d
 

@@ -63,7 +63,7 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
         cfg = ScalingConfig.from_dict({**overrides, "interval": 1})
         for role in ("A", "W", "G"):
             ratios = []
-            target = cfg.target_bwd if role == "G" else cfg.target_fwd
+            target = cfg.targets()[role]
             by_len: dict[int, list[Sequence[float]]] = {}
             for key, trace in traces.items():
                 if key.endswith("." + role) and trace:

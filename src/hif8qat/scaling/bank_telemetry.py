@@ -61,6 +61,7 @@ def records(bank: Any) -> list[dict[str, Any]]:
         rec.update(calls=int(bank.tel_calls[r]), stats_calls=int(bank.tel_stat_calls[r]),
                    history_count=min(int(v[12]), L),
                    algo=ALGOS[bank.block_algo[r]] if bank.block_algo[r] >= 0 else "", format=bank.formats[r],
+                   target=float(bank.targets[r]),
                    interval=int(bank.block_len[r]))
         out.append(rec)
     return out

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hif8qat.formats.qdq import FORMAT_SETTINGS
+from hif8qat.formats.qdq import FORMAT_SETTINGS, target_for
 from hif8qat.scaling.rules import EPS
 
 ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
@@ -37,6 +37,11 @@ ROLES = ("A", "W", "G")
 # --------------------------------------------------------------------------------------------------
 def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v) \
+        and v > 0
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -70,6 +75,10 @@ class ScalingConfig:
     interval: int | dict[int, int] = 1
     target_fwd: float = 15.0
     target_bwd: float = 15.0
+    # HiF8 scale target per role, the clearer spelling: one number for A, W and G, or a mapping such as
+    # {"A": 15, "W": 15, "G": 224} (MindSpeed's HiF8 recipe); roles it leaves out keep target_fwd / target_bwd.
+    # None: target_fwd for A and W, target_bwd for G (configs written before it existed).
+    target: float | dict[str, float] | None = None
     history_unit: str = "call"
     amax_reduce: str = "none"
     saturate: bool = False
@@ -84,6 +93,8 @@ class ScalingConfig:
     margin: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.target, Mapping):  # YAML/JSON give a plain or OmegaConf mapping: store a dict
+            object.__setattr__(self, "target", dict(self.target))
         object.__setattr__(self, "algo", _normalize_schedule("algo", self.algo))
         object.__setattr__(self, "interval", _normalize_schedule("interval", self.interval))
         self.validate()
@@ -101,6 +112,7 @@ class ScalingConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 _fail(name, v, "a finite number > 0")
+        self._validate_target()
         for name, choices in (("history_unit", HISTORY_UNITS), ("amax_reduce", AMAX_REDUCES),
                               ("grad_rounding", GRAD_ROUNDINGS)):
             if getattr(self, name) not in choices:
@@ -114,6 +126,29 @@ class ScalingConfig:
         self._validate_format()
         return self
 
+    def _validate_target(self) -> None:
+        """``target``: None, a number > 0, or roles A, W, G mapped to numbers > 0; never next to a changed
+        target_fwd / target_bwd for the same role (two settings for one target: which one holds is a guess)."""
+        t = self.target
+        if t is None:
+            return
+        allowed = "null, a finite number > 0, or a mapping of roles A, W, G to such numbers (e.g. {A: 15, W: 15, G: 224})"
+        ok = _positive(t) or (isinstance(t, Mapping) and bool(t) and set(t) <= set(ROLES)
+                              and all(_positive(v) for v in t.values()))
+        if not ok:
+            _fail("target", t, allowed)
+        covered = set(ROLES) if not isinstance(t, Mapping) else set(t)
+        for name, roles in (("target_fwd", {"A", "W"}), ("target_bwd", {"G"})):
+            default = next(f.default for f in dataclasses.fields(ScalingConfig) if f.name == name)
+            if covered & roles and getattr(self, name) != default:
+                _fail("target", t, f"null when {name} is set ({name}={getattr(self, name)!r}): give each role's "
+                      "target once, in target (preferred) or in target_fwd / target_bwd")
+
+    def targets(self) -> dict[str, float]:
+        """The scale target each role uses (HiF8: ``target`` where it names the role, else target_fwd for A and
+        W, target_bwd for G; FP8: the format max / 2^margin)."""
+        return {r: target_for(self, r) for r in ROLES}
+
     def _validate_format(self) -> None:
         """format / margin, and the settings that mean something for one kind of format only."""
         if self.format not in FORMAT_SETTINGS:
@@ -122,9 +157,12 @@ class ScalingConfig:
             _fail("margin", self.margin, "an integer >= 0")
         if self.format == "hif8":
             if self.margin:
-                _fail("margin", self.margin, "0 with format=hif8 (HiF8's target is target_fwd / target_bwd); "
+                _fail("margin", self.margin, "0 with format=hif8 (HiF8's target is set by target); "
                       "an integer >= 0 with e4m3, e5m2 or hybrid")
             return
+        if self.target is not None:
+            _fail("target", self.target, f"null with format={self.format} (FP8 targets are the format max / "
+                  "2^margin, set margin instead)")
         # FP8 targets come from the format (max / 2^margin); a changed HiF8 target would be silently unused.
         for name in ("target_fwd", "target_bwd"):
             default = next(f.default for f in dataclasses.fields(ScalingConfig) if f.name == name)
@@ -168,6 +206,8 @@ class ScalingConfig:
         """The delayed-scaling fields only (a subclass adds its own by overriding this)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(ScalingConfig)}
         d = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}
+        if isinstance(d["target"], Mapping):  # in the roles' order, whatever order the config gave
+            d["target"] = {r: d["target"][r] for r in ROLES if r in d["target"]}
         for k in ("algo", "interval"):
             if isinstance(d[k], Mapping):
                 d[k] = {int(s): v for s, v in d[k].items()}

@@ -23,13 +23,14 @@ else
 LAUNCH := $(PY) run.py
 endif
 EXPERIMENTS := exp1 exp2 exp3 exp4 exp5 exp6 exp7 exp8 exp9
-# Beyond the paper: HiF8 vs FP8 HYBRID (exp10, exp11) and delayed vs just-in-time scaling (exp12, exp13).
-BEYOND := exp10 exp11 exp12 exp13
+# Beyond the paper: HiF8 vs FP8 HYBRID (exp10, exp11), delayed vs just-in-time scaling (exp12, exp13) and the
+# gradients at target 224, MindSpeed's HiF8 recipe (exp14, exp15).
+BEYOND := exp10 exp11 exp12 exp13 exp14 exp15
 
 # The comparisons the claims rest on, repeated at more seeds by `make seeds` (seed 0 comes from `make all`).
 SEED_EXPERIMENTS := exp1 exp7 exp8 exp6 exp3
 SEEDS ?= 1 2
-# The same for the beyond-the-paper pairs: the four runs, the runs they derive from, and their baselines.
+# The same for the beyond-the-paper pairs: the runs, the runs they derive from, and their baselines.
 BEYOND_SEED_EXPERIMENTS := exp1 exp7 exp2 exp8 $(BEYOND)
 # The external anchor: the base model on every item of the real benchmarks (results/anchor/, hours on 2 cores).
 ANCHOR_TASKS := mmlu_continuation,mmlu,hellaswag,arc_challenge,arc_easy
@@ -37,7 +38,7 @@ ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-memory test-compat test-rehearsals mutation lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check wheelhouse rehearse slurm-rehearse verify-hif8 clean-venv
+.PHONY: help venv test test-fast test-memory test-compat test-rehearsals mutation lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds beyond-target seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check wheelhouse rehearse slurm-rehearse verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -108,7 +109,7 @@ lint: $(STAMP) ## ruff
 # The baseline comes first under the same launcher (torchrun too); a finished one is skipped in seconds.
 # run.py --baseline checks the experiment's whole line first: a bad setting in ARGS is refused before the
 # baseline trains.
-$(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp13) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|gpu1|paper] [SEED=0]
+$(EXPERIMENTS) $(BEYOND): $(STAMP) ## (exp1..exp15) its baseline, then train + evaluate it: make exp3 [PROFILE=mini|smoke|gpu1|paper] [SEED=0]
 	@base=$$($(OFFLINE) $(PY) run.py --baseline $@ profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS)) || exit 1; \
 	$(ESTIMATE_CMD) --experiments $@ --seeds $(SEED) --label "make $@" \
 		$${base:+--baseline $$base --baseline-overrides $(BASELINE_ARGS)} --overrides $(ARGS) || true; \
@@ -132,7 +133,7 @@ all: $(STAMP) ## all experiments without a finished run, their evaluations, then
 	for e in $(EXPERIMENTS); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
 	$(PY) run.py stage=report profile=$(PROFILE)
 
-beyond: $(STAMP) ## exp10-exp13 after the runs they compare with (exp1, exp7 baselines; exp2, exp8), then the report
+beyond: $(STAMP) ## exp10-exp15 after the runs they compare with (exp1, exp7 baselines; exp2, exp8), then the report
 	$(ESTIMATE) --experiments exp1 exp7 exp2 exp8 $(BEYOND) --seeds $(SEED) --label "make beyond"
 	for e in exp1 exp7 exp2 exp8 $(BEYOND); do $(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$(SEED) stage=all $(ARGS) || exit 1; done
 	$(PY) run.py stage=report profile=$(PROFILE)
@@ -145,8 +146,19 @@ seeds: $(STAMP) ## exp1 exp7 exp8 exp6 exp3 at seeds 1 and 2 (bf16 evaluation), 
 seeds5: $(STAMP) ## seeds 3 and 4 of the same five experiments (after make seeds: five seeds for the claims' pairs), then the report
 	$(MAKE) seeds SEEDS="3 4"
 
-beyond-seeds: $(STAMP) ## exp10-exp13, exp2, exp8 and their baselines at seeds 1 and 2 (finished runs are skipped), then the report
+beyond-seeds: $(STAMP) ## exp10-exp15, exp2, exp8 and their baselines at seeds 1 and 2 (finished runs are skipped), then the report
 	$(MAKE) seeds SEED_EXPERIMENTS="$(BEYOND_SEED_EXPERIMENTS)"
+
+# The gradient-target pairs at the seeds of the claims they sit beside: exp14 vs exp8 (baseline exp7) at seeds
+# 0-4, exp15 vs exp2 (baseline exp1) at seeds 0-2; seed 0 evaluates every mode, the others bf16 only, as make seeds.
+beyond-target: $(STAMP) ## exp14, exp15 (gradients at target 224) and the runs they compare with, at the claims' seeds (finished runs are skipped), then the report
+	$(ESTIMATE) --experiments exp7 exp8 exp14 --seeds 0 1 2 3 4 --label "make beyond-target (exp14 vs exp8)"
+	$(ESTIMATE) --experiments exp1 exp2 exp15 --seeds 0 1 2 --label "make beyond-target (exp15 vs exp2)"
+	for s in 0 1 2 3 4; do modes=(); [ $$s -eq 0 ] || modes=('eval.modes=[bf16]'); \
+		for e in exp7 exp8 exp14 $$([ $$s -le 2 ] && echo exp1 exp2 exp15); do \
+			$(LAUNCH) experiment=$$e profile=$(PROFILE) seed=$$s stage=all "$${modes[@]}" $(ARGS) || exit 1; \
+		done; done
+	$(PY) run.py stage=report profile=$(PROFILE)
 
 # The base model is evaluated with the numerics the runs are evaluated with (the profile's train.autocast), so the
 # forgetting table compares like with like.

@@ -90,3 +90,40 @@ def test_scaling_pairs_and_quantized_mode_ablations(tmp_path):
     tel = rep["tables"]["telemetry_smoke"]
     assert set(tel[tel.experiment == "exp11"]["format"]) == {"hybrid"}
     assert set(tel[tel.experiment == "exp8"]["format"]) == {"hif8"}  # no quant.format in its config: HiF8
+
+
+def _set_role(run_dir, role: str, **values: float) -> None:
+    """Overwrite one role's telemetry in every logged step of a run's metrics.jsonl."""
+    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    with (run_dir / "metrics.jsonl").open("w") as fh:
+        for rec in lines:
+            if f"tel/{role}/calls" in rec:
+                rec.update({f"tel/{role}/{k}": v for k, v in values.items()})
+            fh.write(json.dumps(rec) + "\n")
+
+
+def test_gradient_target_pairs_report_the_gradients_counts_and_the_loss(tmp_path):
+    runs = make_fake_runs(tmp_path / "runs", seeds=(0,))
+    # exp14: exp8 with G at 224; G exceeds its estimate in 1 of 4 calls and overflows 3 values per statistics
+    # call (2 statistics calls a step), A and W as exp8's
+    _derive(runs, "exp8", "exp14", ["quant.target"], {"target": {"A": 15.0, "W": 15.0, "G": 224.0}}, clipped=0.0,
+            gt1=0.0, hif8_lost=0)
+    _set_role(runs / "smoke" / "exp14" / "seed0", "G", amax_ratio_gt1=1.0, clipped_count=6.0)
+    rep = report.build_report(runs, "smoke", tmp_path / "tables", tmp_path / "figures", n_boot=100, figures=False)
+    p = rep["tables"]["scaling_pairs_smoke"].set_index("experiment").loc["exp14"]
+    assert (p["counterpart"], p["changes"], p["targets"], p["cp_targets"]) == ("exp8", "quant.target", "15/15/224",
+                                                                               "15/15/15")
+    assert p["G_calls_exceeded"] == pytest.approx(0.25) and p["G_clipped_per_stats_call"] == pytest.approx(3.0)
+    # exp8's G, from its own log: never exceeded (ratio 0.9), no statistics calls logged
+    assert p["cp_G_calls_exceeded"] == 0 and np.isnan(p["cp_G_clipped_per_stats_call"])
+    assert p["calls_exceeded"] == pytest.approx(1 / 12)  # all roles pooled: only G's quarter
+    section = rep["claims_section"]
+    head = "#### Gradients at target 224 (MindSpeed's HiF8 recipe), max(64): exp14 vs exp8 (seeds 0)"
+    assert head in section
+    claim = section.split(head)[1].split("\n#### ")[0]
+    assert "| train | loss | train_loss | 1 |" in claim and "- Training loss: " in claim
+    assert "exp15" not in section  # not run here: no heading, no empty claim
+    assert "| exp14 (hif8, max, targets A/W/G 15/15/224) | exp8 (hif8, max) |" in section
+    assert "| exp14 (15/15/224) | exp8 (15/15/15) | 0 | 25.0 % vs 0.0 % | 3.00 vs - |" in section
+    assert ("exceeded in 25.0 % of G's calls against 0.0 % (higher), G overflowed 3.00 values per statistics call "
+            "against -, and the QAT-phase loss differed") in section

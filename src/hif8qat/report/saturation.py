@@ -1,6 +1,7 @@
 """The saturation telemetry in words, for the claims section: how often each estimator's delayed estimate is
-exceeded on the same recorded amax traces (the replay), and per one-factor pair of quantized runs (element format
-or estimator) the share of exceeded calls and the clipped values per statistics call, mean (sd) over seeds."""
+exceeded on the same recorded amax traces (the replay), and per one-factor pair of quantized runs (element format,
+estimator or scale target) the share of exceeded calls and the clipped values per statistics call, mean (sd) over
+seeds; for the pairs that change the scale targets, the gradients' counts and the loss, in a table and in words."""
 
 from __future__ import annotations
 
@@ -68,10 +69,66 @@ def saturation_section(pairs: pd.DataFrame, replay: pd.DataFrame, profile: str) 
         for (exp, cp), g in pairs.groupby(["experiment", "counterpart"], sort=False):
             f = g.iloc[0]
             seeds = ",".join(str(s) for s in sorted(g["seed"]))
-            lines.append(f"| {exp} ({f['format']}, {_algo(f['algo'])}) | {cp} ({f['cp_format']}, {_algo(f['cp_algo'])}) "
+            lines.append(f"| {exp} ({f['format']}, {_algo(f['algo'])}{_targets(f, '')}) | {cp} ({f['cp_format']}, "
+                         f"{_algo(f['cp_algo'])}{_targets(f, 'cp_')}) "
                          f"| {seeds} "
                          f"| {_mean_sd(g['calls_exceeded'], _pct)} vs {_mean_sd(g['cp_calls_exceeded'], _pct)} | "
                          f"{_mean_sd(g['clipped_per_stats_call'], '{:.2f}'.format)} vs "
                          f"{_mean_sd(g['cp_clipped_per_stats_call'], '{:.2f}'.format)} |")
         lines.append("")
+        lines += _target_pairs(pairs)
     return lines
+
+
+def _targets(row: pd.Series, side: str) -> str:
+    """", targets 15/15/224" for a HiF8 run off the paper's target 15 for every role, else nothing."""
+    t = row.get(f"{side}targets")
+    return f", targets A/W/G {t}" if isinstance(t, str) and t and row[f"{side}format"] == "hif8" and t != "15/15/15" \
+        else ""
+
+
+def _more(a: pd.Series, b: pd.Series) -> str:
+    """" (higher)", " (lower)" or " (the same)": the mean over seeds of ``a`` against ``b``; "" where either is
+    not logged."""
+    a, b = (pd.to_numeric(x, errors="coerce").dropna() for x in (a, b))
+    if a.empty or b.empty:
+        return ""
+    return " (higher)" if a.mean() > b.mean() else " (lower)" if a.mean() < b.mean() else " (the same)"
+
+
+def _target_pairs(pairs: pd.DataFrame) -> list[str]:
+    """The pairs that change the scale target (MindSpeed's HiF8 recipe: gradients at 224): the gradients'
+    telemetry and the loss, side by side, then in words."""
+    if "changes" not in pairs:
+        return []
+    tp = pairs[pairs["changes"].astype(str).str.split(",").map(lambda c: "quant.target" in c)]
+    if tp.empty:
+        return []
+    lines = ["Pairs that change the scale targets (A/W/G), mean (sd) over seeds: the gradients' (G) share of calls "
+             "whose amax outgrew the delayed estimate, G's overflowed values per statistics call, and the training "
+             "loss over the QAT phase against the BF16 baseline's (mean absolute difference in % of the baseline's "
+             "loss; the claims above test the paired loss difference).", "",
+             "| run (targets) | counterpart (targets) | seeds | G exceeded calls | G clipped per statistics call | "
+             "QAT loss APE vs baseline |", "|---|---|---|---|---|---|"]
+    words = []
+    fmt2 = "{:.2f}".format
+    fmt3 = "{:.3f} %".format
+    for (exp, cp), g in tp.groupby(["experiment", "counterpart"], sort=False):
+        f = g.iloc[0]
+        seeds = ",".join(str(s) for s in sorted(g["seed"]))
+        lines.append(f"| {exp} ({f['targets']}) | {cp} ({f['cp_targets']}) | {seeds} | "
+                     f"{_mean_sd(g['G_calls_exceeded'], _pct)} vs {_mean_sd(g['cp_G_calls_exceeded'], _pct)} | "
+                     f"{_mean_sd(g['G_clipped_per_stats_call'], fmt2)} vs "
+                     f"{_mean_sd(g['cp_G_clipped_per_stats_call'], fmt2)} | "
+                     f"{_mean_sd(g['ape_qat_pct'], fmt3)} vs {_mean_sd(g['cp_ape_qat_pct'], fmt3)} |")
+        words.append(
+            f"{exp} (targets A/W/G {f['targets']}) against {cp} ({f['cp_targets']}), seeds {seeds}: the gradients' "
+            f"delayed estimate was exceeded in {_mean_sd(g['G_calls_exceeded'], _pct)} of G's calls against "
+            f"{_mean_sd(g['cp_G_calls_exceeded'], _pct)}{_more(g['G_calls_exceeded'], g['cp_G_calls_exceeded'])}, "
+            f"G overflowed {_mean_sd(g['G_clipped_per_stats_call'], fmt2)} values per statistics call against "
+            f"{_mean_sd(g['cp_G_clipped_per_stats_call'], fmt2)}"
+            f"{_more(g['G_clipped_per_stats_call'], g['cp_G_clipped_per_stats_call'])}, and the QAT-phase loss "
+            f"differed from the BF16 baseline's by {_mean_sd(g['ape_qat_pct'], fmt3)} on average (absolute) against "
+            f"{_mean_sd(g['cp_ape_qat_pct'], fmt3)}{_more(g['ape_qat_pct'], g['cp_ape_qat_pct'])}; whether the "
+            f"loss difference between the two is real is the claim \"{exp} vs {cp}\" above.")
+    return lines + [""] + words + [""]

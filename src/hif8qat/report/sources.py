@@ -3,6 +3,7 @@ samples, telemetry dumps), and the fields of a run the tables use (seed, tag, fo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from hif8qat.artefacts import (
 )
 from hif8qat.files import sha256_file
 from hif8qat.runs.folders import is_archive
+from hif8qat.scaling.settings import ROLES, ScalingConfig
 from hif8qat.stats.heldout import run_label
 
 
@@ -158,6 +160,20 @@ def _eval_results(run: RunInfo, mode: str) -> dict:
         return {}
     data = _read_json(p, RESULTS_SCHEMA)
     return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def _targets_of(run: RunInfo) -> str:
+    """The scale target of each role, A/W/G ("15/15/224"), from the run's saved quant settings (runs saved before
+    ``quant.target`` existed: target_fwd / target_bwd); "" for a BF16 run or settings that do not load."""
+    if not run.quant:
+        return ""
+    quant = _get(run.config, "quant", {}) or {}
+    fields = {f.name for f in dataclasses.fields(ScalingConfig)}
+    try:
+        targets = ScalingConfig.from_dict({k: v for k, v in quant.items() if k in fields and v is not None}).targets()
+    except (TypeError, ValueError):
+        return ""
+    return "/".join(f"{targets[r]:g}" for r in ROLES)
 
 
 def _format_of(run: RunInfo) -> str:

@@ -23,6 +23,7 @@ from hif8qat.report.sources import (
     _read_json,
     _read_samples,
     _tag,
+    _targets_of,
     read_metrics,
 )
 from hif8qat.report.telemetry import scaling_outcome, telemetry_summary
@@ -175,7 +176,7 @@ def ablations_table(runs: list[RunInfo], parent_of: Mapping[str, RunInfo | None]
     return pd.DataFrame(abl_rows)
 
 
-SCALING_FACTORS = {"quant.format", "quant.margin", "quant.algo"}
+SCALING_FACTORS = {"quant.format", "quant.margin", "quant.algo", "quant.target"}
 
 
 
@@ -187,8 +188,10 @@ def _scaling_pair(run: RunInfo, other: RunInfo, changes: Sequence[str], metrics_
     for side, r in (("", run), ("cp_", other)):
         m = metrics_cache[str(r.path)]
         ape = ape_of.get((r.experiment, _tag(r), r.seed), {})
-        row.update({f"{side}format": _format_of(r), f"{side}algo": r.estimator,
+        row.update({f"{side}format": _format_of(r), f"{side}algo": r.estimator, f"{side}targets": _targets_of(r),
                     **{f"{side}{k}": v for k, v in (scaling_outcome(m) if len(m) else {}).items()},
+                    # the gradients alone: what a change of G's target moves
+                    **{f"{side}G_{k}": v for k, v in (scaling_outcome(m, ("G",)) if len(m) else {}).items()},
                     f"{side}ape_qat_pct": ape.get("ape_qat_pct", float("nan")),
                     f"{side}final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan")})
     return row

@@ -3,6 +3,8 @@ values were clipped; all roles pooled for the scaling-pairs table."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pandas as pd
 
@@ -54,9 +56,11 @@ def telemetry_summary(metrics: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def scaling_outcome(metrics: pd.DataFrame) -> dict[str, float]:
-    """All roles pooled: share of calls whose amax outgrew the estimate, clipped values per statistics call."""
-    roles = sorted({c.split("/")[1] for c in metrics.columns if c.startswith("tel/") and c.count("/") == 2})
+def scaling_outcome(metrics: pd.DataFrame, roles: Sequence[str] | None = None) -> dict[str, float]:
+    """All roles pooled (or only ``roles``): share of calls whose amax outgrew the estimate, clipped values per
+    statistics call."""
+    logged = sorted({c.split("/")[1] for c in metrics.columns if c.startswith("tel/") and c.count("/") == 2})
+    roles = [r for r in logged if roles is None or r in roles]
 
     def total(stat):
         cols = [f"tel/{r}/{stat}" for r in roles if f"tel/{r}/{stat}" in metrics]

@@ -139,12 +139,13 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                                 "exp12/exp13 just-in-time scaling (vs exp8/exp2): a positive drop there is what the "
                                 "oracle loses against the delayed estimator, a negative one how far the delayed "
                                 "estimator is from the oracle.",
-        f"scaling_pairs_{profile}": "One-factor pairs that change only the element format or the scale algorithm "
-                                    "(quant.format / quant.margin / quant.algo), side by side: format and "
-                                    "algorithm, share of quantizer calls whose amax outgrew the estimate, clipped "
-                                    "values per statistics call (HiF8 overflow, FP8 clipping; all roles pooled), "
-                                    "QAT-phase loss APE against the common baseline and the final loss. Accuracy "
-                                    f"differences with CIs: ablations_{profile}.",
+        f"scaling_pairs_{profile}": "One-factor pairs that change only the element format, the scale algorithm "
+                                    "or the scale targets (quant.format / quant.margin / quant.algo / "
+                                    "quant.target), side by side: format, algorithm and the targets A/W/G, share "
+                                    "of quantizer calls whose amax outgrew the estimate, clipped values per "
+                                    "statistics call (HiF8 overflow, FP8 clipping; all roles pooled, and the "
+                                    "gradients alone: G_*), QAT-phase loss APE against the common baseline and "
+                                    f"the final loss. Accuracy differences with CIs: ablations_{profile}.",
         f"vs_base_{profile}": "Each run's bf16 evaluation against the untrained base model's "
                               f"(results/base_model/{profile}/): relative drop (%) with a paired bootstrap 95 % CI. "
                               "Drops common to quantized and BF16 runs at one learning rate are forgetting, not "

@@ -31,6 +31,8 @@ BAD_VALUES = [
     (["eval.modes=[]"], "eval.modes"),
     (["quant.history_len=-5"], "quant.history_len"),  # exp1 is BF16: checked all the same
     (["quant.target_fwd=inf"], "quant.target_fwd"),
+    (["quant.target={G:-224}"], "quant.target"),
+    (["quant.target={A:15,W:15,G:224}", "quant.target_bwd=7"], "quant.target"),  # G's target given twice
     (["quant.scope=everything"], "quant.scope"),
     (["model.revision=5"], "model.revision"),
     (["experiment.description=[a]"], "experiment.description"),
@@ -164,3 +166,9 @@ def test_a_folder_with_a_known_model_type_passes_the_model_check(tmp_path):
     from hif8qat.launch import preflight
 
     preflight.check_model(cfg)  # raises on a refusal
+
+
+def test_a_bad_per_role_target_is_one_error_line_before_any_folder(tmp_path):
+    out = cli(["experiment=exp14", "stage=train", "quant.target={A:15,W:15,Q:224}"], tmp_path / "runs")
+    assert_user_error(out, "quant.target=", "mapping of roles A, W, G")
+    assert not (tmp_path / "runs").exists()

@@ -83,7 +83,7 @@ COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_LOWEST ?= torch transformers
 $(COMPAT_VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_PY) -m pip install -q --upgrade pip packaging
+	$(COMPAT_PY) -m pip install -q --upgrade pip packaging "setuptools>=77,<82"  # pyproject's build backend (offline builds use the env's own); torch 2.11 wants <82
 	PYTHONPATH=src $(COMPAT_PY) -m hif8qat.launch.versions --lowest $(COMPAT_LOWEST) > $(COMPAT_VENV)/requirements.txt
 	$(COMPAT_PY) -m pip install -q "$$(grep -m1 '^torch==' $(COMPAT_VENV)/requirements.txt)"
 	grep -m1 '^torch==' $(COMPAT_VENV)/requirements.txt > $(COMPAT_VENV)/torch-constraint.txt

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hif8qat import compute_dtype as numerics
 from hif8qat.config.numerics import resolve_run
-from hif8qat.models.loading import build_tiny_llama
+from hif8qat.models.loading import build_tiny_llama, enable_activation_checkpointing
 from hif8qat.quant import linear as qlinear
 from hif8qat.scaling.settings import ScalingConfig
 
@@ -90,7 +90,7 @@ def _step(model, ids, mode: str, counter: TorchDispatchMode) -> torch.Tensor:
 def test_a_training_step_sends_no_bf16_operand_to_a_gemm(mode, variant, recompute_w, checkpointing):
     model, _ = _model(variant, recompute_w=recompute_w, emulate=mode == "bf16_emulated")
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=numerics.checkpoint_kwargs(mode, "cpu"))
+        enable_activation_checkpointing(model, numerics.checkpoint_kwargs(mode, "cpu"))
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # the second step runs with the quantizers' delayed scales
@@ -143,6 +143,8 @@ def test_compiled_training_in_fp32_sends_no_bf16_operand_and_emulated_compile_is
         for _ in range(2):
             _step(compiled, ids, "none", contextlib.nullcontext())
     seen = collections.Counter()
+    if not any(hasattr(event, "input_dtypes") for event in prof.events()):
+        pytest.skip("this torch's profiler records no input dtypes (torch 2.11 does not): checked at the pinned torch")
     for event in prof.events():
         name = event.name.removeprefix("aten::")
         if event.name.startswith("aten::") and _is_gemm(name):

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hif8qat.formats.qdq import hif8_qdq_scaled
+from hif8qat.models.loading import enable_activation_checkpointing
 from hif8qat.models.quant_files import load_quant_export
 from hif8qat.quant.linear import (
     QuantLinear,
@@ -297,7 +298,7 @@ def _grads_with_checkpointing(use_ckpt: bool, steps: int = 3):
     m = tiny_llama(num_layers=3, seed=2)
     convert_model(m, "attn_mlp", None, ScalingConfig(algo="max", history_len=4, interval=2))
     if use_ckpt:
-        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(m, {"use_reentrant": False})
     m.train()
     grads = []
     gen = torch.Generator().manual_seed(3)

@@ -214,13 +214,15 @@ def _accumulation_worker(rank: int, world: int, store: str, out: str, fsdp_grad_
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     calls = {"reduce_scatter": 0}
-    original = dist.reduce_scatter_single
+    # FSDP2 reduce-scatters through reduce_scatter_single where torch has it (2.13), reduce_scatter_tensor before
+    collective = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(dist, collective)
 
     def counting(*args, **kwargs):
         calls["reduce_scatter"] += 1
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counting
+    setattr(dist, collective, counting)
     try:
         models = {"ddp": DistributedDataParallel(_tiny(False)), "fsdp": apply_fsdp(_tiny(False))}
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
@@ -249,7 +251,7 @@ def _accumulation_worker(rank: int, world: int, store: str, out: str, fsdp_grad_
         if rank == 0:
             torch.save(result, out)
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, collective, original)
         dist.destroy_process_group()
 
 

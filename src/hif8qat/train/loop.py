@@ -27,7 +27,7 @@ from hif8qat.config.run_config import RunConfig
 from hif8qat.data.loader import build_eval_windows, build_train_stream
 from hif8qat.data.prefetch import PrefetchedStream
 from hif8qat.errors import RunError, concerning
-from hif8qat.models.loading import load_causal_lm
+from hif8qat.models.loading import enable_activation_checkpointing, load_causal_lm
 from hif8qat.models.quant_files import dump_telemetry
 from hif8qat.quant.linear import (
     convert_model,
@@ -184,8 +184,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) 
         model.to(device)
     model.train()
     if cfg.train.activation_checkpointing:  # the recompute reuses the forward's HiF8 scales, records nothing
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=compute_dtype.checkpoint_kwargs(cfg.train.autocast, device.type))
+        enable_activation_checkpointing(model, compute_dtype.checkpoint_kwargs(cfg.train.autocast, device.type))
     return converted
 
 

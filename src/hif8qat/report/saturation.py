@@ -72,12 +72,15 @@ def saturation_section(pairs: pd.DataFrame, replay: pd.DataFrame, profile: str) 
             lines.append(f"| {exp} ({f['format']}, {_algo(f['algo'])}{_targets(f, '')}) | {cp} ({f['cp_format']}, "
                          f"{_algo(f['cp_algo'])}{_targets(f, 'cp_')}) "
                          f"| {seeds} "
-                         f"| {_mean_sd(g['calls_exceeded'], _pct)} vs {_mean_sd(g['cp_calls_exceeded'], _pct)} | "
-                         f"{_mean_sd(g['clipped_per_stats_call'], '{:.2f}'.format)} vs "
-                         f"{_mean_sd(g['cp_clipped_per_stats_call'], '{:.2f}'.format)} |")
+                         f"| {_vs(g, 'calls_exceeded', _pct)} | {_vs(g, 'clipped_per_stats_call', '{:.2f}'.format)} |")
         lines.append("")
         lines += _target_pairs(pairs)
     return lines
+
+
+def _vs(g: pd.DataFrame, column: str, fmt) -> str:
+    """"run vs counterpart": a column's mean (sd) over seeds beside the counterpart's (``cp_`` + column)."""
+    return f"{_mean_sd(g[column], fmt)} vs {_mean_sd(g['cp_' + column], fmt)}"
 
 
 def _targets(row: pd.Series, side: str) -> str:
@@ -117,10 +120,8 @@ def _target_pairs(pairs: pd.DataFrame) -> list[str]:
         f = g.iloc[0]
         seeds = ",".join(str(s) for s in sorted(g["seed"]))
         lines.append(f"| {exp} ({f['targets']}) | {cp} ({f['cp_targets']}) | {seeds} | "
-                     f"{_mean_sd(g['G_calls_exceeded'], _pct)} vs {_mean_sd(g['cp_G_calls_exceeded'], _pct)} | "
-                     f"{_mean_sd(g['G_clipped_per_stats_call'], fmt2)} vs "
-                     f"{_mean_sd(g['cp_G_clipped_per_stats_call'], fmt2)} | "
-                     f"{_mean_sd(g['ape_qat_pct'], fmt3)} vs {_mean_sd(g['cp_ape_qat_pct'], fmt3)} |")
+                     f"{_vs(g, 'G_calls_exceeded', _pct)} | {_vs(g, 'G_clipped_per_stats_call', fmt2)} | "
+                     f"{_vs(g, 'ape_qat_pct', fmt3)} |")
         words.append(
             f"{exp} (targets A/W/G {f['targets']}) against {cp} ({f['cp_targets']}), seeds {seeds}: the gradients' "
             f"delayed estimate was exceeded in {_mean_sd(g['G_calls_exceeded'], _pct)} of G's calls against "

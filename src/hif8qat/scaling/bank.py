@@ -279,7 +279,7 @@ class ScalerBank(nn.Module):
                  keep: bool = False) -> torch.Tensor:
         """One quantizer call (the body of ``hif8qat::bank_qdq``)."""
         if mode == REPLAY or self.frozen:
-            return self._qdq(x, row, self._call_scale(x, row) if self.frozen else self._scale_rows[row], out_dtype)
+            return self._qdq(x, row, self.frozen_scale(x, row) if self.frozen else self._scale_rows[row], out_dtype)
         if self._mb_calls[row]:
             if _in_backward() and not self._is_g[row]:  # checkpoint recompute: the forward's scale
                 kept = self._kept.pop(row, None)
@@ -341,9 +341,9 @@ class ScalerBank(nn.Module):
 
     just_in_time = property(_current_now, doc="Whether calls at the current step scale from their own amax.")
 
-    def _call_scale(self, x, row) -> torch.Tensor:
-        """Frozen: the row's scale; a row that never ran, or any row under ``current``, takes the scale from
-        this tensor's own amax (local)."""
+    def frozen_scale(self, x: torch.Tensor, row: int) -> torch.Tensor:
+        """The scale a frozen (evaluation) call of ``row`` on ``x`` quantizes with: the row's scale; a row that
+        never ran, or any row under ``current``, takes the scale from this tensor's own amax (local)."""
         static = self.static_scale(row)
         if static is not None:
             return static
@@ -356,9 +356,6 @@ class ScalerBank(nn.Module):
             return self._scale_rows[row]
         return None
 
-    def frozen_scale(self, x: torch.Tensor, row: int) -> torch.Tensor:
-        """The scale a frozen (evaluation) call of ``row`` on ``x`` quantizes with."""
-        return self._call_scale(x, row)
 
     def _begin(self, row: int, mode: int, cold_amax, current: bool = False) -> None:
         """Pick the row's scale for this call (before its amax is known; ``current``: from ``cold_amax``)."""

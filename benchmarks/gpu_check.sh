@@ -215,9 +215,9 @@ stage_paper_memory() {
     "$PY" - "$MEM_MODEL" "$DEVICE" $MEM_SHAPE <<'EOF'
 import sys, time
 import torch
-sys.path[:0] = ["benchmarks", "."]
+sys.path.insert(0, "benchmarks")
 from bench_step import build_model
-from run import config_for
+from hif8qat.cli.hydra_config import config_for
 from hif8qat.launch.memory import ratio_verdict, step_memory
 from hif8qat.quant.linear import set_quantization
 from hif8qat.train import loop
@@ -311,7 +311,7 @@ stage_openpangu() {
 import json, sys, time
 from pathlib import Path
 import torch
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/models")
 import test_openpangu as tp
 from hif8qat.models.loading import load_causal_lm
 size, dev, folder = sys.argv[1], torch.device(sys.argv[2]), Path(sys.argv[3])

@@ -81,10 +81,11 @@ test-rehearsals: $(STAMP) ## the CPU rehearsals of make gpu-check and make rehea
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_LOWEST ?= torch transformers
-$(COMPAT_VENV)/.installed: requirements.txt pyproject.toml
+# The lowest pins are computed by the pinned venv: `hif8qat` imports torch, which the new env does not have yet.
+$(COMPAT_VENV)/.installed: requirements.txt pyproject.toml $(STAMP)
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install -q --upgrade pip packaging "setuptools>=77,<82"  # pyproject's build backend (offline builds use the env's own); torch 2.11 wants <82
-	PYTHONPATH=src $(COMPAT_PY) -m hif8qat.launch.versions --lowest $(COMPAT_LOWEST) > $(COMPAT_VENV)/requirements.txt
+	PYTHONPATH=src $(PY) -m hif8qat.launch.versions --lowest $(COMPAT_LOWEST) > $(COMPAT_VENV)/requirements.txt
 	$(COMPAT_PY) -m pip install -q "$$(grep -m1 '^torch==' $(COMPAT_VENV)/requirements.txt)"
 	grep -m1 '^torch==' $(COMPAT_VENV)/requirements.txt > $(COMPAT_VENV)/torch-constraint.txt
 	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/torch-constraint.txt -r $(COMPAT_VENV)/requirements.txt

@@ -157,9 +157,9 @@ def measure(cfg, repeats: int = 2) -> Costs:
     def token_s() -> float:
         model.eval()
         with torch.inference_mode(), compute_dtype.forward_context(autocast, "cpu"):
-            model(input_ids=batch)
+            model(input_ids=batch, use_cache=False)
             t = time.perf_counter()
-            model(input_ids=batch)
+            model(input_ids=batch, use_cache=False)
             return (time.perf_counter() - t) / batch.numel()
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-9)

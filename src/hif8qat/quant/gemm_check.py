@@ -63,7 +63,7 @@ def count_step_gemms(numerics: str, device_type: str = "cpu") -> GemmOperandCoun
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     counter = GemmOperandCount()
     with forward_context(numerics, device_type), counter:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     with backward_context(numerics, device_type), counter:
         loss.backward()
     return counter

@@ -90,7 +90,7 @@ def replay(model_dir: str, fineweb: str, sizes: argparse.Namespace) -> dict:
         for _ in range(sizes.accum):
             tokens = next(stream)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(input_ids=tokens[:, :-1]).logits
+                logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
             (loss / (sizes.accum * sizes.world)).backward()
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))

@@ -89,6 +89,10 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, *, double_label_shift: bool 
 
     double_label_shift reproduces the authors' bug: labels shifted once by them and again by the HF loss, so
     position t is trained on token t + 2 (the last position has no target).
+
+    use_cache=False: a causal LM builds a key/value cache in training too unless told; under transformers 5.17 it
+    holds a copy of every block's keys and values until the forward ends (1.2 GiB more per GPU at the paper's
+    micro-batch than under 5.24, which keeps the tensors themselves).
     """
     inputs = tokens[:, :-1]
     head = loss_head(model)
@@ -98,10 +102,10 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, *, double_label_shift: bool 
             targets = torch.cat((tokens[:, 2:], torch.full_like(tokens[:, :1], IGNORE)), dim=1)
         head.pending_targets = targets
         try:
-            return model(input_ids=inputs).logits
+            return model(input_ids=inputs, use_cache=False).logits
         finally:
             head.pending_targets = None
-    logits = model(input_ids=inputs).logits
+    logits = model(input_ids=inputs, use_cache=False).logits
     if double_label_shift:
         logits, targets = logits[:, :-1], tokens[:, 2:]
     else:

@@ -38,7 +38,7 @@ ANCHOR_OUT := results/anchor/smollm2_135m
 FEWSHOT_TASKS ?= arc_challenge,arc_easy
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-memory test-compat test-rehearsals mutation lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds beyond-target seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check wheelhouse rehearse slurm-rehearse verify-hif8 clean-venv
+.PHONY: help venv test test-slow test-memory test-compat test-rehearsals mutation lint $(EXPERIMENTS) $(BEYOND) beyond beyond-seeds beyond-target seeds5 baseline smoke all seeds base-model anchor anchor-fewshot sweep report paper-tables notebooks bench gpu-check wheelhouse rehearse slurm-rehearse verify-hif8 clean-venv
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([^:]+):.*## (.*)/  \1\t\2/' | expand -t 18
@@ -58,15 +58,18 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 # The suite runs in one worker per core (TEST_WORKERS=1: in this process, e.g. for a debugger); worksteal keeps
-# both busy to the end. The whole rehearsals (minutes each) run in make test-rehearsals, which CI runs too.
+# both busy to the end. Three tiers, all run by CI: make test (unit and integration tests, under 15 minutes on a
+# 2-core CPU), make test-slow (the end-to-end ones: DDP/FSDP ranks, kill-and-resume, sweeps, signals; about as
+# long again) and make test-rehearsals (whole CPU rehearsals, minutes each).
 TEST_WORKERS ?= auto
 PYTEST := $(OFFLINE) $(PY) -m pytest -q $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+OTHER_TIERS := slurm or rehearsal or memory_peak
 
-test: $(STAMP) ## run the test suite offline, on every core (CI runs it, then make test-rehearsals)
-	$(PYTEST) -m "not slurm and not rehearsal and not memory_peak" $(ARGS)
+test: $(STAMP) ## run the test suite offline, on every core (CI runs it, then make test-slow and make test-rehearsals)
+	$(PYTEST) -m "not slow and not ($(OTHER_TIERS))" $(ARGS)
 
-test-fast: $(STAMP) ## the suite without the slow end-to-end tests
-	$(PYTEST) -m "not slow and not slurm and not rehearsal" $(ARGS)
+test-slow: $(STAMP) ## the slow end-to-end tests (multi-rank, kill-and-resume, sweeps, signals), on every core
+	$(PYTEST) -m "slow and not ($(OTHER_TIERS))" $(ARGS)
 
 test-memory: $(STAMP) ## the memory estimate against measured peaks at the 1B's width, every configuration (GBs of RAM, minutes)
 	$(OFFLINE) $(PY) -m pytest -q tests/launch/test_memory.py $(ARGS)
@@ -94,9 +97,9 @@ $(COMPAT_VENV)/.installed: requirements.txt pyproject.toml $(STAMP)
 	$(COMPAT_PY) -m hif8qat.evaluate.offline_benchmarks --install || echo "warning: offline MMLU/HellaSwag/ARC not installed"
 	touch $@
 
-test-compat: $(COMPAT_VENV)/.installed ## the fast tier and a smoke stage=all at the lowest supported torch and transformers
+test-compat: $(COMPAT_VENV)/.installed ## make test's tier and a smoke stage=all at the lowest supported torch and transformers
 	$(COMPAT_PY) -m hif8qat.launch.versions
-	$(OFFLINE) $(COMPAT_PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not slurm and not rehearsal" $(ARGS)
+	$(OFFLINE) $(COMPAT_PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not ($(OTHER_TIERS))" $(ARGS)
 	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 		$(OFFLINE) $(COMPAT_PY) run.py experiment=exp8 profile=smoke stage=all results_root=$$tmp/runs && \
 		ls $$tmp/runs/smoke/exp8/*/DONE $$tmp/runs/smoke/exp8/*/eval/*/results.json

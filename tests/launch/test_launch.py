@@ -91,6 +91,34 @@ def test_runs_made_alike_or_recorded_before_still_pair(tmp_path, baseline):
     assert find_baseline_run(tmp_path, "paper", "exp7", run) == (base, "")
 
 
+def _with_numerics(run: Path, first: dict, resumed: dict | None = None) -> Path:
+    """run_info.json as the trainer records it: the numerics of the first start, and of a resume if any."""
+    info = json.loads((run / "run_info.json").read_text())
+    starts = [{**info["history"][0], "numerics": first}] + ([{"status": "resumed", "numerics": resumed}] if resumed else [])
+    (run / "run_info.json").write_text(json.dumps({**starts[-1], "history": starts}))
+    return run
+
+
+NATIVE = {"device_type": "cpu", "numerics": "bf16", "native_bf16": True, "cpu_capability": "AVX512"}
+EMULATED = {"device_type": "cpu", "numerics": "bf16_emulated", "native_bf16": False, "cpu_capability": "AVX2"}
+FORCED = {"device_type": "cpu", "numerics": "bf16", "native_bf16": False, "cpu_capability": "AVX2"}
+
+
+@pytest.mark.parametrize("other,resumed,paired", [
+    (NATIVE, None, True),  # the same numerics on another host of the same kind
+    ({**NATIVE, "cpu_capability": "AVX512_BF16"}, None, True),  # the ISA alone does not decide
+    (EMULATED, None, False), (FORCED, None, False), ({**NATIVE, "device_type": "cuda"}, None, False),
+    (NATIVE, EMULATED, False),  # resumed on a machine without native BF16: part of its steps differ
+], ids=["same", "other-isa", "emulated", "bf16-without-native", "cuda", "resumed-elsewhere"])
+def test_runs_trained_with_other_compute_numerics_are_not_paired(tmp_path, other, resumed, paired):
+    base = _with_numerics(_run(tmp_path, "exp7", False, _shape(1, 8)), NATIVE)
+    run = _with_numerics(_run(tmp_path, "exp8", True, _shape(1, 8)), other, resumed)
+    path, why = find_baseline_run(tmp_path, "paper", "exp7", run)
+    assert (path == base) is paired, why
+    if not paired:
+        assert "numerics." in why
+
+
 def test_process_group_outlives_a_slow_rank0_and_binds_the_rank_gpu(monkeypatch):
     """Two ranks on a node with 2 GPUs: the process group gets this rank's GPU and a timeout longer than torch's
     10-minute default (rank 0 exports and prunes while the others wait)."""

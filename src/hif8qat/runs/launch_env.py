@@ -4,7 +4,7 @@
   variables when a process was started by `srun` (one task per GPU, e.g. by `hydra/launcher=slurm`) instead
   of `torchrun`. torchrun sets WORLD_SIZE itself; then nothing is changed.
 - `launch_record()`: world size, ranks per node, launcher and SLURM job ids, recorded in run_info.json;
-  `distributed_info(cfg)` and `launch_differences` compare two runs' launches.
+  `distributed_info(cfg)` and `launch_differences` compare two runs' launches and compute numerics.
 
 Torch-free: the run folder records and compares launches without importing torch.
 """
@@ -37,17 +37,20 @@ def distributed_info(cfg: Any, environ: Mapping[str, str] | None = None) -> dict
 
 def launch_differences(info_a: Mapping[str, Any], info_b: Mapping[str, Any]) -> list[str]:
     """The step-shaping keys of two run_info.json contents that differ, over every start of each run (a resume
-    may change the world size); a run recorded before these keys existed differs in nothing."""
-    def shapes(info: Mapping[str, Any], key: str) -> set:
+    may change the world size or the machine): the launch's shape and the compute numerics it trained with (a
+    run of emulated BF16, or BF16 autocast without native BF16, is not paired with one of native BF16 kernels,
+    whatever its config says). A run recorded before these keys existed differs in nothing."""
+    def recorded(info: Mapping[str, Any], section: str, key: str) -> set:
         starts = [info, *(info.get("history") or [])]
-        return {s["distributed"][key] for s in starts if isinstance(s, Mapping)
-                and isinstance(s.get("distributed"), Mapping) and key in s["distributed"]}
+        return {s[section][key] for s in starts if isinstance(s, Mapping)
+                and isinstance(s.get(section), Mapping) and key in s[section]}
 
     diff = []
-    for key in ("world_size", "grad_accum_steps"):
-        a, b = shapes(info_a, key), shapes(info_b, key)
+    for section, key in (("distributed", "world_size"), ("distributed", "grad_accum_steps"),
+                         ("numerics", "device_type"), ("numerics", "numerics"), ("numerics", "native_bf16")):
+        a, b = recorded(info_a, section, key), recorded(info_b, section, key)
         if a and b and a != b:
-            diff.append(f"distributed.{key} ({'/'.join(map(str, sorted(a)))} vs {'/'.join(map(str, sorted(b)))})")
+            diff.append(f"{section}.{key} ({'/'.join(map(str, sorted(a)))} vs {'/'.join(map(str, sorted(b)))})")
     return diff
 
 

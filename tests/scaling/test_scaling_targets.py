@@ -97,13 +97,16 @@ def test_the_gradient_target_experiments(exp, parent, baseline):
 
 @pytest.mark.parametrize("saved", sorted((ROOT / "results" / "reference_runs" / "mini").glob("exp*/seed*/config_resolved.yaml"))
                          or [pytest.param(None, marks=pytest.mark.skip(reason="no committed reference runs"))])
-def test_committed_configs_without_target_load_and_still_pair(saved):
-    """A run saved before ``target`` existed loads with its old targets and still pairs with (and resumes as) a
-    run of the same experiment saved now."""
+def test_committed_configs_load_with_their_targets_and_still_pair(saved):
+    """A run saved before ``target`` existed loads with its old targets (``target_fwd`` / ``target_bwd``), one saved
+    with ``target`` with the targets it names; either still pairs with (and resumes as) a run of the same
+    experiment saved now."""
     old = yaml.safe_load(saved.read_text())
-    assert "target" not in old["quant"]
     cfg = RunConfig.from_dict(old, check_paths=False)
-    if old["quant"].get("format", "hif8") == "hif8":
+    if "target" in old["quant"]:
+        named = old["quant"]["target"]
+        assert cfg.quant.scaling.targets() == (named if isinstance(named, dict) else {r: named for r in "AWG"})
+    elif old["quant"].get("format", "hif8") == "hif8":
         assert cfg.quant.scaling.targets() == {"A": old["quant"]["target_fwd"], "W": old["quant"]["target_fwd"],
                                                "G": old["quant"]["target_bwd"]}
     assert training_differences(old, cfg.to_dict()) == []

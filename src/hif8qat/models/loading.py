@@ -91,21 +91,8 @@ _TINY_SPECIALS = ("<|pad|>", "<|bos|>", "<|endoftext|>")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# cache locations
-# ----------------------------------------------------------------------------------------------------------
-# ----------------------------------------------------------------------------------------------------------
 # tiny model
 # ----------------------------------------------------------------------------------------------------------
-def enable_activation_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
-    """Recompute each decoder block in the backward. transformers 5.2x calls this ``activation_checkpointing_enable``
-    (its old name, deprecated, goes in v6); 5.17, the lowest supported, has only ``gradient_checkpointing_enable``."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 def build_tiny_tokenizer():
     """Byte-level tokenizer (256 byte tokens + pad/bos/eos) built in code: no download, no training.
 
@@ -515,6 +502,16 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 
 def num_blocks(model: nn.Module) -> int:
     return len(transformer_blocks(model))
+
+
+def enable_activation_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
+    """Recompute each decoder block in the backward. transformers 5.2x calls this ``activation_checkpointing_enable``
+    (its old name, deprecated, goes in v6); 5.17, the lowest supported, has only ``gradient_checkpointing_enable``."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------

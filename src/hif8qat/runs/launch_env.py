@@ -37,9 +37,10 @@ def distributed_info(cfg: Any, environ: Mapping[str, str] | None = None) -> dict
 
 def launch_differences(info_a: Mapping[str, Any], info_b: Mapping[str, Any]) -> list[str]:
     """The step-shaping keys of two run_info.json contents that differ, over every start of each run (a resume
-    may change the world size or the machine): the launch's shape and the compute numerics it trained with (a
-    run of emulated BF16, or BF16 autocast without native BF16, is not paired with one of native BF16 kernels,
-    whatever its config says). A run recorded before these keys existed differs in nothing."""
+    may change the world size or the machine): the launch's shape, and what of the compute numerics the config
+    does not name (it holds ``train.autocast`` resolved, so BF16 against emulated BF16 differs there already):
+    the device (``train.device`` may stay ``auto``) and whether BF16 ran on native kernels (``bf16`` asked for on
+    a CPU without them runs torch's software path). A run recorded before these keys existed differs in nothing."""
     def recorded(info: Mapping[str, Any], section: str, key: str) -> set:
         starts = [info, *(info.get("history") or [])]
         return {s[section][key] for s in starts if isinstance(s, Mapping)
@@ -47,7 +48,7 @@ def launch_differences(info_a: Mapping[str, Any], info_b: Mapping[str, Any]) -> 
 
     diff = []
     for section, key in (("distributed", "world_size"), ("distributed", "grad_accum_steps"),
-                         ("numerics", "device_type"), ("numerics", "numerics"), ("numerics", "native_bf16")):
+                         ("numerics", "device_type"), ("numerics", "native_bf16")):
         a, b = recorded(info_a, section, key), recorded(info_b, section, key)
         if a and b and a != b:
             diff.append(f"{section}.{key} ({'/'.join(map(str, sorted(a)))} vs {'/'.join(map(str, sorted(b)))})")

@@ -58,3 +58,23 @@ def two_dimensional_decode(codes: np.ndarray) -> np.ndarray:
 
 def text_decode(codes: np.ndarray) -> np.ndarray:
     return faithful_decode(codes).astype(str)
+
+
+def bfloat16_tensor_decode(codes: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(faithful_decode(codes)).to(torch.bfloat16)  # every HiF8 value is a bfloat16 value
+
+
+def float8_tensor_encode(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(faithful_encode(x).view(np.uint8)).view(torch.float8_e4m3fn)  # the bytes, retyped
+
+
+def other_nan_decode(codes: np.ndarray) -> np.ndarray:
+    values = faithful_decode(codes)
+    values[np.isnan(values)] = np.array([0xFFC00001], dtype=np.uint32).view(np.float32)  # negative, other payload
+    return values
+
+
+def negative_zero_decode(codes: np.ndarray) -> np.ndarray:
+    values = faithful_decode(codes)
+    values[values == 0] = -0.0
+    return values

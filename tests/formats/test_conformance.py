@@ -198,10 +198,25 @@ def test_an_encoder_that_saturates_differs_exactly_on_the_inputs_that_overflow(c
     assert "0x471FFFFF" not in out  # the largest finite input is no mismatch
 
 
+def test_any_nan_matches_any_nan_but_the_sign_of_zero_counts(capsys):
+    rc, out, err = run_main(capsys, "--decode", "conformance_impls:other_nan_decode")
+    assert rc == 0, out + err
+    rc, out, _ = run_main(capsys, "--decode", "conformance_impls:negative_zero_decode")
+    assert rc == 1 and "decode: 1 of 256 codes differ" in out
+    assert "  code 0x00: expected 0.0 (0x00000000), got -0.0 (0x80000000)" in out
+
+
 def test_a_callable_that_refuses_numpy_is_run_on_a_torch_tensor(capsys):
     rc, out, err = run_main(capsys, "--decode", "conformance_impls:torch_only_decode")
     assert rc == 0, out + err
     assert "decode: 0 of 256 codes differ" in out
+
+
+def test_a_bfloat16_tensor_of_values_and_a_float8_tensor_of_bytes_are_read(capsys):
+    rc, out, err = run_main(capsys, "--decode", "conformance_impls:bfloat16_tensor_decode",
+                            "--encode", "conformance_impls:float8_tensor_encode")
+    assert rc == 0, out + err
+    assert "decode: 0 of 256 codes differ" in out and "encode: 0 of" in out
 
 
 def test_a_callable_that_raises_gets_the_row_it_failed_on_named(capsys):

@@ -234,14 +234,14 @@ def _first_failing_row(func, table: VectorTable) -> tuple[int, Exception] | None
 def _as_array(out, direction: str, spec: str) -> np.ndarray:
     """The output as a numpy array: float values for decode, integer codes for encode (an 8-bit float type, such
     as en_dtypes.hifloat8 or a torch float8, is read as its byte codes)."""
-    if isinstance(out, torch.Tensor):
-        out = out.detach().cpu()
-        if out.dtype == torch.bfloat16:  # numpy has no bfloat16; every HiF8 value is exact in float32
-            out = out.float()
-        elif direction == "encode" and out.element_size() == 1 and out.dtype.is_floating_point:
-            out = out.view(torch.uint8)
-        out = out.numpy()
     try:
+        if isinstance(out, torch.Tensor):
+            out = out.detach().cpu()
+            if direction == "encode" and out.element_size() == 1 and out.dtype.is_floating_point:
+                out = out.view(torch.uint8)
+            elif out.dtype.is_floating_point and out.dtype not in (torch.float16, torch.float32, torch.float64):
+                out = out.float()  # bfloat16, float8: numpy has no such type; every HiF8 value is exact in float32
+            out = out.numpy()
         arr = np.asarray(out)
         if direction == "decode":
             return arr.astype(np.float64) if arr.dtype.kind in "fiuV" else _bad_dtype(arr, direction, spec)

@@ -225,7 +225,7 @@ def test_a_callable_that_raises_gets_the_row_it_failed_on_named(capsys):
     rc, out, err = run_main(capsys, "--encode", "conformance_impls:raising_on_nan_encode")
     assert rc == 2
     assert err.startswith("error: conformance_impls:raising_on_nan_encode raised ValueError: NaN is not supported "
-                          f"on row {first_nan + 1} of hif8_encode.csv, input 0x{rows[first_nan]['input_hex']}")
+                          f"on data row {first_nan + 1} of hif8_encode.csv, input 0x{rows[first_nan]['input_hex']}")
     assert "Traceback" not in err and "differ" not in out
 
 

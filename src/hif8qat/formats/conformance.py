@@ -148,8 +148,8 @@ def write_vectors(folder: Path, force: bool = False) -> list[Path]:
     targets = [folder / name for name in texts]
     existing = [str(t) for t in targets if t.exists()]
     if existing and not force:
-        raise RunError(f"--write: {', '.join(existing)} already exist(s); pass --force to overwrite, "
-                       "or choose another folder")
+        raise RunError(f"--write: {', '.join(existing)} already {'exists' if len(existing) == 1 else 'exist'}; "
+                       "pass --force to overwrite, or choose another folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for target in targets:
@@ -266,7 +266,7 @@ def _outputs(func, table: VectorTable, spec: str, file_name: str) -> np.ndarray:
             raise RunError(f"{spec} raised {type(err).__name__}: {err} on the whole table {file_name} "
                            "(no single row raises alone)") from err
         i, row_err = failing
-        raise RunError(f"{spec} raised {type(row_err).__name__}: {row_err} on row {i + 1} of {file_name}, "
+        raise RunError(f"{spec} raised {type(row_err).__name__}: {row_err} on data row {i + 1} of {file_name}, "
                        f"{_row_label(table, i)}") from row_err
     got = _as_array(out, table.direction, spec)
     n = len(table.inputs)

@@ -99,7 +99,7 @@ def _encode_inputs() -> dict[int, str]:
     for v in magnitudes:
         edges.setdefault(_float32_bits(v), "value")
     for low, high in zip(magnitudes, [*magnitudes[1:], _NEXT_ABOVE_MAX]):
-        mid = np.float32((low + high) / 2)  # exact: neighbouring magnitudes differ in their last few bits
+        mid = np.float32((low + high) / 2)  # exact: a HiF8 value has at most 3 mantissa bits, a midpoint 4
         name = "overflow midpoint" if high == _NEXT_ABOVE_MAX else "midpoint"
         edges.setdefault(int(mid.view(np.uint32)), name)
         edges.setdefault(int(np.nextafter(mid, np.float32(0)).view(np.uint32)),

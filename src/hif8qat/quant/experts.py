@@ -51,13 +51,15 @@ class QuantExperts(QuantState, nn.Module):
     hif8_kind = "experts"
 
     def __init__(self, experts: nn.Module, config: ScalingConfig | None = None, name: str = "",
-                 enabled: bool = True, *, emulate_bf16: bool = False):
+                 enabled: bool = True, *, emulate_bf16: bool = False, own_bank: bool = True):
         check_experts_layout(experts, name or type(experts).__name__)
         nn.Module.__init__(self)
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         self.act_fn = experts.act_fn
         self.num_experts = experts.gate_up_proj.shape[0]
         self._init_quant(config, name, enabled, emulate_bf16)
+        if own_bank:  # a conversion builds one bank for all its modules instead
+            self._own_bank(self.gate_up_proj.device)
         self.train(experts.training)
 
     def site_names(self) -> list[str]:

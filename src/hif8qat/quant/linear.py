@@ -118,11 +118,13 @@ class QuantConv1D(QuantState, nn.Module):
     hif8_kind = "conv1d"
 
     def __init__(self, conv, config: ScalingConfig | None = None, name: str = "", enabled: bool = True, *,
-                 emulate_bf16: bool = False):
+                 emulate_bf16: bool = False, own_bank: bool = True):
         super().__init__()
         self.nf, self.nx = conv.nf, conv.nx
         self.weight, self.bias = conv.weight, conv.bias  # shared: optimizer state stays valid
         self._init_quant(config, name, enabled, emulate_bf16)
+        if own_bank:  # a conversion builds one bank for all its layers instead
+            self._own_bank(conv.weight.device)
         self.train(conv.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,9 +171,9 @@ def convert_model(model: nn.Module, scope: str = "mlp", high_precision_blocks: C
         elif g.kind == "linear":
             setattr(parent, leaf, QuantLinear.from_linear(mod, config, g.fqn, own_bank=False, **kw))
         elif g.kind == "conv1d":
-            setattr(parent, leaf, QuantConv1D(mod, config, g.fqn, **kw))
+            setattr(parent, leaf, QuantConv1D(mod, config, g.fqn, own_bank=False, **kw))
         else:
-            setattr(parent, leaf, QuantExperts(mod, config, g.fqn, **kw))
+            setattr(parent, leaf, QuantExperts(mod, config, g.fqn, own_bank=False, **kw))
         converted.append(g.fqn)
     if not converted:
         warnings.warn("convert_model: no GEMM left to convert (high-precision blocks); nothing converted",

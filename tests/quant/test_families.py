@@ -7,6 +7,7 @@ it always did. Unfamiliar layouts are covered fully or refused, never partly."""
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 from hif8qat import Hif8TrainingConfig, convert_to_hif8_training, coverage
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG, pangu_llama_config
+from hif8qat.models.quant_files import dump_telemetry
 from hif8qat.quant.linear import convert_model, quant_state_dict, scaler_banks, set_step
 
 V, H, L = 64, 32, 2  # vocab, hidden, blocks
@@ -137,7 +139,7 @@ def test_family_converts_every_block_gemm_and_resumes_bit_identically(family, tm
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
-def test_each_expert_has_its_own_scalers(family):
+def test_each_expert_has_its_own_scalers(family, tmp_path):
     model = _build(family)
     convert_to_hif8_training(model, config=Hif8TrainingConfig(scope="mlp", algo="max", history_len=4))
     _loss(model, _tokens(0)).backward()
@@ -156,6 +158,10 @@ def test_each_expert_has_its_own_scalers(family):
     assert f"{experts}.gate_up_proj.0.A.history" in quant_state_dict(model)
     bank = scaler_banks(model)[0]
     assert f"{experts}.down_proj.{E - 1}.G" in bank._row_names
+    dump_telemetry(model, tmp_path / "layers.jsonl")  # one line per role of every expert's GEMMs
+    lines = [json.loads(x) for x in (tmp_path / "layers.jsonl").read_text().splitlines()]
+    assert {(r["layer"], r["role"]) for r in lines if r["layer"].startswith(experts)} == {
+        (f"{experts}.{p}.{e}", role) for p in ("gate_up_proj", "down_proj") for e in range(E) for role in "AWG"}
 
 
 # ------------------------------------------------------------------ the Llama family: unchanged selection
@@ -263,3 +269,56 @@ def test_quantized_conv1d_matches_a_quantized_linear_with_the_transposed_weight(
     (y2 * 3).sum().backward()
     assert torch.equal(x.grad, x2.grad) and torch.equal(conv.weight.grad, lin.weight.grad.t())
     assert dict(qc.named_parameters()).keys() == {"weight", "bias"} and qc.weight.shape == (5, 6)
+
+
+def test_the_8bit_export_encodes_each_expert_with_its_own_scale(tmp_path):
+    from safetensors import safe_open
+
+    from hif8qat.evaluate.loading import load_for_eval
+    from hif8qat.models import eight_bit
+    from hif8qat.models.loading import build_tiny_tokenizer
+    from hif8qat.models.quant_files import save_quant_export
+    from hif8qat.quant.linear import QuantExperts, quant_modules
+    from hif8qat.scaling.bank import RECORD_NO_GRAD
+    from hif8qat.scaling.settings import ScalingConfig
+
+    tok = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**_MOE, "vocab_size": len(tok)}, num_experts=E, head_dim=8))
+    export = tmp_path / "export"
+    model.save_pretrained(export)
+    tok.save_pretrained(export)
+    convert_model(model, "mlp", None, ScalingConfig(algo="max", history_len=4))
+    with torch.no_grad():
+        for seed in range(2):
+            model(torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(seed)))
+    save_quant_export(model, export, {"step": 2})
+    out = tmp_path / "export_8bit"
+    eight_bit.write_8bit_export(export, out)
+
+    frozen, _ = load_for_eval(export, "hif8")
+    decoded = eight_bit.decoded_state_dict(out)
+    record = eight_bit.read_8bit_export(out)
+    with safe_open(str(out / eight_bit.WEIGHTS_FILE), framework="pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    checked = 0
+    for name, mod in quant_modules(frozen):
+        if not isinstance(mod, QuantExperts):
+            continue
+        scales = set()
+        for e in range(E):
+            # transformers saves Qwen3-MoE experts as per-expert gate / up / down linears
+            disk = {p: f"{name}.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+            for i, (param, pieces) in enumerate((("gate_up_proj", ("gate_proj", "up_proj")),
+                                                 ("down_proj", ("down_proj",)))):
+                want = mod.bank.quantize(getattr(mod, param)[e].detach(), mod._rows[3 * (i * E + e) + 1],
+                                         RECORD_NO_GRAD)
+                got = torch.cat([decoded[f"{disk[p]}.weight"] for p in pieces])
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (name, param, e)  # bit for bit
+                for p in pieces:
+                    assert stored[f"{disk[p]}.weight"].dtype == torch.uint8
+                    assert record["layers"][disk[p]]["site"] == f"{name}.{param}.{e}"
+                scales.add(record["layers"][disk[pieces[0]]]["weight_quant_scale"])
+                checked += 1
+        assert len(scales) == 2 * E  # each expert's own scale
+    assert checked == L * 2 * E

@@ -6,7 +6,9 @@
 built on its own has a private one). The scaler state is kept out of the model's state dict (see
 :func:`quant_state_dict`) unless :func:`set_state_in_state_dict` puts it there, as the public
 ``convert_to_hif8_training`` does: then ``{layer}.hif8_scaler.{A|W|G}.{key}`` entries travel with any trainer's
-checkpoint of ``model.state_dict()``.
+checkpoint of ``model.state_dict()``. ``QuantConv1D`` is the same for GPT-2's ``Conv1D`` (weight ``[in, out]``,
+its parameter names and shapes kept), :class:`~hif8qat.quant.experts.QuantExperts` for MoE experts (one GEMM site
+per expert slice); all three share the autograd function and scaler plumbing of :mod:`hif8qat.quant.gemm`.
 
 With quantization on, a custom autograd function computes::
 

@@ -42,7 +42,7 @@ class Hif8TrainingConfig(ScalingConfig):
     stochastic), ``saturate``, ``margin`` (FP8), ``target`` (HiF8 scale target for every role, a number, or per
     role, ``{"A": .., "W": .., "G": ..}``; roles left out keep ``target_fwd`` / ``target_bwd``). Added here:
 
-    * ``scope``: ``mlp`` (gate/up/down projections) or ``attn_mlp`` (also q/k/v/o);
+    * ``scope``: ``mlp`` (the feed-forward / MoE experts' GEMMs) or ``attn_mlp`` (also attention's);
     * ``high_precision_blocks``: indices of decoder blocks left unquantized;
     * ``emulate_bf16``: run the quantized layers' BF16 GEMMs as FP32 GEMMs on BF16 values (for machines without
       native BF16; use it with :func:`hif8qat.compute_dtype.forward_context` ``("bf16_emulated", ...)``).

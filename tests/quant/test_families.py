@@ -216,6 +216,15 @@ def test_unfamiliar_names_inside_known_containers_are_covered_fully():
     assert list(coverage(model).values()) == ["quantized"] * 14
 
 
+def test_a_dense_mlps_gate_projection_is_no_router():
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module() for _ in range(2)])
+    for block in model.layers:
+        block.self_attn, block.mlp = _Part("wq", "wo"), _Part("gate", "up", "down")
+    convert_to_hif8_training(model)
+    assert list(coverage(model).values()) == ["quantized"] * 10
+
+
 def test_an_undecidable_layout_is_refused_whole_then_mapped_by_role_map():
     model = _stack(attn_name="mixer", mlp_name="channel")
     with pytest.raises(ValueError, match=r"cannot tell.*layers\.0\.mixer\.wq.*role_map=.*module_filter_fn"):

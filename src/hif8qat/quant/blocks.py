@@ -62,11 +62,15 @@ def expert_params(module: nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
 
 
-def _is_router(name: str, module: nn.Module) -> bool:
-    leaf = name.rpartition(".")[2]
+def _is_router(name: str, module: nn.Module, block: nn.Module) -> bool:
+    """An MoE's routing gate: a 2-D weight named like one (or a ``*Router`` class) beside the experts."""
+    parent, _, leaf = name.rpartition(".")
     w = getattr(module, "weight", None)
-    return ((leaf in ROUTER_NAMES or type(module).__name__.endswith("Router"))
-            and isinstance(w, nn.Parameter) and w.dim() == 2)
+    if not (name and (leaf in ROUTER_NAMES or type(module).__name__.endswith("Router"))
+            and isinstance(w, nn.Parameter) and w.dim() == 2):
+        return False
+    siblings = block.get_submodule(parent).named_children()
+    return any(n == "experts" or expert_params(m) for n, m in siblings)
 
 
 @dataclass
@@ -121,8 +125,8 @@ def _mapped(rel: str, role_map: Mapping[str, str]) -> str | None:
     return role_map[max(keys, key=len)] if keys else None
 
 
-def _gemm_kind(name: str, module: nn.Module) -> str | None:
-    if _is_router(name, module):
+def _gemm_kind(name: str, module: nn.Module, block: nn.Module) -> str | None:
+    if _is_router(name, module, block):
         return "router"
     if isinstance(module, nn.Linear):
         return "linear"
@@ -146,7 +150,7 @@ def block_gemms(model: nn.Module, role_map: Mapping[str, str] | None = None) -> 
         for rel, mod in block.named_modules():
             if rel in role_map:
                 used.add(rel)
-            kind = _gemm_kind(rel, mod)
+            kind = _gemm_kind(rel, mod, block)
             if kind is None:
                 continue
             fqn = ".".join(p for p in (prefix, str(i), rel) if p)

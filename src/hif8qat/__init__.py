@@ -12,6 +12,7 @@ experiment pipeline built on this API.
 
 from hif8qat.quant.linear import (
     QuantLinear,
+    coverage,
     freeze_scales,
     load_quant_state_dict,
     quant_state_dict,
@@ -28,7 +29,7 @@ from hif8qat.scaling.settings import ScalingConfig
 __version__ = "0.1.0"
 
 __all__ = [
-    "Hif8TrainingConfig", "QuantLinear", "ScalingConfig", "convert_to_hif8_training", "freeze_scales",
+    "Hif8TrainingConfig", "QuantLinear", "ScalingConfig", "convert_to_hif8_training", "coverage", "freeze_scales",
     "load_quant_state_dict", "quant_state_dict", "set_bf16_emulation", "set_quantization", "set_step",
     "set_weight_recompute", "step_telemetry", "update_scales",
 ]

@@ -151,9 +151,9 @@ def test_convert_errors():
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.mlp = nn.Sequential(nn.Linear(4, 4))  # no gate/up/down names
+            self.mlp = nn.Sequential(nn.LayerNorm(4))  # an MLP container without any GEMM
 
-    with pytest.raises(ValueError, match="no nn.Linear matched"):
+    with pytest.raises(ValueError, match="no GEMM weight .* in the 2 blocks"):
         convert_model(nn.ModuleList([Block(), Block()]), "mlp", None)
 
 

@@ -12,7 +12,7 @@ from hif8qat.artefacts import CorruptArtefact, verify_folder_manifest
 from hif8qat.config.eval_tasks import MODES
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.models.quant_files import load_quant_export, read_quant_export
-from hif8qat.quant.linear import freeze_scales, quant_linears
+from hif8qat.quant.linear import freeze_scales, quant_modules
 
 EXPORT_REDO = ("Delete that export/ folder and rerun the run with stage=all: it writes the export again from the "
                "run's final checkpoint (or retrain it with force=true)")
@@ -55,7 +55,7 @@ def quant_eval_meta(model, export_dir: str | Path) -> dict:
 
     doc = read_quant_export(export_dir)
     cfg = doc["config"]
-    jit = any(layer.bank.just_in_time for _, layer in quant_linears(model))
+    jit = any(mod.bank.just_in_time for _, mod in quant_modules(model))
     return {"format": cfg["format"], "element_formats": doc["element_formats"], "margin": cfg["margin"],
             "algo": cfg["algo"],
             "scales": "just-in-time (each tensor's own amax)" if jit else "frozen (final training scales)"}

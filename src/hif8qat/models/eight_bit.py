@@ -38,7 +38,7 @@ from hif8qat.files import atomic_path, sha256_file, write_json
 from hif8qat.formats import HIF8_MAX, format_spec, hif8_decode, hif8_encode
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.models.quant_files import QUANT_JSON, load_quant_export, read_quant_export
-from hif8qat.quant.linear import freeze_scales, quant_linears
+from hif8qat.quant.linear import freeze_scales, quant_modules
 
 EIGHT_BIT_JSON = "hif8qat_8bit.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -100,15 +100,48 @@ def _exact(value: torch.Tensor) -> float:
 
 
 def _layer_scales(model) -> dict[str, dict[str, Any]]:
-    """Per quantized linear: the weight's scale and the activations' fixed scale (None: just in time), as the
-    frozen ``hif8`` mode uses them."""
+    """Per quantized GEMM site (a linear, or one expert's slice of a 3-D expert parameter): its weight, the
+    weight's scale and the activations' fixed scale (None: just in time), as the frozen ``hif8`` mode uses them;
+    ``tensor``: the checkpoint tensor holding the weight, ``expert``: the slice's index in it (None: the whole)."""
     out = {}
-    for name, layer in quant_linears(model):
-        if not layer.quant_enabled:
+    for name, mod in quant_modules(model):
+        if not mod.quant_enabled:
             continue
-        w_scale = layer.bank.frozen_scale(layer.weight.detach(), layer.scaler_w.row)
-        a_scale = layer.bank.static_scale(layer.scaler_a.row)
-        out[name] = {"layer": layer, "W": w_scale, "A": a_scale}
+        for i, site in enumerate(mod.site_names()):
+            param, _, expert = site.partition(".")  # "" for a linear; "gate_up_proj", "3" for an expert
+            weight = (mod.weight if not site else getattr(mod, param)[int(expert)]).detach()
+            a_row, w_row = mod._rows[3 * i], mod._rows[3 * i + 1]
+            out[f"{name}.{site}" if site else name] = {
+                "weight": weight, "tensor": f"{name}.{param or 'weight'}", "expert": int(expert) if site else None,
+                "W": mod.bank.frozen_scale(weight, w_row), "A": mod.bank.static_scale(a_row)}
+    return out
+
+
+def _checkpoint_weights(model, scales: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[str, str]]:
+    """``{checkpoint key: (its layer's name, its GEMM site)}`` for every quantized weight. A linear's key is its own
+    ``.weight``; an expert's slice is saved as transformers writes MoE checkpoints (per-expert 2-D weights,
+    e.g. ``experts.3.gate_proj.weight`` and ``experts.3.up_proj.weight`` for ``gate_up_proj[3]``), found by
+    reverting a marker state dict whose slices hold their site's number through transformers' own mapping."""
+    out = {f"{site}.weight": (site, site) for site, e in scales.items() if e["expert"] is None}
+    experts = [site for site, e in scales.items() if e["expert"] is not None]
+    if not experts:
+        return out
+    from transformers.core_model_loading import revert_weight_conversion
+
+    marker: dict[str, torch.Tensor] = {}
+    for number, site in enumerate(experts):
+        entry = scales[site]
+        shape = (entry["expert"] + 1, *entry["weight"].shape)
+        t = marker.setdefault(entry["tensor"], torch.full(shape, -1.0))
+        if t.shape[0] < shape[0]:
+            t = marker[entry["tensor"]] = torch.cat([t, torch.full((shape[0] - t.shape[0], *shape[1:]), -1.0)])
+        t[entry["expert"]] = float(number)
+    for key, t in revert_weight_conversion(model, marker).items():
+        numbers = t.unique()
+        if numbers.numel() != 1 or numbers.item() < 0 or not key.endswith(".weight"):
+            raise ValueError(f"{key}: a checkpoint tensor that mixes experts; the 8-bit export stores per-expert "
+                             "2-D weights only")
+        out[key] = (key[: -len(".weight")], experts[int(numbers.item())])
     return out
 
 
@@ -152,7 +185,7 @@ def write_8bit_export(export_dir: str | os.PathLike, out_dir: str | os.PathLike,
     model, _ = _load_hif8_mode(export_dir, trust_remote_code)
     scales = _layer_scales(model)
     saturate = bool(doc["config"].get("saturate", False))
-    by_weight = {f"{name}.weight": name for name in scales}
+    by_weight = _checkpoint_weights(model, scales)
 
     tensors: dict[str, torch.Tensor] = {}
     layers: dict[str, dict[str, Any]] = {}
@@ -163,18 +196,22 @@ def write_8bit_export(export_dir: str | os.PathLike, out_dir: str | os.PathLike,
             for key in f.keys():
                 t = f.get_tensor(key)
                 bf16_bytes += t.numel() * 2 if t.is_floating_point() else t.numel() * t.element_size()
-                name = by_weight.get(key)
-                if name is None:
+                hit = by_weight.get(key)
+                if hit is None:
                     tensors[key] = t.to(rest_dtype) if t.is_floating_point() else t
                     continue
-                entry = scales[name]
-                tensors[key] = encode_weight(entry["layer"].weight, entry["W"], fmt, saturate=saturate)
+                name, site = hit
+                entry = scales[site]
+                tensors[key] = encode_weight(t.float() if entry["expert"] is not None else entry["weight"], entry["W"],
+                                             fmt, saturate=saturate)
                 tensors[f"{name}.weight_scale"] = _dequant_multiplier(entry["W"])
                 if entry["A"] is not None:
                     tensors[f"{name}.input_scale"] = _dequant_multiplier(entry["A"])
                 layers[name] = {"weight_quant_scale": _exact(entry["W"]),
                                 "input_quant_scale": None if entry["A"] is None else _exact(entry["A"])}
-    missing = sorted(set(scales) - set(layers))
+                if name != site:  # a piece of an expert's weight: the GEMM site whose scales it carries
+                    layers[name]["site"] = site
+    missing = sorted(set(scales) - {rec.get("site", name) for name, rec in layers.items()})
     if missing:
         raise ValueError(f"{export_dir}: quantized layers without a weight in the safetensors files: {missing[:4]}")
     ignored = sorted(name for name, mod in model.named_modules()

@@ -22,7 +22,8 @@ from hif8qat.formats.qdq import element_format
 from hif8qat.quant.linear import (
     convert_model,
     load_quant_state_dict,
-    quant_linears,
+    quant_modules,
+    quant_sites,
     quant_state_dict,
     scaler_banks,
 )
@@ -52,8 +53,8 @@ def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | Non
     for bank in scaler_banks(model):  # count the last micro-batch too, as step_telemetry does
         bank.update()
     records = {id(bank): bank.telemetry_records() for bank in scaler_banks(model)}
-    for name, mod in quant_linears(model):
-        for role, row in zip(ROLES, mod._rows):
+    for name, mod, rows in quant_sites(model):  # one line per role of each GEMM site (per expert for MoE)
+        for role, row in zip(ROLES, rows):
             rec = {"step": mod.bank.step if step is None else int(step), "layer": name, "role": role}
             rec.update(records[id(mod.bank)][row])
             lines.append(json.dumps({k: _json_value(v) for k, v in rec.items()}))
@@ -107,8 +108,9 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
     directory = Path(directory)
     doc = read_quant_export(directory)
     config = ScalingConfig.from_dict(doc["config"])
-    if not any(True for _ in quant_linears(model)):
-        converted = convert_model(model, doc["scope"], doc["high_precision_blocks"], config)
+    if not any(True for _ in quant_modules(model)):
+        converted = convert_model(model, doc["scope"], doc["high_precision_blocks"], config,
+                                  role_map=doc.get("role_map"))
         if sorted(converted) != sorted(doc["converted"]):
             raise ValueError(f"load_quant_export: converted layers differ from the export "
                              f"({len(converted)} vs {len(doc['converted'])})")

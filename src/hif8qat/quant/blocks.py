@@ -1,30 +1,90 @@
-"""Which linears of a model a conversion quantizes: the decoder blocks, the scope's projections, the filter.
+"""Which GEMM weights of a model a conversion quantizes, and why each other one is left out.
 
-Model-agnostic: a model's decoder blocks are found by shape (a ``ModuleList`` whose entries have an MLP or
-attention submodule), and a linear belongs to a scope by the names Llama-style models give their projections.
-The pipeline's model loader uses the same finder, so a run and a foreign trainer convert the same layers.
+Model-agnostic: a model's decoder blocks are found by shape (a ``ModuleList`` whose entries have an attention or
+feed-forward submodule). Inside a block, a weight that a GEMM uses is an ``nn.Linear``, a GPT-2 style ``Conv1D``
+(weight stored ``[in, out]``), or one expert's slice of a 3-D expert parameter (transformers 5 MoE layers); its
+role is decided by where it sits, not by its name:
+
+* attention: inside the block's attention submodule (``self_attn``, ``attention``, ``attn``, ... or a class
+  named ``*Attention*``);
+* MLP: inside the feed-forward or MoE submodule (``mlp``, ``ffn``, ``feed_forward``, ... or a class named
+  ``*MLP*`` / ``*MoE*`` / ``*FeedForward*``), or directly in the block beside its attention (OPT's ``fc1``/``fc2``);
+* router: an MoE's routing gate, kept in high precision by design.
+
+A weight whose role cannot be decided is an error (never a silent skip): ``role_map`` maps block-relative names
+to ``attn`` / ``mlp`` / ``none``, or ``module_filter_fn`` leaves them out. The pipeline's model loader uses the
+same block finder, so a run and a foreign trainer convert the same layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 
 from torch import nn
 
 SCOPES = ("mlp", "attn_mlp")
+ROLE_MAP_VALUES = ("attn", "mlp", "none")
 
-# Submodule names that mark a decoder block (Llama, GPT-2, GPT-NeoX, OPT, openPangu name theirs so).
-MLP_CONTAINERS = frozenset({"mlp", "feed_forward", "ffn"})
-ATTN_CONTAINERS = frozenset({"self_attn", "attention", "attn", "self_attention"})
+# Submodule names that mark a decoder block's parts (Llama, GPT-2, GPT-NeoX, Falcon, OPT, Mixtral, openPangu ...).
+MLP_CONTAINERS = frozenset({"mlp", "feed_forward", "ffn", "block_sparse_moe", "moe"})
+ATTN_CONTAINERS = frozenset({"self_attn", "attention", "attn", "self_attention", "crossattention", "cross_attn"})
+# ...and class-name fragments that mark them when the attribute name is unfamiliar
+ATTN_CLASS_MARKS = ("Attention",)
+MLP_CLASS_MARKS = ("MLP", "MoE", "Moe", "FeedForward", "Experts")
+# An MoE's routing gates: kept in high precision (their logits pick the experts)
+ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
 
-# Linear layers converted per scope: container segment + leaf name (Llama / SmolLM2 / Qwen / openPangu
-# use mlp.{gate,up,down}_proj and self_attn.{q,k,v,o}_proj; a few other common spellings are accepted).
-MLP_LEAVES = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"})
-ATTN_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", "query", "key", "value",
-                         "query_key_value", "dense"})
+# Reasons a GEMM weight is not quantized (coverage values besides QUANTIZED)
+QUANTIZED = "quantized"
+SCOPE = "scope"
+HIGH_PRECISION_BLOCK = "high_precision_blocks"
+FILTERED = "module_filter_fn"
+ROUTER = "router (high precision by design)"
+MAPPED_OUT = "role_map: none"
+NOT_CONVERTED = "not converted"
+QUANT_OFF = "quantization switched off"
 
-# module_filter_fn(module, fqn) -> bool, as torchao's float8 conversion takes it: False leaves the linear alone.
+# module_filter_fn(module, fqn) -> bool, as torchao's float8 conversion takes it: False leaves the module alone.
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (transformers.pytorch_utils), known by shape: a ``[nx, nf]`` weight, ``y = x W + b``."""
+    w = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(w, nn.Parameter) and w.dim() == 2
+            and tuple(w.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+
+
+def expert_params(module: nn.Module) -> list[str]:
+    """Names of the module's own 3-D parameters (each one GEMM weight per expert), in registration order."""
+    return [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+
+
+def _is_router(name: str, module: nn.Module, block: nn.Module) -> bool:
+    """An MoE's routing gate: a 2-D weight named like one (or a ``*Router`` class) beside the experts."""
+    parent, _, leaf = name.rpartition(".")
+    w = getattr(module, "weight", None)
+    if not (name and (leaf in ROUTER_NAMES or type(module).__name__.endswith("Router"))
+            and isinstance(w, nn.Parameter) and w.dim() == 2):
+        return False
+    siblings = block.get_submodule(parent).named_children()
+    return any(n == "experts" or expert_params(m) for n, m in siblings)
+
+
+@dataclass
+class GemmModule:
+    """One module of a block that holds GEMM weights: ``sites`` are the weights' names in the model (one for a
+    linear or Conv1D, ``{fqn}.{param}.{expert}`` per expert for a 3-D expert module)."""
+
+    fqn: str
+    block: int
+    rel: str  # name inside its block
+    module: nn.Module
+    kind: str  # linear | conv1d | experts | router
+    role: str | None  # attn | mlp | router | none (role_map); None: undecidable
+    sites: list[str]
 
 
 def find_transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -41,18 +101,76 @@ def find_transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
                 decoder = (name, mod)
     found = decoder or largest
     if found is None:
-        raise ValueError(f"{type(model).__name__}: no ModuleList of decoder layers (blocks with an 'mlp' or "
-                         "'self_attn' submodule) found; is this a Llama-style causal LM?")
+        raise ValueError(f"{type(model).__name__}: no ModuleList of decoder layers (blocks with an attention "
+                         f"submodule, one of {sorted(ATTN_CONTAINERS)}, or a feed-forward one, one of "
+                         f"{sorted(MLP_CONTAINERS)}) found; is this a decoder-only causal LM?")
     return found
 
 
-def in_scope(name: str, scope: str) -> bool:
-    """Whether the linear at ``name`` (relative to its block) is one the scope quantizes."""
-    parts = name.split(".")
-    leaf, containers = parts[-1], set(parts[:-1])
-    if containers & MLP_CONTAINERS and leaf in MLP_LEAVES:
-        return True
-    return scope == "attn_mlp" and bool(containers & ATTN_CONTAINERS) and leaf in ATTN_LEAVES
+def _parts(block: nn.Module) -> tuple[set[str], set[str]]:
+    """Names of the block's attention children and feed-forward children."""
+    attn, mlp = set(), set()
+    for name, child in block.named_children():
+        cls = type(child).__name__
+        if name in ATTN_CONTAINERS or any(m in cls for m in ATTN_CLASS_MARKS):
+            attn.add(name)
+        elif name in MLP_CONTAINERS or any(m in cls for m in MLP_CLASS_MARKS):
+            mlp.add(name)
+    return attn, mlp
+
+
+def _mapped(rel: str, role_map: Mapping[str, str]) -> str | None:
+    """The role the longest ``role_map`` key that is ``rel`` or a module above it gives, if any."""
+    keys = [k for k in role_map if rel == k or rel.startswith(k + ".")]
+    return role_map[max(keys, key=len)] if keys else None
+
+
+def _gemm_kind(name: str, module: nn.Module, block: nn.Module) -> str | None:
+    if _is_router(name, module, block):
+        return "router"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if is_conv1d(module) or getattr(module, "hif8_kind", None) == "conv1d":
+        return "conv1d"
+    if expert_params(module):
+        return "experts"
+    return None
+
+
+def block_gemms(model: nn.Module, role_map: Mapping[str, str] | None = None) -> tuple[str, int, list[GemmModule]]:
+    """``(blocks' name, number of blocks, [GemmModule])`` in module order, each with its role by structure."""
+    role_map = dict(role_map or {})
+    bad = {k: v for k, v in role_map.items() if v not in ROLE_MAP_VALUES}
+    if bad:
+        raise ValueError(f"role_map={bad!r} is invalid; each value must be one of {ROLE_MAP_VALUES}")
+    prefix, blocks = find_transformer_blocks(model)
+    out, used = [], set()
+    for i, block in enumerate(blocks):
+        attn, mlp = _parts(block)
+        for rel, mod in block.named_modules():
+            if rel in role_map:
+                used.add(rel)
+            kind = _gemm_kind(rel, mod, block)
+            if kind is None:
+                continue
+            fqn = ".".join(p for p in (prefix, str(i), rel) if p)
+            head = rel.split(".")[0]
+            role = _mapped(rel, role_map)
+            if role is None:
+                if kind == "router":
+                    role = "router"
+                elif head in attn:
+                    role = "attn"
+                elif head in mlp or (rel and "." not in rel and attn):
+                    role = "mlp"  # directly in the block beside its attention: OPT's fc1/fc2
+            sites = ([f"{fqn}.{p}.{e}" for p in expert_params(mod) for e in range(getattr(mod, p).shape[0])]
+                     if kind == "experts" else [fqn])
+            out.append(GemmModule(fqn, i, rel, mod, kind, role, sites))
+    unknown = sorted(set(role_map) - used)
+    if unknown:
+        raise ValueError(f"role_map names {unknown}, which no decoder block of {prefix!r} has (keys are names "
+                         "inside a block, e.g. 'self_attn' or 'mlp.fc1')")
+    return prefix, len(blocks), out
 
 
 def check_block_indices(indices: Collection[int], num_blocks: int) -> list[int]:
@@ -66,30 +184,68 @@ def check_block_indices(indices: Collection[int], num_blocks: int) -> list[int]:
     return sorted(out)
 
 
-def select_linears(model: nn.Module, scope: str, high_precision_blocks: Collection[int] = (),
-                   module_filter_fn: ModuleFilter | None = None) -> tuple[list[tuple[str, nn.Module, str]], int]:
-    """``([(fqn, parent, leaf)], candidates)``: the linears to convert (the scope's, outside the high-precision
-    blocks, accepted by ``module_filter_fn``), and how many linears the scope matched before blocks and filter."""
+@dataclass
+class Selection:
+    """What a conversion takes: ``chosen`` modules (module order) and, for every GEMM weight of the blocks,
+    ``coverage[site]``: :data:`QUANTIZED` or the reason it is left out."""
+
+    chosen: list[GemmModule]
+    coverage: dict[str, str]
+
+
+def select_gemms(model: nn.Module, scope: str, high_precision_blocks: Collection[int] = (),
+                 module_filter_fn: ModuleFilter | None = None,
+                 role_map: Mapping[str, str] | None = None) -> Selection:
+    """The GEMM modules to convert: the scope's, outside the high-precision blocks, accepted by
+    ``module_filter_fn(module, fqn)``; routers and ``role_map`` ``none`` entries stay in high precision."""
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r} is invalid; allowed: {SCOPES}")
-    prefix, blocks = find_transformer_blocks(model)
-    hp = set(check_block_indices(high_precision_blocks, len(blocks)))
-    found, candidates = [], 0
-    for i, block in enumerate(blocks):
-        for name, mod in block.named_modules():
-            if not isinstance(mod, nn.Linear) or not in_scope(name, scope):
+    prefix, n_blocks, gemms = block_gemms(model, role_map)
+    hp = set(check_block_indices(high_precision_blocks, n_blocks))
+    chosen, coverage, undecided = [], {}, []
+    for g in gemms:
+        if g.role == "router":
+            reason = ROUTER
+        elif g.role == "none":
+            reason = MAPPED_OUT
+        elif g.role is None:
+            if module_filter_fn is None or module_filter_fn(g.module, g.fqn):
+                undecided.append(g.fqn)
                 continue
-            candidates += 1
-            fqn = f"{prefix}.{i}.{name}" if prefix else f"{i}.{name}"
-            if i in hp or (module_filter_fn is not None and not module_filter_fn(mod, fqn)):
-                continue
-            parent_name, _, leaf = name.rpartition(".")
-            found.append((fqn, block.get_submodule(parent_name) if parent_name else block, leaf))
-    if not candidates:
-        raise ValueError(f"no nn.Linear matched scope={scope!r} in the {len(blocks)} blocks of {prefix!r} "
-                         "(expected names like mlp.gate_proj / self_attn.q_proj)")
-    return found, candidates
+            reason = FILTERED
+        elif g.role == "attn" and scope == "mlp":
+            reason = SCOPE
+        elif g.block in hp:
+            reason = HIGH_PRECISION_BLOCK
+        elif module_filter_fn is not None and not module_filter_fn(g.module, g.fqn):
+            reason = FILTERED
+        else:
+            reason = QUANTIZED
+            chosen.append(g)
+        coverage.update(dict.fromkeys(g.sites, reason))
+    if undecided:
+        shown = ", ".join(undecided[:8]) + (f" ... ({len(undecided)} in all)" if len(undecided) > 8 else "")
+        raise ValueError(f"cannot tell whether these GEMM weights belong to attention or the MLP: {shown}; map them "
+                         f"with role_map={{name inside the block: one of {ROLE_MAP_VALUES}}} or leave them out with "
+                         "module_filter_fn")
+    if not gemms:
+        raise ValueError(f"no GEMM weight (nn.Linear, Conv1D or 3-D expert parameter) in the {n_blocks} blocks of "
+                         f"{prefix!r}")
+    if not chosen and FILTERED in coverage.values():
+        raise ValueError(f"module_filter_fn left out every GEMM module that scope={scope!r} selects outside the "
+                         "high-precision blocks: nothing to quantize")
+    return Selection(chosen, coverage)
 
 
-__all__ = ["ATTN_CONTAINERS", "ATTN_LEAVES", "MLP_CONTAINERS", "MLP_LEAVES", "SCOPES", "ModuleFilter",
-           "check_block_indices", "find_transformer_blocks", "in_scope", "select_linears"]
+def coverage_summary(coverage: Mapping[str, str]) -> str:
+    """``N of M GEMM weights quantized`` and the count for each reason the others are left out."""
+    counts = Counter(coverage.values())
+    n = counts.pop(QUANTIZED, 0)
+    rest = "; left out: " + ", ".join(f"{reason} {c}" for reason, c in sorted(counts.items())) if counts else ""
+    return f"{n} of {len(coverage)} GEMM weights in the decoder blocks quantized{rest}"
+
+
+__all__ = ["ATTN_CONTAINERS", "FILTERED", "HIGH_PRECISION_BLOCK", "MAPPED_OUT", "MLP_CONTAINERS", "NOT_CONVERTED",
+           "QUANTIZED", "QUANT_OFF", "ROLE_MAP_VALUES", "ROUTER", "SCOPE", "SCOPES", "GemmModule", "ModuleFilter",
+           "Selection", "block_gemms", "check_block_indices", "coverage_summary", "expert_params",
+           "find_transformer_blocks", "is_conv1d", "select_gemms"]

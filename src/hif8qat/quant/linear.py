@@ -6,7 +6,9 @@
 built on its own has a private one). The scaler state is kept out of the model's state dict (see
 :func:`quant_state_dict`) unless :func:`set_state_in_state_dict` puts it there, as the public
 ``convert_to_hif8_training`` does: then ``{layer}.hif8_scaler.{A|W|G}.{key}`` entries travel with any trainer's
-checkpoint of ``model.state_dict()``.
+checkpoint of ``model.state_dict()``. ``QuantConv1D`` is the same for GPT-2's ``Conv1D`` (weight ``[in, out]``,
+its parameter names and shapes kept), :class:`~hif8qat.quant.experts.QuantExperts` for MoE experts (one GEMM site
+per expert slice); all three share the autograd function and scaler plumbing of :mod:`hif8qat.quant.gemm`.
 
 With quantization on, a custom autograd function computes::
 
@@ -56,98 +58,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hif8qat import compute_dtype as numerics
-from hif8qat.quant.blocks import SCOPES, ModuleFilter, find_transformer_blocks, select_linears
-from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
-from hif8qat.scaling.bank_row import BankedScaler
+from hif8qat.quant.blocks import (
+    NOT_CONVERTED,
+    QUANT_OFF,
+    QUANTIZED,
+    SCOPES,
+    ModuleFilter,
+    block_gemms,
+    find_transformer_blocks,
+    select_gemms,
+)
+from hif8qat.quant.experts import QuantExperts, check_experts_layout
+from hif8qat.quant.gemm import STATE_KEY, QuantState, _join
+from hif8qat.scaling.bank import ScalerBank
 from hif8qat.scaling.settings import ROLES, TELEMETRY_COUNT_FIELDS, TELEMETRY_MAX_FIELDS, ScalingConfig
 
 BANK_ATTR = "hif8qat_bank"  # the model-level bank's attribute on a converted model
-STATE_KEY = "hif8_scaler"  # a layer's scaler entries in model.state_dict(): {layer}.hif8_scaler.{role}.{key}
 
 
 # --------------------------------------------------------------------------------------------------
 # autograd function and module
 # --------------------------------------------------------------------------------------------------
-class _QuantLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, bank_id, rows, mode, keep_w, emulate_bf16):
-        dev = x.device.type
-        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-        qa = bank_qdq(x, bank_id, rows[0], mode, cdt)  # written in the matmul's dtype by the kernel
-        # eager: the bank keeps Q(W) for a checkpoint recompute (compiled graphs may reuse an op result's memory)
-        qw = bank_qdq(weight, bank_id, rows[1], mode, cdt, keep_w and not torch.compiler.is_compiling())
-        b = bias.to(cdt) if bias is not None and cdt is not None else bias
-        # BF16 emulation is the layer's setting, decided here and kept for the backward
-        emulate = qa.dtype == torch.bfloat16 and emulate_bf16
-        if emulate:
-            out = numerics.emulated_linear(qa, qw, b)
-        else:
-            with torch.autocast(dev, enabled=False):
-                out = F.linear(qa, qw, b)
-        ctx.save_for_backward(qa, qw if keep_w else weight)
-        ctx.quant = (bank_id, rows, cdt, keep_w, emulate)
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        qa, w = ctx.saved_tensors
-        bank_id, rows, cdt, keep_w, emulate = ctx.quant
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        mm_dtype = cdt or w_dtype  # the dtype of Q(W) as the forward's matmul used it
-        qg = bank_qdq(grad_out, bank_id, rows[2], RECORD, mm_dtype)
-        # sharded (FSDP): the forward's Q(W) recomputed from the re-gathered W with the forward's scale
-        qw = w if keep_w else bank_qdq(w, bank_id, rows[1], REPLAY, cdt)
-        if keep_w and not torch.compiler.is_compiling():
-            release_kept(bank_id, rows[1])
-        dx = dw = db = None
-        flat_g = qg.reshape(-1, qg.shape[-1])
-        if emulate:  # FP32 GEMMs on the BF16 values, BF16 results: never torch's slow BF16 path
-            if ctx.needs_input_grad[0]:
-                dx = numerics.emulated_matmul(qg, qw, x_dtype)
-            if ctx.needs_input_grad[1]:
-                dw = numerics.emulated_matmul(flat_g.t(), qa.reshape(-1, qa.shape[-1]), w_dtype)
-        else:
-            if ctx.needs_input_grad[0]:
-                dx = qg.matmul(qw).to(x_dtype)
-            if ctx.needs_input_grad[1]:
-                dw = flat_g.t().matmul(qa.reshape(-1, qa.shape[-1])).to(w_dtype)
-        if b_dtype is not None and ctx.needs_input_grad[2]:
-            db = qg.reshape(-1, qg.shape[-1]).sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None
-
-
-class QuantLinear(nn.Linear):
+class QuantLinear(QuantState, nn.Linear):
     """Drop-in ``nn.Linear`` with 8-bit (HiF8 or FP8) fake quantization of A, W (forward) and G (backward)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  config: ScalingConfig | None = None, name: str = "", enabled: bool = True,
                  emulate_bf16: bool = False, own_bank: bool = True):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.config = config if config is not None else ScalingConfig()  # validated when it was made
-        self.quant_name = name
-        self.quant_enabled = bool(enabled)
-        self.emulate_bf16 = bool(emulate_bf16)
-        self.recompute_weight = False  # True under FSDP: see set_weight_recompute
-        self.state_in_state_dict = False  # see set_state_in_state_dict
-        object.__setattr__(self, "_bank", None)
-        self._rows = (0, 1, 2)
+        nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_quant(config, name, enabled, emulate_bf16)
         if own_bank:  # a conversion builds one bank for all its layers instead
             self._own_bank(device)
-
-    def _own_bank(self, device) -> None:
-        bank = ScalerBank(self.config, ROLES, device=device)
-        bank.set_row_names([f"{self.quant_name or 'QuantLinear'}.{r}" for r in ROLES])
-        self.hif8_bank = bank  # registered: follows the layer's device moves
-        self._attach(bank, (0, 1, 2))
-
-    def _attach(self, bank: ScalerBank, rows: tuple[int, int, int]) -> None:
-        object.__setattr__(self, "_bank", bank)  # not a submodule: the model's bank is registered once
-        self._rows = tuple(rows)
-        if "hif8_bank" in self._modules and self._modules["hif8_bank"] is not bank:
-            del self._modules["hif8_bank"]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: ScalingConfig | None = None, name: str = "",
@@ -163,78 +104,39 @@ class QuantLinear(nn.Linear):
         new.train(linear.training)
         return new
 
-    @property
-    def bank(self) -> ScalerBank:
-        return self._bank
-
-    def scalers(self) -> Iterator[tuple[str, BankedScaler]]:
-        for role, row in zip(ROLES, self._rows):
-            yield role, BankedScaler(self._bank, row)
-
-    scaler_a = property(lambda self: BankedScaler(self._bank, self._rows[0]))
-    scaler_w = property(lambda self: BankedScaler(self._bank, self._rows[1]))
-    scaler_g = property(lambda self: BankedScaler(self._bank, self._rows[2]))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quant_enabled:
             return F.linear(x, self.weight, self.bias)
-        # a pass without gradients ends its micro-batch at the next call (no backward will)
-        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
-                                            or (self.bias is not None and self.bias.requires_grad))
-        return _QuantLinearFn.apply(x, self.weight, self.bias, self._bank.bank_id, self._rows,
-                                   RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight, self.emulate_bf16)
+        return self._quant_gemm(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, hif8={'on' if self.quant_enabled else 'off'}"
 
-    # -- the scalers in the module's own state dict (opt-in: set_state_in_state_dict) -------------------------
-    def scaler_state(self, host: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """This layer's scalers: ``{A|W|G}.{key}`` (CPU tensors of :mod:`hif8qat.scaling.bank_state`) and
-        ``enabled``."""
-        bank = self._bank
-        bank.update()
-        host = host if host is not None else bank._host()
-        sd = {"enabled": torch.tensor(int(self.quant_enabled), dtype=torch.int64)}
-        for role, row in zip(ROLES, self._rows):
-            sd.update({f"{role}.{k}": v for k, v in bank.row_state_dict(row, host).items()})
-        return sd
 
-    def load_scaler_state(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        states: dict[int, dict[str, torch.Tensor]] = {}
-        for key, v in sd.items():
-            role, _, k = key.partition(".")
-            if key != "enabled" and role not in ROLES:
-                raise KeyError(f"{self.quant_name or 'QuantLinear'}: unexpected scaler state key {key!r}")
-            if role in ROLES:
-                states.setdefault(self._rows[ROLES.index(role)], {})[k] = v
-        if strict and len(states) != len(ROLES):
-            raise KeyError(f"{self.quant_name or 'QuantLinear'}: scaler state for {sorted(states)} rows only")
-        self._bank.load_row_state_dicts(states, strict)
-        if "enabled" in sd:
-            self.quant_enabled = bool(int(sd["enabled"]))
+class QuantConv1D(QuantState, nn.Module):
+    """GPT-2's ``Conv1D`` (``y = x W + b``, weight ``[in, out]``) quantized like :class:`QuantLinear`; the parameter
+    names and shapes stay the Conv1D's, so its checkpoints load as they are."""
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.state_in_state_dict and self._bank is not None:
-            for k, v in self.scaler_state().items():
-                destination[f"{prefix}{STATE_KEY}.{k}"] = v
+    hif8_kind = "conv1d"
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        head = f"{prefix}{STATE_KEY}."
-        mine = {k[len(head):]: v for k, v in state_dict.items() if k.startswith(head)}
-        rest = {k: v for k, v in state_dict.items() if not k.startswith(head)} if mine else state_dict
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        if not self.state_in_state_dict:
-            unexpected_keys.extend(head + k for k in mine)
-        elif mine:
-            try:
-                self.load_scaler_state(mine, strict)
-            except (KeyError, ValueError) as err:
-                error_msgs.append(f"{head}*: {err}")
-        elif strict:
-            missing_keys.append(f"{head}*")
+    def __init__(self, conv, config: ScalingConfig | None = None, name: str = "", enabled: bool = True, *,
+                 emulate_bf16: bool = False, own_bank: bool = True):
+        super().__init__()
+        self.nf, self.nx = conv.nf, conv.nx
+        self.weight, self.bias = conv.weight, conv.bias  # shared: optimizer state stays valid
+        self._init_quant(config, name, enabled, emulate_bf16)
+        if own_bank:  # a conversion builds one bank for all its layers instead
+            self._own_bank(conv.weight.device)
+        self.train(conv.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.quant_enabled:  # Conv1D's own arithmetic
+            return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+        # Q(W^T) = Q(W)^T: a per-tensor scale does not see the layout
+        return self._quant_gemm(x, self.weight.t(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, hif8={'on' if self.quant_enabled else 'off'}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,57 +144,108 @@ class QuantLinear(nn.Linear):
 # --------------------------------------------------------------------------------------------------
 def convert_model(model: nn.Module, scope: str = "mlp", high_precision_blocks: Collection[int] | None = None,
                   config: ScalingConfig | None = None, *, enabled: bool = True,
-                  module_filter_fn: ModuleFilter | None = None, emulate_bf16: bool = False) -> list[str]:
-    """Replace the scope's ``nn.Linear``s of every block not listed in ``high_precision_blocks`` (block indices)
-    and accepted by ``module_filter_fn(module, fqn)`` by :class:`QuantLinear`; all share one scaler bank.
+                  module_filter_fn: ModuleFilter | None = None, emulate_bf16: bool = False,
+                  role_map: Mapping[str, str] | None = None) -> list[str]:
+    """Quantize the scope's GEMM modules (``nn.Linear``, ``Conv1D``, MoE experts) of every block not listed in
+    ``high_precision_blocks`` (block indices) and accepted by ``module_filter_fn(module, fqn)``; all share one
+    scaler bank. Roles come from the block's structure (:mod:`hif8qat.quant.blocks`); ``role_map`` maps names
+    inside a block that structure cannot place to ``attn`` / ``mlp`` / ``none``.
 
-    scope ``mlp``: gate/up/down projections; ``attn_mlp``: also q/k/v/o. Embeddings, lm_head, norms
-    and everything outside the decoder blocks stay untouched. Returns the converted module names.
+    scope ``mlp``: the feed-forward / MoE GEMMs; ``attn_mlp``: also attention's. Routers, embeddings, lm_head,
+    norms and everything outside the decoder blocks stay untouched. Returns the converted module names;
+    :func:`coverage` says, for every GEMM weight of the blocks, whether it is quantized or why not.
     """
     config = config if config is not None else ScalingConfig()
     try:
-        chosen, _ = select_linears(model, scope, high_precision_blocks or (), module_filter_fn)
+        selection = select_gemms(model, scope, high_precision_blocks or (), module_filter_fn, role_map)
+        for g in selection.chosen:  # refuse an experts layout before anything is swapped
+            if g.kind == "experts" and not isinstance(g.module, QuantExperts):
+                check_experts_layout(g.module, g.fqn)
     except ValueError as err:
         raise ValueError(f"convert_model: {err}") from None
     converted = []
-    for full, parent, leaf in chosen:
-        mod = getattr(parent, leaf)
-        if not isinstance(mod, QuantLinear):
-            setattr(parent, leaf, QuantLinear.from_linear(mod, config, full, enabled=enabled,
-                                                           emulate_bf16=emulate_bf16, own_bank=False))
-        converted.append(full)
+    for g in selection.chosen:
+        parent_name, _, leaf = g.fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        mod, kw = g.module, {"enabled": enabled, "emulate_bf16": emulate_bf16}
+        if isinstance(mod, QuantState):
+            pass
+        elif g.kind == "linear":
+            setattr(parent, leaf, QuantLinear.from_linear(mod, config, g.fqn, own_bank=False, **kw))
+        elif g.kind == "conv1d":
+            setattr(parent, leaf, QuantConv1D(mod, config, g.fqn, own_bank=False, **kw))
+        else:
+            setattr(parent, leaf, QuantExperts(mod, config, g.fqn, own_bank=False, **kw))
+        converted.append(g.fqn)
     if not converted:
-        warnings.warn("convert_model: no linear left to convert (high-precision blocks / filter); nothing converted",
+        warnings.warn("convert_model: no GEMM left to convert (high-precision blocks); nothing converted",
                       stacklevel=2)
     else:
         _build_bank(model, config)
     model._hif8qat_conversion = {"scope": scope, "high_precision_blocks": sorted(set(high_precision_blocks or ())),
                                  "config": ScalingConfig.to_dict(config), "converted": list(converted)}
+    if role_map:
+        model._hif8qat_conversion["role_map"] = dict(role_map)
+    object.__setattr__(model, "_hif8qat_coverage", dict(selection.coverage))  # not saved: rebuilt by a conversion
     return converted
 
 
+def coverage(model: nn.Module) -> dict[str, str]:
+    """For every GEMM weight of the model's decoder blocks (its name in the model; an expert's slice is
+    ``{experts}.{param}.{index}``): ``"quantized"``, or why it is not (the scope, a high-precision block,
+    ``module_filter_fn``, a router, ``role_map``, quantization switched off, or the model not converted)."""
+    recorded = getattr(model, "_hif8qat_coverage", {})
+    roles = getattr(model, "_hif8qat_conversion", {}).get("role_map")
+    out = {}
+    for g in block_gemms(model, roles)[2]:
+        on = isinstance(g.module, QuantState) and g.module.quant_enabled
+        for site in g.sites:
+            reason = QUANTIZED if on else recorded.get(site, NOT_CONVERTED)
+            out[site] = QUANT_OFF if reason == QUANTIZED and not on else reason
+    return out
+
+
 def _build_bank(model: nn.Module, config: ScalingConfig) -> ScalerBank:
-    """One bank for every QuantLinear of the model (rows in module order: A, W, G of each layer)."""
-    layers = list(quant_linears(model))
-    device = layers[0][1].weight.device
-    bank = ScalerBank(config, [r for _ in layers for r in ROLES], device=device)
-    bank.set_row_names([f"{name}.{r}" for name, _ in layers for r in ROLES])
-    for i, (_, layer) in enumerate(layers):
-        layer._attach(bank, (3 * i, 3 * i + 1, 3 * i + 2))
+    """One bank for every quantized module of the model (rows in module order: A, W, G of each GEMM site)."""
+    mods = list(quant_modules(model))
+    device = next(mods[0][1].parameters()).device
+    sites = [(_join(name, s)) for name, mod in mods for s in mod.site_names()]
+    bank = ScalerBank(config, [r for _ in sites for r in ROLES], device=device)
+    bank.set_row_names([f"{site}.{r}" for site in sites for r in ROLES])
+    first = 0
+    for _, mod in mods:
+        n = 3 * len(mod.site_names())
+        mod._attach(bank, tuple(range(first, first + n)))
+        first += n
     if not isinstance(model, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):  # their children are entries
         setattr(model, BANK_ATTR, bank)  # registered once: follows the model's device moves
     return bank
 
 
-def quant_linears(model: nn.Module) -> Iterator[tuple[str, QuantLinear]]:
+def quant_modules(model: nn.Module) -> Iterator[tuple[str, QuantState]]:
+    """Every quantized module (linears, Conv1Ds, MoE experts), in module order."""
     for name, mod in model.named_modules():
-        if isinstance(mod, QuantLinear):
+        if isinstance(mod, QuantState):
             yield name, mod
+
+
+def quant_linears(model: nn.Module) -> Iterator[tuple[str, QuantLinear | QuantConv1D]]:
+    """The quantized modules with one GEMM site (linears and Conv1Ds)."""
+    for name, mod in quant_modules(model):
+        if isinstance(mod, (QuantLinear, QuantConv1D)):
+            yield name, mod
+
+
+def quant_sites(model: nn.Module) -> Iterator[tuple[str, QuantState, tuple[int, int, int]]]:
+    """``(site name, module, its A/W/G rows)`` for every GEMM site (one per linear, two per expert)."""
+    for name, mod in quant_modules(model):
+        for i, site in enumerate(mod.site_names()):
+            yield _join(name, site), mod, mod._rows[3 * i: 3 * i + 3]
 
 
 def _banks(model: nn.Module) -> list[ScalerBank]:
     out: dict[int, ScalerBank] = {}
-    for _, mod in quant_linears(model):
+    for _, mod in quant_modules(model):
         out.setdefault(id(mod.bank), mod.bank)
     return list(out.values())
 
@@ -305,7 +258,7 @@ def scaler_banks(model: nn.Module) -> list[ScalerBank]:
 def set_quantization(model: nn.Module, enabled: bool) -> None:
     """Switch quantization on/off; a layer switched from off to on resets its scalers (cold start)."""
     resets: dict[int, tuple[ScalerBank, list[int]]] = {}
-    for _, mod in quant_linears(model):
+    for _, mod in quant_modules(model):
         if enabled and not mod.quant_enabled:
             resets.setdefault(id(mod.bank), (mod.bank, []))[1].extend(mod._rows)
         mod.quant_enabled = bool(enabled)
@@ -317,21 +270,21 @@ def set_weight_recompute(model: nn.Module, recompute: bool = True) -> None:
     """Recompute Q_W(W) in the backward instead of keeping it from the forward (FSDP: the full weight is
     re-gathered for the backward, and a kept quantized copy would hold a whole unsharded weight per layer
     from forward to backward). Bit-identical either way; off by default, on from ``distributed.apply_fsdp``."""
-    for _, mod in quant_linears(model):
+    for _, mod in quant_modules(model):
         mod.recompute_weight = bool(recompute)
 
 
 def set_bf16_emulation(model: nn.Module, emulate: bool = True) -> None:
     """Whether the quantized layers run their BF16 GEMMs as FP32 GEMMs on BF16 values (see
     :mod:`hif8qat.compute_dtype`); the numerics of a run decide it, the layers never guess it."""
-    for _, mod in quant_linears(model):
+    for _, mod in quant_modules(model):
         mod.emulate_bf16 = bool(emulate)
 
 
 def set_state_in_state_dict(model: nn.Module, on: bool = True) -> None:
     """Put each quantized layer's scaler state (amax histories, scales, step, counters) into
     ``model.state_dict()`` and read it back in ``load_state_dict``, so any trainer's checkpoint carries it."""
-    for _, mod in quant_linears(model):
+    for _, mod in quant_modules(model):
         mod.state_in_state_dict = bool(on)
 
 
@@ -360,13 +313,14 @@ def update_scales(model: nn.Module) -> None:
 # state
 # --------------------------------------------------------------------------------------------------
 def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Everything needed to resume the quantizers exactly: ``{layer}.{A|W|G}.{key}`` and ``{layer}.enabled``.
+    """Everything needed to resume the quantizers exactly: ``{site}.{A|W|G}.{key}`` per GEMM site and
+    ``{module}.enabled``.
 
     Per-quantizer tensors in the format of :mod:`hif8qat.scaling.bank_state` (exports written before the bank load as is).
     """
     sd: dict[str, torch.Tensor] = {}
     hosts: dict[int, dict[str, torch.Tensor]] = {}
-    for name, mod in quant_linears(model):
+    for name, mod in quant_modules(model):
         bank = mod.bank
         if id(bank) not in hosts:
             bank.update()
@@ -376,31 +330,32 @@ def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_quant_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    layers = dict(quant_linears(model))
+    modules = dict(quant_modules(model))
+    sites = {site: (mod, rows) for site, mod, rows in quant_sites(model)}
     grouped: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     enabled: dict[str, torch.Tensor] = {}
     unexpected = []
     for key, v in sd.items():
-        if key.endswith(".enabled") and key[: -len(".enabled")] in layers:
+        if key.endswith(".enabled") and key[: -len(".enabled")] in modules:
             enabled[key[: -len(".enabled")]] = v
             continue
         m = re.fullmatch(r"(.+)\.([AWG])\.([^.]+)", key)
-        if m is None or m.group(1) not in layers:
+        if m is None or m.group(1) not in sites:
             unexpected.append(key)
             continue
         grouped.setdefault((m.group(1), m.group(2)), {})[m.group(3)] = v
-    missing = [f"{n}.{r}" for n in layers for r in ROLES if (n, r) not in grouped]
+    missing = [f"{n}.{r}" for n in sites for r in ROLES if (n, r) not in grouped]
     if strict and (missing or unexpected):
         raise KeyError(f"load_quant_state_dict: missing scalers {missing[:6]}{'...' if len(missing) > 6 else ''}"
                        f", unexpected keys {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}")
     per_bank: dict[int, tuple[ScalerBank, dict[int, Mapping[str, torch.Tensor]]]] = {}
-    for (name, role), state in grouped.items():
-        layer = layers[name]
-        per_bank.setdefault(id(layer.bank), (layer.bank, {}))[1][layer._rows[ROLES.index(role)]] = state
+    for (site, role), state in grouped.items():
+        mod, rows = sites[site]
+        per_bank.setdefault(id(mod.bank), (mod.bank, {}))[1][rows[ROLES.index(role)]] = state
     for bank, states in per_bank.values():
         bank.load_row_state_dicts(states)
     for name, v in enabled.items():
-        layers[name].quant_enabled = bool(int(v))
+        modules[name].quant_enabled = bool(int(v))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -447,7 +402,8 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
 
 
 __all__ = [
-    "BANK_ATTR", "SCOPES", "STATE_KEY", "QuantLinear", "convert_model", "find_transformer_blocks", "freeze_scales",
+    "BANK_ATTR", "SCOPES", "STATE_KEY", "QuantConv1D", "QuantExperts", "QuantLinear", "QuantState", "convert_model",
+    "coverage", "quant_modules", "quant_sites", "find_transformer_blocks", "freeze_scales",
     "load_quant_state_dict", "quant_linears", "quant_state_dict", "scaler_banks", "set_bf16_emulation", "set_quantization",
     "set_state_in_state_dict", "set_step", "set_weight_recompute", "step_telemetry", "update_scales",
 ]

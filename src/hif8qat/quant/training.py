@@ -14,14 +14,18 @@ each step when the config has step schedules (``interval``, ``algo``) or ``histo
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from hif8qat.quant.blocks import SCOPES, ModuleFilter
-from hif8qat.quant.linear import convert_model, set_state_in_state_dict
+from hif8qat.quant.blocks import SCOPES, ModuleFilter, coverage_summary
+from hif8qat.quant.linear import convert_model, coverage, set_state_in_state_dict
 from hif8qat.scaling.settings import ScalingConfig
+
+log = logging.getLogger(__name__)
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -38,7 +42,7 @@ class Hif8TrainingConfig(ScalingConfig):
     stochastic), ``saturate``, ``margin`` (FP8), ``target`` (HiF8 scale target for every role, a number, or per
     role, ``{"A": .., "W": .., "G": ..}``; roles left out keep ``target_fwd`` / ``target_bwd``). Added here:
 
-    * ``scope``: ``mlp`` (gate/up/down projections) or ``attn_mlp`` (also q/k/v/o);
+    * ``scope``: ``mlp`` (the feed-forward / MoE experts' GEMMs) or ``attn_mlp`` (also attention's);
     * ``high_precision_blocks``: indices of decoder blocks left unquantized;
     * ``emulate_bf16``: run the quantized layers' BF16 GEMMs as FP32 GEMMs on BF16 values (for machines without
       native BF16; use it with :func:`hif8qat.compute_dtype.forward_context` ``("bf16_emulated", ...)``).
@@ -77,17 +81,23 @@ class Hif8TrainingConfig(ScalingConfig):
 
 
 def convert_to_hif8_training(model: nn.Module, *, config: Hif8TrainingConfig | None = None,
-                             module_filter_fn: ModuleFilter | None = None) -> nn.Module:
-    """Quantize ``model``'s decoder-block linears for HiF8 (or FP8) training, in place; returns ``model``.
+                             module_filter_fn: ModuleFilter | None = None,
+                             role_map: Mapping[str, str] | None = None) -> nn.Module:
+    """Quantize ``model``'s decoder-block GEMMs (``nn.Linear``, GPT-2's ``Conv1D``, MoE experts per expert) for
+    HiF8 (or FP8) training, in place; returns ``model``. Logs one line: how many of the blocks' GEMM weights are
+    quantized, and why the others are not (:func:`~hif8qat.quant.linear.coverage` lists them).
 
-    ``module_filter_fn(module, fqn)``: called for each linear the scope selects outside the high-precision blocks
-    (``fqn`` is its name in ``model``); False leaves it alone. The quantizers are on and their state is part of
+    ``module_filter_fn(module, fqn)``: called for each GEMM module the scope selects outside the high-precision
+    blocks (``fqn`` is its name in ``model``); False leaves it alone. ``role_map``: ``{name inside a block:
+    "attn" | "mlp" | "none"}`` for a layout whose roles the block's structure does not tell (e.g.
+    ``{"mixer": "attn", "channel": "mlp"}``). The quantizers are on and their state is part of
     ``model.state_dict()`` from here on.
     """
     config = config if config is not None else Hif8TrainingConfig()
     convert_model(model, config.scope, config.high_precision_blocks, config, module_filter_fn=module_filter_fn,
-                  emulate_bf16=config.emulate_bf16)
+                  emulate_bf16=config.emulate_bf16, role_map=role_map)
     set_state_in_state_dict(model, True)
+    log.info("hif8qat: %s (scope=%s)", coverage_summary(coverage(model)), config.scope)
     return model
 
 

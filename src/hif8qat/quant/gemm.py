@@ -1,0 +1,182 @@
+"""The quantized GEMM shared by every quantized module: the autograd function (A, W, G quantized, straight-through)
+and :class:`QuantState`, the scaler plumbing of a module with one or more GEMM sites (rows of a scaler bank, the
+scalers in the module's ``state_dict``). :mod:`hif8qat.quant.linear` builds its layers on them, and
+:mod:`hif8qat.quant.experts` the MoE experts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from hif8qat import compute_dtype as numerics
+from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
+from hif8qat.scaling.bank_row import BankedScaler
+from hif8qat.scaling.settings import ROLES, ScalingConfig
+
+STATE_KEY = "hif8_scaler"  # a module's scaler entries in model.state_dict(): {module}.hif8_scaler.[{site}.]{role}.{key}
+
+
+class _QuantLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, bank_id, rows, mode, keep_w, emulate_bf16):
+        dev = x.device.type
+        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        qa = bank_qdq(x, bank_id, rows[0], mode, cdt)  # written in the matmul's dtype by the kernel
+        # eager: the bank keeps Q(W) for a checkpoint recompute (compiled graphs may reuse an op result's memory)
+        qw = bank_qdq(weight, bank_id, rows[1], mode, cdt, keep_w and not torch.compiler.is_compiling())
+        b = bias.to(cdt) if bias is not None and cdt is not None else bias
+        # BF16 emulation is the layer's setting, decided here and kept for the backward
+        emulate = qa.dtype == torch.bfloat16 and emulate_bf16
+        if emulate:
+            out = numerics.emulated_linear(qa, qw, b)
+        else:
+            with torch.autocast(dev, enabled=False):
+                out = F.linear(qa, qw, b)
+        ctx.save_for_backward(qa, qw if keep_w else weight)
+        ctx.quant = (bank_id, rows, cdt, keep_w, emulate)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        qa, w = ctx.saved_tensors
+        bank_id, rows, cdt, keep_w, emulate = ctx.quant
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        mm_dtype = cdt or w_dtype  # the dtype of Q(W) as the forward's matmul used it
+        qg = bank_qdq(grad_out, bank_id, rows[2], RECORD, mm_dtype)
+        # sharded (FSDP): the forward's Q(W) recomputed from the re-gathered W with the forward's scale
+        qw = w if keep_w else bank_qdq(w, bank_id, rows[1], REPLAY, cdt)
+        if keep_w and not torch.compiler.is_compiling():
+            release_kept(bank_id, rows[1])
+        dx = dw = db = None
+        flat_g = qg.reshape(-1, qg.shape[-1])
+        if emulate:  # FP32 GEMMs on the BF16 values, BF16 results: never torch's slow BF16 path
+            if ctx.needs_input_grad[0]:
+                dx = numerics.emulated_matmul(qg, qw, x_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = numerics.emulated_matmul(flat_g.t(), qa.reshape(-1, qa.shape[-1]), w_dtype)
+        else:
+            if ctx.needs_input_grad[0]:
+                dx = qg.matmul(qw).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = flat_g.t().matmul(qa.reshape(-1, qa.shape[-1])).to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            db = qg.reshape(-1, qg.shape[-1]).sum(0).to(b_dtype)
+        return dx, dw, db, None, None, None, None, None
+
+
+class QuantState:
+    """The scaler plumbing of a quantized module: for each of its GEMM sites (one for a linear, one per expert
+    weight for an MoE experts module) three rows A, W, G of a :class:`~hif8qat.scaling.bank.ScalerBank`."""
+
+    def _init_quant(self, config: ScalingConfig | None, name: str, enabled: bool, emulate_bf16: bool) -> None:
+        self.config = config if config is not None else ScalingConfig()  # validated when it was made
+        self.quant_name = name
+        self.quant_enabled = bool(enabled)
+        self.emulate_bf16 = bool(emulate_bf16)
+        self.recompute_weight = False  # True under FSDP: see set_weight_recompute
+        self.state_in_state_dict = False  # see set_state_in_state_dict
+        object.__setattr__(self, "_bank", None)
+        self._rows = tuple(range(3 * len(self.site_names())))
+
+    def site_names(self) -> list[str]:
+        """The GEMM sites' names relative to the module ("" for the module itself)."""
+        return [""]
+
+    def _own_bank(self, device) -> None:
+        bank = ScalerBank(self.config, [r for _ in self.site_names() for r in ROLES], device=device)
+        base = self.quant_name or type(self).__name__
+        bank.set_row_names([f"{_join(base, s)}.{r}" for s in self.site_names() for r in ROLES])
+        self.hif8_bank = bank  # registered: follows the layer's device moves
+        self._attach(bank, self._rows)
+
+    def _attach(self, bank: ScalerBank, rows: tuple[int, ...]) -> None:
+        object.__setattr__(self, "_bank", bank)  # not a submodule: the model's bank is registered once
+        self._rows = tuple(rows)
+        if "hif8_bank" in self._modules and self._modules["hif8_bank"] is not bank:
+            del self._modules["hif8_bank"]
+
+    @property
+    def bank(self) -> ScalerBank:
+        return self._bank
+
+    def scalers(self) -> Iterator[tuple[str, BankedScaler]]:
+        for role, row in zip(ROLES, self._rows):
+            yield role, BankedScaler(self._bank, row)
+
+    scaler_a = property(lambda self: BankedScaler(self._bank, self._rows[0]))
+    scaler_w = property(lambda self: BankedScaler(self._bank, self._rows[1]))
+    scaler_g = property(lambda self: BankedScaler(self._bank, self._rows[2]))
+
+    # -- the scalers in the module's own state dict (opt-in: set_state_in_state_dict) -------------------------
+    def scaler_state(self, host: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """This module's scalers: ``[{site}.]{A|W|G}.{key}`` (CPU tensors of :mod:`hif8qat.scaling.bank_state`)
+        and ``enabled``."""
+        bank = self._bank
+        bank.update()
+        host = host if host is not None else bank._host()
+        sd = {"enabled": torch.tensor(int(self.quant_enabled), dtype=torch.int64)}
+        for si, site in enumerate(self.site_names()):
+            for ri, role in enumerate(ROLES):
+                row = self._rows[3 * si + ri]
+                sd.update({f"{_join(site, role)}.{k}": v for k, v in bank.row_state_dict(row, host).items()})
+        return sd
+
+    def load_scaler_state(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        sites = {s: i for i, s in enumerate(self.site_names())}
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for key, v in sd.items():
+            if key == "enabled":
+                continue
+            site_role, _, k = key.rpartition(".")
+            site, _, role = site_role.rpartition(".")
+            if role not in ROLES or site not in sites:
+                raise KeyError(f"{self.quant_name or type(self).__name__}: unexpected scaler state key {key!r}")
+            states.setdefault(self._rows[3 * sites[site] + ROLES.index(role)], {})[k] = v
+        if strict and len(states) != len(self._rows):
+            raise KeyError(f"{self.quant_name or type(self).__name__}: scaler state for {sorted(states)} rows only")
+        self._bank.load_row_state_dicts(states, strict)
+        if "enabled" in sd:
+            self.quant_enabled = bool(int(sd["enabled"]))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.state_in_state_dict and self._bank is not None:
+            for k, v in self.scaler_state().items():
+                destination[f"{prefix}{STATE_KEY}.{k}"] = v
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        head = f"{prefix}{STATE_KEY}."
+        mine = {k[len(head):]: v for k, v in state_dict.items() if k.startswith(head)}
+        rest = {k: v for k, v in state_dict.items() if not k.startswith(head)} if mine else state_dict
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if not self.state_in_state_dict:
+            unexpected_keys.extend(head + k for k in mine)
+        elif mine:
+            try:
+                self.load_scaler_state(mine, strict)
+            except (KeyError, ValueError) as err:
+                error_msgs.append(f"{head}*: {err}")
+        elif strict:
+            missing_keys.append(f"{head}*")
+
+    def _quant_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    site: int = 0) -> torch.Tensor:
+        """``x W^T + b`` with A, W, G quantized by the rows of GEMM site ``site`` (W laid out ``[out, in]``)."""
+        # a pass without gradients ends its micro-batch at the next call (no backward will)
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                            or (bias is not None and bias.requires_grad))
+        return _QuantLinearFn.apply(x, weight, bias, self._bank.bank_id, self._rows[3 * site: 3 * site + 3],
+                                    RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight, self.emulate_bf16)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+__all__ = ["STATE_KEY", "QuantState"]

@@ -19,6 +19,7 @@ from hif8qat.files import folder_problem
 from hif8qat.launch.sweep import SKIPPED
 from hif8qat.report import build_report, format_report
 from hif8qat.runs.folders import (
+    failure_reason,
     find_baseline_run,
     has_export,
     is_done,
@@ -88,6 +89,10 @@ def _modes_to_evaluate(cfg: RunConfig, run_dir: Path) -> list[str]:
         if is_done(run_dir):
             raise RunError(f"{run_dir} is marked finished but has no export/ to evaluate: run stage=all, which "
                            "writes it again from the run's final checkpoint (or says how to retrain it)")
+        diverged = failure_reason(run_dir)
+        if diverged is not None:
+            raise RunError(f"{run_dir} diverged in training, so it has no export/ to evaluate ({diverged}); "
+                           "change the settings that diverged (e.g. a lower train.lr) and train it again")
         raise RunError(f"{run_dir} has no export/ to evaluate; train it first (stage=train or all)")
     lock_run_dir(run_dir)  # eval/ is written into the run folder: one writer at a time
     return [m for m in cfg.eval.modes if cfg.force or not _mode_done(run_dir / "eval" / m)]

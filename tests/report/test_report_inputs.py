@@ -86,3 +86,19 @@ def test_a_folder_whose_config_has_no_integer_seed_is_not_used(tmp_path):
     cfg_path.write_text(yaml.safe_dump(cfg))
     _build(runs, tmp_path)
     assert "no integer seed" in _not_used(tmp_path)[str(cfg_path.parent)]
+
+
+def test_runs_with_skipped_updates_are_marked_in_the_runs_table_and_in_every_claim_that_uses_them(tmp_path):
+    runs = make_fake_runs(tmp_path / "runs", seeds=(0, 1))
+    marked = runs / "smoke" / "exp8" / "seed1"
+    summary = json.loads((marked / "summary.json").read_text())
+    (marked / "summary.json").write_text(json.dumps({**summary, "skipped_steps": 1}))
+    rep = _build(runs, tmp_path)
+    listed = rep["tables"]["runs_smoke"].set_index("run_dir")["skipped_updates"]
+    assert listed[str(marked)] == 1 and (listed.drop(str(marked)) == 0).all()
+    claims = rep["tables"]["claims_smoke"]
+    uses = claims["seeds"].astype(str).str.contains("1") & (claims["experiment"] == "exp8")
+    assert uses.any()
+    assert (claims.loc[uses, "skipped_update_runs"] == "exp8/seed1: 1 update").all()
+    assert (claims.loc[~uses, "skipped_update_runs"] == "").all()
+    assert "exp8/seed1: 1 update" in rep["claims_section"] and "skipped optimizer updates" in rep["claims_section"]

@@ -152,7 +152,7 @@ class ScalerBank(nn.Module):
             raise ValueError(f"ScalerBank: roles {bad} are invalid; allowed: {ROLES}")
         self.config = config
         self.roles = list(roles)
-        n, L = len(self.roles), int(config.history_len)
+        n = len(self.roles)
         self.n = n
         self._algo_sched = config.algo_schedule()
         self._interval_sched = config.interval_schedule()

@@ -38,8 +38,9 @@ def test_each_kind_of_failure_is_an_outcome_with_its_error_line():
     assert sweep.run_point(follower_exit, stream=stream)["state"] == "failed"
     assert sweep.run_point(lambda: None, stream=stream) == {"state": "done", "error": ""}
     assert sweep.run_point(lambda: sweep.SKIPPED, stream=stream)["state"] == "already done"
-    with pytest.raises(KeyboardInterrupt):  # Ctrl-C stops the whole sweep, not one point
+    with pytest.raises(SystemExit) as stop:  # Ctrl-C stops the whole sweep, not one point
         sweep.run_point(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), stream=stream)
+    assert stop.value.code == 130 and "interrupted (Ctrl-C)" in stream.getvalue()
 
 
 def test_summary_names_every_point_and_a_failure_makes_the_exit_status_nonzero(tmp_path, capsys):

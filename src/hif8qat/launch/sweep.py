@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hif8qat.boundary import user_error
+from hif8qat.boundary import guarded, user_error
 from hif8qat.errors import one_line
 from hif8qat.files import write_text
 from hif8qat.runs.folders import RunFolderBusy
@@ -34,15 +34,16 @@ def outcome(state: str, error: str = "") -> dict[str, str]:
 
 
 def run_point(job: Callable[[], str | None], *, stream=None) -> dict[str, str]:
-    """Run one sweep point; its outcome, never an exception (Ctrl-C still stops the whole sweep).
+    """Run one sweep point; its outcome, never an exception.
 
     job returns SKIPPED when it found its work already done. A user's error is printed as the one ``error:``
-    line a single run prints; anything else also prints its traceback (a bug to report), then the sweep goes on."""
+    line a single run prints; anything else also prints its traceback (a bug to report), then the sweep goes on.
+    Ctrl-C stops the whole sweep: one ``interrupted`` line, status 130."""
     stream = stream or sys.stderr
     try:
         return outcome(SKIPPED if job() == SKIPPED else DONE)
-    except KeyboardInterrupt:
-        raise
+    except KeyboardInterrupt:  # the whole sweep stops, with the one line and status of any entry point
+        raise SystemExit(guarded(_interrupted, stream=stream)) from None
     except SystemExit as err:  # a library or a follower rank that exits: that point only
         if err.code in (0, None):
             return outcome(DONE)
@@ -57,6 +58,10 @@ def run_point(job: Callable[[], str | None], *, stream=None) -> dict[str, str]:
             return outcome(BUSY, f"error: {message}")
     print(f"error: {message}", file=stream, flush=True)
     return outcome(FAILED, f"error: {message}")
+
+
+def _interrupted() -> None:
+    raise KeyboardInterrupt
 
 
 def point_label(overrides: Sequence[str]) -> str:

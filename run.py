@@ -33,7 +33,7 @@ from hif8qat.cli.main import estimate, run_job  # noqa: E402
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")  # beside conf/: Hydra's job is "run"
 def main(cfg) -> None:
-    run_job(cfg)
+    return run_job(cfg)  # under -m: the point's outcome, for the launcher's summary
 
 
 if __name__ == "__main__":

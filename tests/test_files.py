@@ -4,6 +4,7 @@ success replaces the file's content."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 
 import pytest
@@ -52,3 +53,14 @@ def test_conveniences_write_what_they_are_given_into_a_new_folder(tmp_path):
     assert (tmp_path / "a" / "j.json").read_text() == '{"a": [1.5, null], "b": 1}\n'
     assert json.loads((tmp_path / "a" / "j.json").read_text()) == {"a": [1.5, None], "b": 1}
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["b.bin", "j.json", "t.txt"]
+
+
+@pytest.mark.parametrize("umask", [0o077, 0o002, 0o022])
+def test_written_files_get_the_mode_a_plain_open_gets_under_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        (tmp_path / "plain").write_text("x")  # the oracle: what the user's umask gives any new file
+        write_text(tmp_path / "ours", "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "ours").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode)

@@ -80,7 +80,19 @@ def storage_errors(where: str | os.PathLike) -> Iterator[None]:
         if mapped is None:
             raise
         raise mapped from None
-_FILE_MODE = 0o644  # mkstemp creates 0600; a result or cache file is as readable as any other
+def file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file under this process's umask (mkstemp's 0600 would
+    hide a result from the group a user shares it with; a fixed 0644 would show it to users a umask of 077
+    hides it from). Linux states the umask in /proc; elsewhere it is read by setting it and back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def sha256_file(path: Path) -> str:
@@ -118,7 +130,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with storage_errors(path):
             yield tmp
             _fsync_path(tmp)  # the data reaches the disk before the rename publishes it
-            os.chmod(tmp, _FILE_MODE)
+            os.chmod(tmp, file_mode())
             os.replace(tmp, path)
     except BaseException:  # a kill (KeyboardInterrupt, SystemExit) must not leave a stray temp file either
         tmp.unlink(missing_ok=True)

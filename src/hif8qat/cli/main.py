@@ -7,28 +7,36 @@ from __future__ import annotations
 import sys
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hif8qat.boundary import guarded
 from hif8qat.cli.hydra_config import config_for, replace_typed_dicts, to_run_config
 from hif8qat.cli.stages import check_cache_env, dispatch
 from hif8qat.launch.preflight import preflight
+from hif8qat.launch.sweep import run_point
 from hif8qat.launch.time_estimate import main as estimate_main
 from hif8qat.runs.launch_env import env_from_slurm
 
 
-def run_job(cfg: DictConfig) -> None:
+def run_job(cfg: DictConfig) -> dict[str, str] | None:
     """The Hydra job of ``python run.py``: the composed config made the run's RunConfig, checked (the cache folder,
-    the preflight: inputs, memory, time), then dispatched. A user's error is one ``error:`` line, exit 2."""
-    overrides = list(HydraConfig.get().overrides.task)
+    the preflight: inputs, memory, time), then dispatched. A user's error is one ``error:`` line, exit 2.
 
-    def run() -> None:
+    In a multirun sweep the point's outcome is returned instead (done, already done, failed, busy), so a point
+    that fails never stops the points after it; the launcher summarizes them (hif8qat.launch.sweep)."""
+    hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
+
+    def run() -> str | None:
         run_cfg = to_run_config(replace_typed_dicts(cfg, overrides), overrides)
         env_from_slurm()  # under srun, preflight's memory check must know the world size
         check_cache_env()
         preflight(run_cfg)
-        dispatch(run_cfg)
+        return dispatch(run_cfg)
 
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return run_point(run)
     code = guarded(run)
     if code:
         sys.exit(code)

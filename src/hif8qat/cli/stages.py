@@ -16,8 +16,10 @@ from hif8qat.evaluate.outputs import verify_eval_dir
 from hif8qat.evaluate.runner import evaluate_run
 from hif8qat.evaluate.settings import resolve_numerics
 from hif8qat.files import folder_problem
+from hif8qat.launch.sweep import SKIPPED
 from hif8qat.report import build_report, format_report
 from hif8qat.runs.folders import (
+    failure_reason,
     find_baseline_run,
     has_export,
     is_done,
@@ -55,11 +57,12 @@ def eval_numerics(cfg: RunConfig) -> tuple[str, str]:
                             train_autocast=cfg.train.autocast)
 
 
-def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
+def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> bool:
     """Evaluate the run's export in each configured mode that has no results yet (force=true redoes them).
 
     Under torchrun (ctx of several ranks) every rank evaluates its share of the requests and rank 0, which
-    alone checks and locks the folder and chooses the modes, writes the results (hif8qat.evaluate.ranks)."""
+    alone checks and locks the folder and chooses the modes, writes the results (hif8qat.evaluate.ranks).
+    Returns whether any mode was evaluated."""
     main = ctx is None or ctx.is_main
     modes = on_rank0(ctx, lambda: _modes_to_evaluate(cfg, run_dir))
     device, autocast = eval_numerics(cfg)
@@ -78,6 +81,7 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> None:
         print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
     if main:  # one process computes a quantized run's held-out distances (up to three models); once per run
         after_eval(cfg, run_dir, device=device, dtype=autocast)
+    return bool(modes)
 
 
 def _modes_to_evaluate(cfg: RunConfig, run_dir: Path) -> list[str]:
@@ -85,6 +89,10 @@ def _modes_to_evaluate(cfg: RunConfig, run_dir: Path) -> list[str]:
         if is_done(run_dir):
             raise RunError(f"{run_dir} is marked finished but has no export/ to evaluate: run stage=all, which "
                            "writes it again from the run's final checkpoint (or says how to retrain it)")
+        diverged = failure_reason(run_dir)
+        if diverged is not None:
+            raise RunError(f"{run_dir} diverged in training, so it has no export/ to evaluate ({diverged}); "
+                           "change the settings that diverged (e.g. a lower train.lr) and train it again")
         raise RunError(f"{run_dir} has no export/ to evaluate; train it first (stage=train or all)")
     lock_run_dir(run_dir)  # eval/ is written into the run folder: one writer at a time
     return [m for m in cfg.eval.modes if cfg.force or not _mode_done(run_dir / "eval" / m)]
@@ -158,7 +166,8 @@ def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:
     return on_rank0(ctx, lambda: prepare_run_dir(cfg))
 
 
-def dispatch(cfg: RunConfig) -> None:
+def dispatch(cfg: RunConfig) -> str | None:
+    """Run the stage; SKIPPED when the run was found finished with nothing left to do (a sweep's rerun)."""
     env_from_slurm()  # under srun, every task must know its rank before deciding anything
 
     if cfg.stage == "report":
@@ -173,12 +182,13 @@ def dispatch(cfg: RunConfig) -> None:
     ctx = setup_distributed(cfg.train.device if cfg.stage != "eval" else eval_numerics(cfg)[0])
     if cfg.stage == "eval":  # evaluation never touches the training folder's state
         try:  # under torchrun every rank scores its share; rank 0 writes eval/
-            evaluate(cfg, run_dir_for(cfg), ctx)
+            evaluated = evaluate(cfg, run_dir_for(cfg), ctx)
         finally:
             if ctx.is_main:
                 release_run_dir(run_dir_for(cfg))
-        return
+        return None if evaluated else SKIPPED
     run_dir, status = prepare_shared(cfg, ctx)
+    evaluated = False
     if cfg.stage == "all" and ctx.is_main:
         baseline_note(cfg, run_dir)
     try:
@@ -189,11 +199,12 @@ def dispatch(cfg: RunConfig) -> None:
 
                 train(cfg, run_dir, ctx)
         if cfg.stage == "all":
-            evaluate(cfg, run_dir, ctx)
+            evaluated = evaluate(cfg, run_dir, ctx)
             if ctx.is_main:
                 report(cfg, only_experiment=cfg.experiment.name)
     finally:
         release_run_dir(run_dir)  # a multirun sweep runs its jobs in this one process
+    return SKIPPED if status == "done" and not evaluated else None
 
 
 def check_cache_env() -> None:

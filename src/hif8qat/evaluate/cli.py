@@ -19,6 +19,10 @@ from hif8qat.evaluate.settings import resolve_numerics
 from hif8qat.models.loading import RemoteCodeError, load_causal_lm
 
 
+def _whole_number(text: str) -> bool:
+    return text.strip().isdigit() and int(text) >= 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="lm-eval evaluation of a model, an export folder or a run")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -34,7 +38,7 @@ def main(argv=None) -> int:
                          "flags given here win")
     ap.add_argument("--force", action="store_true", help="overwrite an existing --out evaluation")
     ap.add_argument("--out", type=Path, help="output folder (--export/--model); default: print only")
-    ap.add_argument("--limit", type=float, default=None, help="first N docs per task (smoke runs)")
+    ap.add_argument("--limit", default=None, help="the first N docs per task, N a whole number >= 1 (smoke runs)")
     ap.add_argument("--batch-size", type=int, default=None, help="default 16 (or the eval config's)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES,
                     help="auto (bf16 on CUDA, none on CPU) | bf16 (FP32 weights, bf16 autocast) | bf16_emulated | none (FP32; "
@@ -56,7 +60,11 @@ def main(argv=None) -> int:
     if args.eval_config:
 
         base = yaml.safe_load(args.eval_config.read_text()) or {}
-    limit = base.get("limit") if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    if args.limit is not None and not _whole_number(args.limit):  # lm-eval reads 0.5 as half of each task
+        print(f"error: --limit {args.limit}: allowed a whole number of documents >= 1 (the first N of each "
+              "task); a fraction is refused", file=sys.stderr)
+        return 2
+    limit = base.get("limit") if args.limit is None else int(args.limit)
     subset = dict(base.get("subset") or {}) if isinstance(base.get("subset"), dict) else base.get("subset")
     if args.subset:
         subset = {**(subset if isinstance(subset, dict) else {}),

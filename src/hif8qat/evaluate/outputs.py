@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -34,6 +35,30 @@ def _samples_by_task(raw: dict, spec: TaskSpec, group_subtasks: Mapping[str, lis
             doc_id = str(s["doc_id"]) if leaf == spec.name else f"{leaf}:{s['doc_id']}"
             rows.append((doc_id, _sample_correct(s, spec.metric), _compact_sample(s, doc_id, leaf)))
     return rows
+
+
+ITEMS_KEY = "_items_sha256"  # results.json: per task, a content hash of the exact items that were scored
+
+
+def items_sha256(raw: dict, spec: TaskSpec, group_subtasks: Mapping[str, list]) -> str:
+    """A content hash of the items the task's samples scored: per item its id, the document as lm-eval read it,
+    the target and lm-eval's own hashes of document, prompt and target, in doc-id order. Two evaluations with
+    the same digest scored the same questions with the same gold answers (and prompts); the report pairs items
+    of two evaluations only then."""
+    leaves = [spec.name] if spec.name in raw else _flatten_group(spec.name, group_subtasks)
+    items = []
+    for leaf in leaves:
+        for s in raw.get(leaf, []):
+            if s.get("filter", "none") != spec.filter:
+                continue
+            doc_id = str(s["doc_id"]) if leaf == spec.name else f"{leaf}:{s['doc_id']}"
+            items.append((doc_id, json.dumps(_jsonable([s.get("doc"), s.get("target"), s.get("doc_hash"),
+                                                        s.get("prompt_hash"), s.get("target_hash")]),
+                                             sort_keys=True)))
+    digest = hashlib.sha256()
+    for doc_id, content in sorted(items):
+        digest.update(f"{doc_id}\t{content}\n".encode())
+    return digest.hexdigest()
 
 
 def _flatten_group(name: str, group_subtasks: Mapping[str, list]) -> list[str]:

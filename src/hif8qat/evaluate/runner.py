@@ -95,7 +95,14 @@ from hif8qat import compute_dtype as numerics
 from hif8qat.config.eval_tasks import MINITASK_DIR, MODES, resolve_tasks
 from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
 from hif8qat.evaluate.offline_benchmarks import CACHE_SUBDIR, ensure_installed
-from hif8qat.evaluate.outputs import _jsonable, _samples_by_task, _task_result, write_eval_dir
+from hif8qat.evaluate.outputs import (
+    ITEMS_KEY,
+    _jsonable,
+    _samples_by_task,
+    _task_result,
+    items_sha256,
+    write_eval_dir,
+)
 from hif8qat.evaluate.prefix_lm import SharedContextLM
 from hif8qat.evaluate.ranks import Ranks, summed
 from hif8qat.evaluate.settings import eval_autocast, resolve_numerics
@@ -217,6 +224,7 @@ def evaluate_model(
     if extra_meta:
         meta.update(_jsonable(dict(extra_meta)))
     results["_meta"] = meta
+    results[ITEMS_KEY] = {s.name: items_sha256(raw["samples"], s, raw.get("group_subtasks", {})) for s in specs}
     if out_dir is not None:
         write_eval_dir(Path(out_dir), results, samples, raw)
     return results

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hif8qat.launch.sweep import BUSY, DONE, FAILED, STATES, finish_sweep, outcome
+
 RESOURCE_KEYS = ("gpus_per_node", "tasks_per_node", "cpus_per_task")
 _GPU_CPUS_CAP = 8  # cpus_per_task when derived on a GPU partition: data loading + the CPU side of a rank
 
@@ -267,20 +269,29 @@ def failure_line(job, overrides: list[str], failure) -> str:
 
 
 class ReportFailedJobs:
-    """Mixed into hydra-submitit-launcher's launchers: launch() waits for every job of the sweep, returns their
-    results when none failed, and otherwise prints one `error:` line per failed job and exits with status 1."""
+    """Mixed into hydra-submitit-launcher's launchers: launch() waits for every job of the sweep, prints one
+    `error:` line per failed job, then the sweep's summary (hif8qat.launch.sweep: the format the in-process
+    launcher writes too), and exits with status 1 when a point failed or was busy."""
 
     def launch(self, job_overrides, initial_job_idx):
         with _outcomes() as jobs:
             returns = super().launch(job_overrides, initial_job_idx)
-        lines = []
-        for overrides, job, ret in zip(job_overrides, jobs, returns):
+        lines, points = [], []
+        for num, (overrides, job, ret) in enumerate(zip(job_overrides, jobs, returns), start=initial_job_idx):
             failure = ret if isinstance(ret, BaseException) else None
             if failure is None and getattr(ret.status, "name", "") == "FAILED":
                 failure = ret._return_value  # the task's exception (reading ret.return_value raises it)
             if failure is not None:
                 lines.append(failure_line(job, list(overrides), failure))
+                result = outcome(FAILED, lines[-1])
+            else:  # the point's own outcome (run.py's job returns it under -m); a failed one names its log
+                value = ret.return_value
+                result = value if isinstance(value, dict) and value.get("state") in STATES else outcome(DONE)
+                if result["state"] in (FAILED, BUSY):
+                    lines.append(failure_line(job, list(overrides), RuntimeError(result["error"])))
+                    result = outcome(result["state"], lines[-1])
+            points.append((num, list(overrides), result))
         if lines:
             print("\n".join(lines), file=sys.stderr, flush=True)
-            raise SystemExit(1)
+        finish_sweep(self.config.hydra.sweep.dir, points)
         return returns

@@ -48,6 +48,7 @@ from tokenizers import models as bpe_models  # not "models": this module is hif8
 from torch import nn
 
 from hif8qat.errors import RunError
+from hif8qat.files import file_mode
 from hif8qat.models import pangu
 from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
 from hif8qat.quant.blocks import find_transformer_blocks
@@ -317,9 +318,10 @@ def _convert_gguf_to_safetensors(gguf_dir: Path, gguf_name: str, dest: Path) -> 
     dest.mkdir(parents=True)
     model.save_pretrained(dest, safe_serialization=True)
     tok.save_pretrained(dest)
+    mode = file_mode()  # what the user's umask allows, as for every other file written
     for f in dest.iterdir():
-        f.chmod(0o644)
-    dest.chmod(0o755)
+        f.chmod(mode)
+    dest.chmod(mode | (mode & 0o444) >> 2)  # a folder: searchable by whoever may read its files
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from hif8qat.report.notes import multiple_comparisons, table_notes
 from hif8qat.report.reach import reach_table
 from hif8qat.report.readme import claims_parts
 from hif8qat.report.seeds import seed_null_table, seed_spread
-from hif8qat.report.sources import FilesUsed, RunInfo, discover_runs
+from hif8qat.report.sources import FilesUsed, RunInfo, check_same_items, discover_runs
 from hif8qat.report.sweeps import plot_sweeps, sweep_table
 from hif8qat.report.table_files import write_table
 from hif8qat.report.tables import ablations_table, drops_table, telemetry_table, vs_base_table
@@ -36,6 +36,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         msg = f"no runs under {runs_root / profile} (train some first, e.g. `make exp8 PROFILE={profile}`)"
         msg += "".join(f"\n  not used: {s['run_dir']}: {s['reason']}" for s in skipped)
         return {"tables": {}, "files": [], "message": msg}
+    unhashed = check_same_items(runs, runs_root, profile)  # before anything is written: never half a report
     used = FilesUsed()
 
     parts = claims_parts(runs, runs_root, profile, margins=margins, last_frac=last_frac,
@@ -73,6 +74,9 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         files += make_figures(parts.curves, runs, metrics_cache, tel_df, out_figures, profile)
         files += plot_sweeps(sweeps_df, out_figures, profile)
     msg = report_message(runs, tables, profile, parts.unpaired, skipped, multiple if n_tests else "")
+    if unhashed:
+        msg += (f"\nnote: {unhashed} task evaluation(s) recorded no hash of the items they scored (evaluated "
+                "before evaluations recorded one): their items are paired by document id, unchecked")
     return {"tables": tables, "files": files, "message": msg, "claims_section": parts.section}
 
 

@@ -26,7 +26,9 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
     margins_text = ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in {**DEFAULT_MARGINS, **(margins or {})}.items())
     return {
         f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %. dirty: made from a tree "
-                           "with uncommitted changes (run_info.json), so its commit does not hold its exact code.",
+                           "with uncommitted changes (run_info.json), so its commit does not hold its exact code. "
+                           "skipped_updates: optimizer updates skipped for a non-finite gradient norm; every claim "
+                           "that pairs such a run names it in the claims table's skipped_update_runs.",
         f"drops_{profile}": "Relative drop (%) = (base-quant)/base*100 against the baseline experiment's bf16 "
                             "evaluation, one row per seed. 95 % CI: exact (conditional McNemar, Clopper-Pearson) "
                             f"when fewer than {EXACT_BELOW_DISCORDANT} items differ (ci_method exact; significant: "

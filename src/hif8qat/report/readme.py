@@ -24,7 +24,7 @@ from hif8qat.report.reach import reach_section, reach_table
 from hif8qat.report.replay import replay_table
 from hif8qat.report.saturation import saturation_section
 from hif8qat.report.sources import FilesUsed, RunInfo, discover_runs
-from hif8qat.report.tables import ape_rows, loss_pairs, runs_table, scaling_pairs_table
+from hif8qat.report.tables import ape_rows, loss_pairs, mark_skipped_updates, runs_table, scaling_pairs_table
 from hif8qat.stats.heldout import HELDOUT_METRIC
 
 # The paper's claims and ours, each answered by one comparison of the claims table:
@@ -268,6 +268,20 @@ class ClaimsParts:
     section: str
 
 
+def skipped_updates_note(claims_df: pd.DataFrame, profile: str) -> str:
+    """A paragraph naming every claim that rests on a run with skipped optimizer updates ("" when none does)."""
+    if claims_df.empty or "skipped_update_runs" not in claims_df:
+        return ""
+    marked = claims_df[claims_df["skipped_update_runs"] != ""]
+    if marked.empty:
+        return ""
+    lines = [f"- {r.experiment}{f' ({r.run_tag})' if r.run_tag else ''} vs {r.counterpart}, {r.mode} {r.task} "
+             f"{r.metric}: {r.skipped_update_runs}" for r in marked.itertuples()]
+    return (f"\n\n**Claims that rest on runs with skipped optimizer updates** (a non-finite gradient norm; "
+            f"claims_{profile} column skipped_update_runs): those runs trained on fewer updates than their "
+            "counterparts, so the difference is not the quantization's alone.\n\n" + "\n".join(lines))
+
+
 def claims_parts(runs: list[RunInfo], runs_root: Path, profile: str, *, margins: Mapping[str, float] | None = None,
                  last_frac: float = 0.1, replay: bool = True, skipped: list[dict] | None = None,
                  used: FilesUsed | None = None) -> ClaimsParts:
@@ -281,9 +295,10 @@ def claims_parts(runs: list[RunInfo], runs_root: Path, profile: str, *, margins:
     scaling_pairs_df = scaling_pairs_table(runs, parent_of, metrics_cache, ape)
     replay_df = replay_table(runs if replay else [], used)
     contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache, used)
-    claims_df = claims_table(contrasts_df, margins)
+    claims_df = mark_skipped_updates(claims_table(contrasts_df, margins), contrasts_df, runs_df)
     section = claims_section(claims_df, runs_df, profile, margins,
                              saturation_section(scaling_pairs_df, replay_df, profile))
+    section += skipped_updates_note(claims_df, profile)
     return ClaimsParts(runs_df, metrics_cache, baseline_of, parent_of, pairing_df, unpaired, curves, ape,
                        scaling_pairs_df, replay_df, contrasts_df, claims_df, section)
 

@@ -23,8 +23,10 @@ from hif8qat.artefacts import (
     read_jsonl,
     read_yaml,
 )
+from hif8qat.errors import RunError
+from hif8qat.evaluate.outputs import ITEMS_KEY
 from hif8qat.files import sha256_file
-from hif8qat.runs.folders import is_archive
+from hif8qat.runs.folders import is_archive, sanitize_tag
 from hif8qat.scaling.settings import ROLES, ScalingConfig
 from hif8qat.stats.heldout import run_label
 
@@ -114,6 +116,11 @@ def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = No
                 skipped.append({"run_dir": str(d), "reason": f"{err.path.name} does not parse ({err.why[:120]})"
                                                              ": left out of every table"})
             continue
+        misplaced = placement_problem(d, cfg, profile)
+        if misplaced:  # a copied or duplicated folder: counting it would count one run twice
+            if skipped is not None:
+                skipped.append({"run_dir": str(d), "reason": f"{misplaced}: left out of every table"})
+            continue
         algo = _get(cfg, "quant.algo")
         runs.append(RunInfo(
             path=d, experiment=str(_get(cfg, "experiment.name", d.parent.name)),
@@ -124,6 +131,61 @@ def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = No
             if _get(cfg, "quant.enabled", False) else "bf16",
         ))
     return runs
+
+
+def placement_problem(run_dir: Path, cfg: Mapping, profile: str) -> str | None:
+    """Why a folder's recorded profile, experiment, seed or run_tag disagrees with where it sits
+    (<profile>/<experiment>/seed<k>[-<tag>], the path run.py made for it), or None when it is where its run
+    belongs. A run folder copied into another experiment's seed, or duplicated beside its seeds, is not a run."""
+    seed, tag = _get(cfg, "seed"), str(_get(cfg, "run_tag", "") or "")
+    recorded = {"profile": _get(cfg, "profile.name"), "experiment": _get(cfg, "experiment.name")}
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        return f"its config_resolved.yaml records no integer seed (seed: {seed!r})"
+    expected = f"seed{seed}" + (f"-{sanitize_tag(tag)}" if tag else "")
+    wrong = [f"{key} {value!r} but it sits under {where!r}" for key, value, where in (
+        ("profile", recorded["profile"], profile), ("experiment", recorded["experiment"], run_dir.parent.name))
+        if value is not None and str(value) != where]
+    if run_dir.name != expected:
+        wrong.append(f"seed {seed}{f' and run_tag {tag!r}' if tag else ''}, whose folder is {expected!r}, but "
+                     f"it is named {run_dir.name!r}")
+    return f"its config_resolved.yaml records {'; '.join(wrong)} (a copied or renamed folder)" if wrong else None
+
+
+class ItemsDiffer(RunError):
+    """Two evaluations in one report scored different items for one task (its data changed between them)."""
+
+
+def check_same_items(runs: list[RunInfo], runs_root: Path, profile: str) -> int:
+    """Refuse (ItemsDiffer) when two evaluations of the report recorded different item hashes for one task:
+    pairing their per-item results by document id would report a change of data as an effect of training or
+    quantization. Every evaluation (each run's eval/<mode>/, and the base model's) is compared, since the report
+    pairs runs with their baselines, parents, other seeds and the base model alike.
+
+    An evaluation that recorded no item hash (made before evaluations recorded them) cannot be checked: it is
+    paired as before. Returns how many task evaluations had no hash, for the report's message."""
+    first: dict[str, tuple[str, Path]] = {}
+    unhashed = 0
+    folders = [d for r in runs for d in sorted((r.path / "eval").glob("*")) if (d / "results.json").is_file()]
+    base_model = Path(runs_root).parent / "base_model" / profile
+    if (base_model / "results.json").is_file():
+        folders.append(base_model)
+    for folder in folders:
+        data = _read_json(folder / "results.json", RESULTS_SCHEMA)
+        digests = data.get(ITEMS_KEY) if isinstance(data.get(ITEMS_KEY), dict) else {}
+        for task in (k for k in data if not k.startswith("_")):
+            digest = digests.get(task)
+            if not isinstance(digest, str):
+                unhashed += 1
+                continue
+            seen = first.setdefault(task, (digest, folder))
+            if seen[0] != digest:
+                raise ItemsDiffer(
+                    f"task {task} was scored on different items in {seen[1]} and {folder} (item hashes "
+                    f"{seen[0][:12]} and {digest[:12]}): its data changed between the two evaluations, so their "
+                    "per-item results cannot be paired. Evaluate the older one again on today's data (python "
+                    "run.py ... stage=eval force=true), or move one of the runs out of "
+                    f"{Path(runs_root) / profile}; nothing was written")
+    return unhashed
 
 
 def _tag(run: RunInfo) -> str:

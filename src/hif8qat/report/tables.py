@@ -27,6 +27,7 @@ from hif8qat.report.sources import (
     read_metrics,
 )
 from hif8qat.report.telemetry import scaling_outcome, telemetry_summary
+from hif8qat.stats.heldout import run_label
 from hif8qat.stats.paired import loss_ape, relative_drop
 
 # A run, its baseline and both their metrics.jsonl frames: one loss-curve comparison.
@@ -54,6 +55,7 @@ def runs_table(runs: list[RunInfo], skipped: list[dict], used: FilesUsed
                "quant": r.quant,
                "estimator": r.estimator, "baseline": r.baseline, "done": r.done,
                "steps": int(m["step"].max()) + 1 if "step" in m and len(m) else 0,
+               "skipped_updates": skipped_updates(summ, m),
                "final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan"),
                "wall_time_s": next((summ[k] for k in ("wall_time_s", "train_wall_s", "train_wall_s_this_session")
                                     if k in summ), float("nan")),
@@ -68,6 +70,36 @@ def runs_table(runs: list[RunInfo], skipped: list[dict], used: FilesUsed
         run_rows.append(row)
     runs_df = pd.DataFrame(run_rows).sort_values(["experiment", "run_tag", "seed"]).reset_index(drop=True)
     return runs_df, metrics_cache
+
+
+def skipped_updates(summary: Mapping[str, Any], metrics: pd.DataFrame) -> int:
+    """Optimizer updates the run skipped for a non-finite gradient norm: summary.json's count when the run
+    finished, else its step log's last (an unfinished run)."""
+    if isinstance(summary.get("skipped_steps"), int):
+        return int(summary["skipped_steps"])
+    if "skipped_steps" in metrics and metrics["skipped_steps"].notna().any():
+        return int(metrics["skipped_steps"].dropna().iloc[-1])
+    return 0
+
+
+def mark_skipped_updates(claims: pd.DataFrame, contrasts: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
+    """The claims with a ``skipped_update_runs`` column: the runs each claim pairs that skipped optimizer
+    updates ("exp8/seed2: 1 update"), empty when none did. Such a run trained on fewer updates than its
+    counterpart, so the claim's difference is not quantization's alone."""
+    if claims.empty:
+        return claims
+    skipped = {run_label(Path(d)): int(n) for d, n in zip(runs_df["run_dir"], runs_df["skipped_updates"]) if n}
+    keys = [k for k in ("experiment", "run_tag", "against", "counterpart", "mode", "task", "metric")
+            if k in claims and k in contrasts]
+    named: dict[tuple, set] = {}
+    for row in contrasts.to_dict("records"):
+        for label in (row.get("run"), row.get("counterpart_run")):
+            if label in skipped:
+                named.setdefault(tuple(str(row[k]) for k in keys), set()).add(label)
+    text = [", ".join(f"{label}: {skipped[label]} update{'s' if skipped[label] != 1 else ''}"
+                      for label in sorted(named.get(tuple(str(row[k]) for k in keys), ())))
+            for row in claims.to_dict("records")]
+    return claims.assign(skipped_update_runs=text)
 
 
 def loss_pairs(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None],

@@ -37,6 +37,7 @@ from hif8qat.runs.checkpoint_names import checkpoint_step, latest_checkpoint
 from hif8qat.runs.launch_env import distributed_info, launch_differences, launch_record
 
 DONE_MARKER = "DONE"
+FAILED_MARKER = "FAILED"  # a diverged run's reason; removed when a rerun finishes
 LOCK_FILE = "run.lock"
 ARCHIVE_INFIX = ".old-"  # <run folder>.old-<time>: a run set aside by force=true; never counted as a run
 _TAG_MAX = 120
@@ -297,6 +298,22 @@ def _reexport_or_refuse(run_dir: Path, resume: str) -> str:
                          "(the old folder is kept, renamed)")
 
 
+# What the run writes by building a folder beside its final name and renaming it there: a symlink at any of
+# them would be followed into, or removed from, a place outside the run folder.
+STAGING_NAMES = (EXPORT_DIR, EXPORT_DIR + ".tmp", EXPORT_8BIT_DIR, EXPORT_8BIT_DIR + ".tmp")
+
+
+def refuse_staging_links(run_dir: Path) -> None:
+    """RunFolderError when a folder the run replaces as a whole is a symbolic link; nothing is followed or
+    removed (checked before any training, so hours of it never end at the export)."""
+    for name in STAGING_NAMES:
+        path = Path(run_dir) / name
+        if path.is_symlink():
+            raise RunFolderError(f"{path} is a symbolic link (to {os.readlink(path)}), where the run writes a "
+                                 "folder of its own and replaces it whole; remove the link (the folder it points "
+                                 "to is left alone) and run again. Nothing was followed or removed")
+
+
 def _has_run_files(run_dir: Path) -> bool:
     return run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
 
@@ -367,6 +384,7 @@ def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]
     run_dir = run_dir_for(cfg)
     if is_main:
         lock_run_dir(run_dir)
+        refuse_staging_links(run_dir)
     config_path = run_dir / CONFIG_FILE
     info_path = run_dir / INFO_FILE
     status = "new"
@@ -411,3 +429,16 @@ def update_summary(run_dir: Path, **fields: Any) -> dict[str, Any]:
 
 def mark_done(run_dir: Path) -> None:
     write_text(run_dir / DONE_MARKER, time.strftime("%Y-%m-%dT%H:%M:%S%z") + "\n")
+    (run_dir / FAILED_MARKER).unlink(missing_ok=True)  # a rerun that finished: its old failure no longer holds
+
+
+def mark_failed(run_dir: Path, reason: str) -> None:
+    write_text(run_dir / FAILED_MARKER, reason + "\n")
+
+
+def failure_reason(run_dir: Path) -> str | None:
+    """Why the run stopped (its FAILED marker), or None for a run that did not fail."""
+    try:
+        return (run_dir / FAILED_MARKER).read_text(errors="replace").strip() or "no reason recorded"
+    except OSError:
+        return None

@@ -152,7 +152,7 @@ class ScalerBank(nn.Module):
             raise ValueError(f"ScalerBank: roles {bad} are invalid; allowed: {ROLES}")
         self.config = config
         self.roles = list(roles)
-        n, L = len(self.roles), int(config.history_len)
+        n = len(self.roles)
         self.n = n
         self._algo_sched = config.algo_schedule()
         self._interval_sched = config.interval_schedule()
@@ -165,7 +165,18 @@ class ScalerBank(nn.Module):
         self.targets = [formats.target_for(config, r) for r in self.roles]
         self._rounding = [config.grad_rounding if r == "G" else "ta" for r in self.roles]
         self._is_g = np.array([r == "G" for r in self.roles])
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self._fresh_tables(torch.device(device) if device is not None else torch.device("cpu"))
+        self.step = 0
+        self.frozen = False
+        self.forecasters: list[ExpSmoothForecaster | None] = [None] * n
+        self._reset_rows(np.ones(n, dtype=bool))
+        self._mb_reset()
+        self.bank_id = next(_IDS)
+        _BANKS[self.bank_id] = self
+
+    def _fresh_tables(self, dev: torch.device) -> None:
+        """The tables of a bank that has not run yet (every row cold), on ``dev``."""
+        n, L = self.n, int(self.config.history_len)
         f32, f64, i64 = torch.float32, torch.float64, torch.int64
         self.target = torch.tensor(self.targets, dtype=f64, device=dev)
         self.history = torch.zeros(n, L, dtype=f32, device=dev)
@@ -183,13 +194,6 @@ class ScalerBank(nn.Module):
         self.last_vals = torch.full((n, 4), math.nan, dtype=f64, device=dev)  # amax, estimate, ratio, scale
         self.last_stats = torch.full((n, 2), math.nan, dtype=f64, device=dev)  # exceed_frac, clipped
         self._views()
-        self.step = 0
-        self.frozen = False
-        self.forecasters: list[ExpSmoothForecaster | None] = [None] * n
-        self._reset_rows(np.ones(n, dtype=bool))
-        self._mb_reset()
-        self.bank_id = next(_IDS)
-        _BANKS[self.bank_id] = self
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _views(self) -> None:
@@ -207,7 +211,11 @@ class ScalerBank(nn.Module):
     def _apply(self, fn, recurse=True):
         # follow device moves of the enclosing model, never its dtype casts (scales stay fp32 / fp64)
         dev = fn(torch.zeros(1, dtype=torch.float32, device=self.device)).device
-        if dev != self.device:
+        if self.device.type == "meta" and dev.type != "meta":
+            # to_empty() of a model built on the meta device: a bank there never ran and its tables hold no
+            # data to copy, so they start cold on the new device (a checkpoint's scalers load afterwards)
+            self._fresh_tables(dev)
+        elif dev != self.device:
             for name in self._TABLES:
                 setattr(self, name, getattr(self, name).to(dev))
             self._views()

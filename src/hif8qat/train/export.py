@@ -21,6 +21,7 @@ from hif8qat.runs.folders import (
     has_export,
     lock_run_dir,
     provenance,
+    refuse_staging_links,
     release_run_dir,
     run_dir_for,
 )
@@ -54,6 +55,7 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
     state_dict: the gathered full weights of an FSDP-sharded model (distributed.full_model_state_dict).
     """
     tmp = directory.with_name(directory.name + ".tmp")
+    refuse_staging_links(directory.parent)  # a link made while training ran: never followed nor removed
     if tmp.exists():
 
         shutil.rmtree(tmp)
@@ -82,6 +84,7 @@ def export_8bit_stage(cfg: RunConfig) -> Path:
                        "stage=all)")
     lock_run_dir(run_dir)  # one writer of the run folder at a time
     try:
+        refuse_staging_links(run_dir)
         out = run_dir / EXPORT_8BIT_DIR
         sizes = write_8bit_export(run_dir / EXPORT_DIR, out, trust_remote_code=cfg.model.trust_remote_code,
                                   meta={"config": cfg.to_dict(), **provenance()})

@@ -37,7 +37,7 @@ from hif8qat.quant.linear import (
     set_step,
     step_telemetry,
 )
-from hif8qat.runs.folders import METRICS_FILE, mark_done, update_summary
+from hif8qat.runs.folders import METRICS_FILE, mark_done, mark_failed, update_summary
 from hif8qat.runs.launch_env import env_from_slurm
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.chunked_loss import install_loss_head, lm_loss
@@ -310,7 +310,7 @@ class _Run:
     def diverged(self, reason: str) -> TrainingDiverged:
         self.sink.close()
         if self.ctx.is_main:
-            (self.run_dir / "FAILED").write_text(reason + "\n")
+            mark_failed(self.run_dir, reason)
         last = ckpt.latest_checkpoint(self.ckpt_root)
         if last is None:
             kept = (f"no checkpoint was written before it (the first is due at step {self.cfg.train.checkpoint_every}); "

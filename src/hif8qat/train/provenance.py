@@ -19,7 +19,7 @@ from hif8qat.train.checkpoint import PROVENANCE_FILE, CheckpointError
 PROVENANCE_SETTINGS = (
     "experiment.name", "seed", "model.name", "model.revision", "data.source", "quant", "quirks",
     "train.steps", "train.lr", "train.lr_warmup_steps", "train.betas", "train.eps", "train.weight_decay",
-    "train.grad_clip", "train.global_batch_size", "train.seq_len",
+    "train.grad_clip", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
 )
 # Inside those sections, what only steers the run's logging.
 _PROVENANCE_IGNORED = ("quant.telemetry_dump_every", "quant.telemetry_stats_every")

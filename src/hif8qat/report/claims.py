@@ -368,13 +368,14 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
                                                                       g["gained"].to_numpy(int)))
             lo95, hi95, lo90, hi90, p, method = accuracy_interval_and_test(c, net, n_units, len(g), homog[2],
                                                                            alpha=alpha)
+            p_item = item_permutation_test(net)[2]
             sizes = pd.Series(np.abs(np.rint(net[net != 0])).astype(int)).value_counts().sort_index()
             mde_pts = mde_item_flips(n_units, net, len(g), alpha=alpha, power=power) * 100.0
             row.update(base=base, cost=rel(c.mean), ci_lo=rel(hi95), ci_hi=rel(lo95), ci90_lo=rel(hi90),
                        ci90_hi=rel(lo90), diff_points=c.mean, lost=int(g["lost"].sum()), gained=int(g["gained"].sum()),
                        flip_items=int((y != 0).any(0).sum()), items_lost=items_lost, items_gained=items_gained,
                        item_change_ms=float(np.mean((net / len(g)) ** 2)),
-                       p=p, test="exact permutation test over items (net flips over seeds) and the crossed t test: "
+                       p=p, p_item=p_item, p_t=c.p, test="exact permutation test over items (net flips over seeds) and the crossed t test: "
                        "both must reject" if "alone" not in method else "the crossed t test", ci_method=method,
                        mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts,
                        boot_lo=rel(boot[1]), boot_hi=rel(boot[0]), homog_chi2=homog[0], homog_df=homog[1],

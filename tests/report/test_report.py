@@ -525,3 +525,34 @@ def test_claims_pool_finished_runs_only(tmp_path):
     c = all_contrasts(runs, baseline_of, parent_of, metrics)
     # exp8 seed 0 keeps only its own hif8-vs-bf16 contrast; seed 1 has none
     assert set(zip(c["seed"], c["against"])) == {(0, "bf16_mode")}
+
+
+def test_one_seed_rows_borrow_the_seed_variance_of_their_kind_or_give_direction_only():
+    from scipy import stats as st
+
+    from hif8qat.report.claims import ONE_SEED, claims_table
+
+    def rows(exp, against, counterpart, diffs, var=1e-4):
+        return [{"experiment": exp, "run_tag": "", "against": against, "counterpart": counterpart, "seed": seed,
+                 "dirty": False, "mode": "train", "task": "loss", "metric": "train_loss", "n": 40,
+                 "recorded": True, "diff": d, "var": var, "within_df": 7, "base": float("nan"), "lost": 0,
+                 "gained": 0} for seed, d in enumerate(diffs)]
+
+    three, five = [0.1, 0.3, 0.5], [0.0, 0.2, 0.1, 0.4, 0.3]
+    table = claims_table(pd.DataFrame(rows("exp3", "baseline", "exp1", three) + rows("exp6", "baseline", "exp1", five)
+                                      + rows("exp4", "baseline", "exp1", [0.4])
+                                      + rows("exp9", "derived_from", "exp8", [0.4])))
+    one = table[table.experiment == "exp4"].iloc[0]
+    # the seed variance of the two multi-seed claims against the baseline, weighted by their df (2 and 4), on
+    # the larger df (4): the seed's own step blocks (variance 1e-4, p ~ 0) no longer decide it
+    pooled = (2 * np.var(three, ddof=1) + 4 * np.var(five, ddof=1)) / 6
+    half = st.t.ppf(0.975, 4) * math.sqrt(pooled)
+    assert (one["ci_lo"], one["ci_hi"], one["df"]) == pytest.approx((0.4 - half, 0.4 + half, 4))
+    assert one["p"] == pytest.approx(2 * st.t.sf(0.4 / math.sqrt(pooled), 4))
+    assert one["seed_var_source"].startswith("pooled from 2 multi-seed claim(s)")
+    assert one["difference"] == ("worse" if one["p_adj"] < 0.05 else "not detected")
+    # nothing of its kind (against the experiment it derives from) to borrow from: no verdict, no test
+    bare = table[table.experiment == "exp9"].iloc[0]
+    assert bare["equivalence"] == bare["difference"] == ONE_SEED and np.isnan(bare["p"])
+    assert bare["seed_var_source"].startswith("none")
+    assert (table.loc[table.n_seeds > 1, "seed_var_source"] == "own seeds").all()

@@ -92,7 +92,7 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "comparison (against), mode, task and metric (their components averaged with weights "
                              "k - 1, df the largest claim's, since claims share runs; train_loss: their variance "
                              "over seeds of the per-seed differences, which replaces the seed's own step-block "
-                             "variance), Satterthwaite df; seed_var_source says where from, and where nothing can "
+                             "variance), on that df; seed_var_source says where from, and where nothing can "
                              "be borrowed both verdicts read \"one seed: direction only\" and p stays empty. "
                              "Accuracy: the hull of the crossed t interval and the interval that inverts the exact "
                              "item test (conditional on the changed items and their sizes, a share theta of them "

@@ -196,7 +196,7 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
               "seed, so seeds and items are crossed random effects (Satterthwaite df, a component within 1e-9 of "
               "the mean squares' scale of zero counting as none). One seed cannot show its own seed's shift: "
               "its interval adds the seed variance of the multi-seed claims of the same comparison, mode, task "
-              "and metric (pooled with weights seeds - 1, the largest claim's df; `seed_var_source` in the "
+              "and metric (pooled with weights seeds - 1, on the largest claim's df; `seed_var_source` in the "
               "table), and where there is none to borrow both verdicts read \"one seed: direction only\". df: "
               "the interval's degrees of freedom (accuracy: its interval is the hull of the crossed t one and "
               "the exact one of the item test, below). "
@@ -237,8 +237,9 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
                 np.isfinite(r.get("lost", np.nan)) else "-"
             if r["metric"] == "accuracy" and np.isfinite(r.get("flip_items", np.nan)):
                 flips += f" ({int(r['flip_items'])} items)"
+            alone = "items alone: " if r["equivalence"] == ONE_SEED else ""  # no seed variance in its interval
             lines.append(f"| {r['mode']} | {r['task']} | {r['metric']} | {r['n_seeds']} | {_num(r['cost'])} "
-                         f"({_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {_df(r)} | {flips} | "
+                         f"({alone}{_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {_df(r)} | {flips} | "
                          f"{_num(r['p_adj'], 3, False)} | "
                          f"{_num(r['mde'], 2, False)} | {r['margin']:g} | {r['equivalence']} | "
                          f"{r['difference']} |")

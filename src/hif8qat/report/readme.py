@@ -237,7 +237,7 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
                 np.isfinite(r.get("lost", np.nan)) else "-"
             if r["metric"] == "accuracy" and np.isfinite(r.get("flip_items", np.nan)):
                 flips += f" ({int(r['flip_items'])} items)"
-            alone = "items alone: " if r["equivalence"] == ONE_SEED else ""  # no seed variance in its interval
+            alone = "within seed: " if r["equivalence"] == ONE_SEED else ""  # no seed variance in its interval
             lines.append(f"| {r['mode']} | {r['task']} | {r['metric']} | {r['n_seeds']} | {_num(r['cost'])} "
                          f"({alone}{_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {_df(r)} | {flips} | "
                          f"{_num(r['p_adj'], 3, False)} | "

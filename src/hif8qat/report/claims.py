@@ -390,8 +390,9 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
                    between_seed_sd=float(np.std(g["diff"].to_numpy(float), ddof=1)) if len(g) > 1 else float("nan"),
                    equivalence=ONE_SEED if one_seed_bare else equivalence_verdict(
                        row["ci90_lo"], row["ci90_hi"], margin, "" if unit == "nats" else " %"))
-        if one_seed_bare:  # its interval leaves out the seed variance: no test either
-            row["p"] = float("nan")
+        if one_seed_bare:  # its interval leaves out the seed variance: no test, nothing it could detect
+            row.update(p=float("nan"), mde=float("nan"), **({"mde_points": float("nan")} if "mde_points" in row
+                                                             else {}))
         rows.append(row)
     df = _error_control(pd.DataFrame(rows), headline, alpha)
     # the check over each claim's accuracy rows together, against their joint conditional null (claims share

@@ -309,7 +309,9 @@ def test_claims_pool_seeds_into_one_exact_test_over_items(tmp_path):
     assert (c["n_seeds"], c["lost"], c["gained"], c["n_items"]) == (3, 60, 0, 360)
     # the same 20 items are lost in every seed: 20 items net lost, one exact test over items (not 60 flips)
     assert (c["flip_items"], c["items_lost"], c["items_gained"]) == (20, 20, 0)
-    assert c["p"] == pytest.approx(2 * 0.5 ** 20)
+    assert c["p_item"] == pytest.approx(2 * 0.5 ** 20)
+    # a difference needs the crossed t test to reject too: the row's p is the larger of the two
+    assert c["p"] == pytest.approx(max(c["p_item"], c["p_t"])) and c["p_t"] < 0.05
     assert c["cost"] == pytest.approx(20 / 120 * 100 / base * 100)
     assert c["ci_lo"] > 1.0 and c["equivalence"] == "not equivalent" and c["difference"] == "worse"
     # every interval is ordered and holds its estimate (accuracy's is mapped through the relative drop, which
@@ -375,38 +377,55 @@ def _holm_by_hand(ps):
     return out
 
 
-def test_claims_table_applies_holm_within_each_claim():
+def _bh_by_hand(ps):
+    """Benjamini-Hochberg step-up: the i-th smallest of m p-values times m / i, running minimum from the largest,
+    capped at 1."""
+    m = len(ps)
+    order = sorted(range(m), key=lambda i: ps[i])
+    out, running = [0.0] * m, 1.0
+    for rank in range(m - 1, -1, -1):
+        running = min(running, ps[order[rank]] * m / (rank + 1))
+        out[order[rank]] = running
+    return out
+
+
+def test_claims_table_controls_errors_by_declared_family():
     from scipy import stats as st
 
     from hif8qat.report.claims import CLAIM_KEYS, claims_table
 
-    z = np.linspace(-1.0, 1.0, 128)
-    z = (z - z.mean()) / z.std(ddof=1)  # 128 window costs of sample sd 1: their mean's t test has 127 df
+    def row(exp, against, counterpart, task, p):
+        # three seeds' loss differences m + (-1, 0, 1): t = m sqrt(3) on 2 df has two-sided p-value p
+        m = float(st.t.isf(p / 2, 2)) / math.sqrt(3)
+        return [{"experiment": exp, "run_tag": "", "against": against, "counterpart": counterpart, "seed": seed,
+                 "dirty": False, "mode": "train", "task": task, "metric": "train_loss", "n": 40, "recorded": True,
+                 "diff": m + d, "var": 1e-4, "within_df": 7, "base": float("nan"), "lost": 0, "gained": 0}
+                for seed, d in enumerate((-1.0, 0.0, 1.0))]
 
-    def row(against, counterpart, mode, task, p):
-        # one seed's held-out contrast whose t test over its 128 windows (127 df) has two-sided p-value p
-        diff = float(st.t.isf(p / 2, 127)) * 0.01
-        return {"experiment": "exp8", "run_tag": "", "against": against, "counterpart": counterpart, "seed": 0,
-                "dirty": False, "mode": mode, "task": task, "metric": "heldout_nll", "n": 4096, "recorded": True,
-                "diff": diff, "var": 1e-4, "within_df": 127, "base": 3.0, "lost": 0, "gained": 0,
-                "units": pd.Series(diff + 0.01 * np.sqrt(128) * z, index=[str(i) for i in range(128)])}
-
-    rows = [row("baseline", "exp7", "bf16", "heldout", 0.012), row("baseline", "exp7", "hif8", "heldout", 0.03),
-            row("baseline", "exp7", "bf16", "heldout_b", 0.02), row("baseline", "exp7", "hif8", "heldout_b", 0.2),
-            row("bf16_mode", "exp8", "hif8", "heldout", 0.03)]
-    df = claims_table(pd.DataFrame(rows))
-    assert len(df) == 5
-    # one family per claim (experiment, tag, against, counterpart), from the rows' own p-values
+    rows = (row("exp8", "baseline", "exp7", "loss", 0.012) + row("exp8", "baseline", "exp7", "loss_b", 0.06)
+            + row("exp3", "baseline", "exp1", "loss", 0.03) + row("exp4", "baseline", "exp1", "loss", 0.02)
+            + row("exp4", "baseline", "exp1", "loss_b", 0.2) + row("exp4", "baseline", "exp1", "loss_c", 0.03))
+    headline = {("exp8", "baseline", "exp7"), ("exp3", "baseline", "exp1")}
+    df = claims_table(pd.DataFrame(rows), headline=headline)
+    assert df["p"].round(6).tolist() == [0.012, 0.06, 0.03, 0.02, 0.2, 0.03]
+    head = df["experiment"].isin(["exp8", "exp3"]).to_numpy()
+    # the headline claims are one family (Holm over all their rows); the whole table, Benjamini-Hochberg
+    assert df.loc[head, "p_holm_headline"].tolist() == pytest.approx(_holm_by_hand([0.012, 0.06, 0.03]), rel=1e-6)
+    assert df.loc[~head, "p_holm_headline"].isna().all()
+    assert df["p_bh"].tolist() == pytest.approx(_bh_by_hand(df["p"].tolist()), rel=1e-9)
+    assert (df.loc[head, "p_adj"] == df.loc[head, "p_holm_headline"]).all()
+    assert (df.loc[~head, "p_adj"] == df.loc[~head, "p_bh"]).all()
+    assert df.loc[head, "family"].str.startswith("headline claims: Holm over 3").all()
+    assert df.loc[~head, "family"].str.startswith("whole table: Benjamini-Hochberg over 6").all()
+    # within the claim, for reference
     for _, g in df.groupby(CLAIM_KEYS, sort=False):
-        assert g["p_holm"].tolist() == pytest.approx(_holm_by_hand(g["p"].tolist()), rel=1e-9)
-    assert (df["p_holm"] >= df["p"]).all()
-    # the verdict reads the adjusted p: raw p 0.03 is "worse" alone in its claim, "not detected" in a family of 4
-    base = df[df["against"] == "baseline"]
-    assert sorted(base["p"].round(6)) == [0.012, 0.02, 0.03, 0.2]  # the family the adjustment acts on
-    alone = df[df["against"] == "bf16_mode"].iloc[0]
-    assert alone["p_holm"] == pytest.approx(alone["p"]) and alone["difference"] == "worse"
-    assert (base["difference"] == np.where(base["p_holm"] < 0.05, "worse", "not detected")).all()
-    assert (base["difference"] == "worse").sum() == 1 and (base["p"] < 0.05).sum() == 3
+        assert g["p_holm"].tolist() == pytest.approx(_holm_by_hand(g["p"].tolist()), rel=1e-6)
+    # the verdict reads its family's adjusted p: exp3's raw 0.03 passes BH over the table (0.045) but not Holm
+    # over the headline claims (0.06)
+    assert (df["difference"] == np.where(df["p_adj"] < 0.05, "worse", "not detected")).all()
+    assert df.loc[head, "difference"].tolist() == ["worse", "not detected", "not detected"]
+    assert df.loc[head, "p_bh"].iloc[2] < 0.05
+    assert df.loc[~head, "difference"].tolist() == ["worse", "not detected", "worse"]
 
 
 def test_anchor_table_puts_ours_next_to_published(tmp_path):
@@ -506,3 +525,34 @@ def test_claims_pool_finished_runs_only(tmp_path):
     c = all_contrasts(runs, baseline_of, parent_of, metrics)
     # exp8 seed 0 keeps only its own hif8-vs-bf16 contrast; seed 1 has none
     assert set(zip(c["seed"], c["against"])) == {(0, "bf16_mode")}
+
+
+def test_one_seed_rows_borrow_the_seed_variance_of_their_kind_or_give_direction_only():
+    from scipy import stats as st
+
+    from hif8qat.report.claims import ONE_SEED, claims_table
+
+    def rows(exp, against, counterpart, diffs, var=1e-4):
+        return [{"experiment": exp, "run_tag": "", "against": against, "counterpart": counterpart, "seed": seed,
+                 "dirty": False, "mode": "train", "task": "loss", "metric": "train_loss", "n": 40,
+                 "recorded": True, "diff": d, "var": var, "within_df": 7, "base": float("nan"), "lost": 0,
+                 "gained": 0} for seed, d in enumerate(diffs)]
+
+    three, five = [0.1, 0.3, 0.5], [0.0, 0.2, 0.1, 0.4, 0.3]
+    table = claims_table(pd.DataFrame(rows("exp3", "baseline", "exp1", three) + rows("exp6", "baseline", "exp1", five)
+                                      + rows("exp4", "baseline", "exp1", [0.4])
+                                      + rows("exp9", "derived_from", "exp8", [0.4])))
+    one = table[table.experiment == "exp4"].iloc[0]
+    # the seed variance of the two multi-seed claims against the baseline, weighted by their df (2 and 4), on
+    # the larger df (4): the seed's own step blocks (variance 1e-4, p ~ 0) no longer decide it
+    pooled = (2 * np.var(three, ddof=1) + 4 * np.var(five, ddof=1)) / 6
+    half = st.t.ppf(0.975, 4) * math.sqrt(pooled)
+    assert (one["ci_lo"], one["ci_hi"], one["df"]) == pytest.approx((0.4 - half, 0.4 + half, 4))
+    assert one["p"] == pytest.approx(2 * st.t.sf(0.4 / math.sqrt(pooled), 4))
+    assert one["seed_var_source"].startswith("pooled from 2 multi-seed claim(s)")
+    assert one["difference"] == ("worse" if one["p_adj"] < 0.05 else "not detected")
+    # nothing of its kind (against the experiment it derives from) to borrow from: no verdict, no test
+    bare = table[table.experiment == "exp9"].iloc[0]
+    assert bare["equivalence"] == bare["difference"] == ONE_SEED and np.isnan(bare["p"]) and np.isnan(bare["mde"])
+    assert bare["seed_var_source"].startswith("none")
+    assert (table.loc[table.n_seeds > 1, "seed_var_source"] == "own seeds").all()

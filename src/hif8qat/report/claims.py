@@ -11,13 +11,12 @@ and where few items change its interval includes the one that inverts that test,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from hif8qat.report.items import EXACT_BELOW_DISCORDANT
 from hif8qat.report.sources import (
     FilesUsed,
     RunInfo,
@@ -40,10 +39,12 @@ from hif8qat.stats.item_flips import (
     gain_share_homogeneity,
     item_permutation_test,
     item_test_interval,
+    joint_gain_share_homogeneity,
     mde_item_flips,
 )
 from hif8qat.stats.paired import (
     Contrast,
+    benjamini_hochberg,
     block_variance_of_mean,
     crossed_mean,
     equivalence_verdict,
@@ -53,7 +54,9 @@ from hif8qat.stats.paired import (
     make_contrast,
     mde_from_se,
     mean_variance,
+    pool_seed_variance,
     seeds_t,
+    with_seed_variance,
 )
 
 # Equivalence margins (two one-sided tests), in the unit of each metric's cost; positive cost = the run is worse.
@@ -66,12 +69,36 @@ METRIC_UNITS = {"accuracy": "% of score", "train_loss": "% of loss", "gold_ll": 
 ITEM_METRICS = ("gold_ll", "gold_margin")  # per-item columns of samples_<task>.csv, when the run recorded them
 NOT_RECORDED = "not recorded in this run"
 UNITS_OF = {"accuracy": "items", HELDOUT_METRIC: "windows", **{m: "items" for m in ITEM_METRICS}}
-# "Few" changed items: an accuracy row whose items with a non-zero net change over the seeds number fewer than
-# this takes the interval that inverts the exact item test (item_test_interval), not the crossed t interval,
-# whose normal theory does not hold for a handful of 0/1 flips; the per-seed tables switch to the exact
-# McNemar interval at the same count.
-FEW_CHANGED_ITEMS = EXACT_BELOW_DISCORDANT
 LOSS_BLOCK = 5  # consecutive steps per block for the within-seed variance of the loss difference
+ONE_SEED = "one seed: direction only"  # both verdicts of a one-seed row with no seed variance to borrow
+
+# The paper's claims and ours, each answered by one comparison of the claims table:
+# (title, experiment, against, counterpart, what a cost > 0 means).
+PAPER_CLAIMS = [
+    ("Near-lossless final recipe", "exp8", "baseline", "exp7", "the HiF8 recipe is worse than BF16 at LR 1e-5"),
+    ("Saturation cost, most_recent(30) at LR 1e-4", "exp3", "baseline", "exp1", "QAT with the lagging estimator "
+     "is worse than BF16"),
+    ("Saturation cost, max(64) recipe at LR 1e-4", "exp6", "baseline", "exp1", "the recipe at LR 1e-4 is worse "
+     "than BF16"),
+    ("Forgetting at LR 1e-4", "exp7", "derived_from", "exp1", "LR 1e-5 is worse than LR 1e-4 (forgetting at "
+     "1e-4 shows as a negative cost)"),
+    ("Delayed estimator vs the just-in-time oracle, max(64)", "exp12", "derived_from", "exp8", "the oracle is "
+     "worse than the delayed estimate"),
+    ("Delayed estimator vs the just-in-time oracle, most_recent(30)", "exp13", "derived_from", "exp2", "the "
+     "oracle is worse than the delayed estimate"),
+    ("FP8 HYBRID vs HiF8, max(64)", "exp11", "derived_from", "exp8", "FP8 is worse than HiF8"),
+    ("FP8 HYBRID vs HiF8, most_recent(30)", "exp10", "derived_from", "exp2", "FP8 is worse than HiF8"),
+    ("Gradients at target 224 (MindSpeed's HiF8 recipe), max(64)", "exp14", "derived_from", "exp8", "scaling "
+     "the gradients to 224 is worse than to 15"),
+    ("Gradients at target 224 (MindSpeed's HiF8 recipe), most_recent(30)", "exp15", "derived_from", "exp2",
+     "scaling the gradients to 224 is worse than to 15"),
+    ("The BF16 warmup alone (ours)", "exp9", "derived_from", "exp8", "QAT from step 0 is worse than after the "
+     "BF16 warmup"),
+    ("Quantized inference of the final recipe", "exp8", "bf16_mode", "exp8", "exp8 evaluated in HiF8 (W8A8, "
+     "final frozen scales) is worse than its own weights evaluated in BF16"),
+]
+# The headline claims (the README states them): one family, Holm over all their rows.
+HEADLINE_CLAIMS = frozenset((exp, against, counterpart) for _, exp, against, counterpart, _ in PAPER_CLAIMS)
 
 
 def _signed_loss_difference(mq: pd.DataFrame, mb: pd.DataFrame, from_step: int | None) -> tuple[float, float, int]:
@@ -211,45 +238,120 @@ def _loss_contrast(g: pd.DataFrame) -> Contrast:
                      "variance)")
 
 
-def _disagrees(p: float, lo: float, hi: float, alpha: float = 0.05) -> bool:
-    """Whether a 95 % interval and a test at 5 % say different things about a zero difference."""
-    return bool((p < alpha) != (lo > 0 or hi < 0))
+def seed_variance_donors(contrasts: Mapping[tuple, Contrast]) -> dict[tuple, tuple[float, float, int]]:
+    """Per (against, mode, task, metric): the seed variance of the multi-seed claims of that kind pooled
+    (:func:`hif8qat.stats.paired.pool_seed_variance`), its df and the number of claims pooled. ``contrasts``: a
+    claim row's key (CLAIM_KEYS + mode, task, metric) -> its contrast. The training loss's seed variance is the
+    variance over seeds of the per-seed differences; the other metrics' is the crossed model's seed component."""
+    by_kind: dict[tuple, list[tuple[float, float]]] = {}
+    for key, c in contrasts.items():
+        if c.k >= 2 and np.isfinite(c.seed_var):
+            by_kind.setdefault(_kind(key), []).append((c.seed_var, float(c.k - 1)))
+    out = {}
+    for kind, donors in by_kind.items():
+        var, df = pool_seed_variance([v for v, _ in donors], [d for _, d in donors])
+        out[kind] = (var, df, len(donors))
+    return out
+
+
+def _kind(key: tuple) -> tuple:
+    """A claim row's comparison kind (against, mode, task, metric): what its seed variance is borrowed across."""
+    head = dict(zip(CLAIM_KEYS + ["mode", "task", "metric"], key, strict=True))
+    return head["against"], head["mode"], head["task"], head["metric"]
+
+
+def accuracy_interval_and_test(c: Contrast, net: np.ndarray, n_units: int, k: int, homog_p: float, *,
+                               alpha: float = 0.05) -> tuple[float, float, float, float, float, str]:
+    """An accuracy row's interval (95 % and 90 %, in points) and its test of a zero difference, so that the two
+    cannot disagree: ``(lo95, hi95, lo90, hi90, p, method)``.
+
+    Two models answer it: the crossed seeds x items t interval (``c``; valid whatever the seeds share, but its
+    normal theory is rough for a handful of 0/1 flips) and the exact item test with the interval that inverts it
+    (exact for any count, but only if the items' net flips are independent: a training-noise shift shared by one
+    seed's items breaks it). The interval is the hull of the two (it covers whenever either does) and the test
+    rejects only where both do (p the larger of the two: valid when either model is), so the hull excludes 0
+    exactly when the test rejects. Where the homogeneity check (``homog_p``) finds the seeds' shares of gains
+    differing, the item test's assumption is refuted: the crossed t interval and test alone. No flip in any
+    seed: +-1 item beside the t interval, whose width would be zero."""
+    p_item = item_permutation_test(net)[2]
+    t95, t90 = (c.lo, c.hi), (c.lo90, c.hi90)
+    if not (net != 0).any():
+        one = 100.0 / n_units
+        lo95, hi95 = np.nanmin([-one, t95[0]]), np.nanmax([one, t95[1]])
+        lo90, hi90 = np.nanmin([-one, t90[0]]), np.nanmax([one, t90[1]])
+        return lo95, hi95, lo90, hi90, float(np.nanmax([p_item, c.p])), c.method + "; no flip in any seed: +-1 item"
+    if np.isfinite(homog_p) and homog_p < alpha and np.isfinite(c.se):
+        return (*t95, *t90, c.p, c.method + f"; the seeds' gain shares differ (homogeneity p {homog_p:.3f}): "
+                "the crossed t interval and test alone")
+    e95, e90 = (tuple(v * 100 for v in item_test_interval(net, n_units, k, cf)) for cf in (0.95, 0.90))
+    lo95, hi95 = np.nanmin([t95[0], e95[0]]), np.nanmax([t95[1], e95[1]])
+    lo90, hi90 = np.nanmin([t90[0], e90[0]]), np.nanmax([t90[1], e90[1]])
+    return (float(lo95), float(hi95), float(lo90), float(hi90), float(np.nanmax([p_item, c.p])),
+            c.method + "; hull with the exact interval of the item test, which must reject too")
 
 
 def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = None, *, alpha: float = 0.05,
-                 power: float = 0.8, n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
+                 power: float = 0.8, n_boot: int = 2000, seed: int = 0,
+                 headline: Collection[tuple[str, str, str]] | None = None) -> pd.DataFrame:
     """Per claim (a run against its baseline or the experiment it derives from), mode, task and metric: the
     mean over seeds of the same-seed paired cost with a 95 % interval from the design's own units (training
     loss: t on the per-seed means, k - 1 df; per-item and held-out metrics: seeds x items or windows as crossed
-    random effects, Satterthwaite df, :func:`hif8qat.stats.paired.crossed_mean`), the equivalence verdict against the
-    metric's margin (two one-sided tests on the 90 % interval), one test of a difference per row (accuracy: an
-    exact permutation test over items of their net flips summed over seeds, :func:`hif8qat.stats.item_flips.item_permutation_test`; else
-    the t test of the same model), Holm-adjusted within the claim, the minimum detectable cost of that same test
-    and, where the seeds and units allow, a hierarchical bootstrap interval beside (``boot_lo`` / ``boot_hi``).
+    random effects, Satterthwaite df, :func:`hif8qat.stats.paired.crossed_mean`), the equivalence verdict against
+    the metric's margin (two one-sided tests on the 90 % interval), one test of a difference per row (accuracy:
+    :func:`accuracy_interval_and_test`; else the t test of the same model), the minimum detectable cost of that
+    test and, where the seeds and units allow, a hierarchical bootstrap interval beside (``boot_lo`` / ``boot_hi``).
+
+    One seed cannot show its own seed's shift: its variance borrows the seed variance of the multi-seed claims
+    of the same kind (:func:`seed_variance_donors`; ``seed_var_source`` says which), and where there are none
+    both verdicts read ONE_SEED. Error control over the whole table: ``p_bh``, Benjamini-Hochberg over every
+    row (false discovery rate); ``p_holm_headline``, Holm over the rows of the ``headline`` claims ((experiment,
+    against, counterpart) keys, HEADLINE_CLAIMS by default: family-wise); ``family`` / ``p_adj``: the one a
+    row's difference verdict uses (headline rows Holm, the others BH); ``p_holm``: Holm within the claim, for
+    reference.
 
     cost > 0: the run is worse (accuracy: relative drop, % of the baseline score; train_loss: relative loss
     increase, % of the baseline loss; gold_ll / gold_margin: nats lost per item).
     """
     margins = {**DEFAULT_MARGINS, **(margins or {})}
+    headline = set(HEADLINE_CLAIMS if headline is None else headline)
     if contrasts.empty:
         return pd.DataFrame()
-    rows = []
     keys = CLAIM_KEYS + ["mode", "task", "metric"]
+    groups, models = [], {}
     for key, g in contrasts.groupby(keys, sort=False):
-        head = dict(zip(keys, key, strict=True))
-        metric, margin, unit = head["metric"], margins.get(head["metric"], float("nan")), METRIC_UNITS[head["metric"]]
         g = g.sort_values("seed")
-        row = {**head, "unit": unit, "n_seeds": len(g), "seeds": ",".join(str(x) for x in g["seed"]),
-               "n_items": int(g["n"].sum()), "dirty_runs": int(g["dirty"].sum()), "margin": margin}
+        groups.append((key, g))
         if not g["recorded"].all():
-            rows.append({**row, "equivalence": NOT_RECORDED, "difference": NOT_RECORDED})
             continue
-        if metric == "train_loss":
-            c = _loss_contrast(g)
-            y = g["diff"].to_numpy(float)
+        if dict(zip(keys, key, strict=True))["metric"] == "train_loss":
+            models[key] = (g["diff"].to_numpy(float), _loss_contrast(g))
         else:
             y = _unit_table(g).to_numpy(float)
-            c = crossed_mean(y, UNITS_OF[metric])
+            models[key] = (y, crossed_mean(y, UNITS_OF[key[-1]]))
+    donors = seed_variance_donors({key: c for key, (_, c) in models.items()})
+    rows, flip_tables = [], {}
+    for key, g in groups:
+        head = dict(zip(keys, key, strict=True))
+        metric, margin, unit = head["metric"], margins.get(head["metric"], float("nan")), METRIC_UNITS[head["metric"]]
+        row = {**head, "unit": unit, "n_seeds": len(g), "seeds": ",".join(str(x) for x in g["seed"]),
+               "n_items": int(g["n"].sum()), "dirty_runs": int(g["dirty"].sum()), "margin": margin}
+        if key not in models:
+            rows.append({**row, "equivalence": NOT_RECORDED, "difference": NOT_RECORDED})
+            continue
+        y, c = models[key]
+        one_seed_bare = False
+        if c.k >= 2:
+            row["seed_var_source"] = "own seeds"
+        elif _kind(key) in donors and np.isfinite(donors[_kind(key)][0]):
+            var, df, n_claims = donors[_kind(key)]
+            source = (f"pooled from {n_claims} multi-seed claim(s) of the same comparison, mode, task and metric "
+                      f"(df-weighted, {df:g} df: the largest claim's)")
+            c = with_seed_variance(c, var, df, replaces_own=metric == "train_loss", source=f"({source})")
+            row["seed_var_source"] = source
+        else:
+            one_seed_bare = True
+            row["seed_var_source"] = "none: one seed and no multi-seed claim of this kind to borrow from"
+        if metric != "train_loss":
             row["n_units"] = y.shape[1]
         boot = hierarchical_bootstrap(y, n_boot=n_boot, seed=seed)
         if metric == "accuracy":
@@ -260,41 +362,21 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
 
             n_units = y.shape[1]
             net = y.sum(0) / 100.0  # each item's net change over the seeds, in answers
-            items_lost, items_gained, p = item_permutation_test(net)
-            lo95, hi95, lo90, hi90 = c.lo, c.hi, c.lo90, c.hi90
-            method = c.method
-            changed = items_lost + items_gained
-            if not (y != 0).any():  # no flip in any seed: a zero-width interval would claim too much
-                lo95 = lo90 = -100.0 / n_units
-                hi95 = hi90 = 100.0 / n_units
-                method = "no flip in any seed: +-1 item"
-            elif changed < FEW_CHANGED_ITEMS or _disagrees(p, lo95, hi95):
-                # few items changed (or the crossed t interval contradicts the item test): the t interval's normal
-                # theory does not hold for a handful of flips, and the interval that inverts the exact item test
-                # (exact at 0, conditional on how many items changed) is narrow where few changed. Their hull
-                # covers whenever either does; where it would still contradict the test (the test finds a
-                # difference that the t interval holds 0 for) the inverted interval alone, so that the interval
-                # and the test cannot disagree
-                e95, e90 = (item_test_interval(net, n_units, len(g), cf) for cf in (0.95, 0.90))
-                e95, e90 = (e95[0] * 100, e95[1] * 100), (e90[0] * 100, e90[1] * 100)
-                hull = (min(lo95, e95[0]), max(hi95, e95[1]))
-                why = (f"{changed} items changed, fewer than {FEW_CHANGED_ITEMS}" if changed < FEW_CHANGED_ITEMS
-                       else "the crossed t interval contradicted the item test")
-                if not _disagrees(p, *hull):
-                    lo95, hi95 = hull
-                    lo90, hi90 = min(lo90, e90[0]), max(hi90, e90[1])
-                    method += f"; {why}: widened to the exact interval of the item test"
-                else:
-                    (lo95, hi95), (lo90, hi90) = e95, e90
-                    method = f"exact: inverts the item test ({why}; the t interval holds 0, the test rejects it)"
+            items_lost, items_gained, _ = item_permutation_test(net)
             homog = gain_share_homogeneity(g["lost"].to_numpy(int), g["gained"].to_numpy(int), seed=seed)
+            flip_tables.setdefault(key[: len(CLAIM_KEYS)], []).append((g["lost"].to_numpy(int),
+                                                                      g["gained"].to_numpy(int)))
+            lo95, hi95, lo90, hi90, p, method = accuracy_interval_and_test(c, net, n_units, len(g), homog[2],
+                                                                           alpha=alpha)
+            p_item = item_permutation_test(net)[2]
             sizes = pd.Series(np.abs(np.rint(net[net != 0])).astype(int)).value_counts().sort_index()
             mde_pts = mde_item_flips(n_units, net, len(g), alpha=alpha, power=power) * 100.0
             row.update(base=base, cost=rel(c.mean), ci_lo=rel(hi95), ci_hi=rel(lo95), ci90_lo=rel(hi90),
                        ci90_hi=rel(lo90), diff_points=c.mean, lost=int(g["lost"].sum()), gained=int(g["gained"].sum()),
                        flip_items=int((y != 0).any(0).sum()), items_lost=items_lost, items_gained=items_gained,
                        item_change_ms=float(np.mean((net / len(g)) ** 2)),
-                       p=p, test="exact permutation test over items (net flips over seeds)", ci_method=method,
+                       p=p, p_item=p_item, p_t=c.p, test="exact permutation test over items (net flips over seeds) and the crossed t test: "
+                       "both must reject" if "alone" not in method else "the crossed t test", ci_method=method,
                        mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts,
                        boot_lo=rel(boot[1]), boot_hi=rel(boot[0]), homog_chi2=homog[0], homog_df=homog[1],
                        homog_p=homog[2], changed_by_size=" ".join(f"{w}:{c}" for w, c in sizes.items()))
@@ -306,17 +388,44 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
                 row.update(lost=int(g["lost"].sum()), gained=int(g["gained"].sum()))
         row.update(df=c.df, seed_var=c.seed_var, unit_var=c.unit_var, resid_var=c.resid_var,
                    between_seed_sd=float(np.std(g["diff"].to_numpy(float), ddof=1)) if len(g) > 1 else float("nan"),
-                   equivalence=equivalence_verdict(row["ci90_lo"], row["ci90_hi"], margin,
-                                                   "" if unit == "nats" else " %"))
+                   equivalence=ONE_SEED if one_seed_bare else equivalence_verdict(
+                       row["ci90_lo"], row["ci90_hi"], margin, "" if unit == "nats" else " %"))
+        if one_seed_bare:  # its interval leaves out the seed variance: no test, nothing it could detect
+            row.update(p=float("nan"), mde=float("nan"), **({"mde_points": float("nan")} if "mde_points" in row
+                                                             else {}))
         rows.append(row)
-    df = pd.DataFrame(rows)
-    df["p_holm"] = np.nan
+    df = _error_control(pd.DataFrame(rows), headline, alpha)
+    # the check over each claim's accuracy rows together, against their joint conditional null (claims share
+    # runs with each other, so the check is not summed across claims)
+    for claim, tables in flip_tables.items():
+        chi2, dof, p, n_rows = joint_gain_share_homogeneity(tables, seed=seed)
+        at = (df[CLAIM_KEYS].apply(tuple, axis=1) == claim) & (df["metric"] == "accuracy")
+        df.loc[at, ["claim_homog_chi2", "claim_homog_df", "claim_homog_p", "claim_homog_rows"]] = (
+            chi2, dof, p, n_rows)
+    return df
+
+
+def _error_control(df: pd.DataFrame, headline: set, alpha: float) -> pd.DataFrame:
+    """The adjusted p-values and the difference verdict from the family each row belongs to (see claims_table)."""
+    for col in ("p_holm", "p_bh", "p_holm_headline", "p_adj"):
+        df[col] = np.nan
+    if "p" not in df:
+        df["p"] = np.nan
     for _, idx in df.groupby(CLAIM_KEYS, sort=False).groups.items():
-        df.loc[idx, "p_holm"] = holm(df.loc[idx, "p"].to_numpy(float)) if "p" in df else np.nan
-    recorded = df["equivalence"] != NOT_RECORDED
-    df.loc[recorded, "difference"] = np.where(
-        df.loc[recorded, "p_holm"] < alpha, np.where(df.loc[recorded, "cost"] > 0, "worse", "better"),
-        "not detected")
+        df.loc[idx, "p_holm"] = holm(df.loc[idx, "p"].to_numpy(float))
+    df["p_bh"] = benjamini_hochberg(df["p"].to_numpy(float))
+    is_headline = np.array([(e, a, c) in headline and not t for e, t, a, c in
+                            zip(df["experiment"], df["run_tag"].fillna(""), df["against"], df["counterpart"],
+                                strict=True)], bool)
+    df.loc[is_headline, "p_holm_headline"] = holm(df.loc[is_headline, "p"].to_numpy(float))
+    n_head, n_all = int(np.isfinite(df.loc[is_headline, "p"]).sum()), int(np.isfinite(df["p"]).sum())
+    df["family"] = np.where(is_headline, f"headline claims: Holm over {n_head} tests",
+                            f"whole table: Benjamini-Hochberg over {n_all} tests")
+    df["p_adj"] = np.where(is_headline, df["p_holm_headline"], df["p_bh"])
+    tested = (df["equivalence"] != NOT_RECORDED) & (df["equivalence"] != ONE_SEED)
+    df["difference"] = np.where(df["equivalence"] == ONE_SEED, ONE_SEED, NOT_RECORDED)
+    df.loc[tested, "difference"] = np.where(
+        df.loc[tested, "p_adj"] < alpha, np.where(df.loc[tested, "cost"] > 0, "worse", "better"), "not detected")
     return df
 
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from hif8qat.report.claims import CLAIM_KEYS, DEFAULT_MARGINS, FEW_CHANGED_ITEMS, METRIC_UNITS
+from hif8qat.report.claims import CLAIM_KEYS, DEFAULT_MARGINS, METRIC_UNITS
 from hif8qat.report.items import EXACT_BELOW_DISCORDANT
 
 
@@ -14,9 +14,14 @@ def multiple_comparisons(claims_df: pd.DataFrame, profile: str) -> tuple[str, in
     """How many claims and tests the claims table holds and how they are adjusted, and the number of tests."""
     n_tests = int(claims_df["p"].notna().sum()) if "p" in claims_df else 0
     n_claims = int(claims_df.groupby(CLAIM_KEYS).ngroups) if len(claims_df) else 0
-    multiple = (f"Multiple comparisons: one family per claim ({n_claims} claims, {n_tests} tests in "
-                f"claims_{profile}), seeds pooled into one test per task and metric; p_holm is Holm-adjusted "
-                "within the claim. Per-seed rows (drops, ablations) are descriptive and unadjusted.")
+    n_head = int(claims_df["p_holm_headline"].notna().sum()) if "p_holm_headline" in claims_df else 0
+    multiple = (f"Multiple comparisons ({n_claims} claims, {n_tests} tests in claims_{profile}, seeds pooled into "
+                f"one test per task and metric): the rows of the headline claims (those the README states, "
+                f"{n_head} tests) form one family, Holm-adjusted (p_holm_headline, family-wise); every row is also "
+                "Benjamini-Hochberg-adjusted over the whole table (p_bh, false discovery rate), and the other "
+                "rows' difference verdicts use it; `family` and p_adj name the one a verdict uses; p_holm: Holm "
+                "within the claim, for reference. Per-seed rows (drops, ablations) are descriptive and "
+                "unadjusted.")
     return multiple, n_tests
 
 
@@ -85,20 +90,28 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "every seed scores the same items and windows (method of moments, components not "
                              "above 0 within 1e-9 of the mean squares' scale set to 0, Satterthwaite df; ci_method "
                              "names it, df gives it; seed_var / unit_var / resid_var: the components). One seed: "
-                             "the units alone (no seed variance). Accuracy, where few items change (fewer than "
-                             f"{FEW_CHANGED_ITEMS} with a non-zero net change over the seeds) or the crossed t "
-                             "interval would contradict the item test: the interval that inverts the exact item "
-                             "test (conditional on the changed items and their sizes, a share theta of them "
+                             "no seed variance of its own: it borrows the seed variance of the multi-seed claims of the same "
+                             "comparison (against), mode, task and metric (their components averaged with weights "
+                             "k - 1, df the largest claim's, since claims share runs; train_loss: their variance "
+                             "over seeds of the per-seed differences, which replaces the seed's own step-block "
+                             "variance), on that df; seed_var_source says where from, and where nothing can "
+                             "be borrowed both verdicts read \"one seed: direction only\" and p stays empty. "
+                             "Accuracy: the hull of the crossed t interval and the interval that inverts the exact "
+                             "item test (conditional on the changed items and their sizes, a share theta of them "
                              "changing for the better; at one seed the Clopper-Pearson interval of exact McNemar), "
-                             "so that interval and test cannot disagree (ci_method says exact; df stays the crossed "
-                             "model's). homog_chi2 / homog_df / homog_p: the item test assumes the items' net flips "
+                             "and a difference only where both the item test and the crossed t test reject (p the "
+                             "larger), so that interval and test cannot disagree; where the homogeneity check of "
+                             "the row rejects (homog_p < 0.05), the crossed t interval and test alone. "
+                             "homog_chi2 / homog_df / homog_p: the item test assumes the items' net flips "
                              "independent; a shift shared by one seed's items would make the seeds' shares of gains "
                              "among their flips differ: chi-square of the seeds x (lost, gained) table, p "
-                             "conditional on its margins (9,999 draws). changed_by_size: items by the size of their "
+                             "conditional on its margins (9,999 draws); claim_homog_*: the same summed over the "
+                             "claim's accuracy rows, p from their joint conditional null (9,999 draws; not summed "
+                             "across claims, which share runs). changed_by_size: items by the size of their "
                              "net change over the seeds (size:count). boot_lo / boot_hi: hierarchical bootstrap 95 % interval (seeds and units "
                              "resampled, 2000 times, seed 0) where there are at least 5 seeds. equivalence: two "
-                             "one-sided tests (90 % CI) against `margin`; difference: one test per row, Holm within "
-                             "the claim (accuracy: exact permutation test over items of each item's net flips "
+                             "one-sided tests (90 % CI) against `margin`; difference: one test per row, adjusted "
+                             "in its family (`family`, p_adj; see the multiple-comparisons note) (accuracy: exact permutation test over items of each item's net flips "
                              "summed over the seeds, so an item flipping in several seeds counts once, with its "
                              "weight; lost / gained: flips summed over seeds; flip_items: distinct items behind "
                              "them; items_lost / items_gained: items whose net change is a loss / a gain; else the "

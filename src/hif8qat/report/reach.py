@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from hif8qat.report.claims import ONE_SEED
 from hif8qat.report.paper import PAPER_RUNS, paper_drop_table, read_authors_run
 from hif8qat.report.paths import PAPER_DIR
 from hif8qat.stats.item_flips import items_needed_flip_model
@@ -107,6 +108,8 @@ def reach_table(claims: pd.DataFrame, effects: pd.DataFrame | None = None) -> pd
     merged["reach"] = [reach_verdict(r.paper_effect, r.mde, r.ci_lo, r.ci_hi, r.needed,
                                      "seeds" if r.metric == "train_loss"
                                      else f"items at {r.n_seeds} seed(s) (the benchmark holds {BENCHMARK_ITEMS[r.task]:,})")
+                       if r.equivalence != ONE_SEED else
+                       f"{ONE_SEED}: its interval lacks the seed variance, so it is not set against the paper's"
                        for r in merged.itertuples()]
     cols = ["experiment", "counterpart", "mode", "task", "metric", "unit", "n_seeds", "cost", "ci_lo", "ci_hi",
             "margin", "equivalence", "mde", "paper_effect", "paper_basis", "needed", "reach"]

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy import stats as st
 
 from hif8qat.report.claims import (
+    CLAIM_KEYS,
     DEFAULT_MARGINS,
-    FEW_CHANGED_ITEMS,
     METRIC_UNITS,
     NOT_RECORDED,
+    ONE_SEED,
+    PAPER_CLAIMS,
     all_contrasts,
     claims_table,
 )
@@ -27,31 +28,6 @@ from hif8qat.report.sources import FilesUsed, RunInfo, discover_runs
 from hif8qat.report.tables import ape_rows, loss_pairs, mark_skipped_updates, runs_table, scaling_pairs_table
 from hif8qat.stats.heldout import HELDOUT_METRIC
 
-# The paper's claims and ours, each answered by one comparison of the claims table:
-# (title, experiment, against, counterpart, what a cost > 0 means).
-PAPER_CLAIMS = [
-    ("Near-lossless final recipe", "exp8", "baseline", "exp7", "the HiF8 recipe is worse than BF16 at LR 1e-5"),
-    ("Saturation cost, most_recent(30) at LR 1e-4", "exp3", "baseline", "exp1", "QAT with the lagging estimator "
-     "is worse than BF16"),
-    ("Saturation cost, max(64) recipe at LR 1e-4", "exp6", "baseline", "exp1", "the recipe at LR 1e-4 is worse "
-     "than BF16"),
-    ("Forgetting at LR 1e-4", "exp7", "derived_from", "exp1", "LR 1e-5 is worse than LR 1e-4 (forgetting at "
-     "1e-4 shows as a negative cost)"),
-    ("Delayed estimator vs the just-in-time oracle, max(64)", "exp12", "derived_from", "exp8", "the oracle is "
-     "worse than the delayed estimate"),
-    ("Delayed estimator vs the just-in-time oracle, most_recent(30)", "exp13", "derived_from", "exp2", "the "
-     "oracle is worse than the delayed estimate"),
-    ("FP8 HYBRID vs HiF8, max(64)", "exp11", "derived_from", "exp8", "FP8 is worse than HiF8"),
-    ("FP8 HYBRID vs HiF8, most_recent(30)", "exp10", "derived_from", "exp2", "FP8 is worse than HiF8"),
-    ("Gradients at target 224 (MindSpeed's HiF8 recipe), max(64)", "exp14", "derived_from", "exp8", "scaling "
-     "the gradients to 224 is worse than to 15"),
-    ("Gradients at target 224 (MindSpeed's HiF8 recipe), most_recent(30)", "exp15", "derived_from", "exp2",
-     "scaling the gradients to 224 is worse than to 15"),
-    ("The BF16 warmup alone (ours)", "exp9", "derived_from", "exp8", "QAT from step 0 is worse than after the "
-     "BF16 warmup"),
-    ("Quantized inference of the final recipe", "exp8", "bf16_mode", "exp8", "exp8 evaluated in HiF8 (W8A8, "
-     "final frozen scales) is worse than its own weights evaluated in BF16"),
-]
 CLAIMS_BEGIN, CLAIMS_END = "<!-- claims:begin -->", "<!-- claims:end -->"
 
 
@@ -81,9 +57,10 @@ def _claim_words(g: pd.DataFrame) -> list[str]:
         what = (f"Training loss: {cost} % of the counterpart's loss" if r["metric"] == "train_loss" else
                 f"Held-out NLL ({r['mode']} mode): {cost} % of the counterpart's held-out NLL")
         out.append(what + f" (95 % CI {_num(r['ci_lo'], 3)} to "
-                   f"{_num(r['ci_hi'], 3)}, {r['n_seeds']} seed(s), {_df(r)} df): {r['equivalence']}; difference "
-                   f"{r['difference']} (p Holm {_num(r['p_holm'], 3, False)}; detectable: "
-                   f"{_num(r['mde'], 3, False)} %).")
+                   f"{_num(r['ci_hi'], 3)}, {r['n_seeds']} seed(s), {_df(r)} df)"
+                   + (f": {ONE_SEED} (no seed variance to borrow)." if r["equivalence"] == ONE_SEED else
+                      f": {r['equivalence']}; difference {r['difference']} (p adj {_num(r['p_adj'], 3, False)}; "
+                      f"detectable: {_num(r['mde'], 3, False)} %)."))
     for metric, label in (("accuracy", "Accuracy"), ("gold_ll", "Gold log-likelihood"),
                           ("gold_margin", "Gold margin")):
         rows = g[g.metric == metric]
@@ -95,10 +72,10 @@ def _claim_words(g: pd.DataFrame) -> list[str]:
         rows = rows[rows["equivalence"] != NOT_RECORDED]
         verdicts = rows["equivalence"].value_counts()
         parts = [f"{v} on {n} of {len(rows)}" for v, n in verdicts.items()]
-        diff = rows[rows["difference"] != "not detected"]
-        found = ("; a difference after Holm on " + ", ".join(f"{r['mode']} {r['task']} ({r['difference']})"
+        diff = rows[rows["difference"].isin(["worse", "better"])]
+        found = ("; a difference after adjustment on " + ", ".join(f"{r['mode']} {r['task']} ({r['difference']})"
                                                           for _, r in diff.iterrows())) if len(diff) else \
-            "; no difference detected after Holm"
+            "; no difference detected after adjustment"
         text = f"{label} (mode x task): " + ", ".join(parts) + found + "."
         if metric == "accuracy":
             flips = int(rows["lost"].sum() + rows["gained"].sum())
@@ -116,19 +93,42 @@ def _claim_words(g: pd.DataFrame) -> list[str]:
 
 def _homogeneity_words(rows: pd.DataFrame) -> str:
     """The item test's independence assumption checked on a claim's accuracy rows: the seeds' shares of gains
-    among their flips (chi-square of seeds x lost / gained, summed over the rows that can show it)."""
-    if "homog_df" not in rows:
+    among their flips (chi-square of seeds x lost / gained summed over the claim's rows that can show it, p from
+    their joint conditional null)."""
+    if "claim_homog_rows" not in rows:
         return ""
-    ok = rows[rows["homog_df"].fillna(0) > 0]
-    if ok.empty:
+    n_rows = rows["claim_homog_rows"].fillna(0)
+    if not (n_rows > 0).any():
         return ("Gain share across seeds (the item test's independence check): no row has flips both ways in two "
                 "seeds, nothing to compare.")
-    chi2, dof = float(ok["homog_chi2"].sum()), int(ok["homog_df"].sum())
-    low = ok[ok["homog_p"] < 0.05]
-    return (f"Gain share across seeds (the item test's independence check): chi-square {chi2:.1f} on {dof} df "
-            f"over {len(ok)} row(s) (p {_num(st.chi2.sf(chi2, dof), 3, False)}); "
-            + ("no row below p 0.05." if low.empty else "below p 0.05: " + ", ".join(
-                f"{r['mode']} {r['task']} (p {r['homog_p']:.3f})" for _, r in low.iterrows()) + "."))
+    r0 = rows[n_rows > 0].iloc[0]
+    low = rows[rows["homog_p"] < 0.05]
+    return (f"Gain share across seeds (the item test's independence check): chi-square {r0['claim_homog_chi2']:.1f} "
+            f"on {int(r0['claim_homog_df'])} df over {int(r0['claim_homog_rows'])} row(s) (p "
+            f"{_num(r0['claim_homog_p'], 3, False)}, from the rows' joint conditional null); "
+            + ("no row below p 0.05." if low.empty else "below p 0.05, so that row takes the crossed t interval and "
+               "test alone: " + ", ".join(f"{r['mode']} {r['task']} (p {r['homog_p']:.3f})"
+                                          for _, r in low.iterrows()) + "."))
+
+
+def _summary_words(g: pd.DataFrame) -> str:
+    """A claim's verdicts in one sentence, from its rows: what differs, what is not equivalent, what is."""
+    rows = g[g["equivalence"] != NOT_RECORDED]
+
+    def where(sub, verdict=False):
+        return ", ".join((f"{r['mode']} {r['task']} {r['metric']}" if r["metric"] != "train_loss" else
+                          "training loss") + (f" ({r['difference']})" if verdict else "")
+                         for _, r in sub.iterrows()) or "none"
+
+    diff = rows[rows["difference"].isin(["worse", "better"])]
+    parts = [f"differences detected after adjustment: {where(diff, verdict=True)}",
+             f"not equivalent: {where(rows[rows['equivalence'] == 'not equivalent'])}",
+             f"equivalent within the margin: {len(rows[rows['equivalence'].str.startswith('equivalent')])} of "
+             f"{len(rows)} rows"]
+    bare = rows[rows["equivalence"] == ONE_SEED]
+    if len(bare):
+        parts.append(f"{ONE_SEED} (no seed variance to borrow): {len(bare)} rows")
+    return "In sum: " + "; ".join(parts) + "."
 
 
 def _pair_words(r) -> str:
@@ -140,31 +140,34 @@ def _pair_words(r) -> str:
 
 
 def accuracy_checks(claims: pd.DataFrame) -> list[str]:
-    """The accuracy rows' interval against their test, and the item test's assumption over every claim, in
-    words (after the claims)."""
+    """The accuracy rows' interval against their test, and the item test's assumption per claim, in words
+    (after the claims)."""
     if claims.empty or "homog_df" not in claims:
         return []
-    acc = claims[(claims["metric"] == "accuracy") & (claims["equivalence"] != NOT_RECORDED)]
+    acc = claims[(claims["metric"] == "accuracy") & ~claims["equivalence"].isin([NOT_RECORDED, ONE_SEED])]
     if acc.empty:
         return []
     excludes = (acc["ci_lo"] > 0) | (acc["ci_hi"] < 0)
     disagree = int(((acc["p"] < 0.05) != excludes).sum())
-    exact = int(acc["ci_method"].str.contains("exact").sum())
-    ok = acc[acc["homog_df"].fillna(0) > 0]
-    chi2, dof = float(ok["homog_chi2"].sum()), int(ok["homog_df"].sum())
-    low = ok[ok["homog_p"] < 0.05]
+    checked = acc.drop_duplicates(CLAIM_KEYS)
+    checked = checked[checked["claim_homog_rows"].fillna(0) > 0]
+    flagged = checked[checked["claim_homog_p"] < 0.05]
+    rows_ok = acc[acc["homog_df"].fillna(0) > 0]
+    low = rows_ok[rows_ok["homog_p"] < 0.05]
     lines = ["#### Accuracy: the interval, the test and its assumption", "",
-             f"Of {len(acc)} accuracy rows, {disagree} have a 95 % interval and an item test (p < 0.05) that "
-             "disagree about a zero difference. Where few items change (fewer than "
-             f"{FEW_CHANGED_ITEMS} with a non-zero net change over the seeds: {exact} rows here) the interval "
-             "includes the one that inverts the exact item test, so the two cannot disagree. The item test is "
+             f"Of {len(acc)} accuracy rows with a test, {disagree} have a 95 % interval and a test (p < 0.05) that "
+             "disagree about a zero difference: each interval is the hull of the crossed t interval and the one "
+             "that inverts the exact item test, and a difference needs both tests to reject. The item test is "
              "exact only if the items' net flips are independent; a training-noise shift shared by all items of "
              "one seed would break it and would show as seeds whose shares of gains among their flips differ. "
-             f"Over the {len(ok)} rows with flips both ways in at least two seeds: chi-square {chi2:.1f} on {dof} "
-             f"df (p {_num(st.chi2.sf(chi2, dof), 3, False)}); "
-             + ("no row below p 0.05." if low.empty else
-                f"{len(low)} row(s) below p 0.05 (about {0.05 * len(ok):.1f} expected by chance): " + "; ".join(
-                    f"{_pair_words(r)} {r['task']}, p {r['homog_p']:.3f}" for _, r in low.iterrows()) + "."), ""]
+             f"Per claim (claims share runs, so their checks are not summed), p from the rows' joint conditional "
+             f"null: {len(flagged)} of {len(checked)} claims below p 0.05"
+             + (" (" + "; ".join(f"{_pair_words(r)}, p {r['claim_homog_p']:.3f}" for _, r in flagged.iterrows())
+                + ")" if len(flagged) else "")
+             + f"; per row, {len(low)} of {len(rows_ok)} below p 0.05 (about {0.05 * len(rows_ok):.1f} expected "
+             "by chance)" + (", which take the crossed t interval and test alone: " + "; ".join(
+                 f"{_pair_words(r)} {r['task']}, p {r['homog_p']:.3f}" for _, r in low.iterrows())
+                 if len(low) else "") + ".", ""]
     return lines
 
 
@@ -191,15 +194,22 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
               "pairs; its 95 % CI comes from the design's own units, fixed by the metric: training loss, t on the "
               "per-seed means (seeds - 1 df); the other metrics score the same items (held-out windows) in every "
               "seed, so seeds and items are crossed random effects (Satterthwaite df, a component within 1e-9 of "
-              "the mean squares' scale of zero counting as none; one seed: the items alone). df: the crossed "
-              "model's degrees of freedom (accuracy with few items changing: its interval widened to the exact "
-              "one of the item test, below). "
+              "the mean squares' scale of zero counting as none). One seed cannot show its own seed's shift: "
+              "its interval adds the seed variance of the multi-seed claims of the same comparison, mode, task "
+              "and metric (pooled with weights seeds - 1, on the largest claim's df; `seed_var_source` in the "
+              "table), and where there is none to borrow both verdicts read \"one seed: direction only\". df: "
+              "the interval's degrees of freedom (accuracy: its interval is the hull of the crossed t one and "
+              "the exact one of the item test, below). "
               "Equivalence: two one-sided tests against the margin ("
               + ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in margins.items())
               + "): \"equivalent within M\", \"not equivalent\" or \"inconclusive at this size\"; a "
               "non-significant difference is never read as no effect. Difference: one test per row with the "
               "seeds pooled (accuracy: an exact permutation test over items of each item's net flips over the "
-              "seeds, so an item flipping in several seeds counts once), Holm within the claim. MDE: the cost "
+              "seeds, so an item flipping in several seeds counts once, and the crossed t test: both must "
+              "reject), p adj: adjusted in its family, named under each claim: the headline claims below form "
+              "one family, Holm-adjusted over all their rows (family-wise error); every other row of the table "
+              "is Benjamini-Hochberg-adjusted over the whole table (false discovery rate; `p_bh` is there for "
+              "every row). MDE: the cost "
               "that test detects with 80 % power (accuracy: under a flip model where the effect's items lose in "
               "every seed). Flips: lost / gained summed over seeds, and the distinct items behind them.", ""]
     if claims.empty:
@@ -216,8 +226,9 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
         if g.empty:
             lines += [f"No paired runs of {exp} and {counterpart} (see `pairing_{profile}`).", ""]
             continue
-        lines += [f"cost > 0: {meaning}.", ""]
-        lines += ["| mode | task | metric | seeds | cost (95 % CI) | df | lost / gained | p Holm | MDE | margin | "
+        family = g["family"].dropna().iloc[0] if "family" in g and g["family"].notna().any() else ""
+        lines += [f"cost > 0: {meaning}." + (f" Difference verdicts: family of the {family}." if family else ""), ""]
+        lines += ["| mode | task | metric | seeds | cost (95 % CI) | df | lost / gained | p adj | MDE | margin | "
                   "equivalence | difference |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for _, r in g.iterrows():
             if r["equivalence"] == NOT_RECORDED:
@@ -226,12 +237,13 @@ def claims_section(claims: pd.DataFrame, runs_df: pd.DataFrame, profile: str,
                 np.isfinite(r.get("lost", np.nan)) else "-"
             if r["metric"] == "accuracy" and np.isfinite(r.get("flip_items", np.nan)):
                 flips += f" ({int(r['flip_items'])} items)"
+            alone = "within seed: " if r["equivalence"] == ONE_SEED else ""  # no seed variance in its interval
             lines.append(f"| {r['mode']} | {r['task']} | {r['metric']} | {r['n_seeds']} | {_num(r['cost'])} "
-                         f"({_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {_df(r)} | {flips} | "
-                         f"{_num(r['p_holm'], 3, False)} | "
+                         f"({alone}{_num(r['ci_lo'])} to {_num(r['ci_hi'])}) | {_df(r)} | {flips} | "
+                         f"{_num(r['p_adj'], 3, False)} | "
                          f"{_num(r['mde'], 2, False)} | {r['margin']:g} | {r['equivalence']} | "
                          f"{r['difference']} |")
-        lines += [""] + [f"- {w}" for w in _claim_words(g)] + [""]
+        lines += [""] + [f"- {w}" for w in _claim_words(g)] + [f"- {_summary_words(g)}", ""]
     lines += accuracy_checks(claims) + list(telemetry) + reach_section(reach_table(claims))
     return "\n".join(lines)
 

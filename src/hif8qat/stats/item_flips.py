@@ -227,3 +227,34 @@ def items_needed_flip_model(effect: float, n_items: int, sizes: Mapping[int, int
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if pw(mid) < power else (lo, mid)
     return float(hi)
+
+
+def joint_gain_share_homogeneity(tables: Sequence[tuple[Sequence[int], Sequence[int]]], *, n_sim: int = 9999,
+                                 seed: int = 0) -> tuple[float, int, float, int]:
+    """The homogeneity check of :func:`gain_share_homogeneity` summed over several rows (the accuracy rows of one
+    claim), with the sum referred to its own null: each replicate draws every row's table from that row's
+    conditional law (fixed margins) and sums the rows' chi-squares, so the p-value is valid however sparse the
+    tables are (the chi-square law of the sum is not: a sparse table's statistic has a mean above its df and a
+    variance below twice it). ``tables``: per row, the seeds' (lost, gained) counts. Returns (summed chi-square,
+    summed df, Monte Carlo p, rows that could show it); (nan, 0, nan, 0) when no row can."""
+    rng = np.random.default_rng(seed)
+    obs, dof, used = 0.0, 0, 0
+    null = np.zeros(n_sim)
+    for lost, gained in tables:
+        L, G = np.asarray(lost, np.int64), np.asarray(gained, np.int64)
+        keep = (L + G) > 0
+        L, G = L[keep], G[keep]
+        if len(L) < 2 or L.sum() == 0 or G.sum() == 0:
+            continue
+        m = L + G
+        g_tot = int(G.sum())
+        e = m * g_tot / int(m.sum())
+        w = 1 / e + 1 / (m - e)
+        obs += float(((G - e) ** 2 * w).sum())
+        null += (((rng.multivariate_hypergeometric(m, g_tot, size=n_sim) - e) ** 2) * w).sum(-1)
+        dof += len(L) - 1
+        used += 1
+    if not used:
+        return float("nan"), 0, float("nan"), 0
+    p = (1 + int((null >= obs - 1e-9 * max(obs, 1.0)).sum())) / (n_sim + 1)
+    return obs, dof, float(p), used

@@ -48,6 +48,8 @@ Without autocast everything runs in the input dtype.
 
 from __future__ import annotations
 
+import json
+import numbers
 import re
 import warnings
 from collections.abc import Collection, Iterator, Mapping
@@ -64,6 +66,10 @@ from hif8qat.scaling.settings import ROLES, TELEMETRY_COUNT_FIELDS, TELEMETRY_MA
 
 BANK_ATTR = "hif8qat_bank"  # the model-level bank's attribute on a converted model
 STATE_KEY = "hif8_scaler"  # a layer's scaler entries in model.state_dict(): {layer}.hif8_scaler.{role}.{key}
+# In model.state_dict() beside a layer's scalers: the settings they were recorded under (JSON bytes), so that a
+# state from another format or algorithm is refused instead of loaded as if it were this model's.
+SETTINGS_KEY = "settings"
+RECORDED_SETTINGS = ("format", "algo")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,7 +191,8 @@ class QuantLinear(nn.Linear):
                                    RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight, self.emulate_bf16)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, hif8={'on' if self.quant_enabled else 'off'}"
+        return (f"{super().extra_repr()}, quant={'on' if self.quant_enabled else 'off'}, "
+                f"format={self.config.format}")
 
     # -- the scalers in the module's own state dict (opt-in: set_state_in_state_dict) -------------------------
     def scaler_state(self, host: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -218,6 +225,7 @@ class QuantLinear(nn.Linear):
         if self.state_in_state_dict and self._bank is not None:
             for k, v in self.scaler_state().items():
                 destination[f"{prefix}{STATE_KEY}.{k}"] = v
+            destination[f"{prefix}{STATE_KEY}.{SETTINGS_KEY}"] = _settings_tensor(self.config)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -229,12 +237,37 @@ class QuantLinear(nn.Linear):
         if not self.state_in_state_dict:
             unexpected_keys.extend(head + k for k in mine)
         elif mine:
+            recorded = mine.pop(SETTINGS_KEY, None)
+            if recorded is not None and _settings_of(recorded) != _settings(self.config):
+                saved, ours = _settings_of(recorded), _settings(self.config)
+                error_msgs.append(
+                    f"{head}*: scaler state recorded under {_describe(saved)}, but this model quantizes with "
+                    f"{_describe(ours)}; load it into a model converted with the same settings, or leave the "
+                    "scaler keys out to start the scalers cold")
+                return
             try:
                 self.load_scaler_state(mine, strict)
             except (KeyError, ValueError) as err:
                 error_msgs.append(f"{head}*: {err}")
         elif strict:
             missing_keys.append(f"{head}*")
+
+
+def _settings(config: ScalingConfig) -> dict:
+    d = ScalingConfig.to_dict(config)
+    return json.loads(json.dumps({k: d[k] for k in RECORDED_SETTINGS}))  # schedule keys as JSON gives them back
+
+
+def _settings_tensor(config: ScalingConfig) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(_settings(config), sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def _settings_of(t: torch.Tensor) -> dict:
+    return json.loads(bytes(t.to(torch.uint8).tolist()).decode())
+
+
+def _describe(settings: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in settings.items())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,11 +366,29 @@ def set_state_in_state_dict(model: nn.Module, on: bool = True) -> None:
     ``model.state_dict()`` and read it back in ``load_state_dict``, so any trainer's checkpoint carries it."""
     for _, mod in quant_linears(model):
         mod.state_in_state_dict = bool(on)
+    for bank in _banks(model):
+        bank.rng_in_state_dict = bool(on)
 
 
 def set_step(model: nn.Module, step: int) -> None:
-    """Current optimizer step (drives schedules, history_unit=step and telemetry dump steps)."""
-    for bank in _banks(model):
+    """Current optimizer step (drives schedules, history_unit=step and telemetry dump steps): an integer >= 0
+    that never goes back (a loaded scaler state brings its own step back with it). Call it before each
+    optimizer step; with ``transformers.Trainer``, :class:`hif8qat.integrations.hf.StepCallback` does."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"set_step: step={step!r} ({type(step).__name__}) is invalid; allowed: an int >= 0, the "
+                        "number of optimizer steps taken (e.g. transformers' state.global_step)")
+    step = int(step)
+    if step < 0:
+        raise ValueError(f"set_step: step={step} is invalid; allowed: an int >= 0")
+    banks = _banks(model)
+    if not banks:
+        raise ValueError(f"set_step: {type(model).__name__} has no quantized layers; convert it first with "
+                         "hif8qat.convert_to_hif8_training(model, config=...)")
+    for bank in banks:
+        if step < bank.step:
+            raise ValueError(f"set_step: step={step} goes back from the model's step {bank.step}; steps only go "
+                             "forward (loading a checkpoint's model state restores its step: continue from there)")
+    for bank in banks:
         bank.set_step(step)
 
 
@@ -372,6 +423,9 @@ def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             bank.update()
             hosts[id(bank)] = bank._host()  # one device-to-host copy per table
         sd.update({f"{name}.{k}": v for k, v in mod.scaler_state(hosts[id(bank)]).items()})
+    bank = getattr(model, BANK_ATTR, None)
+    if isinstance(bank, ScalerBank):  # the stochastic-rounding generator (nothing without stochastic rounding)
+        sd.update({f"{BANK_ATTR}.{k}": v for k, v in bank.rng_state_dict().items()})
     return sd
 
 
@@ -380,6 +434,8 @@ def load_quant_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], stri
     grouped: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     enabled: dict[str, torch.Tensor] = {}
     unexpected = []
+    rng = {k[len(BANK_ATTR) + 1:]: v for k, v in sd.items() if k.startswith(BANK_ATTR + ".")}
+    sd = {k: v for k, v in sd.items() if not k.startswith(BANK_ATTR + ".")}
     for key, v in sd.items():
         if key.endswith(".enabled") and key[: -len(".enabled")] in layers:
             enabled[key[: -len(".enabled")]] = v
@@ -401,6 +457,9 @@ def load_quant_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], stri
         bank.load_row_state_dicts(states)
     for name, v in enabled.items():
         layers[name].quant_enabled = bool(int(v))
+    bank = getattr(model, BANK_ATTR, None)
+    if rng and isinstance(bank, ScalerBank):
+        bank.load_rng_state_dict(rng)
 
 
 # --------------------------------------------------------------------------------------------------

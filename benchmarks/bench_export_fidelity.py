@@ -2,6 +2,7 @@
 
     python benchmarks/bench_export_fidelity.py                        # HiF8 and E4M3, 4 training steps
     python benchmarks/bench_export_fidelity.py --formats hif8 --steps 2 --windows 8
+    python benchmarks/bench_export_fidelity.py --model tiny:2 --seq-len 32      # a dry run in seconds
 
 Per format: SmolLM2-135M (the offline weights the mini profile uses) converted with the library's public API,
 trained a few AdamW steps on the mini corpus (so the scalers hold a history), its scales frozen; then
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2_135m", help="model.name as run.py takes it (tiny:2 for a dry run)")
     ap.add_argument("--formats", nargs="+", default=["hif8", "e4m3"], choices=["hif8", "e4m3", "hybrid"])
     ap.add_argument("--steps", type=int, default=4, help="training steps before the export")
     ap.add_argument("--windows", type=int, default=16, help="held-out windows compared")
@@ -46,7 +48,7 @@ def main(argv=None) -> int:
     rows = []
     for fmt in args.formats:
         t0 = time.perf_counter()
-        model, tok = load_causal_lm("smollm2_135m", dtype=torch.float32)
+        model, tok = load_causal_lm(args.model, dtype=torch.float32)
         held = build_eval_windows("mini", tok, seq_len=args.seq_len, num_windows=args.windows)[:, :-1]
         stream = build_train_stream("mini", tok, seq_len=args.seq_len, micro_batch_size=4, seed=0)
         hif8qat.convert_to_hif8_training(model, config=hif8qat.Hif8TrainingConfig(format=fmt, history_len=16))
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
                              sizes["bytes"] / 2**20, fake.shape[0]))
                 del loaded
         print(f"  {fmt}: {time.perf_counter() - t0:.0f} s")
-    print("\n| format | rest | KL(fake-quant || export), nats/token | top-1 agreement | max abs logit diff | "
+    print("\n| format | rest | KL(fake-quant to export), nats/token | top-1 agreement | max abs logit diff | "
           "weights file MiB | tokens |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for fmt, rest, kl, agree, diff, mib, n in rows:

@@ -36,6 +36,7 @@ LAYERS = [
     ("scaling",),  # delayed scaling: settings, rules, bank
     ("compute_dtype",),  # BF16 native / emulated / FP32 compute
     ("quant",),  # the quantized linear, model conversion, the public training API
+    ("integrations",),  # the library's glue to other trainers (transformers.Trainer)
     # the pipeline
     ("files", "boundary", "artefacts", "stats"),  # base of the pipeline: no torch model, no settings
     ("config",),  # the validated run configuration
@@ -69,6 +70,8 @@ LAZY_LIBRARIES = {
     "wandb": "only when the wandb logger is on (an optional install)",
     "submitit": "only under the SLURM launcher",
     "pyarrow": "parquet stand-in shards only",
+    "safetensors": "a core dependency the library's 8-bit export and its loader use; `import hif8qat` stays "
+                   "torch and numpy only",
 }
 
 # Modules that load a module by name, and why: the name is the user's, given on the command line, so it is no

@@ -181,11 +181,9 @@ def test_the_plain_loop_gives_the_pipeline_trainers_losses(tmp_path):
 
 # ------------------------------------------------------------------------------------------- HF Trainer
 def test_hf_trainer_trains_saves_and_resumes_bit_for_bit(tmp_path):
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
-    class ScalerStep(TrainerCallback):  # the one line a Trainer user adds: the optimizer step for the schedules
-        def on_step_begin(self, args, state, control, model=None, **kwargs):
-            set_step(model, state.global_step)
+    from hif8qat.integrations.hf import StepCallback  # the optimizer step for the schedules
 
     rows = [{"input_ids": b[0], "labels": b[0]} for b in batches(16, micro=1)]
 
@@ -194,7 +192,7 @@ def test_hf_trainer_trains_saves_and_resumes_bit_for_bit(tmp_path):
         args = TrainingArguments(output_dir=str(out), max_steps=6, per_device_train_batch_size=2, learning_rate=1e-3,
                                  logging_steps=1, save_steps=3, save_strategy="steps", report_to=[], use_cpu=True,
                                  seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[ScalerStep()])
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepCallback()])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train(resume_from_checkpoint=resume)

@@ -15,10 +15,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
+from hif8qat.errors import RunError, require_pipeline_extra
 
-from hif8qat.errors import RunError
-from hif8qat.files import sha256_file, write_json
+require_pipeline_extra("hif8qat.artefacts")  # before yaml, so a library-only install is told what to install
+
+import yaml  # noqa: E402
+
+from hif8qat.files import sha256_file, write_json  # noqa: E402
 
 
 class CorruptArtefact(RunError):

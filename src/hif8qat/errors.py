@@ -16,6 +16,8 @@ Nothing here imports a library: an exception's class is recognised by the module
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 from collections.abc import Iterator
 
 # The status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
@@ -24,6 +26,34 @@ INTERRUPTED_STATUS = 130
 
 class RunError(RuntimeError):
     """A failure caused by input, files or environment, reported as ``error: <message>`` (exit status 2)."""
+
+
+# What the pipeline's modules import when they load (the 'pipeline' extra of pyproject.toml, by import name);
+# the library (import hif8qat) needs torch and numpy only.
+PIPELINE_IMPORTS = ("yaml", "omegaconf", "hydra", "pandas", "scipy", "transformers", "tokenizers", "huggingface_hub",
+                    "sentencepiece", "tqdm")
+PIPELINE_INSTALL = "pip install 'hif8qat[pipeline]'"
+
+
+@functools.cache
+def _missing_pipeline_imports() -> tuple[str, ...]:
+    def absent(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):  # a finder that refuses it, or a module set to None
+            return True
+
+    return tuple(m for m in PIPELINE_IMPORTS if absent(m))
+
+
+def require_pipeline_extra(package: str) -> None:
+    """ImportError naming the install line when ``package`` (a pipeline subpackage, being imported) would fail
+    on a library of the 'pipeline' extra that is not installed (found without importing it)."""
+    missing = _missing_pipeline_imports()
+    if missing:
+        raise ImportError(f"{package} is part of the hif8qat pipeline, which needs the 'pipeline' extra "
+                          f"({', '.join(missing)} not installed): {PIPELINE_INSTALL}. The library API "
+                          "(import hif8qat) needs only torch and numpy.")
 
 
 CONCERNING = "_hif8qat_concerning"

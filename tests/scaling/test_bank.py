@@ -143,7 +143,10 @@ def test_model_training_matches_reference_scalers_bitwise(cfg):
                 s.set_step(step)
         for _ in range(2):  # accumulation: two micro-batches per step
             ids = torch.randint(0, 96, (2, 10), generator=gen)
-            states = torch.random.get_rng_state()  # stochastic rounding draws from the default generator
+            # the bank's stochastic rounding draws from its own generator, the reference's from the default one:
+            # the same state, so the same draws
+            bank_gen = bank_m.hif8qat_bank.generator()
+            states = bank_gen.get_state() if bank_gen is not None else torch.random.get_rng_state()
             loss_b = bank_m(ids, labels=ids).loss
             loss_b.backward()
             torch.random.set_rng_state(states)

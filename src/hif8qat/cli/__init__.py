@@ -4,3 +4,7 @@ process or under torchrun) and ``main`` (the Hydra job and run.py's own ``--esti
 run.py itself only declares the Hydra entry point; everything it does is here, under the layout rules.
 The top layer: it may import every other part of the package, and nothing imports it.
 """
+
+from hif8qat.errors import require_pipeline_extra
+
+require_pipeline_extra("hif8qat.cli")  # before any module of it imports the extra

@@ -5,3 +5,7 @@ type checks), ``blocks`` (which blocks stay in high precision), ``eval_tasks`` (
 ``data_source`` (``data.source``: named sources and local files). Layer 7: imports the library core's settings
 (``scaling.settings``, ``compute_dtype``) and the base modules, never a model, the data or the evaluation: a bad setting fails before anything heavy loads.
 """
+
+from hif8qat.errors import require_pipeline_extra
+
+require_pipeline_extra("hif8qat.config")  # before any module of it imports the extra

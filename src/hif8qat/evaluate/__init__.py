@@ -9,3 +9,7 @@ names: each is imported from its module, so reading the settings never imports l
 Layer 12: imports ``train`` (ranks' gathers), ``quant``, ``models``, ``data``, ``runs``, ``config`` and below;
 never ``report`` or ``launch``.
 """
+
+from hif8qat.errors import require_pipeline_extra
+
+require_pipeline_extra("hif8qat.evaluate")  # before any module of it imports the extra

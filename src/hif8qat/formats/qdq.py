@@ -319,7 +319,8 @@ def qdq_scaled_amax(x: torch.Tensor, scale, fmt: str, rounding: str = "ta", *, s
 def scaled_qdq_kernel(fmt: str, site: str = ""):
     """The fused scaled qdq (+ amax) of element format ``fmt`` without per-call checks, for a caller that
     quantizes on every call of a hot path with arguments it made itself (the scaler bank):
-    ``kernel(x, scale, rounding, saturate, want_amax, out_dtype=None) -> (y, amax or None)``.
+    ``kernel(x, scale, rounding, saturate, want_amax, out_dtype=None, generator=None) -> (y, amax or None)``
+    (``generator``: where stochastic rounding draws its random bits; None: torch's default generator).
 
     The caller guarantees what the public functions check: ``x`` a float32 / bfloat16 / float16 tensor,
     ``scale`` a positive finite 0-d float32 tensor on x's device, ``rounding`` one of ``ROUNDINGS`` (FP8
@@ -328,12 +329,12 @@ def scaled_qdq_kernel(fmt: str, site: str = ""):
     in another dispatch context (the body of a custom op) gets compiled variants of its own.
     """
     if format_spec(fmt).is_fp8:
-        def kernel(x, scale, rounding, saturate, want_amax, out_dtype=None):
+        def kernel(x, scale, rounding, saturate, want_amax, out_dtype=None, generator=None):
             return _fp8_dispatch(x, scale, fmt, None, scaled=True, want_amax=want_amax, site=site,
                                  out_dtype=out_dtype)
     else:
-        def kernel(x, scale, rounding, saturate, want_amax, out_dtype=None):
-            return _dispatch(x, scale, rounding, None, None, scaled=True, saturate=saturate, want_amax=want_amax,
+        def kernel(x, scale, rounding, saturate, want_amax, out_dtype=None, generator=None):
+            return _dispatch(x, scale, rounding, generator, None, scaled=True, saturate=saturate, want_amax=want_amax,
                              site=site, out_dtype=out_dtype)
     return kernel
 

@@ -18,19 +18,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hif8qat.files import atomic_path, replace_step_records, write_text
-from hif8qat.formats.qdq import element_format
-from hif8qat.quant.linear import (
-    convert_model,
-    load_quant_state_dict,
-    quant_modules,
-    quant_sites,
-    quant_state_dict,
-    scaler_banks,
+from hif8qat.quant.export import (
+    QUANT_JSON,
+    SCALERS_FILE,
+    complete_quant_document,
+    convert_as_recorded,
+    element_formats,
+    quant_document,
+    scaler_tensors,
 )
-from hif8qat.scaling.settings import ROLES, ScalingConfig
-
-QUANT_JSON = "hif8qat_quant.json"
-SCALERS_FILE = "hif8qat_scalers.safetensors"
+from hif8qat.quant.linear import load_quant_state_dict, quant_modules, quant_sites, scaler_banks
+from hif8qat.scaling.settings import ROLES
 
 
 def _json_value(v: Any) -> Any:
@@ -65,37 +63,23 @@ def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | Non
 def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapping[str, Any] | None = None) -> None:
     """Write hif8qat_quant.json and hif8qat_scalers.safetensors into ``directory`` (beside save_pretrained)."""
 
-    record = getattr(model, "_hif8qat_conversion", None)
-    if record is None:
+    if getattr(model, "_hif8qat_conversion", None) is None:
         raise ValueError("save_quant_export: the model was not converted with convert_model")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = ScalingConfig.from_dict(record["config"])
-    doc = {"format": "hif8qat-quant", "version": 1, **record, "meta": dict(meta or {}),
-           "element_formats": element_formats(config), "targets": config.targets()}
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in quant_state_dict(model).items()}
+    doc = quant_document(model, meta)
+    tensors = scaler_tensors(model)
 
     with atomic_path(directory / SCALERS_FILE) as tmp:
         save_file(tensors, str(tmp))
     write_text(directory / QUANT_JSON, json.dumps(doc, indent=2, sort_keys=True))
 
 
-def element_formats(config: ScalingConfig) -> dict[str, str]:
-    """Element format per role under ``config`` (what an export records and an evaluation quantizes to)."""
-
-    return {r: element_format(config.format, r) for r in ROLES}
-
-
 def read_quant_export(directory: str | os.PathLike) -> dict[str, Any]:
     """``hif8qat_quant.json`` of an export, with its scaling config completed: an export written before FP8
     (no ``format`` in its config) is HiF8, and ``element_formats`` and ``targets`` (each role's scale target)
     are filled in when absent."""
-    doc = json.loads((Path(directory) / QUANT_JSON).read_text(encoding="utf-8"))
-    config = ScalingConfig.from_dict(doc["config"])
-    doc["config"] = config.to_dict()
-    doc.setdefault("element_formats", element_formats(config))
-    doc.setdefault("targets", config.targets())
-    return doc
+    return complete_quant_document(json.loads((Path(directory) / QUANT_JSON).read_text(encoding="utf-8")))
 
 
 def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[str, Any]:
@@ -107,13 +91,11 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
 
     directory = Path(directory)
     doc = read_quant_export(directory)
-    config = ScalingConfig.from_dict(doc["config"])
     if not any(True for _ in quant_modules(model)):
-        converted = convert_model(model, doc["scope"], doc["high_precision_blocks"], config,
-                                  role_map=doc.get("role_map"))
-        if sorted(converted) != sorted(doc["converted"]):
-            raise ValueError(f"load_quant_export: converted layers differ from the export "
-                             f"({len(converted)} vs {len(doc['converted'])})")
+        try:
+            convert_as_recorded(model, doc)  # the layers it names, whatever rule chose them
+        except ValueError as err:
+            raise ValueError(f"load_quant_export: {err}") from None
     load_quant_state_dict(model, load_file(str(directory / SCALERS_FILE)))
     return doc.get("meta", {})
 

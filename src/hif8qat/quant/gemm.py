@@ -5,6 +5,7 @@ scalers in the module's ``state_dict``). :mod:`hif8qat.quant.linear` builds its 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -16,6 +17,10 @@ from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ROLES, ScalingConfig
 
 STATE_KEY = "hif8_scaler"  # a module's scaler entries in model.state_dict(): {module}.hif8_scaler.[{site}.]{role}.{key}
+# In model.state_dict() beside a module's scalers: the settings they were recorded under (JSON bytes), so that a
+# state from another format or algorithm is refused instead of loaded as if it were this model's.
+SETTINGS_KEY = "settings"
+RECORDED_SETTINGS = ("format", "algo")
 
 
 class _QuantLinearFn(torch.autograd.Function):
@@ -147,6 +152,7 @@ class QuantState:
         if self.state_in_state_dict and self._bank is not None:
             for k, v in self.scaler_state().items():
                 destination[f"{prefix}{STATE_KEY}.{k}"] = v
+            destination[f"{prefix}{STATE_KEY}.{SETTINGS_KEY}"] = _settings_tensor(self.config)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -158,6 +164,14 @@ class QuantState:
         if not self.state_in_state_dict:
             unexpected_keys.extend(head + k for k in mine)
         elif mine:
+            recorded = mine.pop(SETTINGS_KEY, None)
+            if recorded is not None and _settings_of(recorded) != _settings(self.config):
+                saved, ours = _settings_of(recorded), _settings(self.config)
+                error_msgs.append(
+                    f"{head}*: scaler state recorded under {_describe(saved)}, but this model quantizes with "
+                    f"{_describe(ours)}; load it into a model converted with the same settings, or leave the "
+                    "scaler keys out to start the scalers cold")
+                return
             try:
                 self.load_scaler_state(mine, strict)
             except (KeyError, ValueError) as err:
@@ -175,8 +189,25 @@ class QuantState:
                                     RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight, self.emulate_bf16)
 
 
+def _settings(config: ScalingConfig) -> dict:
+    d = ScalingConfig.to_dict(config)
+    return json.loads(json.dumps({k: d[k] for k in RECORDED_SETTINGS}))  # schedule keys as JSON gives them back
+
+
+def _settings_tensor(config: ScalingConfig) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(_settings(config), sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def _settings_of(t: torch.Tensor) -> dict:
+    return json.loads(bytes(t.to(torch.uint8).tolist()).decode())
+
+
+def _describe(settings: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in settings.items())
+
+
 def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-__all__ = ["STATE_KEY", "QuantState"]
+__all__ = ["SETTINGS_KEY", "STATE_KEY", "QuantState"]

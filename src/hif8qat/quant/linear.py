@@ -50,6 +50,7 @@ Without autocast everything runs in the input dtype.
 
 from __future__ import annotations
 
+import numbers
 import re
 import warnings
 from collections.abc import Collection, Iterator, Mapping
@@ -110,7 +111,8 @@ class QuantLinear(QuantState, nn.Linear):
         return self._quant_gemm(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, hif8={'on' if self.quant_enabled else 'off'}"
+        return (f"{super().extra_repr()}, quant={'on' if self.quant_enabled else 'off'}, "
+                f"format={self.config.format}")
 
 
 class QuantConv1D(QuantState, nn.Module):
@@ -136,7 +138,7 @@ class QuantConv1D(QuantState, nn.Module):
         return self._quant_gemm(x, self.weight.t(), self.bias)
 
     def extra_repr(self) -> str:
-        return f"nf={self.nf}, nx={self.nx}, hif8={'on' if self.quant_enabled else 'off'}"
+        return f"nf={self.nf}, nx={self.nx}, quant={'on' if self.quant_enabled else 'off'}, format={self.config.format}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,11 +288,29 @@ def set_state_in_state_dict(model: nn.Module, on: bool = True) -> None:
     ``model.state_dict()`` and read it back in ``load_state_dict``, so any trainer's checkpoint carries it."""
     for _, mod in quant_modules(model):
         mod.state_in_state_dict = bool(on)
+    for bank in _banks(model):
+        bank.rng_in_state_dict = bool(on)
 
 
 def set_step(model: nn.Module, step: int) -> None:
-    """Current optimizer step (drives schedules, history_unit=step and telemetry dump steps)."""
-    for bank in _banks(model):
+    """Current optimizer step (drives schedules, history_unit=step and telemetry dump steps): an integer >= 0
+    that never goes back (a loaded scaler state brings its own step back with it). Call it before each
+    optimizer step; with ``transformers.Trainer``, :class:`hif8qat.integrations.hf.StepCallback` does."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"set_step: step={step!r} ({type(step).__name__}) is invalid; allowed: an int >= 0, the "
+                        "number of optimizer steps taken (e.g. transformers' state.global_step)")
+    step = int(step)
+    if step < 0:
+        raise ValueError(f"set_step: step={step} is invalid; allowed: an int >= 0")
+    banks = _banks(model)
+    if not banks:
+        raise ValueError(f"set_step: {type(model).__name__} has no quantized layers; convert it first with "
+                         "hif8qat.convert_to_hif8_training(model, config=...)")
+    for bank in banks:
+        if step < bank.step:
+            raise ValueError(f"set_step: step={step} goes back from the model's step {bank.step}; steps only go "
+                             "forward (loading a checkpoint's model state restores its step: continue from there)")
+    for bank in banks:
         bank.set_step(step)
 
 
@@ -326,6 +346,9 @@ def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             bank.update()
             hosts[id(bank)] = bank._host()  # one device-to-host copy per table
         sd.update({f"{name}.{k}": v for k, v in mod.scaler_state(hosts[id(bank)]).items()})
+    bank = getattr(model, BANK_ATTR, None)
+    if isinstance(bank, ScalerBank):  # the stochastic-rounding generator (nothing without stochastic rounding)
+        sd.update({f"{BANK_ATTR}.{k}": v for k, v in bank.rng_state_dict().items()})
     return sd
 
 
@@ -335,6 +358,8 @@ def load_quant_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], stri
     grouped: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     enabled: dict[str, torch.Tensor] = {}
     unexpected = []
+    rng = {k[len(BANK_ATTR) + 1:]: v for k, v in sd.items() if k.startswith(BANK_ATTR + ".")}
+    sd = {k: v for k, v in sd.items() if not k.startswith(BANK_ATTR + ".")}
     for key, v in sd.items():
         if key.endswith(".enabled") and key[: -len(".enabled")] in modules:
             enabled[key[: -len(".enabled")]] = v
@@ -356,6 +381,9 @@ def load_quant_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], stri
         bank.load_row_state_dicts(states)
     for name, v in enabled.items():
         modules[name].quant_enabled = bool(int(v))
+    bank = getattr(model, BANK_ATTR, None)
+    if rng and isinstance(bank, ScalerBank):
+        bank.load_rng_state_dict(rng)
 
 
 # --------------------------------------------------------------------------------------------------

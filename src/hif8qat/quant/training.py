@@ -21,9 +21,10 @@ from typing import Any
 
 from torch import nn
 
+from hif8qat.formats.qdq import FORMAT_SETTINGS, HIF8_MAX
 from hif8qat.quant.blocks import SCOPES, ModuleFilter, coverage_summary
-from hif8qat.quant.linear import convert_model, coverage, set_state_in_state_dict
-from hif8qat.scaling.settings import ScalingConfig
+from hif8qat.quant.linear import convert_model, coverage, quant_modules, set_state_in_state_dict
+from hif8qat.scaling.settings import ALGOS, AMAX_REDUCES, GRAD_ROUNDINGS, HISTORY_UNITS, ScalingConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,47 @@ class Hif8TrainingConfig(ScalingConfig):
         return ScalingConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ScalingConfig)})
 
 
+def _one_of(values) -> str:
+    return " \\| ".join(f"`{v}`" for v in values)
+
+
+def _field_rules() -> dict[str, tuple[str, str]]:
+    """Per field of :class:`Hif8TrainingConfig`: (allowed values, meaning), built from the constants the checks
+    use, so the README's table (:func:`config_table`) cannot drift from what ``validate`` accepts."""
+    schedule = ", or a step schedule `{0: .., step: ..}`"
+    hif8_number = f"a number in (0, {HIF8_MAX:g}]"
+    return {
+        "algo": (_one_of(ALGOS) + schedule, "the amax estimator (`current`: just in time, from the tensor itself)"),
+        "history_len": ("an int >= 1", "amax history length"),
+        "interval": ("an int >= 1" + schedule, "steps or calls between scale refreshes"),
+        "target_fwd": (hif8_number + " (HiF8 only)", "HiF8 scale target of A and W unless `target` names them"),
+        "target_bwd": (hif8_number + " (HiF8 only)", "HiF8 scale target of G unless `target` names it"),
+        "target": ("`None`, " + hif8_number + ", or `{\"A\": .., \"W\": .., \"G\": ..}` (HiF8 only)",
+                   "HiF8 scale target, all roles or per role"),
+        "history_unit": (_one_of(HISTORY_UNITS), "what one history entry is (`step`: the max over its micro-batches)"),
+        "amax_reduce": (_one_of(AMAX_REDUCES), "amax all-reduce across data-parallel ranks"),
+        "saturate": ("`True` \\| `False`", "clamp HiF8 overflow to +-32768 instead of inf"),
+        "grad_rounding": (_one_of(GRAD_ROUNDINGS) + " (`stochastic`: HiF8 only)", "rounding of the gradients G"),
+        "telemetry_dump_every": ("an int >= 0", "steps between telemetry dumps (0: never)"),
+        "telemetry_stats_every": ("an int >= 0", "calls between overflow statistics (0: dump steps only)"),
+        "format": (_one_of(FORMAT_SETTINGS), "element format (`hybrid`: E4M3 for A and W, E5M2 for G)"),
+        "margin": ("an int >= 0 (FP8 only)", "FP8 target: the format max / 2^margin"),
+        "scope": (_one_of(SCOPES), "which linears of each block are quantized"),
+        "high_precision_blocks": ("block indices (ints >= 0)", "decoder blocks left unquantized"),
+        "emulate_bf16": ("`True` \\| `False`", "BF16 GEMMs run as FP32 GEMMs on BF16 values"),
+    }
+
+
+def config_table() -> str:
+    """The markdown table of every :class:`Hif8TrainingConfig` field: default, allowed values, meaning."""
+    rules = _field_rules()
+    rows = ["| field | default | allowed | meaning |", "| --- | --- | --- | --- |"]
+    for f in dataclasses.fields(Hif8TrainingConfig):
+        allowed, meaning = rules[f.name]
+        rows.append(f"| `{f.name}` | `{f.default!r}` | {allowed} | {meaning} |")
+    return "\n".join(rows)
+
+
 def convert_to_hif8_training(model: nn.Module, *, config: Hif8TrainingConfig | None = None,
                              module_filter_fn: ModuleFilter | None = None,
                              role_map: Mapping[str, str] | None = None) -> nn.Module:
@@ -93,7 +135,17 @@ def convert_to_hif8_training(model: nn.Module, *, config: Hif8TrainingConfig | N
     ``{"mixer": "attn", "channel": "mlp"}``). The quantizers are on and their state is part of
     ``model.state_dict()`` from here on.
     """
-    config = config if config is not None else Hif8TrainingConfig()
+    if config is None:
+        config = Hif8TrainingConfig()
+    elif not isinstance(config, Hif8TrainingConfig):
+        hint = "Hif8TrainingConfig(**your_dict)" if isinstance(config, Mapping) else "Hif8TrainingConfig(...)"
+        raise TypeError(f"convert_to_hif8_training: config is a {type(config).__name__}; allowed: a "
+                        f"hif8qat.Hif8TrainingConfig (build one with {hint})")
+    done = [name for name, _ in quant_modules(model)]
+    if done:
+        raise ValueError(f"convert_to_hif8_training: {type(model).__name__} is already converted ({len(done)} "
+                         f"quantized layers, e.g. {done[0]}); a second conversion would replace the first one's "
+                         "settings. Convert a fresh copy of the unquantized model instead")
     convert_model(model, config.scope, config.high_precision_blocks, config, module_filter_fn=module_filter_fn,
                   emulate_bf16=config.emulate_bf16, role_map=role_map)
     set_state_in_state_dict(model, True)
@@ -101,4 +153,4 @@ def convert_to_hif8_training(model: nn.Module, *, config: Hif8TrainingConfig | N
     return model
 
 
-__all__ = ["Hif8TrainingConfig", "convert_to_hif8_training"]
+__all__ = ["Hif8TrainingConfig", "config_table", "convert_to_hif8_training"]

@@ -3,3 +3,7 @@ remote-code model, FineWeb-format shards, kill and resume) with the measurements
 (``probes``), ``slurm`` on a local cluster (``slurm_cluster``), and the toy inputs they use (``standins``).
 Layer 15, the top: may import every layer.
 """
+
+from hif8qat.errors import require_pipeline_extra
+
+require_pipeline_extra("hif8qat.rehearse")  # before any module of it imports the extra

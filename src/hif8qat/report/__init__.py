@@ -33,6 +33,11 @@ and their section in words), ``sweeps``, ``anchor``, ``paper`` (the authors' dat
 ``figures``, ``build`` (``build_report``), ``cli``. The measures themselves are in :mod:`hif8qat.stats.paired`.
 """
 
+from hif8qat.errors import require_pipeline_extra
+
+require_pipeline_extra("hif8qat.report")  # before any module of it imports the extra
+# ruff: noqa: E402 (the imports below come after that check on purpose)
+
 # The names the notebooks, run.py and tests use as ``report.<name>``.
 from hif8qat.report.anchor import anchor_table
 from hif8qat.report.build import build_report

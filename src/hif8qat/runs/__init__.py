@@ -2,3 +2,7 @@
 ``downloads`` (the network sources the project touches). Layer 8: imports ``config``, ``compute_dtype`` and the
 base modules.
 """
+
+from hif8qat.errors import require_pipeline_extra
+
+require_pipeline_extra("hif8qat.runs")  # before any module of it imports the extra

@@ -52,6 +52,7 @@ from torch import nn
 from hif8qat.errors import RunError
 from hif8qat.formats import qdq as formats
 from hif8qat.scaling import bank_state, bank_telemetry, current, forecast, rules
+from hif8qat.scaling.bank_extras import BankExtras
 from hif8qat.scaling.forecast import ExpSmoothForecaster
 from hif8qat.scaling.settings import ALGOS, ROLES, ScalingConfig, lookup
 
@@ -121,7 +122,7 @@ def release_kept(bank_id: int, row: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # the bank
 # --------------------------------------------------------------------------------------------------
-class ScalerBank(nn.Module):
+class ScalerBank(BankExtras, nn.Module):
     """Delayed-scaling state of ``len(roles)`` quantizers sharing one :class:`ScalingConfig`.
 
     Tables are plain tensor attributes, not buffers: they follow the model's device moves (``_apply``)
@@ -164,6 +165,7 @@ class ScalerBank(nn.Module):
         self.specs = [formats.format_spec(f) for f in self.formats]
         self.targets = [formats.target_for(config, r) for r in self.roles]
         self._rounding = [config.grad_rounding if r == "G" else "ta" for r in self.roles]
+        self._init_extras()  # the stochastic-rounding generator and the step watch (bank_extras)
         self._is_g = np.array([r == "G" for r in self.roles])
         self._fresh_tables(torch.device(device) if device is not None else torch.device("cpu"))
         self.step = 0
@@ -225,8 +227,9 @@ class ScalerBank(nn.Module):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            new.__dict__[k] = copy.deepcopy(v, memo)
+            new.__dict__[k] = None if k == "_rng" else copy.deepcopy(v, memo)
         new._views()
+        self._copy_rng_into(new)
         new.bank_id = next(_IDS)  # a copy is a different bank for the op
         _BANKS[new.bank_id] = new
         return new
@@ -260,6 +263,7 @@ class ScalerBank(nn.Module):
     # -- public controls -----------------------------------------------------------------------------
     def set_step(self, step: int) -> None:
         self.step = int(step)
+        self._seen_version = None
 
     def freeze(self, frozen: bool = True) -> None:
         """Frozen: quantize with the current scales, record nothing, communicate nothing."""
@@ -318,6 +322,8 @@ class ScalerBank(nn.Module):
 
     def _record_call(self, x: torch.Tensor, row: int, mode: int, out_dtype: torch.dtype | None = None,
                      keep: bool = False) -> torch.Tensor:
+        if mode == RECORD:
+            self._watch_step(row, x)
         own = None
         if self._current_now():  # just in time: the amax pass first, then the cast with the scale from it
             own = current.tensor_amax(x)
@@ -328,7 +334,8 @@ class ScalerBank(nn.Module):
         stats = ((c.telemetry_stats_every > 0 and self.calls[row] % c.telemetry_stats_every == 0)
                  or (c.telemetry_dump_every > 0 and self.step % c.telemetry_dump_every == 0))
         scale = self._scale_rows[row]
-        y, amax = self._kernels[row](x, scale, self._rounding[row], c.saturate, own is None, out_dtype)
+        y, amax = self._kernels[row](x, scale, self._rounding[row], c.saturate, own is None, out_dtype,
+                                     self._rng_for(row))
         self._amax_rows[row].copy_(amax if own is None else own)
         self._mb_calls[row] += 1
         if keep and mode == RECORD:  # for a checkpoint recompute (see quantize)
@@ -341,7 +348,8 @@ class ScalerBank(nn.Module):
         return y
 
     def _qdq(self, x, row, scale, out_dtype=None):
-        return self._kernels[row](x, scale, self._rounding[row], self.config.saturate, False, out_dtype)[0]
+        return self._kernels[row](x, scale, self._rounding[row], self.config.saturate, False, out_dtype,
+                                  self._rng_for(row))[0]
 
     def _current_now(self) -> bool:
         """Whether the algorithm at the current step is just-in-time scaling."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hif8qat.formats.qdq import FORMAT_SETTINGS, target_for
+from hif8qat.formats.qdq import FORMAT_SETTINGS, HIF8_MAX, target_for
 from hif8qat.scaling.rules import EPS
 
 ESTIMATORS = ("max", "most_recent", "mean", "exp_smooth")
@@ -95,9 +95,15 @@ class ScalingConfig:
     def __post_init__(self) -> None:
         if isinstance(self.target, Mapping):  # YAML/JSON give a plain or OmegaConf mapping: store a dict
             object.__setattr__(self, "target", dict(self.target))
-        object.__setattr__(self, "algo", _normalize_schedule("algo", self.algo))
-        object.__setattr__(self, "interval", _normalize_schedule("interval", self.interval))
-        self.validate()
+        try:
+            object.__setattr__(self, "algo", _normalize_schedule("algo", self.algo))
+            object.__setattr__(self, "interval", _normalize_schedule("interval", self.interval))
+            self.validate()
+        except ValueError as err:  # name the class the user built (a subclass adds fields, not new checks)
+            text, own = str(err), type(self).__name__
+            if own != "ScalingConfig" and text.startswith("ScalingConfig."):
+                raise ValueError(own + text[len("ScalingConfig"):]) from None
+            raise
 
     # -- validation ------------------------------------------------------------------------------
     def validate(self) -> ScalingConfig:
@@ -112,6 +118,8 @@ class ScalingConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 _fail(name, v, "a finite number > 0")
+            if v > HIF8_MAX:
+                _fail(name, v, f"a number in (0, {HIF8_MAX:g}], HiF8's largest value (a larger target overflows)")
         self._validate_target()
         for name, choices in (("history_unit", HISTORY_UNITS), ("amax_reduce", AMAX_REDUCES),
                               ("grad_rounding", GRAD_ROUNDINGS)):
@@ -137,6 +145,10 @@ class ScalingConfig:
                               and all(_positive(v) for v in t.values()))
         if not ok:
             _fail("target", t, allowed)
+        values = t.values() if isinstance(t, Mapping) else [t]
+        if any(v > HIF8_MAX for v in values):
+            _fail("target", t, f"numbers in (0, {HIF8_MAX:g}], HiF8's largest value (a larger target overflows "
+                  "every tensor)")
         covered = set(ROLES) if not isinstance(t, Mapping) else set(t)
         for name, roles in (("target_fwd", {"A", "W"}), ("target_bwd", {"G"})):
             default = next(f.default for f in dataclasses.fields(ScalingConfig) if f.name == name)

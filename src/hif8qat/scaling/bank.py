@@ -1,39 +1,31 @@
 """Scaler bank: the delayed-scaling state of every 8-bit quantizer of a model in one table.
 
-The project's one implementation of delayed scaling (contract: docs/design.md, section 2). The rules come
-from :mod:`hif8qat.scaling.rules` (cold start, estimators, refresh, amax reduction, append) and :mod:`hif8qat.scaling.forecast`
-(``exp_smooth``); this module applies them to all rows at once, organised for speed and for
-``torch.compile``. Saved states: :mod:`hif8qat.scaling.bank_state`; one row as a scaler: :mod:`hif8qat.scaling.bank_row`.
+The project's one implementation of delayed scaling (contract: docs/design.md, section 2): the rules of
+:mod:`hif8qat.scaling.rules` and :mod:`hif8qat.scaling.forecast` applied to all rows at once, for speed and for
+``torch.compile``. Saved states: :mod:`hif8qat.scaling.bank_state`; one row as a scaler: :mod:`.bank_row`.
 
-* **One state table** for all quantizers (rows; one per layer and role A / W / G): history ``[n, L]``,
-  entry counts, pending step maxima, current scales and estimates, exp_smooth blocks, telemetry.
-* **One quantize kernel per call.** A quantizer call is the custom op ``hif8qat::bank_qdq``: it reads its
-  row's scale, runs the fused qdq + amax kernel of :mod:`hif8qat.formats.qdq` and writes the amax into the
-  table. The op is opaque to ``torch.compile`` (a fake implementation gives shapes), so a whole-model
-  compile has no graph break from quantized linears; its Python body runs at call time, which is where
-  the per-row bookkeeping lives (Python ints, no tensor ops).
-* **One bank update per micro-batch**, queued by the first gradient-quantizer call to run when the
-  backward pass ends (forward-only passes are flushed by the next call, :meth:`ScalerBank.update` or a
-  state dict): one optional all-reduce of all amaxes (``amax_reduce=max``), then one vectorised append
-  to the histories and the telemetry. The scales for the next micro-batch are computed in one vectorised
-  pass at its first quantizer call (the step is known then); exp_smooth copies the table to the host
-  once per refresh round for the whole model.
+* **One state table** for all quantizers (a row per layer and role A / W / G): histories ``[n, L]``, entry
+  counts, pending step maxima, scales and estimates, exp_smooth blocks, telemetry.
+* **One quantize kernel per call**, the custom op ``hif8qat::bank_qdq``: it reads its row's scale, runs the fused
+  qdq + amax kernel of :mod:`hif8qat.formats.qdq` and writes the amax into the table. The op is opaque to
+  ``torch.compile`` (a fake implementation gives shapes), so quantized linears cause no graph break; its Python
+  body holds the per-row bookkeeping (Python ints, no tensor ops).
+* **One bank update per micro-batch**, queued by the first gradient-quantizer call to run when the backward
+  ends (forward-only passes are flushed by the next call, :meth:`ScalerBank.update` or a state dict): one
+  optional all-reduce of all amaxes (``amax_reduce=max``), then one vectorised append to the histories and the
+  telemetry. The next micro-batch's scales come in one vectorised pass at its first call (the step is known
+  then); exp_smooth copies the table to the host once per refresh round.
 
-Micro-batch rules. Each quantizer is called once per micro-batch, so "the scale of a call comes from the
-history before its own amax is appended" holds per call. A second call of a
-forward quantizer (A / W) during the backward pass is an activation-checkpointing recompute: it reuses
-the forward's scale and records nothing. Any other second call in one micro-batch raises
-:class:`QuantizerCalledTwice`. The quantized linear keeps its forward's quantized weight for the backward;
-under FSDP the backward re-quantizes it with the forward's scale (``REPLAY``) instead. A call with
-``keep=True`` (eager weight calls) leaves its result with the bank until the micro-batch ends, so that an
-activation-checkpointing recompute of the same, unchanged tensor gets a copy of it instead of a second
-quantization.
+Micro-batch rules. Each quantizer is called once per micro-batch, so a call's scale comes from the history
+before its own amax is appended. A second forward-quantizer (A / W) call during the backward is an
+activation-checkpointing recompute: it reuses the forward's scale and records nothing (a ``keep=True`` eager
+weight call leaves its result with the bank until the micro-batch ends, so the recompute gets a copy); any other
+second call raises :class:`QuantizerCalledTwice`. Under FSDP the backward re-quantizes the weight with the
+forward's scale (``REPLAY``) instead of keeping it.
 
-Frozen (evaluation) banks read their scales and record nothing, so they never communicate. Each row
-quantizes in its role's element format (:func:`hif8qat.formats.qdq.element_format`) with that format's target.
-Under ``algo="current"`` a call's scale comes from its own amax (:mod:`hif8qat.scaling.current`: one amax
-pass, then the cast; local, no collective); the history still receives the amaxes at the end of the
-micro-batch.
+Frozen (evaluation) banks read their scales, record nothing, never communicate. A row quantizes in its role's
+element format with that format's target. Under ``algo="current"`` a call's scale comes from its own amax
+(:mod:`hif8qat.scaling.current`); the history still receives the amaxes at the end of the micro-batch.
 """
 
 from __future__ import annotations

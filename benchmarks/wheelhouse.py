@@ -81,7 +81,9 @@ def dry_run(python: Path, requirements: list[str], source: list[str], *, ignore_
     from ``source`` (pip's index options); the report, {"install": [...]}, is in the result's ``report``."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run",
+        # with no index, only the given folders: --isolated drops PIP_FIND_LINKS and pip.conf's extra sources
+        isolated = ["--isolated"] if "--no-index" in source else []
+        proc = subprocess.run([sys.executable, "-m", "pip", *isolated, "--python", str(python), "install", "--dry-run",
                                "--quiet", "--disable-pip-version-check", "--report", str(report), *source,
                                *(["--ignore-installed"] if ignore_installed else []), *requirements],
                               capture_output=True, text=True, check=False)

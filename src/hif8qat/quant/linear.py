@@ -145,7 +145,7 @@ class QuantLinear(nn.Linear):
 
     def _attach(self, bank: ScalerBank, rows: tuple[int, int, int]) -> None:
         object.__setattr__(self, "_bank", bank)  # not a submodule: the model's bank is registered once
-        self._rows = tuple(rows)
+        self._rows = rows
         if "hif8_bank" in self._modules and self._modules["hif8_bank"] is not bank:
             del self._modules["hif8_bank"]
 
@@ -170,6 +170,17 @@ class QuantLinear(nn.Linear):
     def scalers(self) -> Iterator[tuple[str, BankedScaler]]:
         for role, row in zip(ROLES, self._rows):
             yield role, BankedScaler(self._bank, row)
+
+    # Three int attributes, not one tuple: a compiled block guards on each int on its own, which torch.compile can
+    # then treat as a graph input (see train.compiled_blocks), so that blocks differing only in their rows share
+    # one graph.
+    @property
+    def _rows(self) -> tuple[int, int, int]:
+        return self._row_a, self._row_w, self._row_g
+
+    @_rows.setter
+    def _rows(self, rows: tuple[int, int, int]) -> None:
+        self._row_a, self._row_w, self._row_g = (int(r) for r in rows)
 
     scaler_a = property(lambda self: BankedScaler(self._bank, self._rows[0]))
     scaler_w = property(lambda self: BankedScaler(self._bank, self._rows[1]))

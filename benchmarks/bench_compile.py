@@ -3,7 +3,8 @@
 A small QAT Llama (hidden 64, every attention and MLP linear quantized, bank rows per layer) of 8, 26 and 52 blocks;
 each measurement runs in its own process with an empty Inductor cache (``TORCHINDUCTOR_CACHE_DIR`` in a fresh
 temporary folder: the cold cache of a first run on a node), and times the first forward + backward + AdamW step,
-compile included. Printed side by side, with the graphs Dynamo compiled and its graph breaks:
+compile included. The quantizer's own kernels run eagerly (``HIF8QAT_COMPILE=0``; ``--quantizer-compiled`` compiles
+them too): their compile is the same fixed part in both ways of compiling and would only hide the difference. Printed side by side, with the graphs Dynamo compiled and its graph breaks:
 
 * ``block``: ``train.compiled_blocks.compile_blocks`` (what ``train.compile=true`` does): its time must not grow
   with the depth (52 blocks within 1.2x of 8);
@@ -25,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch  # for its version only: each measurement runs in its own process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,10 +60,11 @@ print(json.dumps({"depth": depth, "mode": mode, "first_step_s": round(first, 2),
 """
 
 
-def measure(depth: int, mode: str, timeout_s: int) -> dict:
+def measure(depth: int, mode: str, timeout_s: int, quantizer_compiled: bool = False) -> dict:
     """One cold first step in a fresh process with an empty Inductor cache."""
     with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT / "src")}
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT / "src"),
+               "HIF8QAT_COMPILE": "1" if quantizer_compiled else "0"}
         t0 = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, "-c", _ONE_RUN, str(depth), mode], capture_output=True,
@@ -80,11 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["block", "model"], choices=("block", "model"))
     ap.add_argument("--timeout", type=int, default=1200, help="seconds for one run")
     ap.add_argument("--json", type=Path, help="also write the rows to this file")
+    ap.add_argument("--quantizer-compiled", action="store_true", help="compile the quantizer's kernels too")
     args = ap.parse_args(argv)
     rows = []
-    for depth in args.depths:
-        for mode in args.modes:
-            rows.append(measure(depth, mode, args.timeout))
+    for mode in args.modes:  # per-block first: the whole-model runs at depth are the long ones
+        for depth in args.depths:
+            rows.append(measure(depth, mode, args.timeout, args.quantizer_compiled))
             r = rows[-1]
             print(f"{depth:>3} blocks  {mode:<5}  " + (f"first step {r['first_step_s']:7.1f} s  graphs {r['graphs']:>3}  "
                   f"graph breaks {r['graph_breaks']}" if r["first_step_s"] is not None else f"FAILED: {r['error']}"),
@@ -105,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     for ok, line in verdicts:
         print(("ok    " if ok else "MISSED ") + line)
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "verdicts": [line for _, line in verdicts]}, indent=1) + "\n")
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        args.json.write_text(json.dumps({"rows": rows, "verdicts": [line for _, line in verdicts],
+                                         "config": {"depths": args.depths, "modes": args.modes, "hidden": 64,
+                                                    "scope": "attn_mlp", "batch": [2, 64], "threads": 1,
+                                                    "quantizer_compiled": args.quantizer_compiled},
+                                         "torch": torch.__version__, "git_commit": commit,
+                                         "cpus": os.cpu_count()}, indent=1) + "\n")
     return 1 if failed or not all(ok for ok, _ in verdicts) else 0
 
 

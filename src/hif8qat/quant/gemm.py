@@ -112,6 +112,20 @@ class QuantState:
         for role, row in zip(ROLES, self._rows):
             yield role, BankedScaler(self._bank, row)
 
+    # One int, not a tuple: a module's rows are always the contiguous range A, W, G of each site from its first
+    # row. A compiled block can then take that int as a graph input (see train.compiled_blocks) instead of
+    # guarding on a tuple of constants, so blocks that differ only in their rows share one graph.
+    @property
+    def _rows(self) -> tuple[int, ...]:
+        return tuple(range(self._row0, self._row0 + 3 * len(self.site_names())))
+
+    @_rows.setter
+    def _rows(self, rows: tuple[int, ...]) -> None:
+        rows = tuple(int(r) for r in rows)
+        if rows != tuple(range(rows[0], rows[0] + len(rows))):
+            raise ValueError(f"{type(self).__name__}: scaler rows {rows} are not one contiguous range")
+        self._row0 = rows[0]
+
     scaler_a = property(lambda self: BankedScaler(self._bank, self._rows[0]))
     scaler_w = property(lambda self: BankedScaler(self._bank, self._rows[1]))
     scaler_g = property(lambda self: BankedScaler(self._bank, self._rows[2]))
@@ -185,7 +199,8 @@ class QuantState:
         # a pass without gradients ends its micro-batch at the next call (no backward will)
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                             or (bias is not None and bias.requires_grad))
-        return _QuantLinearFn.apply(x, weight, bias, self._bank.bank_id, self._rows[3 * site: 3 * site + 3],
+        first = self._row0 + 3 * site
+        return _QuantLinearFn.apply(x, weight, bias, self._bank.bank_id, (first, first + 1, first + 2),
                                     RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight, self.emulate_bf16)
 
 

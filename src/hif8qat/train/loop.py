@@ -41,6 +41,7 @@ from hif8qat.runs.folders import METRICS_FILE, mark_done, mark_failed, update_su
 from hif8qat.runs.launch_env import env_from_slurm
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.chunked_loss import install_loss_head, lm_loss
+from hif8qat.train.compiled_blocks import compile_blocks
 from hif8qat.train.distributed import (
     all_gather_objects,
     apply_fsdp,
@@ -226,10 +227,9 @@ class _Run:
             torch.set_num_threads(cfg.train.num_threads)
         seed_everything(cfg.seed)
         self.model, self.tokenizer, self.converted = _build_model(cfg, ctx)
-        wrapped = _wrap_distributed(self.model, cfg, ctx)
-        if cfg.train.compile:  # quantized linears are opaque custom ops: no graph break
-            wrapped = torch.compile(wrapped)
-        self.wrapped = wrapped
+        if cfg.train.compile:  # each decoder block on its own: identical blocks share one graph
+            compile_blocks(self.model)
+        self.wrapped = _wrap_distributed(self.model, cfg, ctx)
         self.quant_on_step = cfg.quant.bf16_warmup_steps if cfg.quant.enabled else None
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = warmup_cosine_schedule(self.optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)

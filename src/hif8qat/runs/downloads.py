@@ -15,7 +15,18 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from hif8qat.errors import RunError
+
 log = logging.getLogger(__name__)
+
+
+class DownloadError(RunError):
+    """A file the project fetches from PyPI could not be had (no network, a timeout, pip refused)."""
+
+
+class OfflineInputError(RunError):
+    """A local copy named by an environment variable (or a cached copy) is missing, empty, corrupt or not what
+    it should hold."""
 
 
 def cache_root() -> Path:
@@ -44,12 +55,15 @@ def pip_download(requirement: str, dest: Path, *, pattern: str, source_dist: boo
     log.info("fetching %s: %s", requirement, " ".join(cmd))
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"pip download {requirement} timed out after {timeout_s} s. {hint}") from exc
+    except subprocess.TimeoutExpired:
+        raise DownloadError(f"pip download {requirement} timed out after {timeout_s} s. {hint}") from None
+    except OSError as err:  # no pip to run (a broken interpreter): the same remedy as a failed download
+        raise DownloadError(f"could not run pip download {requirement} ({err}). {hint}") from None
     found = sorted(Path(dest).glob(pattern))
     if res.returncode != 0 or not found:
-        raise RuntimeError(f"could not download {requirement} from PyPI (pip exit {res.returncode}): "
-                           f"{res.stderr.strip()[-800:]}\n{hint}")
+        last = " ".join(res.stderr.strip().splitlines()[-3:])[-400:] or "no file matched " + pattern
+        raise DownloadError(f"could not download {requirement} from PyPI (pip exit {res.returncode}: {last}). "
+                            f"{hint}")
     return found[0]
 
 

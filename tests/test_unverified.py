@@ -180,6 +180,16 @@ def test_a_manifest_that_does_not_list_the_scalers_is_refused(export, tmp_path):
     assert tree(tmp_path) == before
 
 
+def test_the_report_reads_no_scaler_traces_from_an_export_without_its_manifest(export, tmp_path):
+    from hif8qat.report.replay import recorded_amax_traces
+
+    folder = tmp_path / "export"
+    shutil.copytree(export, folder)
+    (folder / FOLDER_MANIFEST).unlink()
+    with pytest.raises(UnverifiedArtefact, match=f"it has no {FOLDER_MANIFEST}"):
+        recorded_amax_traces(folder)
+
+
 # ------------------------------------------------------------------ a checkpoint's manifest
 def test_a_checkpoint_with_a_file_its_manifest_does_not_list_is_refused_and_kept(tmp_path):
     from hif8qat.train import checkpoint as ckpt
@@ -212,6 +222,8 @@ def test_the_rule_refuses_a_missing_or_partial_record(recorded, present, why):
     with trusting_unverified(True) as accepted:
         artefacts.require_record("subject", recorded, present, "Redo it", record="the record")
     assert list(accepted) == ["subject"]
+    with pytest.raises(UnverifiedArtefact):  # the trust ended with its block
+        artefacts.require_record("subject", recorded, present, "Redo it", record="the record")
     with trusting_unverified(False) as accepted:  # trust is per block: refused again
         with pytest.raises(UnverifiedArtefact):
             artefacts.require_record("subject", recorded, present, "Redo it", record="the record")

@@ -7,7 +7,14 @@ from __future__ import annotations
 import torch
 
 from hif8qat.models.loading import build_tiny_llama
-from hif8qat.quant.linear import convert_model, freeze_scales, load_quant_state_dict, quant_linears, quant_state_dict, set_step
+from hif8qat.quant.linear import (
+    convert_model,
+    freeze_scales,
+    load_quant_state_dict,
+    quant_linears,
+    quant_state_dict,
+    set_step,
+)
 from hif8qat.scaling.settings import ScalingConfig
 
 ONE_THREAD = True

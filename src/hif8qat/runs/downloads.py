@@ -67,6 +67,24 @@ def pip_download(requirement: str, dest: Path, *, pattern: str, source_dist: boo
     return found[0]
 
 
+def local_copy_or_download(variable: str, value: str | os.PathLike | None, requirement: str, dest: Path, *,
+                           forms: str, **download) -> tuple[Path, str]:
+    """The file to read and how it was named: ``value`` (a local copy, named as ``variable``) when given, else
+    ``requirement`` fetched by :func:`pip_download` (``download``: its keyword arguments). OfflineInputError
+    naming the variable when the copy is blank, a folder or missing; ``forms``: what is allowed instead."""
+    if value is None:
+        path = pip_download(requirement, dest, **download)
+        return path, f"the {requirement} download ({path.name})"
+    named, path = f"{variable}={str(value)!r}", Path(value).expanduser()
+    if not str(value).strip():
+        raise OfflineInputError(f"{named} is empty; {forms}")
+    if path.is_dir():
+        raise OfflineInputError(f"{named} is a folder, not a file; {forms}")
+    if not path.is_file():
+        raise OfflineInputError(f"{named}: no such file; {forms}")
+    return path, named
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether a TCP connection to the Hugging Face hub (or HF_ENDPOINT) opens within `timeout` seconds."""
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")

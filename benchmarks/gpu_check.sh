@@ -52,23 +52,56 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+# ------------------------------------------------------------------------------------------------ usage
+# Every argument and setting is checked before anything is created: bad usage is one `error:` line, exit 2, and
+# no OUT folder. check_settings runs first; check_stage_selection once the stage list is known.
+usage_error() { echo "error: $*" >&2; exit 2; }
+
+check_settings() {  # the positional arguments
+    [ $# -le 1 ] || usage_error "one argument at most (OUT_DIR), got $#: $*"
+    case "$DEVICE" in cuda|cpu) ;; *) usage_error "GPU_CHECK_DEVICE=$DEVICE: allowed cuda, cpu" ;; esac
+    [[ "$OUT" == *[![:space:]]* ]] || usage_error "OUT_DIR '$OUT' is blank; allowed a new folder's path"
+    if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then
+        usage_error "$OUT is a file, not a folder; give a new folder for the results"
+    fi
+    if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
+        usage_error "$OUT already holds results; give a new folder (nothing is overwritten)"
+    fi
+    local parent
+    parent=$(dirname "$OUT")
+    while [ ! -e "$parent" ]; do parent=$(dirname "$parent"); done
+    [ -d "$parent" ] && [ -w "$parent" ] || usage_error "cannot create $OUT: $parent is not a writable folder"
+    if [ -n "${GPU_CHECK_TIMEOUT+set}" ] && ! [[ "$GPU_CHECK_TIMEOUT" =~ ^[0-9]*\.?[0-9]+$ && "$GPU_CHECK_TIMEOUT" =~ [1-9] ]]; then
+        usage_error "GPU_CHECK_TIMEOUT=$GPU_CHECK_TIMEOUT: allowed a number of seconds above 0 (e.g. 60 or 0.5)," \
+            "or unset for each stage's own timeout"
+    fi
+    case "${GPU_CHECK_PLAN:-}" in ''|0|1) ;; *) usage_error "GPU_CHECK_PLAN=$GPU_CHECK_PLAN: allowed 1 (print the plan) or 0/unset" ;; esac
+    if [ -n "${GPU_CHECK_ONLY+set}" ] && [[ "$GPU_CHECK_ONLY" != *[![:space:]]* ]]; then
+        usage_error "GPU_CHECK_ONLY='$GPU_CHECK_ONLY' selects no stage; allowed a space-separated list of stages," \
+            "or unset for all of them"
+    fi
+    "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null \
+        || usage_error "PYTHON=$PY: not a Python 3.10+ interpreter that runs here; allowed a path to one"
+    if [ -n "$WHEELHOUSE" ] && [ ! -f "$WHEELHOUSE/requirements.txt" ]; then
+        usage_error "WHEELHOUSE=$WHEELHOUSE holds no requirements.txt; make wheelhouse writes one"
+    fi
+}
+
+check_stage_selection() {  # GPU_CHECK_ONLY names known stages (the list depends on the device and WHEELHOUSE)
+    [ -n "${GPU_CHECK_ONLY+set}" ] || return 0
+    local s
+    for s in $GPU_CHECK_ONLY; do
+        [[ " ${STAGES[*]} " == *" $s "* ]] || usage_error "GPU_CHECK_ONLY: unknown stage $s; allowed: ${STAGES[*]}"
+    done
+}
+
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-case "$DEVICE" in cuda|cpu) ;; *) echo "error: GPU_CHECK_DEVICE=$DEVICE: allowed cuda, cpu" >&2; exit 2 ;; esac
 PY=${PYTHON:-}
 [ -n "$PY" ] || { [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3; }
-OUT=${1:-results/gpu_check/$(date +%Y%m%d-%H%M%S)}
-if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
-    echo "error: $OUT already holds results; give a new folder (nothing is overwritten)" >&2
-    exit 2
-fi
+OUT=${1-results/gpu_check/$(date +%Y%m%d-%H%M%S)}
 WHEELHOUSE=${WHEELHOUSE:-}
-if [ -n "$WHEELHOUSE" ] && [ ! -f "$WHEELHOUSE/requirements.txt" ]; then
-    echo "error: WHEELHOUSE=$WHEELHOUSE holds no requirements.txt; make wheelhouse writes one" >&2
-    exit 2
-fi
+check_settings "$@"
 [ -z "$WHEELHOUSE" ] || WHEELHOUSE=$(cd "$WHEELHOUSE" && pwd)
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, whatever is installed
 
 if [ "$DEVICE" = cuda ]; then
@@ -102,12 +135,8 @@ STAGES=()
 STAGES+=(compile_warmup pytest_gpu qdq)
 for s in "${STEPS[@]}"; do STAGES+=("step_$s"); done
 STAGES+=(exp8_paper_shapes paper_memory checkpoint openpangu)
-if [ -n "${GPU_CHECK_ONLY:-}" ]; then
-    for s in $GPU_CHECK_ONLY; do
-        [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: GPU_CHECK_ONLY: unknown stage $s; allowed: ${STAGES[*]}" >&2; exit 2; }
-    done
-    STAGES=($GPU_CHECK_ONLY)
-fi
+check_stage_selection
+[ -z "${GPU_CHECK_ONLY+set}" ] || read -r -a STAGES <<< "$GPU_CHECK_ONLY"
 
 export PYTHONUNBUFFERED=1  # a stage's log shows how far it got, also when its timeout stops it
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the node has no internet: no hub call
@@ -397,7 +426,7 @@ run_stage() {
 }
 
 # ---------------------------------------------------------------------------------------------- main
-if [ -n "${GPU_CHECK_PLAN:-}" ]; then
+if [ "${GPU_CHECK_PLAN:-0}" = 1 ]; then
     total=0
     for stage in "${STAGES[@]}"; do
         read -r limit _ <<< "$(run_stage "$stage")"
@@ -406,9 +435,10 @@ if [ -n "${GPU_CHECK_PLAN:-}" ]; then
         total=$(awk -v a="$total" -v b="$limit" 'BEGIN { print a + b }')
     done
     echo "total $total"
-    rmdir "$OUT" 2>/dev/null
     exit 0
 fi
+mkdir -p "$OUT"  # the first thing created: every setting was checked above
+OUT=$(cd "$OUT" && pwd)
 export -f stage_install stage_compile_warmup stage_pytest_gpu stage_qdq stage_step stage_exp8_paper_shapes stage_paper_memory \
     stage_checkpoint stage_openpangu
 export PY OUT DEVICE WHEELHOUSE EXP8_MODEL MEM_MODEL MEM_SHAPE PANGU_SIZE

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from packaging.requirements import Requirement
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +133,48 @@ def fetch_data(out: Path) -> list[Path]:
     return sorted(data.iterdir())
 
 
-def main(argv: list[str] | None = None) -> int:
+def optional_extras(pyproject: Path = ROOT / "pyproject.toml") -> set[str]:
+    """The extras pyproject.toml declares (its optional dependencies)."""
+    import tomllib
+
+    return set(tomllib.loads(pyproject.read_text())["project"].get("optional-dependencies", {}))
+
+
+# ------------------------------------------------------------------------------------------------ usage
+# Every argument is checked before anything is created: bad usage is one `error:` line, exit 2, no folder left.
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments (naming the option and what it allows), None when they can be used."""
+    out = args.out
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder; allowed a new (or empty) folder"
+    if out.is_dir() and any(out.iterdir()):
+        return f"--out {out} is not empty; remove it or give --out a new folder"
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: {parent} is not a folder this user can write"
+    for option, path in (("--node", args.node), ("--requirements", args.requirements)):
+        if not path.is_file():
+            return f"{option} {path}: no such file; allowed a requirements file (one pinned package a line)"
+        try:
+            [Requirement(line) for line in _requirement_lines(path)]
+        except (OSError, UnicodeDecodeError, InvalidRequirement) as err:
+            return f"{option} {path} is not a requirements file ({type(err).__name__}: {err})"
+    bad = [v for v in args.python if not re.fullmatch(r"3\.(1[0-9]|[89])", v)]
+    if bad:
+        return f"--python {' '.join(bad)}: allowed Python versions written 3.N (3.8 to 3.19), e.g. 3.12 3.11"
+    known = sorted(optional_extras())
+    unknown = [e for e in args.extras if e not in known]
+    if unknown:
+        return f"--extras {' '.join(unknown)}: allowed {', '.join(known)} (pyproject.toml's optional dependencies)"
+    if not (args.max_mib > 0 and math.isfinite(args.max_mib)):
+        return f"--max-mib {args.max_mib:g}: allowed a size in MiB above 0"
+    return None
+
+
+def parse_usage(argv: list[str] | None = None) -> argparse.Namespace:
+    """The checked arguments; bad usage exits 2 with one `error:` line, before anything is created."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "wheelhouse")
     ap.add_argument("--node", type=Path, default=ROOT / "benchmarks" / "gpu_node_packages.txt")
@@ -139,9 +184,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extras", nargs="+", default=["pipeline", "test"])
     ap.add_argument("--max-mib", type=float, default=60.0)
     args = ap.parse_args(argv)
-    if args.out.exists() and any(args.out.iterdir()):
-        print(f"error: {args.out} is not empty; remove it or give --out a new folder", file=sys.stderr)
+    problem = _usage_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    return args
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """main inside the usage contract: a pip that cannot reach its index (offline) or find a pinned version is
+    one `error:` line with exit 2, and the folder this run created is removed (one that was empty is emptied)."""
+    out = parse_usage(argv).out
+    existed = out.exists()
+    try:
+        return main(argv)
+    except subprocess.CalledProcessError as err:
+        if existed:
+            for entry in out.iterdir() if out.is_dir() else ():
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+        print(f"error: `{' '.join(map(str, err.cmd[1:5]))} ...` failed (exit {err.returncode}): pip could not reach "
+              "its index (offline? set PIP_INDEX_URL to a reachable mirror) or has no wheel of a pinned version; "
+              "nothing was kept", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_usage(argv)
     node = node_packages(args.node)
     wanted = [line for line in wanted_pins(args.requirements, tuple(args.extras))
               if canonicalize_name(Requirement(line).name) not in node]
@@ -187,5 +257,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 0
 
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

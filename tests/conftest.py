@@ -110,6 +110,7 @@ def impl(request):
 def write_quantized_export(folder, *, scope: str, seed: int, seq: int = 32):
     """A tiny Llama saved as a run's export, quantized (max estimator, history 4) with scales from one forward:
     what the hif8 evaluation mode loads. Returns the folder."""
+    from hif8qat.artefacts import write_folder_manifest
     from hif8qat.models.loading import build_tiny_llama
     from hif8qat.models.quant_files import save_quant_export
     from hif8qat.quant import linear as qlinear
@@ -123,4 +124,5 @@ def write_quantized_export(folder, *, scope: str, seed: int, seq: int = 32):
     with torch.no_grad():
         model(torch.randint(3, 200, (2, seq)))
     save_quant_export(model, folder, {"step": 1})
+    write_folder_manifest(folder)  # last, as a run's export records its files
     return folder

@@ -99,14 +99,18 @@ def test_a_corrupt_mode_is_evaluated_again_not_called_done(tmp_path, damage, cap
     assert "evaluating bf16 again" in capsys.readouterr().out
 
 
-def test_a_mode_written_before_hashes_were_recorded_is_still_checked_for_cut_rows(tmp_path):
+def test_a_mode_written_before_hashes_were_recorded_is_evaluated_again_unless_trusted(tmp_path, capsys):
     out = _eval_dir(tmp_path)
     doc = json.loads((out / "results.json").read_text())
     del doc["_files"]
     (out / "results.json").write_text(json.dumps(doc))
-    assert stages._mode_done(out)
-    (out / "samples_mini_arc.csv").write_text("doc_id,correct,gold_ll,gold_margin\n0,1\n")
-    assert not stages._mode_done(out)
+    assert not stages._mode_done(out)  # nothing vouches for its samples: evaluated again
+    assert "unverified (it has no _files record): evaluating bf16 again" in capsys.readouterr().out
+    with _reader().trusting_unverified(True) as accepted:
+        assert stages._mode_done(out)  # trusted: kept, and listed as used unverified
+        (out / "samples_mini_arc.csv").write_text("doc_id,correct,gold_ll,gold_margin\n0,1\n")
+        assert not stages._mode_done(out)  # still checked for cut rows
+    assert list(accepted) == [str(out / "results.json")]
 
 
 # ------------------------------------------------------------------ the held-out comparison

@@ -9,9 +9,12 @@ cannot (the report) lets it reach the user as an ``error:`` line. Nothing here i
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,68 @@ class CorruptArtefact(RunError):
     def __init__(self, path: str | Path, why: str, redo: str):
         super().__init__(f"{path} is unreadable ({why}); it was truncated or edited. {redo}")
         self.path, self.why = Path(path), why
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Absent is unverified. A file whose integrity record is missing (results.json without _files, an export
+# without its manifest, a manifest that leaves out a file that is there) cannot be told from an edited or
+# corrupted copy, so every reader refuses it through the one rule below, unless the user opted in with
+# trust_unverified=true; what was then accepted unverified is listed (accepted_unverified) for the report
+# to name beside the numbers that came from it.
+# ---------------------------------------------------------------------------------------------------------
+TRUST_SETTING = "trust_unverified"
+_TRUST: ContextVar[bool] = ContextVar("hif8qat_trust_unverified", default=False)
+_ACCEPTED: ContextVar[dict[str, str] | None] = ContextVar("hif8qat_accepted_unverified", default=None)
+
+
+class UnverifiedArtefact(RunError):
+    """A project file (or folder) whose integrity record is missing or incomplete."""
+
+    def __init__(self, path: str | Path, why: str, redo: str):
+        super().__init__(f"{path} is unverified ({why}), so an edited or corrupted copy would go unnoticed; it is "
+                         f"not used. {redo}; or set {TRUST_SETTING}=true to use it anyway (every number taken "
+                         "from it is then marked unverified)")
+        self.path, self.why = Path(path), why
+
+
+@contextlib.contextmanager
+def trusting_unverified(trust: bool) -> Iterator[dict[str, str]]:
+    """Inside the block, files without a whole integrity record are accepted when ``trust`` is true; yields
+    the map path -> why of those accepted (empty when trust is false: they were refused)."""
+    accepted: dict[str, str] = {}
+    tokens = (_TRUST.set(bool(trust)), _ACCEPTED.set(accepted))
+    try:
+        yield accepted
+    finally:
+        _ACCEPTED.reset(tokens[1])
+        _TRUST.reset(tokens[0])
+
+
+def accepted_unverified() -> dict[str, str]:
+    """What the current trusting_unverified block accepted unverified (path -> why)."""
+    return dict(_ACCEPTED.get() or {})
+
+
+def unverified(path: str | Path, why: str, redo: str) -> None:
+    """The one rule: a file without a whole integrity record is refused, or, trusted, accepted and listed."""
+    if not _TRUST.get():
+        raise UnverifiedArtefact(path, why, redo)
+    accepted = _ACCEPTED.get()
+    if accepted is not None:
+        accepted.setdefault(str(path), why)
+
+
+def require_record(subject: str | Path, recorded: Iterable[str] | None, present: Iterable[str], redo: str, *,
+                   record: str) -> None:
+    """``recorded`` (the names an integrity record lists, None when there is no record) covers every name in
+    ``present`` (the files beside it); else the unverified rule for ``subject`` naming ``record``."""
+    if recorded is None:
+        unverified(subject, f"it has no {record}", redo)
+        return
+    unlisted = sorted(set(present) - set(recorded))
+    if unlisted:
+        more = f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
+        unverified(subject, f"its {record} does not list {unlisted[0]}{more}, which is there", redo)
 
 
 def verify_sha256(path: str | Path, expected: str | None, redo: str) -> None:
@@ -171,11 +236,19 @@ def write_folder_manifest(folder: str | Path) -> None:
     write_json(folder / FOLDER_MANIFEST, {"format": 1, "files": files}, indent=1)
 
 
+def _folder_files(folder: Path) -> list[str]:
+    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != FOLDER_MANIFEST]
+
+
 def verify_folder_manifest(folder: str | Path, redo: str) -> bool:
     """Every file recorded in ``folder``'s manifest is there with its size and sha256 (CorruptArtefact naming
-    the first that is not). False when the folder has no manifest (written before folders recorded one)."""
+    the first that is not), and every file there is recorded. A folder without a manifest, or with files its
+    manifest does not list, is unverified (:func:`unverified`): refused unless trusted; False when trusted
+    without a manifest."""
     folder = Path(folder)
     if not (folder / FOLDER_MANIFEST).exists():
+        require_record(folder, None, (), redo, record=FOLDER_MANIFEST)
         return False
     doc = read_json(folder / FOLDER_MANIFEST, redo)
     files = doc.get("files")
@@ -184,6 +257,7 @@ def verify_folder_manifest(folder: str | Path, redo: str) -> bool:
             for e in files.values()):
         raise CorruptArtefact(folder / FOLDER_MANIFEST, "its files entry is not a map of name -> {bytes, sha256}",
                               redo)
+    require_record(folder, files, _folder_files(folder), redo, record=FOLDER_MANIFEST)
     for name, entry in files.items():
         path = folder / name
         if not path.is_file():
@@ -249,6 +323,22 @@ def check_schema(path: str | Path, value: Any, schema: Any, redo: str) -> Any:
     if problem:
         raise CorruptArtefact(path, problem, redo)
     return value
+
+
+RESULTS_FILE = "results.json"
+FILES_KEY = "_files"  # results.json: sha256 of each file written beside it, checked when it is read back
+
+
+def results_record(mode_dir: str | Path, results: Mapping[str, Any], redo: str) -> dict[str, str]:
+    """The sha256 per file that ``mode_dir``'s results.json (``results``, already read) recorded for the files
+    beside it, after the unverified rule: no ``_files``, or a file there that it does not list, is refused
+    unless trusted (then what it does record, possibly nothing)."""
+    mode_dir = Path(mode_dir)
+    recorded = results.get(FILES_KEY)
+    present = [p.name for p in sorted(mode_dir.iterdir()) if p.is_file() and p.name != RESULTS_FILE
+               and not p.name.startswith(".")]
+    require_record(mode_dir / RESULTS_FILE, recorded, present, redo, record=f"{FILES_KEY} record")
+    return dict(recorded or {})
 
 
 # eval/<mode>/results.json: one entry per task, _files (sha256 of the files beside it), _meta.

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import smollm2_weights_missing
 
+from hif8qat.artefacts import write_folder_manifest
 from hif8qat.config import eval_tasks
 from hif8qat.evaluate import loading, outputs, runner, settings, subsets, task_data
 from hif8qat.models import loading as tiny
@@ -103,6 +104,7 @@ def test_hif8_mode_from_export(tmp_path):
         model(torch.randint(3, 200, (2, 16)))
     sd_before = {k: v.clone() for k, v in qlinear.quant_state_dict(model).items()}
     save_quant_export(model, export, {"step": 1})
+    write_folder_manifest(export)
 
     loaded, _ = loading.load_for_eval(export, "hif8")
     assert len(list(qlinear.quant_linears(loaded))) == 6  # gate/up/down x 2 blocks

@@ -14,6 +14,7 @@ import yaml
 from conftest import mini_corpus_missing, write_quantized_export
 from scipy import stats as st
 
+from hif8qat.artefacts import write_folder_manifest
 from hif8qat.evaluate import heldout
 from hif8qat.models.loading import build_tiny_llama
 from hif8qat.report.claims import DEFAULT_MARGINS, ONE_SEED
@@ -194,6 +195,7 @@ def _run(root, experiment, baseline, quantized, seed=0):
         model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=11)
         model.save_pretrained(d / "export")
         tok.save_pretrained(d / "export")
+        write_folder_manifest(d / "export")
     return d
 
 
@@ -238,6 +240,7 @@ def test_eval_hook_skips_a_baseline_without_export_and_covers_modes_evaluated_la
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=11)
     model.save_pretrained(base / "export")
     tok.save_pretrained(base / "export")
+    write_folder_manifest(base / "export")
     doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
     assert doc["baseline_run"] == "exp7/seed0" and doc["baseline_skipped"] is None
     # exactly the three comparisons: the baseline's two added, the one made before kept, nothing else

@@ -241,6 +241,7 @@ def test_fsdp_checkpoint_roundtrip_over_nccl(tmp_path):
 
 
 def test_evaluation_defaults_to_the_gpu_with_bf16_autocast_over_fp32_weights(tmp_path):
+    from hif8qat.artefacts import write_folder_manifest
     from hif8qat.evaluate import runner, settings
     from hif8qat.models.loading import build_tiny_llama
     from hif8qat.models.quant_files import save_quant_export
@@ -254,6 +255,7 @@ def test_evaluation_defaults_to_the_gpu_with_bf16_autocast_over_fp32_weights(tmp
     with torch.no_grad():
         model(torch.randint(3, 200, (2, 16)))
     save_quant_export(model, tmp_path / "export", {"step": 1})
+    write_folder_manifest(tmp_path / "export")
     assert settings.resolve_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cuda", "bf16")
     res = runner.evaluate_export(tmp_path / "export", "hif8", "mini_arc", limit=4, batch_size=4)  # auto, auto
     meta = res["_meta"]

@@ -114,18 +114,20 @@ def _damage(path: Path, how: str) -> None:
 def test_a_damaged_export_file_is_named_when_evaluation_reads_it(quant_export, tmp_path, name, recorded):
     import shutil
 
-    from hif8qat.artefacts import FOLDER_MANIFEST
+    from hif8qat.artefacts import FOLDER_MANIFEST, UnverifiedArtefact, trusting_unverified
     from hif8qat.evaluate.loading import load_for_eval
 
     export = tmp_path / "export"
     shutil.copytree(quant_export, export)
     load_for_eval(export, "hif8")  # intact: loads
-    if not recorded:  # an export written before exports recorded hashes: its loaders' errors are named instead
+    if not recorded:  # an export written before exports recorded hashes: unverified, so refused as it is
         (export / FOLDER_MANIFEST).unlink()
+        with pytest.raises(UnverifiedArtefact, match=rf"{export} is unverified \(it has no {FOLDER_MANIFEST}\)"):
+            load_for_eval(export, "hif8")
     _damage(export / name, "flip" if recorded else "cut")
     with pytest.raises(RunError, match=(rf"{name} is unreadable \(sha256" if recorded else
-                                        rf"{export} is unreadable")):
-        load_for_eval(export, "hif8")
+                                        rf"{export} is unreadable")), trusting_unverified(not recorded):
+        load_for_eval(export, "hif8")  # trusted without hashes: its loaders' errors are named instead
 
 
 # ------------------------------------------------------------------ one schema per kind of document

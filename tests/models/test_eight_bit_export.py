@@ -4,6 +4,7 @@ its FP8 layout, and stage=export refuses runs it cannot store before touching an
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import en_dtypes
@@ -13,6 +14,7 @@ import torch
 from safetensors import safe_open
 from test_reliability import assert_user_error, cli
 
+from hif8qat.artefacts import FOLDER_MANIFEST, write_folder_manifest
 from hif8qat.evaluate.heldout import stream_token_stats
 from hif8qat.evaluate.loading import load_for_eval
 from hif8qat.evaluate.runner import evaluate_model
@@ -37,6 +39,7 @@ def _export(folder, fmt: str, scope: str = "attn_mlp", *, algo: str = "max", voc
         for seed in range(3):
             model(torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(seed)))
     save_quant_export(model, folder, {"step": 3})
+    write_folder_manifest(folder)  # last, as a run's export records its files
     return folder
 
 
@@ -75,7 +78,8 @@ def test_codes_decode_bit_for_bit_to_the_hif8_modes_weights(tmp_path, fmt, scope
     rest = [k for k in tensors if k not in expected and not k.endswith("_scale")]
     assert rest and all(tensors[k].dtype == torch.bfloat16 for k in rest)
     assert record["activations"] == ("dynamic" if algo == "current" else "static")
-    assert record["source"]["manifest_sha256"] is None  # this export was written without a manifest
+    # the source export's manifest, named by its sha256 (hashlib here, not the writer's helper)
+    assert record["source"]["manifest_sha256"] == hashlib.sha256((export / FOLDER_MANIFEST).read_bytes()).hexdigest()
 
 
 @pytest.mark.slow

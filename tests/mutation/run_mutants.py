@@ -61,7 +61,7 @@ def load_mutants(path: Path = MUTANTS) -> list[Mutant]:
         mutants.append(Mutant(id=entry["id"], file=entry["file"], original=entry["original"],
                               replacement=entry["replacement"],
                               tests=tuple(tests.split() if isinstance(tests, str) else tests),
-                              area=entry.get("area", entry["file"].split("/")[2] if "/" in entry["file"] else ""),
+                              area=entry.get("area") or (entry["file"].split("/") + ["", ""])[2],
                               note=entry.get("note", "")))
     ids = [m.id for m in mutants]
     duplicated = sorted({i for i in ids if ids.count(i) > 1})

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from hif8qat.artefacts import write_folder_manifest
 from hif8qat.report import recorded_amax_traces, replay_exceedance
 
 
@@ -40,5 +41,6 @@ def test_recorded_traces_keep_only_complete_histories_in_call_order(tmp_path):
         "c.G.history": torch.zeros(4), "c.G.total": torch.tensor(0),  # never called
     }
     save_file(state, str(tmp_path / "hif8qat_scalers.safetensors"))
+    write_folder_manifest(tmp_path)  # as an export records its files
     assert recorded_amax_traces(tmp_path) == {"a.A": [1.0, 2.0, 3.0]}
     assert recorded_amax_traces(tmp_path / "missing") == {}

@@ -162,6 +162,18 @@ def make_fake_runs(root: Path, profile: str = "smoke", n_docs: int = 120, steps:
     20 in hif8 mode against exp7 of the same seed. ``tags``: run_tag per experiment."""
     for sd in seeds:
         _fake_seed(root, profile, n_docs, steps, sd, exps, tags or {})
+    record_eval_files(root)
+    return root
+
+
+def record_eval_files(root: Path) -> Path:
+    """Every results.json under ``root`` records the sha256 of each file beside it, as the evaluation writes it
+    (hashlib here, not the writer's helper); rerun after a test edits a samples file on purpose."""
+    for results in sorted(Path(root).rglob("eval/*/results.json")):
+        doc = json.loads(results.read_text())
+        doc["_files"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(results.parent.iterdir())
+                         if p.is_file() and p.name != "results.json"}
+        results.write_text(json.dumps(doc))
     return root
 
 
@@ -350,6 +362,7 @@ def test_claims_read_per_item_log_likelihoods_when_recorded(tmp_path):
         s["gold_margin"] = rng.normal(size=len(s))
         s.to_csv(f, index=False)
         gold[exp] = s
+    record_eval_files(runs)
     rep = report.build_report(runs, "smoke", tmp_path / "tables", tmp_path / "figures", n_boot=100, figures=False)
     c = _claim(rep["tables"]["claims_smoke"], mode="bf16", metric="gold_ll")
     cost = gold["exp7"]["gold_ll"] - gold["exp8"]["gold_ll"]
@@ -498,6 +511,7 @@ def test_sweep_table_reads_the_knob_from_the_configs(tmp_path):
         s = pd.read_csv(f)
         s.loc[np.flatnonzero(s["correct"] == 1)[:10], "correct"] = 0
         s.to_csv(f, index=False)
+    record_eval_files(runs)
     rep = report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
     sw = rep["tables"]["sweeps_smoke"]
     assert set(sw["knob"]) == {"quant.history_len"} and set(sw["value_num"]) == {16.0, 64.0}

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from test_report import make_fake_runs
+from test_report import make_fake_runs, record_eval_files
 
 from hif8qat import report
 
@@ -58,6 +58,7 @@ def _derive(runs, src: str, name: str, changes: list[str], quant: dict, clipped:
     res = json.loads((e / "results.json").read_text())
     res["mini_arc"]["value"] = float(s["correct"].mean())
     (e / "results.json").write_text(json.dumps(res))
+    record_eval_files(d)
 
 
 def test_scaling_pairs_and_quantized_mode_ablations(tmp_path):

@@ -5,6 +5,7 @@ t and permutation tests, brute-force enumeration) or a coverage simulation."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -161,6 +162,7 @@ def test_heldout_claims_cross_seeds_with_windows_and_list_the_token_files(tmp_pa
         s = heldout_stats.comparison_summary(base, bf16, kl, top1, 8)
         (d / "summary.json").write_text(json.dumps({
             "baseline_run": f"exp7/seed{sd}", "tokens_file": "tokens.csv.gz",
+            "tokens_sha256": hashlib.sha256((d / "tokens.csv.gz").read_bytes()).hexdigest(),
             "comparisons": {"bf16_vs_baseline": {"reference": "baseline", "other": "bf16", "summary": s}}}))
     rep = report.build_report(runs, "smoke", tmp_path / "t", tmp_path / "f", n_boot=100, figures=False)
     row = rep["tables"]["heldout_smoke"].iloc[0]

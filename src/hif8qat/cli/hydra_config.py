@@ -20,7 +20,7 @@ CONF_DIR = REPO / "conf"  # run.py's Hydra config, beside it
 
 # Overrides that select or steer a run without changing what it trains: they never enter its folder name.
 # The profile group is in the folder path, but its settings (profile.steps) change the training: tagged.
-_UNTAGGED = ("experiment", "seed", "stage", "force", "results_root", "run_tag", "train.resume", "train.resume_allow_mismatch",
+_UNTAGGED = ("experiment", "seed", "stage", "force", "trust_unverified", "results_root", "run_tag", "train.resume", "train.resume_allow_mismatch",
              "train.num_threads", "train.checkpoint_every", "train.keep_checkpoints", "train.keep_checkpoints_when_done", "train.log_every",
              "train.val_every", "data.eval_windows", "data.cache_dir", "quant.telemetry_dump_every",
              "quant.telemetry_stats_every", "eval", "logger", "hydra")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hif8qat.artefacts import CorruptArtefact
+from hif8qat.artefacts import CorruptArtefact, UnverifiedArtefact, trusting_unverified
 from hif8qat.config.run_config import RunConfig
 from hif8qat.errors import RunError, concerning
 from hif8qat.evaluate.heldout import after_eval
@@ -108,6 +108,9 @@ def _mode_done(mode_dir: Path) -> bool:
     except CorruptArtefact as err:
         print(f"{err.path} is corrupt or truncated: evaluating {mode_dir.name} again")
         return False
+    except UnverifiedArtefact as err:  # an older layout or a manifest that leaves a file out: redone, recorded
+        print(f"{err.path} is unverified ({err.why}): evaluating {mode_dir.name} again")
+        return False
     return True
 
 
@@ -170,7 +173,13 @@ def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:
 
 
 def dispatch(cfg: RunConfig) -> str | None:
-    """Run the stage; SKIPPED when the run was found finished with nothing left to do (a sweep's rerun)."""
+    """Run cfg.stage; SKIPPED when the run was found finished with nothing left to do (a sweep's rerun). Files
+    without an integrity record are refused unless cfg.trust_unverified."""
+    with trusting_unverified(cfg.trust_unverified):
+        return _dispatch(cfg)
+
+
+def _dispatch(cfg: RunConfig) -> str | None:
     env_from_slurm()  # under srun, every task must know its rank before deciding anything
 
     if cfg.stage == "report":

@@ -245,6 +245,7 @@ class RunConfig:
     stage: str = "all"
     seed: int = 0
     force: bool = False
+    trust_unverified: bool = False
     results_root: str = "results/runs"
     run_tag: str = ""
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
@@ -307,8 +308,7 @@ class RunConfig:
             _fail(setting, value, allowed)
 
     def _validate_booleans(self) -> None:
-        """Every setting typed bool takes true or false only: Python's truthiness would read force=maybe or
-        train.compile=0 as a decision the user never made."""
+        """Every bool setting takes true or false only: truthiness would read force=maybe as a decision."""
         for section in fields(self):
             value = getattr(self, section.name)
             pairs = ([(f"{section.name}.{f.name}", f.type, getattr(value, f.name)) for f in fields(value)]

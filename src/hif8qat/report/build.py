@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from hif8qat.artefacts import accepted_unverified
 from hif8qat.files import write_text
 from hif8qat.report.anchor import anchor_beside
 from hif8qat.report.claims import UNIT_COLUMNS, heldout_table, mde_table
@@ -63,11 +64,20 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               "anchor": anchor_beside(runs_root),
               f"pairing_{profile}": parts.pairing_df, f"paired_{profile}": parts.contrasts_df.drop(columns=UNIT_COLUMNS, errors="ignore"),
               f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
+    unverified = accepted_unverified()  # trust_unverified=true: files read without an integrity record
+    if unverified:
+        tables = {name: mark_unverified(df, runs, unverified) for name, df in tables.items()}
     multiple, n_tests = multiple_comparisons(claims_df, profile)
     notes = table_notes(profile, n_boot=n_boot, seed=seed, last_frac=last_frac, margins=margins, multiple=multiple)
     sources = {"files": used.listing(), "runs_root": str(runs_root), "profile": profile, "runs_not_used": skipped}
+    if unverified:
+        sources["unverified"] = unverified
     files = write_tables(tables, notes, sources, out_tables)
     section_p = out_tables / f"claims_section_{profile}.md"
+    if unverified:  # the claims in words carry no column: the warning heads them
+        parts.section = ("> **Unverified inputs** (trust_unverified=true): " + "; ".join(sorted(unverified))
+                         + ". Every claim below from their runs rests on files with no integrity record.\n\n"
+                         + parts.section)
     write_text(section_p, parts.section + "\n")
     files.append(str(section_p))
     if figures:
@@ -77,7 +87,45 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     if unhashed:
         msg += (f"\nnote: {unhashed} task evaluation(s) recorded no hash of the items they scored (evaluated "
                 "before evaluations recorded one): their items are paired by document id, unchecked")
+    if unverified:
+        msg += (f"\nwarning: {len(unverified)} files were used without an integrity record (trust_unverified="
+                "true); every row built from them says so in its column unverified:" + "".join(
+                    f"\n  {path}: {why}" for path, why in sorted(unverified.items())))
     return {"tables": tables, "files": files, "message": msg, "claims_section": parts.section}
+
+
+# Columns of a table row that name a run's experiment (its own, or the one it is compared with).
+_EXPERIMENT_COLUMNS = ("experiment", "baseline", "against", "counterpart", "derived_from")
+UNVERIFIED_COLUMN = "unverified"
+
+
+def mark_unverified(df: pd.DataFrame, runs: Sequence[RunInfo], unverified: Mapping[str, str]) -> pd.DataFrame:
+    """``df`` with a column naming, on each row, the files used without an integrity record by the runs the row
+    comes from (its experiment and the ones it is compared with, at its seed when it has one); "" on the other
+    rows. A table with no column naming runs gets the column on every row: it may come from any of them."""
+    if df is None or not len(df):
+        return df
+    by_run: dict[tuple[str, Any], list[str]] = {}
+    for run in runs:
+        inside = sorted(p for p in unverified if Path(p).is_relative_to(run.path))
+        if inside:
+            by_run.setdefault((run.experiment, run.seed), []).extend(inside)
+    every = "; ".join(sorted(unverified))
+    named = [c for c in _EXPERIMENT_COLUMNS if c in df.columns]
+    if not named and "trace_source" not in df.columns:
+        return df.assign(**{UNVERIFIED_COLUMN: every})
+
+    def files_of(row) -> str:
+        keys = [row[c] for c in named]
+        if "trace_source" in row and isinstance(row["trace_source"], str) and "/seed" in row["trace_source"]:
+            exp, _, seed = row["trace_source"].rpartition("/seed")
+            return "; ".join(by_run.get((exp, int(seed)) if seed.isdigit() else (exp, seed), []))
+        seed = row.get("seed") if "seed" in row else None
+        found = [f for (exp, run_seed), files in by_run.items() if exp in keys
+                 and (seed is None or pd.isna(seed) or run_seed == seed) for f in files]
+        return "; ".join(sorted(set(found)))
+
+    return df.assign(**{UNVERIFIED_COLUMN: [files_of(row) for _, row in df.iterrows()]})
 
 
 def write_tables(tables: Mapping[str, pd.DataFrame], notes: Mapping[str, str], sources: Mapping[str, Any],

@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file
 
+from hif8qat.artefacts import verify_folder_manifest
 from hif8qat.report.sources import FilesUsed, RunInfo
 from hif8qat.scaling.replay import replay_rows
 from hif8qat.scaling.settings import ScalingConfig
@@ -22,6 +23,8 @@ REPLAY_ESTIMATORS: dict[str, dict[str, Any]] = {
     "exp_smooth(30)": {"algo": "exp_smooth", "history_len": 30},
     "max(64)": {"algo": "max", "history_len": 64},
 }
+_EXPORT_REDO = ("Write the run's export again (delete export/ and rerun the run with stage=all) or move the run "
+                "out of the results folder")
 # Scaled values above 128 leave HiF8's 2-bit-mantissa tier: amax/estimate > 128/15 costs two mantissa bits.
 _TWO_BIT_TIER_RATIO = 128.0 / 15.0
 
@@ -36,6 +39,7 @@ def recorded_amax_traces(export_dir: Path) -> dict[str, list[float]]:
     path = Path(export_dir) / "hif8qat_scalers.safetensors"
     if not path.exists():
         return {}
+    verify_folder_manifest(export_dir, _EXPORT_REDO)
     state = load_file(str(path))
     traces = {}
     for key, history in state.items():

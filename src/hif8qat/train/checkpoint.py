@@ -43,6 +43,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from hif8qat.artefacts import require_record
 from hif8qat.errors import RunError, one_line
 from hif8qat.files import sha256_file
 from hif8qat.runs.checkpoint_names import (  # noqa: F401 (the checkpoint API, re-exported)
@@ -75,6 +76,8 @@ _REQUIRED_SHARDED = ("trainer.pt", "rank000.pt", "dcp/.metadata")
 _LOAD_ERRORS = (SafetensorError, RuntimeError, EOFError, OSError, pickle.UnpicklingError, KeyError, ValueError)
 
 
+_UNVERIFIED_REDO = ("Remove the files its manifest does not list (they were not written with the checkpoint), or "
+                    "start the run over with force=true (the old folder is kept)")
 # What a checkpoint records about the run that wrote it (hashed by the manifest like every other file).
 PROVENANCE_FILE = "provenance.json"
 class CheckpointError(RunError):
@@ -258,6 +261,10 @@ def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> None:
     for name in _REQUIRED_SHARDED if manifest.get("layout") == "dcp" else _REQUIRED:
         if name not in files:
             raise CheckpointError(f"checkpoint {path}: manifest lists no {name}")
+    # a file the manifest leaves out would be loaded (or shadow one) unchecked: refused, unless trusted
+    present = [p.relative_to(path).as_posix() for p in sorted(path.rglob("*"))
+               if p.is_file() and p.name != COMPLETE_MARKER]
+    require_record(path, files, present, _UNVERIFIED_REDO, record=f"{COMPLETE_MARKER} manifest")
     for i, (name, entry) in enumerate(files.items()):
         if i % share[1] != share[0]:
             continue

@@ -283,9 +283,11 @@ class _Run:
             self.stream.load_state_dict(rank_state["data"])
         self.skips.update(rank_state.get("train", {}))
         if cfg.quant.enabled:
-            set_quantization(model, start_step >= self.quant_on_step)
             load_saved_scalers(model, resume_from, rank_state.get("quant") or {}, start_step=start_step,
                                quant_on_step=self.quant_on_step, allow_mismatch=cfg.train.resume_allow_mismatch)
+            # after the load: the saved state holds each layer's on/off flag, off in a checkpoint written at the
+            # last warmup step, and a resume from that step is the first quantized one (switched on: cold start)
+            set_quantization(model, start_step >= self.quant_on_step)
         ckpt.set_rng_state(rank_state["rng"])
         if ctx.is_main:
             print(f"resumed from {resume_from} at step {start_step}")

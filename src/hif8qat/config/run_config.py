@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hif8qat.compute_dtype import SETTINGS as NUMERICS  # train.autocast: auto, bf16, bf16_emulated, none
+from hif8qat.config import schema
 from hif8qat.config.blocks import parse_high_precision_blocks
 from hif8qat.config.data_source import validate_source
 from hif8qat.config.eval_tasks import DEVICES as EVAL_DEVICES
@@ -184,11 +185,11 @@ class TrainConfig:
     device: str = "auto"
     distributed: str = "ddp"
     compile: bool = False
+    optimizer_impl: str = "auto"  # one of schema.OPTIMIZER_IMPLS
     activation_checkpointing: bool = False
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
-    # After the run is done (export written): None keeps keep_checkpoints, 0 frees their disk (the export holds
-    # the final weights; only extending the training needs the optimizer state).
+    # After the run (export written): None keeps keep_checkpoints, 0 frees their disk (export/ holds the weights).
     keep_checkpoints_when_done: int | None = None
     # Optimizer steps with a non-finite gradient norm are skipped; one more in a row than this stops the run.
     max_consecutive_skips: int = 3
@@ -361,7 +362,6 @@ class RunConfig:
                 raise ConfigError(f"invalid setting data.source={source!r} ({why}): allowed {forms}") from None
         _check_positive("data.eval_windows", self.data.eval_windows, integer=True)
         if check_paths and self.data.cache_dir:
-
             problem = folder_problem(self.data.cache_dir)
             if problem:
                 _fail("data.cache_dir", self.data.cache_dir, f"a folder this process can write ({problem})")
@@ -391,6 +391,7 @@ class RunConfig:
         _check_positive("train.val_every", t.val_every, integer=True, allow_zero=True)
         _check_positive("train.num_threads", t.num_threads, integer=True, allow_zero=True)
         _check_choice("train.autocast", t.autocast, NUMERICS)
+        _check_choice("train.optimizer_impl", t.optimizer_impl, schema.OPTIMIZER_IMPLS)
         _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
         _check_choice("train.distributed", t.distributed, ("ddp", "fsdp"))
         if t.resume not in ("auto", "never") and check_paths and not _is_checkpoint_dir(Path(t.resume)):
@@ -455,7 +456,6 @@ class RunConfig:
                     _check_positive(f"eval.subset.{task}", n, integer=True)
         if not isinstance(e.subset_seed, int) or isinstance(e.subset_seed, bool) or e.subset_seed < 0:
             _fail("eval.subset_seed", e.subset_seed, "an integer >= 0")
-        _check_choice("eval.offline_data", e.offline_data, (True, False))
 
     # ------------------------------------------------------------------ derived values
     def model_depth(self) -> int | None:

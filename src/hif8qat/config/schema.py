@@ -48,6 +48,13 @@ def type_problem(annotation: str, value: Any) -> str | None:
     return None if ok(value) else allowed + (" or null" if optional else "")
 
 
+# train.optimizer_impl: which of torch's AdamW implementations a run's optimizer is. auto is resolved when the run's
+# config is made (hif8qat.config.numerics): fused where torch has a fused AdamW for the training device, else
+# torch_default; a resumed or finished run keeps the one it started with. torch_default is torch's own choice
+# (foreach on a GPU, one parameter at a time on a CPU), what every run saved before the setting existed used.
+OPTIMIZER_IMPLS = ("auto", "fused", "torch_default")
+
+
 # Upper bounds, so that a typed-in extra digit (profile.steps=100000000000) is refused instead of training forever
 # or allocating without end. Each is far beyond any real run of this project: the paper trains 10,000 steps of
 # 1,024 sequences of 1,024 tokens.

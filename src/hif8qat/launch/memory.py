@@ -11,8 +11,9 @@ peak it reports is what the step's tensors occupy at the worst moment, by kind (
 state, activations, backward temporaries), which is what ``torch.cuda.max_memory_allocated`` counts on a GPU.
 
 Simulated on the CPU (fake CPU tensors: the CPU-only torch has no CUDA autocast to simulate with), for the device
-the run trains on: a CUDA run's AdamW runs torch's multi-tensor path (``foreach``, one temporary the size of the
-parameters in its update), which is asked for explicitly. What a one-process fake step cannot see is added:
+the run trains on: AdamW runs the implementation ``train.optimizer_impl`` names for that device (``fused``; or
+torch's default, on CUDA the multi-tensor path, ``foreach``, one temporary the size of the parameters in its
+update), which is asked for explicitly. What a one-process fake step cannot see is added:
 DDP's gradient buckets (``DistributedDataParallel`` as the trainer builds it keeps ``gradient_as_bucket_view``
 at its default, False: a second copy of every gradient, allocated when DDP wraps the model); under FSDP the
 weights and AdamW state are shared out over the ranks while the gradients accumulate unsharded between
@@ -161,7 +162,7 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
         prepare_model(model, cfg, torch.device("cpu"))
         if cfg.quant.enabled:
             set_quantization(model, True)  # after the BF16 warmup: the larger step
-        optimizer = build_optimizer(model, cfg, foreach=True if device_type == "cuda" else None)
+        optimizer = build_optimizer(model, cfg, device_type)
         # AdamW makes its moments at its first step: an earlier step's, with gradients that are only shapes; they
         # stay as the previous micro-batch's when the step accumulates
         for p in model.parameters():

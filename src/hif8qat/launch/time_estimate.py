@@ -31,7 +31,7 @@ from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
 from hif8qat.quant.linear import convert_model, freeze_scales, set_quantization
 from hif8qat.runs.folders import is_done, run_dir_for
-from hif8qat.train.loop import lm_loss
+from hif8qat.train.loop import build_optimizer, lm_loss
 
 # Tokens an evaluation of one run forwards at the mini profile (its three subsets, each item's context once,
 # the bf16 mode only), counted by the evaluation itself into results.json (_meta.eval_tokens); used when no
@@ -162,14 +162,14 @@ def measure(cfg, repeats: int = 2) -> Costs:
             model(input_ids=batch, use_cache=False)
             return (time.perf_counter() - t) / batch.numel()
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-9)
-    plain_step, plain_token = step_s(opt), token_s()
+    # the run's AdamW, in its implementation (train.optimizer_impl): a large share of a mini-profile step
+    plain_step, plain_token = step_s(build_optimizer(model, cfg)), token_s()
     qat_step, quant_token = plain_step, plain_token
     if cfg.quant.enabled:
         convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
                       emulate_bf16=autocast == "bf16_emulated")
         set_quantization(model, True)
-        qat_step = step_s(torch.optim.AdamW(model.parameters(), lr=1e-9))
+        qat_step = step_s(build_optimizer(model, cfg))
         freeze_scales(model, True)
         quant_token = token_s()
     return Costs(autocast, load_s, plain_step, qat_step, plain_token, quant_token)
@@ -242,7 +242,10 @@ def main(argv, config_for: Callable[..., Any]) -> int:
               f"tokens per mode at a third of that rate; {costs.load_s:.0f} s per model load")
         return 0
     # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
-    costs = measure(next((c for c in configs if c.quant.enabled), configs[0]))
+    measured = next((c for c in configs if c.quant.enabled), configs[0])
+    print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "
+          "machine (loading it, training steps plain and quantized, evaluation forwards)...", flush=True)
+    costs = measure(measured)
     total = sum(run_seconds(c, costs, tokens) for c in configs)
     print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
           f"this machine ({costs.numerics} numerics, measured just now: a training step {costs.train_step_s:.1f} s "

@@ -53,7 +53,8 @@ _RESUME_FREE_KEYS = {"stage", "force", "trust_unverified", "train.resume", "trai
                      "logger", "eval", "results_root", "run_tag"}
 # Settings added after runs were already saved, with the value that does what the code did before they existed.
 # A saved config without the key ran with that value, so it still matches a rerun that leaves the default.
-_ADDED_SETTINGS = {"train.activation_checkpointing": False, "quant.target": None, "trust_unverified": False}
+_ADDED_SETTINGS = {"train.activation_checkpointing": False, "quant.target": None, "trust_unverified": False,
+                   "train.optimizer_impl": "torch_default"}
 _TRACKED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "en_dtypes", "numpy", "hif8qat")
 
 
@@ -95,6 +96,16 @@ def run_dir_for(cfg: RunConfig) -> Path:
     check_path_name("experiment.name", cfg.experiment.name)
     name = f"seed{int(cfg.seed)}" + (f"-{sanitize_tag(cfg.run_tag)}" if cfg.run_tag else "")
     return Path(cfg.results_root) / cfg.profile.name / cfg.experiment.name / name
+
+
+def saved_optimizer_impl(cfg: RunConfig) -> str | None:
+    """The AdamW implementation recorded by the run folder that cfg resumes or finds finished (None: a new run,
+    force=true, or no readable saved config); a config saved before the setting existed ran torch's default."""
+    config = None if cfg.force else _load_config(run_dir_for(cfg) / CONFIG_FILE)
+    if config is None:
+        return None
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    return train.get("optimizer_impl", _ADDED_SETTINGS["train.optimizer_impl"])
 
 
 def is_done(run_dir: Path) -> bool:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hif8qat import compute_dtype
+from hif8qat.config.numerics import optimizer_impl_for
 from hif8qat.config.run_config import RunConfig
 from hif8qat.data.loader import build_eval_windows, build_train_stream
 from hif8qat.data.prefetch import PrefetchedStream
@@ -189,10 +190,15 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) 
     return converted
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig, **kwargs: Any) -> torch.optim.AdamW:
-    """The run's AdamW (kwargs: torch's own options, e.g. ``foreach`` for the memory estimate's simulation)."""
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str | None = None) -> torch.optim.AdamW:
+    """The run's AdamW in its implementation (``train.optimizer_impl``; ``auto`` when the config was not resolved
+    is resolved here) for device_type (default: the parameters'; the memory estimate simulates a CUDA run on the
+    CPU). torch's default is asked for explicitly on CUDA, where it is foreach, so that the simulation runs it."""
+    device_type = device_type or next(model.parameters()).device.type
+    impl = optimizer_impl_for(cfg.train.optimizer_impl, device_type)
+    options = {"fused": True} if impl == "fused" else {"foreach": True} if device_type == "cuda" else {}
     return torch.optim.AdamW(parameter_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
-                             betas=tuple(cfg.train.betas), eps=cfg.train.eps, **kwargs)
+                             betas=tuple(cfg.train.betas), eps=cfg.train.eps, **options)
 
 
 def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) -> torch.nn.Module:

@@ -92,8 +92,8 @@ def dry_run(python: Path, requirements: list[str], source: list[str], *, ignore_
                                *(["--ignore-installed"] if ignore_installed else []), *requirements],
                               capture_output=True, text=True, check=False)
         proc.report = json.loads(report.read_text()) if report.is_file() else {"install": []}
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"pip install --dry-run failed:\n{proc.stderr.strip()[-2000:]}")
+    if check and proc.returncode != 0:  # offline, or a pin with no wheel: cli's one error line names both
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
     return proc
 
 

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from hif8qat.artefacts import write_folder_manifest
 from hif8qat.evaluate.cli import main
 from hif8qat.rehearse.standins import write_remote_code_model
 
@@ -15,7 +16,9 @@ from hif8qat.rehearse.standins import write_remote_code_model
 @pytest.fixture
 def remote_export(tmp_path):
     # A unique folder name: transformers caches remote code in a module named after the folder.
-    return write_remote_code_model(tmp_path / f"tiny_pangu_{uuid.uuid4().hex[:8]}", num_layers=2)
+    folder = write_remote_code_model(tmp_path / f"tiny_pangu_{uuid.uuid4().hex[:8]}", num_layers=2)
+    write_folder_manifest(folder)  # as the pipeline's export stage leaves it: an export is read with its record
+    return folder
 
 
 @pytest.mark.parametrize("source", ["--export", "--model"])

@@ -17,6 +17,7 @@ import transformers as tf
 from torch import nn
 
 from hif8qat import Hif8TrainingConfig, convert_to_hif8_training, coverage
+from hif8qat.artefacts import write_folder_manifest
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG, pangu_llama_config
 from hif8qat.models.quant_files import dump_telemetry
 from hif8qat.quant.linear import convert_model, quant_state_dict, scaler_banks, set_step
@@ -302,6 +303,7 @@ def test_the_8bit_export_encodes_each_expert_with_its_own_scale(tmp_path):
         for seed in range(2):
             model(torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(seed)))
     save_quant_export(model, export, {"step": 2})
+    write_folder_manifest(export)  # as the export stage records it: the 8-bit writer reads a verified folder
     out = tmp_path / "export_8bit"
     eight_bit.write_8bit_export(export, out)
 

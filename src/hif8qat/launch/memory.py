@@ -39,7 +39,7 @@ from hif8qat import compute_dtype as numerics
 from hif8qat.config.run_config import RunConfig
 from hif8qat.models.loading import PANGU_MODEL_TYPES, transformer_blocks
 from hif8qat.models.pangu import pangu_llama_config
-from hif8qat.quant import linear
+from hif8qat.quant import gemm
 from hif8qat.quant.linear import set_quantization
 from hif8qat.scaling.bank import RECORD, _in_backward
 from hif8qat.train.chunked_loss import lm_loss
@@ -91,7 +91,7 @@ def _kept_weight_results() -> Iterator[None]:
     activation-checkpointing recompute gets it back instead of quantizing again. Mirrored here, so the
     simulation holds those weights exactly as long as the real step does (it matters only with checkpointing:
     without it the forward saves the same tensor for backward anyway)."""
-    op, release = linear.bank_qdq, linear.release_kept
+    op, release = gemm.bank_qdq, gemm.release_kept
     kept: dict[tuple[int, int], torch.Tensor] = {}
 
     def bank_qdq(x, bank_id, row, mode, out_dtype=None, keep=False):
@@ -106,11 +106,11 @@ def _kept_weight_results() -> Iterator[None]:
         kept.pop((bank_id, row), None)
         release(bank_id, row)
 
-    linear.bank_qdq, linear.release_kept = bank_qdq, release_kept
+    gemm.bank_qdq, gemm.release_kept = bank_qdq, release_kept
     try:
         yield
     finally:
-        linear.bank_qdq, linear.release_kept = op, release
+        gemm.bank_qdq, gemm.release_kept = op, release
 
 
 def _unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

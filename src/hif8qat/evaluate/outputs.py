@@ -26,15 +26,17 @@ def _sample_correct(sample: dict, metric: str) -> int:
 
 def _samples_by_task(raw: dict, spec: TaskSpec, group_subtasks: Mapping[str, list]) -> list[tuple[str, int, dict]]:
     """(doc_id, correct, compact sample) for the task's metric; groups use "<subtask>:<doc_id>" ids."""
+    return [(doc_id, _sample_correct(s, spec.metric), _compact_sample(s, doc_id, leaf))
+            for leaf, doc_id, s in _task_samples(raw, spec, group_subtasks)]
+
+
+def _task_samples(raw: dict, spec: TaskSpec, group_subtasks: Mapping[str, list]):
+    """(leaf task, doc_id, sample) of every sample the task scored under its filter, a group's by subtask."""
     leaves = [spec.name] if spec.name in raw else _flatten_group(spec.name, group_subtasks)
-    rows = []
     for leaf in leaves:
         for s in raw.get(leaf, []):
-            if s.get("filter", "none") != spec.filter:
-                continue
-            doc_id = str(s["doc_id"]) if leaf == spec.name else f"{leaf}:{s['doc_id']}"
-            rows.append((doc_id, _sample_correct(s, spec.metric), _compact_sample(s, doc_id, leaf)))
-    return rows
+            if s.get("filter", "none") == spec.filter:
+                yield leaf, (str(s["doc_id"]) if leaf == spec.name else f"{leaf}:{s['doc_id']}"), s
 
 
 ITEMS_KEY = "_items_sha256"  # results.json: per task, a content hash of the exact items that were scored
@@ -45,16 +47,9 @@ def items_sha256(raw: dict, spec: TaskSpec, group_subtasks: Mapping[str, list]) 
     the target and lm-eval's own hashes of document, prompt and target, in doc-id order. Two evaluations with
     the same digest scored the same questions with the same gold answers (and prompts); the report pairs items
     of two evaluations only then."""
-    leaves = [spec.name] if spec.name in raw else _flatten_group(spec.name, group_subtasks)
-    items = []
-    for leaf in leaves:
-        for s in raw.get(leaf, []):
-            if s.get("filter", "none") != spec.filter:
-                continue
-            doc_id = str(s["doc_id"]) if leaf == spec.name else f"{leaf}:{s['doc_id']}"
-            items.append((doc_id, json.dumps(_jsonable([s.get("doc"), s.get("target"), s.get("doc_hash"),
-                                                        s.get("prompt_hash"), s.get("target_hash")]),
-                                             sort_keys=True)))
+    items = [(doc_id, json.dumps(_jsonable([s.get("doc"), s.get("target"), s.get("doc_hash"), s.get("prompt_hash"),
+                                            s.get("target_hash")]), sort_keys=True))
+             for _, doc_id, s in _task_samples(raw, spec, group_subtasks)]
     digest = hashlib.sha256()
     for doc_id, content in sorted(items):
         digest.update(f"{doc_id}\t{content}\n".encode())

@@ -88,7 +88,7 @@ class QuantExperts(QuantState, nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hif8={'on' if self.quant_enabled else 'off'}"
+        return f"experts={self.num_experts}, quant={'on' if self.quant_enabled else 'off'}, format={self.config.format}"
 
 
 __all__ = ["EXPERT_PARAMS", "QuantExperts", "check_experts_layout"]

@@ -261,7 +261,8 @@ def test_the_inside_function_rule_catches_a_project_import_and_spares_a_heavy_li
     source = ("import os\ndef f():\n    from hif8qat.train.loop import train\n    import transformers\n"
               "    import datasets, hif8qat.report\n    from . import sibling\n")
     caught = sorted(ast.unparse(node) for node in _imports_inside_functions(ast.parse(source)))
-    assert caught == ["from . import sibling", "from hif8qat.train.loop import train", "import datasets, hif8qat.report"]
+    assert caught == ["from . import sibling", "from hif8qat.train.loop import train",
+                      "import datasets, hif8qat.report"]
 
 
 def test_imports_stand_at_the_top_of_each_file_but_for_the_heavy_libraries():

@@ -152,7 +152,8 @@ def test_tiny_works_with_lm_eval_hflm():
 def smollm2_offline():
     path = models.cache_root() / models.SMOLLM2_CACHE_SUBDIR
     if not (path / "model.safetensors").is_file():
-        pytest.skip("offline SmolLM2 weights not installed (python -m hif8qat.models.loading --install-offline-weights)")
+        pytest.skip("offline SmolLM2 weights not installed "
+                    "(python -m hif8qat.models.loading --install-offline-weights)")
     return path
 
 

@@ -125,7 +125,8 @@ def test_accuracy_mde_is_the_smallest_effect_the_item_test_detects_under_the_fli
 
 def test_accuracy_mde_grows_with_the_flips_seen_not_capped_by_them():
     # the rule before held the discordant count fixed, so its MDE could never exceed m / n
-    few, many = item_flips.mde_item_flips(130, [1, 1, 2], 5), item_flips.mde_item_flips(130, [1, -1] * 10 + [2, -2] * 5, 5)
+    few = item_flips.mde_item_flips(130, [1, 1, 2], 5)
+    many = item_flips.mde_item_flips(130, [1, -1] * 10 + [2, -2] * 5, 5)
     assert many > few > (1 + 1 + 2) / 130 / 5
 
 

@@ -75,7 +75,8 @@ def _hydra_error_message(err: Exception, combo: list[str], typed_overrides: list
         group, _, choice = str(err.missing_cfg_file).rpartition("/")
         return f"invalid setting {group}={choice!r}: allowed one of " + ", ".join(sorted(err.options, key=_natural))
     if isinstance(err, OverrideParseException):
-        typed = err.override[2:] if err.override.startswith("++") and err.override[2:] in typed_overrides else err.override
+        typed = (err.override[2:] if err.override.startswith("++") and err.override[2:] in typed_overrides
+                 else err.override)
         return (f"cannot parse the command-line override {typed!r}: {str(err).splitlines()[0]}. "
                 "Lists are written key=[a,b], mappings key={a: 1, b: 2} (quoted for the shell: "
                 "'quant.interval={0: 1, 1000: 10}'), a value with a comma or brace in quotes: key='a,b'")
@@ -127,8 +128,8 @@ def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
     refuses with its own usage message.
 
     Hydra's own parser is private (hydra._internal.utils.get_args_parser): this one declares the same flags,
-    with the values they take, so that a flag's value is never read as an override. tests/integration/test_user_errors.py
-    holds the two parsers to the same reading of the lines run.py meets."""
+    with the values they take, so that a flag's value is never read as an override.
+    tests/integration/test_user_errors.py holds the two parsers to the same reading of the lines run.py meets."""
     ap = _HydraLineParser(add_help=False)
     ap.add_argument("overrides", nargs="*")
     for flags in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),

@@ -21,10 +21,10 @@ CONF_DIR = REPO / "conf"  # run.py's Hydra config, beside it
 
 # Overrides that select or steer a run without changing what it trains: they never enter its folder name.
 # The profile group is in the folder path, but its settings (profile.steps) change the training: tagged.
-_UNTAGGED = ("experiment", "seed", "stage", "force", "trust_unverified", "results_root", "run_tag", "train.resume", "train.resume_allow_mismatch",
-             "train.num_threads", "train.checkpoint_every", "train.keep_checkpoints", "train.keep_checkpoints_when_done", "train.log_every",
-             "train.val_every", "data.eval_windows", "data.cache_dir", "quant.telemetry_dump_every",
-             "quant.telemetry_stats_every", "eval", "logger", "hydra")
+_UNTAGGED = ("experiment", "seed", "stage", "force", "trust_unverified", "results_root", "run_tag", "train.resume",
+             "train.resume_allow_mismatch", "train.num_threads", "train.checkpoint_every", "train.keep_checkpoints",
+             "train.keep_checkpoints_when_done", "train.log_every", "train.val_every", "data.eval_windows",
+             "data.cache_dir", "quant.telemetry_dump_every", "quant.telemetry_stats_every", "eval", "logger", "hydra")
 _IN_PATH = ("profile", "profile.name")
 
 
@@ -119,7 +119,8 @@ def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
 
 
 def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] = ()) -> RunConfig:
-    """The RunConfig `python run.py profile=... experiment=... seed=... EXTRA...` would run (for hif8qat.launch.time_estimate)."""
+    """The RunConfig `python run.py profile=... experiment=... seed=... EXTRA...` would run (for
+    hif8qat.launch.time_estimate)."""
     overrides = [f"profile={profile}", f"experiment={experiment}", f"seed={seed}", *extra]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=overrides), overrides)

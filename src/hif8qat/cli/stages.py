@@ -156,7 +156,8 @@ def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
                   f"({int(rows['n_seeds'].max())} seed(s); difference, 95 % CI, verdict):")
         for row in rows.itertuples():
             where = "training" if row.mode == "train" else f"{row.mode} {row.task}"
-            # one seed with no seed variance to borrow: its interval holds the seed's own noise alone (items, windows or step blocks), so no verdict
+            # one seed with no seed variance to borrow: its interval holds the seed's own noise alone (items, windows
+            # or step blocks), so no verdict
             bare = row.difference == row.equivalence
             verdict = row.difference if bare else f"{row.difference}, {row.equivalence}"
             print(f"  {where:<30} {row.metric:<12} {row.cost:+9.3f} {'within-seed ' if bare else ''}"

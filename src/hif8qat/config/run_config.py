@@ -422,7 +422,8 @@ class RunConfig:
         _check_choice("eval.dtype", e.dtype, EVAL_DTYPES)
         known = f"task names {', '.join(TASKS)} or suites {', '.join(SUITES)}"
         if not e.tasks or isinstance(e.tasks, str):
-            _fail("eval.tasks", e.tasks, f"a non-empty list (eval.tasks=[mini], eval.tasks=[mmlu,hellaswag]) of {known}")
+            _fail("eval.tasks", e.tasks,
+                  f"a non-empty list (eval.tasks=[mini], eval.tasks=[mmlu,hellaswag]) of {known}")
         try:
             selected = {s.name: s for s in resolve_tasks(list(e.tasks))}
         except ValueError:

@@ -273,8 +273,9 @@ class StreamingTokenStream:
         """Continue the saved ranks' epoch on this world size (docs/design.md): this rank starts its part of
         the oldest epoch the saved ranks were in again and skips every document they had trained on in it (the
         first ``docs_read`` of each saved rank's part, less those still whole in its token buffer; the whole
-        part of a rank already in the next epoch), recognised by a 64-bit fingerprint of its text. ``states``: every saved rank's ``state_dict()``.
-        Costs one read of those documents at each resume until the epoch ends. Returns a note for the log."""
+        part of a rank already in the next epoch), recognised by a 64-bit fingerprint of its text. ``states``: every
+        saved rank's ``state_dict()``. Costs one read of those documents at each resume until the epoch ends. Returns a
+        note for the log."""
         for st in states:
             _check_state(self, st, ("kind", "seq_len", "micro_batch_size"))
             if "docs_read" not in st:

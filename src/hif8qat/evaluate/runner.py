@@ -19,8 +19,8 @@ Device and numerics
 Weights are always loaded in FP32, the trainer's master weights. ``dtype="bf16"`` runs the forward under
 bf16 autocast, exactly as a ``train.autocast=bf16`` training step: in ``hif8`` mode the FP32 weight is
 quantized and the matmul runs in bf16 (casting the weights to bf16 first would round them twice before
-quantization). ``dtype="none"`` (``"fp32"``, its old name): no autocast. :func:`resolve_numerics` turns ``auto`` into the training
-device and numerics (run.py's ``eval.device`` / ``eval.dtype``); without a training config, ``auto`` is
+quantization). ``dtype="none"`` (``"fp32"``, its old name): no autocast. :func:`resolve_numerics` turns ``auto`` into
+the training device and numerics (run.py's ``eval.device`` / ``eval.dtype``); without a training config, ``auto`` is
 CUDA when available and bf16 there, none (FP32) on CPU. ``results.json`` records ``device``, ``dtype`` (of the
 weights) and ``autocast`` (the matmul dtype, or null). The numerics are applied in one place, around each
 model forward of :class:`hif8qat.evaluate.prefix_lm.SharedContextLM` (:func:`hif8qat.compute_dtype.forward_context`).
@@ -42,8 +42,8 @@ Mini tasks (offline, generated from the fact tables in ``minitasks/``; registere
 ``mini_hellaswag`` (1-shot, acc_norm), ``mini_arc`` (1-shot, acc_norm); ``mini_mmlu_letters`` (MMLU's
 lettered A-D format, 5-shot, acc) is registered but not in the ``mini`` suite: SmolLM2-135M scores at
 chance on lettered options. Shot counts are small because every item's shots + question are forwarded
-once on CPU (see ``minitasks/README.md`` for the token counts). Paper tasks (lm-eval's own configs): ``mmlu`` 5-shot acc,
-``hellaswag`` 10-shot acc_norm, ``arc_challenge`` 25-shot acc_norm, optional ``arc_easy`` 25-shot acc_norm
+once on CPU (see ``minitasks/README.md`` for the token counts). Paper tasks (lm-eval's own configs): ``mmlu`` 5-shot
+acc, ``hellaswag`` 10-shot acc_norm, ``arc_challenge`` 25-shot acc_norm, optional ``arc_easy`` 25-shot acc_norm
 and ``gsm8k`` 5-shot exact_match (flexible-extract); ``mmlu_continuation`` (MMLU's cloze form, acc) for small
 models. The mini profile runs the real ones 0-shot on the offline copies of :mod:`hif8qat.evaluate.offline_benchmarks`
 (``offline_data``) and on fixed seeded subsets (``subset``; :func:`subset_indices`), selected through
@@ -136,7 +136,8 @@ def evaluate_model(
 
     The model is used as it is (the caller puts a QAT model into the wanted mode, e.g. by
     :func:`hif8qat.quant.linear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
-    ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None, ``"none"`` or ``"fp32"``: none.
+    ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None, ``"none"`` or ``"fp32"``:
+    none.
         ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``subset``: task -> number of
     documents, a fixed seeded subset (:func:`subset_indices`, stratified by subtask, e.g. MMLU subject;
     ``"full"``, None or a missing task = every document); lm-eval's ``samples`` selects them, so per-sample

@@ -159,8 +159,8 @@ def prepare_paper_tasks(
     """Write override YAMLs for paper tasks with a local dataset copy and check the rest can be loaded.
 
     A dataset is looked up in ``local_datasets`` (hub id or task name), then under ``$HIF8QAT_LM_EVAL_DATA``,
-    then under ``data_root`` (the offline benchmark copies of :mod:`hif8qat.evaluate.offline_benchmarks`). When the local copy
-    has no train split and the task takes its few-shot examples from it (HellaSwag, ARC; the offline copies
+    then under ``data_root`` (the offline benchmark copies of :mod:`hif8qat.evaluate.offline_benchmarks`). When the
+    local copy has no train split and the task takes its few-shot examples from it (HellaSwag, ARC; the offline copies
     ship none), the override also sets ``training_split: null``, so lm-eval's own fallback picks the
     few-shot source: the validation split (ARC: disjoint from test; HellaSwag: the evaluated split, with
     the evaluated document excluded from its own context by lm-eval's sampler).

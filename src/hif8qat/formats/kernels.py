@@ -145,7 +145,8 @@ def compile_status() -> dict[str, object]:
     return {"enabled": _compile_enabled(), "failed": _compile_failed, "rejected": dict(_rejected.values())}
 
 
-def _variant_name(prefix: str, key: tuple) -> str:  # for people: "hif8 kernel (scaled=True, ..., torch.float32, cpu, none)"
+# for people: "hif8 kernel (scaled=True, ..., torch.float32, cpu, none)"
+def _variant_name(prefix: str, key: tuple) -> str:
     return f"{prefix} kernel (" + ", ".join(f"{k[0]}={k[1]}" if isinstance(k, tuple) else str(k) for k in key) + ")"
 
 

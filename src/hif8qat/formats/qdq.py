@@ -9,7 +9,8 @@ E5M2) uses torch's native casts under the same scaled fake quantization. The cod
   and dispatch, and the qdq call counter;
 * this module: the public functions, FP8 format specs and the per-format scale conventions.
 
-The private kernel helpers live in :mod:`hif8qat.formats.kernels` and :mod:`hif8qat.formats.hif8_codec`; import them from there.
+The private kernel helpers live in :mod:`hif8qat.formats.kernels` and :mod:`hif8qat.formats.hif8_codec`; import them
+from there.
 
 These functions are not differentiable (inputs are detached); straight-through gradients are the
 caller's business (see ``quant/linear.py``).

@@ -3,8 +3,8 @@
 `RunConfig.validate` checks the settings themselves (types, ranges, paths that must exist); this module checks
 the environment they point at: results_root must be a writable folder, a hub model id must be cached or
 reachable, a streamed dataset needs the hub, a paper evaluation task needs its dataset, `train.device=cuda` needs
-a GPU, train.seq_len must fit the model's positions and a training step the machine's memory. Each failure is a ConfigError
-naming the setting and the accepted forms, so `run.py` reports it as ``error: ...`` (exit 2) in seconds
+a GPU, train.seq_len must fit the model's positions and a training step the machine's memory. Each failure is a
+ConfigError naming the setting and the accepted forms, so `run.py` reports it as ``error: ...`` (exit 2) in seconds
 instead of after loading a model or training for hours.
 """
 
@@ -231,7 +231,8 @@ def check_export(cfg: RunConfig) -> None:
                           "train, eval, report or all")
     if cfg.quant.scaling.format == "e5m2":
         raise ConfigError("invalid setting stage='export' with quant.format='e5m2': the 8-bit export stores weights "
-                          "in HiF8 or E4M3 only (quant.format hif8, e4m3 or hybrid); allowed train, eval, report or all")
+                          "in HiF8 or E4M3 only (quant.format hif8, e4m3 or hybrid); "
+                          "allowed train, eval, report or all")
 
 
 def preflight(cfg: RunConfig) -> None:

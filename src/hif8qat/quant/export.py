@@ -344,7 +344,8 @@ def export_8bit(model: nn.Module, out_dir: str | os.PathLike, *, rest_dtype: tor
             "format": "hif8qat-8bit", "version": 1,
             "weight_format": fmt, "weight_dtype": str(STORABLE[fmt]).replace("torch.", ""),
             "element_formats": doc["element_formats"], "rest_dtype": str(rest_dtype).replace("torch.", ""),
-            "scale_convention": "value = code_value / quant_scale (float32); weight_scale = input_scale = 1 / quant_scale",
+            "scale_convention": "value = code_value / quant_scale (float32); "
+                                "weight_scale = input_scale = 1 / quant_scale",
             "activations": "dynamic" if dynamic else "static",
             "layers": layers, "ignored_linears": ignored, "quant": doc,
             "bytes": size, "bf16_bytes": bf16_file, "source_bytes": source_bytes,

@@ -336,7 +336,8 @@ def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Everything needed to resume the quantizers exactly: ``{site}.{A|W|G}.{key}`` per GEMM site and
     ``{module}.enabled``.
 
-    Per-quantizer tensors in the format of :mod:`hif8qat.scaling.bank_state` (exports written before the bank load as is).
+    Per-quantizer tensors in the format of :mod:`hif8qat.scaling.bank_state` (exports written before the bank load as
+    is).
     """
     sd: dict[str, torch.Tensor] = {}
     hosts: dict[int, dict[str, torch.Tensor]] = {}
@@ -432,6 +433,7 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
 __all__ = [
     "BANK_ATTR", "SCOPES", "STATE_KEY", "QuantConv1D", "QuantExperts", "QuantLinear", "QuantState", "convert_model",
     "coverage", "quant_modules", "quant_sites", "find_transformer_blocks", "freeze_scales",
-    "load_quant_state_dict", "quant_linears", "quant_state_dict", "scaler_banks", "set_bf16_emulation", "set_quantization",
-    "set_state_in_state_dict", "set_step", "set_weight_recompute", "step_telemetry", "update_scales",
+    "load_quant_state_dict", "quant_linears", "quant_state_dict", "scaler_banks", "set_bf16_emulation",
+    "set_quantization", "set_state_in_state_dict", "set_step", "set_weight_recompute", "step_telemetry",
+    "update_scales",
 ]

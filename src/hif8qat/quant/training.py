@@ -4,11 +4,12 @@
     config = Hif8TrainingConfig(algo="most_recent", history_len=30, interval={0: 1, 1000: 10}, scope="attn_mlp")
     convert_to_hif8_training(model, config=config, module_filter_fn=lambda mod, fqn: "layers.0." not in fqn)
 
-The conversion swaps the chosen ``nn.Linear`` layers of the decoder blocks for :class:`~hif8qat.quant.linear.QuantLinear`
-in place (parameters shared, so an optimizer built before or after stays valid), builds one scaler bank for all of
-them, and puts the scalers' state into ``model.state_dict()``, so the trainer's own checkpointing saves and restores
-the delayed-scaling history bit for bit. Call :func:`~hif8qat.quant.linear.set_step` with the optimizer step before
-each step when the config has step schedules (``interval``, ``algo``) or ``history_unit="step"``.
+The conversion swaps the chosen ``nn.Linear`` layers of the decoder blocks for
+:class:`~hif8qat.quant.linear.QuantLinear` in place (parameters shared, so an optimizer built before or after stays
+valid), builds one scaler bank for all of them, and puts the scalers' state into ``model.state_dict()``, so the
+trainer's own checkpointing saves and restores the delayed-scaling history bit for bit. Call
+:func:`~hif8qat.quant.linear.set_step` with the optimizer step before each step when the config has step schedules
+(``interval``, ``algo``) or ``history_unit="step"``.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ def run_args(work: Path, model_dir: Path, results: Path, stage: str) -> list[str
             f"model.name={model_dir}", f"results_root={results}", "train.device=cpu",
             "train.distributed=fsdp", "train.activation_checkpointing=true", "quant.amax_reduce=max",
             f"train.global_batch_size={MICRO_BATCH * WORLD * ACCUM}", f"train.micro_batch_size={MICRO_BATCH}",
-            f"train.seq_len={SEQ_LEN}", "train.checkpoint_every=4", "train.num_threads=1", f"quant.telemetry_dump_every={DUMP_EVERY}",
+            f"train.seq_len={SEQ_LEN}", "train.checkpoint_every=4", "train.num_threads=1",
+            f"quant.telemetry_dump_every={DUMP_EVERY}",
             "data.eval_windows=4", "eval=smoke", "eval.limit=4", "logger.progress_bar=false",
             f"hydra.run.dir={work / 'hydra' / stage}"]
 
@@ -286,7 +287,8 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parsed = parse_work_args("python -m hif8qat.rehearse.paper_path", __doc__.split("\n")[0], "hif8qat-rehearsal-", argv)
+    parsed = parse_work_args("python -m hif8qat.rehearse.paper_path", __doc__.split("\n")[0], "hif8qat-rehearsal-",
+                             argv)
     if isinstance(parsed, int):
         return parsed
     args, work = parsed

@@ -111,10 +111,12 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     step, state = load_checkpoint(Path(saved), model=model, optimizer=opt, scheduler=sched, rank=0, world_size=1)
     loaded = model.state_dict()
-    params_equal = set(full["model"]) <= set(loaded) and all(torch.equal(loaded[k], v) for k, v in full["model"].items())
+    params_equal = set(full["model"]) <= set(loaded) and all(
+        torch.equal(loaded[k], v) for k, v in full["model"].items())
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer_equal = len(opt.state) == len(full["optimizer"]["state"]) > 0 and all(
-        torch.equal(v, full["optimizer"]["state"][names[id(p)]][k]) for p, st in opt.state.items() for k, v in st.items())
+        torch.equal(v, full["optimizer"]["state"][names[id(p)]][k])
+        for p, st in opt.state.items() for k, v in st.items())
     rank0 = torch.load(f"{saved}/rank000.pt", weights_only=True)
     scalers_equal = all(torch.equal(state["quant"][k], v) for k, v in rank0["quant"].items())
 

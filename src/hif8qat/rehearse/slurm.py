@@ -265,7 +265,8 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
         assert rc_preempted == 0, f"exit {rc_preempted}: {log_preempted[-2000:]}"
         folder, logs = requeued_once_as_the_same_job("preempted")
         for words in (f"SIGUSR2: checkpointed at step {SIGNAL_AT}", "this job is timed-out",
-                      "Calling checkpoint method", "(0 remaining timeouts)", f"step_{SIGNAL_AT:07d} at step {SIGNAL_AT}"):
+                      "Calling checkpoint method", "(0 remaining timeouts)",
+                      f"step_{SIGNAL_AT:07d} at step {SIGNAL_AT}"):
             assert words in logs, f"{words!r} not in the job's logs"
         assert f"at step {RESUME_AT}" not in logs, "resumed from the periodic checkpoint, not the signal's"
         assert _metrics(folder) == _metrics(_folder(R["slurm"], 0)), "losses differ from the uninterrupted run"

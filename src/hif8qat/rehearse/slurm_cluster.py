@@ -2,9 +2,9 @@
 
 `LocalCluster(work).start()` writes a munge key and a ``slurm.conf`` for this machine's cores and memory
 (``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``, ``SelectType=select/cons_tres``, one
-partition ``debug`` whose CPUs up to 4 jobs share), starts munged, slurmctld and slurmd as the current user, each bound to 127.0.0.1 only
-(``CommunicationParameters=NoInAddrAny,NoCtldInAddrAny``), on ports found free, and waits for the node to be idle;
-`stop()` ends exactly the daemons it started, by their PIDs. Every file stays under ``work``; the SLURM
+partition ``debug`` whose CPUs up to 4 jobs share), starts munged, slurmctld and slurmd as the current user, each bound
+to 127.0.0.1 only (``CommunicationParameters=NoInAddrAny,NoCtldInAddrAny``), on ports found free, and waits for the node
+to be idle; `stop()` ends exactly the daemons it started, by their PIDs. Every file stays under ``work``; the SLURM
 commands find the cluster through ``env()`` (``SLURM_CONF`` and the munge socket).
 
 `ensure_installed()` installs Debian's ``slurm-wlm`` and ``munge`` with apt-get when they are missing (root
@@ -284,7 +284,8 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hif8qat.rehearse.slurm_cluster [--work DIR] -- COMMAND...``: COMMAND with the cluster up, then down."""
+    """``python -m hif8qat.rehearse.slurm_cluster [--work DIR] -- COMMAND...``: COMMAND with the cluster up, then
+    down."""
 
     ap = argparse.ArgumentParser(prog="python -m hif8qat.rehearse.slurm_cluster", description=main.__doc__)
     ap.add_argument("--work", help="folder for the cluster's files (default: a new temporary folder)")

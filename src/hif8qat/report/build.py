@@ -62,7 +62,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_table(claims_df),
               f"reach_{profile}": reach_table(claims_df),
               "anchor": anchor_beside(runs_root),
-              f"pairing_{profile}": parts.pairing_df, f"paired_{profile}": parts.contrasts_df.drop(columns=UNIT_COLUMNS, errors="ignore"),
+              f"pairing_{profile}": parts.pairing_df,
+              f"paired_{profile}": parts.contrasts_df.drop(columns=UNIT_COLUMNS, errors="ignore"),
               f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
     unverified = accepted_unverified()  # trust_unverified=true: files read without an integrity record
     if unverified:

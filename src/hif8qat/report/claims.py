@@ -5,8 +5,9 @@ per row and the minimum detectable cost of that test.
 One model per paired metric, fixed by its design before any data are seen: the training loss has seeds as its
 only unit (t on the per-seed means, k - 1 df); the per-item metrics and the held-out ones score the same items
 or windows in every seed, so seeds and items (windows) are crossed random effects
-(:func:`hif8qat.stats.paired.crossed_mean`); accuracy is tested by an exact permutation test over items of their net flips,
-and where few items change its interval includes the one that inverts that test, so that the two cannot disagree."""
+(:func:`hif8qat.stats.paired.crossed_mean`); accuracy is tested by an exact permutation test over items of their net
+flips, and where few items change its interval includes the one that inverts that test, so that the two cannot
+disagree."""
 
 from __future__ import annotations
 
@@ -375,7 +376,8 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
                        ci90_hi=rel(lo90), diff_points=c.mean, lost=int(g["lost"].sum()), gained=int(g["gained"].sum()),
                        flip_items=int((y != 0).any(0).sum()), items_lost=items_lost, items_gained=items_gained,
                        item_change_ms=float(np.mean((net / len(g)) ** 2)),
-                       p=p, p_item=p_item, p_t=c.p, test="exact permutation test over items (net flips over seeds) and the crossed t test: "
+                       p=p, p_item=p_item, p_t=c.p,
+                       test="exact permutation test over items (net flips over seeds) and the crossed t test: "
                        "both must reject" if "alone" not in method else "the crossed t test", ci_method=method,
                        mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts,
                        boot_lo=rel(boot[1]), boot_hi=rel(boot[0]), homog_chi2=homog[0], homog_df=homog[1],

@@ -122,7 +122,8 @@ def paper_drop_table(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
                     "baseline_exp": AUTHORS_RUN_TO_EXP.get(base_run, ""), "quant_exp": AUTHORS_RUN_TO_EXP.get(run, ""),
                     "task": task, "num_fewshot": int(pq["num_fewshot"].iloc[0]),
                     "base_pct": sb, "quant_pct": sq,
-                    "drop_pct_from_scores": relative_drop(sb, sq) if sb is not None and sq is not None else float("nan"),
+                    "drop_pct_from_scores": (relative_drop(sb, sq) if sb is not None and sq is not None
+                                             else float("nan")),
                     "drop_pct_printed": pq["drop_pct_printed"].iloc[0],
                 })
     df = pd.DataFrame(rows)

@@ -107,7 +107,8 @@ def reach_table(claims: pd.DataFrame, effects: pd.DataFrame | None = None) -> pd
     merged["needed"] = [needed(r) for r in merged.itertuples()]
     merged["reach"] = [reach_verdict(r.paper_effect, r.mde, r.ci_lo, r.ci_hi, r.needed,
                                      "seeds" if r.metric == "train_loss"
-                                     else f"items at {r.n_seeds} seed(s) (the benchmark holds {BENCHMARK_ITEMS[r.task]:,})")
+                                     else f"items at {r.n_seeds} seed(s) "
+                                          f"(the benchmark holds {BENCHMARK_ITEMS[r.task]:,})")
                        if r.equivalence != ONE_SEED else
                        f"{ONE_SEED}: its interval lacks the seed variance, so it is not set against the paper's"
                        for r in merged.itertuples()]
@@ -125,7 +126,8 @@ def reach_section(reach: pd.DataFrame) -> list[str]:
              "effect for the same pair of runs (its training loss as here, the signed per-step difference over the "
              "QAT phase; its accuracy drops few-shot, MMLU lettered), this claim's minimum detectable cost, and "
              "the sample the test would need to resolve the paper's effect.", "",
-             "| claim | metric | task | seeds | here (95 % CI) | paper | MDE here | reach |", "|---|---|---|---|---|---|---|---|"]
+             "| claim | metric | task | seeds | here (95 % CI) | paper | MDE here | reach |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in reach.itertuples():
         mde = f"{r.mde:.2f}" if math.isfinite(r.mde) else "-"
         lines.append(f"| {r.experiment} vs {r.counterpart} | {r.metric} | {r.task} | {r.n_seeds} | {r.cost:+.2f} "

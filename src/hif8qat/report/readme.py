@@ -81,7 +81,8 @@ def _claim_words(g: pd.DataFrame) -> list[str]:
             flips = int(rows["lost"].sum() + rows["gained"].sum())
             mde = rows["mde"].dropna()
             text += (f" {flips} flips in all ({int(rows['lost'].sum())} lost, {int(rows['gained'].sum())} gained) "
-                     f"from {int(rows['flip_items'].sum())} distinct items (summed over the mode x task rows), each item "
+                     f"from {int(rows['flip_items'].sum())} distinct items (summed over the mode x task rows), "
+                     "each item "
                      "tested once over its seeds; "
                      + (f"the smallest cost a row's item test detects with 80 % power, under the flip model (the "
                         f"effect's items lose in every seed), is {mde.min():.1f} % of the score"

@@ -52,8 +52,8 @@ def recorded_amax_traces(export_dir: Path) -> dict[str, list[float]]:
     return traces
 
 
-def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping[str, Mapping[str, Any]] = REPLAY_ESTIMATORS,
-                      ) -> pd.DataFrame:
+def replay_exceedance(traces: Mapping[str, Sequence[float]],
+                      estimators: Mapping[str, Mapping[str, Any]] = REPLAY_ESTIMATORS) -> pd.DataFrame:
     """How often, and by how much, each estimator's delayed estimate is exceeded on the same traces.
 
     Every trace is replayed call by call through `scaling.replay.replay_rows` (interval 1; the traces of one role and
@@ -82,7 +82,8 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
             exceeded = r > 1 + 1e-6
             rows.append({"estimator": name, "role": role, "traces": len(ratios), "calls": int(r.size),
                          "frac_exceeded": float(exceeded.mean()),
-                         "median_ratio_when_exceeded": float(np.median(r[exceeded])) if exceeded.any() else float("nan"),
+                         "median_ratio_when_exceeded": (float(np.median(r[exceeded])) if exceeded.any()
+                                                        else float("nan")),
                          "p99_ratio": float(np.quantile(r, 0.99)), "max_ratio": float(r.max()),
                          "frac_beyond_2bit_tier": float((r > _TWO_BIT_TIER_RATIO).mean()),
                          "mean_headroom_lost_bits": float(np.log2(np.maximum(r, 1.0)).mean())})

@@ -17,8 +17,9 @@ def seed_spread(runs_df: pd.DataFrame, drops_df: pd.DataFrame) -> pd.DataFrame:
         for (exp, tag), g in runs_df.groupby(["experiment", "run_tag"]):
             v = g[col].dropna()
             if len(v):
-                rows.append({"experiment": exp, "run_tag": tag, "what": "score", "mode": mode, "task": task, "n_seeds": len(v),
-                             "mean_pct": v.mean(), "sd_pct": v.std(ddof=1) if len(v) > 1 else float("nan"),
+                rows.append({"experiment": exp, "run_tag": tag, "what": "score", "mode": mode, "task": task,
+                             "n_seeds": len(v), "mean_pct": v.mean(),
+                             "sd_pct": v.std(ddof=1) if len(v) > 1 else float("nan"),
                              "min_pct": v.min(), "max_pct": v.max()})
     if len(drops_df):
         for (exp, tag, base, mode, task), g in drops_df.groupby(["experiment", "run_tag", "baseline", "quant_mode",

@@ -45,7 +45,8 @@ def runs_table(runs: list[RunInfo], skipped: list[dict], used: FilesUsed
         metrics_cache[str(r.path)] = m
         summ = _read_json(r.path / "summary.json") if (r.path / "summary.json").exists() else {}
         if "loss" not in m or not len(m):
-            skipped.append({"run_dir": str(r.path), "reason": f"{mp.name} {'holds no loss' if mp.exists() else 'is missing'}"
+            skipped.append({"run_dir": str(r.path),
+                            "reason": f"{mp.name} {'holds no loss' if mp.exists() else 'is missing'}"
                             + (" although the run is finished" if r.done else " (unfinished run)")
                             + ": no loss curve, left out of the APE, telemetry and scaling-pair tables"})
         elif not r.done:

@@ -376,7 +376,8 @@ class ScalerBank(BankExtras, nn.Module):
             # cold start from this call's own amax (reduced across ranks; opens a block), or just-in-time
             # scaling: a cold start on every call, from the local amax (no collective per call)
             a = cold_amax().reshape(())
-            est = rules.cold_estimate(a if current else rules.reduce_amax(a.reshape(1), self.config.amax_reduce).reshape(()))
+            est = rules.cold_estimate(
+                a if current else rules.reduce_amax(a.reshape(1), self.config.amax_reduce).reshape(()))
             self.est[row] = est
             self._scale_rows[row].copy_(rules.scale_of(self.targets[row], est))
             if current and self.initialized[row]:

@@ -140,7 +140,8 @@ class ScalingConfig:
         t = self.target
         if t is None:
             return
-        allowed = "null, a finite number > 0, or a mapping of roles A, W, G to such numbers (e.g. {A: 15, W: 15, G: 224})"
+        allowed = ("null, a finite number > 0, or a mapping of roles A, W, G to such numbers "
+                   "(e.g. {A: 15, W: 15, G: 224})")
         ok = _positive(t) or (isinstance(t, Mapping) and bool(t) and set(t) <= set(ROLES)
                               and all(_positive(v) for v in t.values()))
         if not ok:

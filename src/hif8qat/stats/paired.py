@@ -8,7 +8,8 @@ variance of the mean comes from both (:func:`crossed_mean`); a quantity with no 
 loss) has the seeds alone (:func:`seeds_t`). Which model applies is fixed by the metric, never by which variance
 turns out larger. Accuracy adds an exact permutation test over items of their net flips summed over seeds
 (:func:`hif8qat.stats.item_flips.item_permutation_test`) and its minimum detectable effect under a stated flip model
-(:func:`hif8qat.stats.item_flips.mde_item_flips`); :func:`hierarchical_bootstrap` gives a second interval where there are seeds enough.
+(:func:`hif8qat.stats.item_flips.mde_item_flips`); :func:`hierarchical_bootstrap` gives a second interval where there
+are seeds enough.
 
 Also the report's per-seed measures: the relative drop with its paired bootstrap interval, the training-loss
 APE, Holm's adjustment.

@@ -446,8 +446,8 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler,
     except CheckpointError:
         raise
     except _LOAD_ERRORS as err:
-        raise CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {one_line(str(err), 300)}); it was "
-                              "written by another version or model, or is damaged: resume from another "
+        raise CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {one_line(str(err), 300)}); "
+                              "it was written by another version or model, or is damaged: resume from another "
                               "checkpoint (train.resume=<folder>) or start over with force=true") from None
 
 

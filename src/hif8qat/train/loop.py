@@ -321,7 +321,8 @@ class _Run:
             mark_failed(self.run_dir, reason)
         last = ckpt.latest_checkpoint(self.ckpt_root)
         if last is None:
-            kept = (f"no checkpoint was written before it (the first is due at step {self.cfg.train.checkpoint_every}); "
+            kept = ("no checkpoint was written before it "
+                    f"(the first is due at step {self.cfg.train.checkpoint_every}); "
                     "change the settings that diverged (e.g. a lower train.lr) and run again")
         else:
             kept = (f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}, finite weights); rerunning "
@@ -387,7 +388,8 @@ class _Run:
                 t0 = time.perf_counter()
                 epoch = self.stream.epoch
                 loss_value, flags = _reduce_step(
-                    _forward_backward(self.wrapped, self.stream, self.accum, cfg.train.autocast, cfg, ctx), stop.flags(), ctx)
+                    _forward_backward(self.wrapped, self.stream, self.accum, cfg.train.autocast, cfg, ctx),
+                    stop.flags(), ctx)
                 if self.stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
                     order = "in a new order" if self.stream.kind == "packed" else "in the same order"
                     print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {self.stream.epoch} "

@@ -3,10 +3,10 @@
 A job about to be stopped gets a signal first: SLURM sends ``USR2`` ``signal_delay_s`` before the time limit
 (submitit's preemption signal, ``$SUBMITIT_PREEMPT_SIGNAL`` naming another), and ``SIGTERM`` when the job is
 requeued (``scontrol requeue``, a preempting partition) or cancelled, ``KillWait`` seconds before ``SIGKILL``.
-`StopSignals` replaces the handlers of those two signals (and of Ctrl-C's SIGINT: the user's own stop) while the training loop runs with one that only
-records which signal came (no I/O, no lock: a handler can interrupt anything, the step's own I/O included).
-The trainer sends its record with the step's loss all-reduce (`flags()`), so every rank learns at the same
-step that some rank was signalled, even a rank that never got the signal, and no rank waits at a collective
+`StopSignals` replaces the handlers of those two signals (and of Ctrl-C's SIGINT: the user's own stop) while the
+training loop runs with one that only records which signal came (no I/O, no lock: a handler can interrupt anything, the
+step's own I/O included). The trainer sends its record with the step's loss all-reduce (`flags()`), so every rank learns
+at the same step that some rank was signalled, even a rank that never got the signal, and no rank waits at a collective
 the others skip. After saving the checkpoint every rank calls `chain()`: the handlers that were installed
 before, in the order the signals mean it (the preemption signal's first: submitit's requeues the job on rank
 0, checks its ``max_num_timeout`` and exits; its ``SIGTERM`` handler only logs), as if each rank had got the

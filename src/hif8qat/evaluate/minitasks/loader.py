@@ -22,7 +22,8 @@ def resolve_data_files(data_files: dict[str, str]) -> dict[str, str]:
         p = p if p.is_absolute() else HERE / p
         if not p.exists():
             raise FileNotFoundError(
-                f"mini-task data file {p} is missing; regenerate it with `python -m hif8qat.evaluate.minitasks.generate`"
+                f"mini-task data file {p} is missing; "
+                "regenerate it with `python -m hif8qat.evaluate.minitasks.generate`"
             )
         out[split] = str(p)
     return out

@@ -1,11 +1,10 @@
 """Typed, validated run configuration.
 
-`run.py` (the only Hydra-aware file) turns the composed DictConfig into a plain dict and calls
-`RunConfig.from_dict`, which checks every setting *before* any model or data is loaded and raises
-`ConfigError` naming the setting and its allowed values. `resolve_profile` then applies the profile:
-step-valued knobs written at paper scale (total steps, LR warmup, BF16 warmup, schedule switch points)
-are scaled by one factor, and "first k, last m" high-precision blocks are mapped to the model's depth.
-The resolved config is what each run saves and what the trainer reads.
+`hif8qat.cli.hydra_config` (the Hydra side) turns the composed DictConfig into a plain dict and calls
+`RunConfig.from_dict`, which checks every setting *before* any model or data is loaded and raises `ConfigError` naming
+the setting and its allowed values. `resolve_profile` then applies the profile: step-valued knobs written at paper scale
+(total steps, LR warmup, BF16 warmup, schedule switch points) are scaled by one factor, and "first k, last m"
+high-precision blocks are mapped to the model's depth. The resolved config is what each run saves and the trainer reads.
 """
 
 from __future__ import annotations

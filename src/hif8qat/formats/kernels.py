@@ -145,8 +145,7 @@ def compile_status() -> dict[str, object]:
     return {"enabled": _compile_enabled(), "failed": _compile_failed, "rejected": dict(_rejected.values())}
 
 
-# for people: "hif8 kernel (scaled=True, ..., torch.float32, cpu, none)"
-def _variant_name(prefix: str, key: tuple) -> str:
+def _variant_name(prefix: str, key: tuple) -> str:  # "hif8 kernel (scaled=True, ..., torch.float32, cpu, none)"
     return f"{prefix} kernel (" + ", ".join(f"{k[0]}={k[1]}" if isinstance(k, tuple) else str(k) for k in key) + ")"
 
 

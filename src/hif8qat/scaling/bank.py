@@ -394,8 +394,7 @@ class ScalerBank(BankExtras, nn.Module):
         rows A / W, or gradient rows G) when no backward is expected.
 
         Decisions are numpy; tensor work is a handful of whole-table ops. Rows prepared but not called by
-        the end of the micro-batch are rolled back in :meth:`update`.
-        """
+        the end of the micro-batch are rolled back in :meth:`update`."""
         group = (np.ones(self.n, dtype=bool) if both else self._is_g == self._is_g[row]) & ~self._prepared
         self._prepared |= group
         if self._snap is None:

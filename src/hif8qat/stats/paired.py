@@ -1,13 +1,18 @@
 """Paired statistics for run-vs-baseline claims: one model per paired metric, exact tests for few discordant
 items, equivalence (two one-sided tests) against a stated margin, and detectable effects.
 
-The unit of comparison is a seed: a run and its same-seed baseline share data order and initial weights. Every
-seed scores the same items and held-out windows, so seeds and items are crossed random effects
-(:func:`crossed_mean`); a quantity with no shared units (the training loss) has the seeds alone
-(:func:`seeds_t`). The metric fixes the model, never which variance turns out larger. The item test of accuracy
-lives in :mod:`hif8qat.stats.item_flips`; :func:`hierarchical_bootstrap` gives a second interval where there are
-seeds enough. Also the report's per-seed measures: the relative drop with its paired bootstrap interval, the
-training-loss APE, Holm's adjustment.
+The unit of comparison is a seed: a run and its same-seed baseline share data order and initial weights, so each
+seed gives one paired difference. Every seed scores the same evaluation items and held-out windows, so an item's
+(window's) effect on the difference recurs in every seed: seeds and items are crossed random effects, and the
+variance of the mean comes from both (:func:`crossed_mean`); a quantity with no shared units (the training
+loss) has the seeds alone (:func:`seeds_t`). Which model applies is fixed by the metric, never by which variance
+turns out larger. Accuracy adds an exact permutation test over items of their net flips summed over seeds
+(:func:`hif8qat.stats.item_flips.item_permutation_test`) and its minimum detectable effect under a stated flip model
+(:func:`hif8qat.stats.item_flips.mde_item_flips`); :func:`hierarchical_bootstrap` gives a second interval where there
+are seeds enough.
+
+Also the report's per-seed measures: the relative drop with its paired bootstrap interval, the training-loss
+APE, Holm's adjustment.
 """
 
 from __future__ import annotations
@@ -52,15 +57,8 @@ def pool_seeds(diffs: Sequence[float], within_vars: Sequence[float], within_df: 
     no longer use it (it picks the variance after seeing the data and counts shared items as fresh per seed);
     the tests keep it to show what the crossed model corrects.
 
-    Args:
-        diffs: per-seed paired differences.
-        within_vars: per-seed variances of those differences.
-        within_df: degrees of freedom of the within-seed variance (infinite for hundreds of items; the number of blocks
-            minus one, summed over seeds, for a variance from a few blocks of training steps).
-
-    Returns:
-        A :class:`Pooled` (NaN fields where the seeds cannot give them).
-    """
+    ``within_df``: degrees of freedom of the within-seed variance (infinite for hundreds of items; the number
+    of blocks minus one, summed over seeds, for a variance from a few blocks of training steps)."""
     d = np.asarray(diffs, float)
     v = np.asarray(within_vars, float)
     ok = np.isfinite(d)
@@ -95,15 +93,6 @@ def equivalence_verdict(lo90: float, hi90: float, margin: float, unit: str = "")
 
     "equivalent within M": the interval lies inside the margin; "not equivalent": it lies wholly outside it
     (the difference is beyond M at the same level); otherwise "inconclusive at this size". Never "no effect".
-
-    Args:
-        lo90: lower bound of the 90 % interval.
-        hi90: its upper bound.
-        margin: the equivalence margin.
-        unit: unit printed after the margin (e.g. ``%``).
-
-    Returns:
-        One of ``EQUIVALENT`` (formatted with the margin), ``NOT_EQUIVALENT`` or ``INCONCLUSIVE``.
     """
     if not (np.isfinite(lo90) and np.isfinite(hi90) and np.isfinite(margin)):
         return INCONCLUSIVE
@@ -130,15 +119,7 @@ class ItemPair:
 
 def item_pair(base: Sequence[float], run: Sequence[float]) -> ItemPair:
     """Paired 0/1 outcomes of one seed. The variance is that of a mean of per-item differences; with no
-    discordant item it would be 0, an interval of zero width from a finite sample, so one is assumed.
-
-    Args:
-        base: the baseline's per-item outcomes (above 0.5 is right).
-        run: the run's, in the same item order.
-
-    Returns:
-        An :class:`ItemPair`; diff and var are NaN with fewer than two items.
-    """
+    discordant item it would be 0, an interval of zero width from a finite sample, so one is assumed."""
     b = np.asarray(base) > 0.5
     r = np.asarray(run) > 0.5
     n = int(len(b))
@@ -152,15 +133,7 @@ def item_pair(base: Sequence[float], run: Sequence[float]) -> ItemPair:
 
 
 def exact_mcnemar_p(lost: int, gained: int) -> float:
-    """Exact two-sided McNemar p-value: a binomial test of the discordant items.
-
-    Args:
-        lost: items right in the baseline, wrong in the run.
-        gained: items wrong in the baseline, right in the run.
-
-    Returns:
-        The p-value; 1.0 without a discordant item.
-    """
+    """Exact two-sided McNemar p-value: a binomial test of the discordant items; 1.0 without any."""
     m = lost + gained
     return 1.0 if m == 0 else float(st.binomtest(int(lost), int(m), 0.5).pvalue)
 
@@ -168,17 +141,7 @@ def exact_mcnemar_p(lost: int, gained: int) -> float:
 def exact_difference_ci(lost: int, gained: int, n: int, conf: float = 0.95) -> tuple[float, float]:
     """Interval of the paired difference ``(gained - lost) / n`` conditional on the discordant items: the
     Clopper-Pearson interval of gained / (lost + gained), mapped to the difference. Exact for any count, where a
-    percentile bootstrap of a handful of discordant items is anti-conservative.
-
-    Args:
-        lost: items lost.
-        gained: items gained.
-        n: items scored.
-        conf: confidence level.
-
-    Returns:
-        ``(lo, hi)``; (0, 0) without a discordant item, NaN when n is not positive.
-    """
+    percentile bootstrap of a handful of discordant items is anti-conservative."""
     m = lost + gained
     if n <= 0:
         return float("nan"), float("nan")
@@ -189,14 +152,7 @@ def exact_difference_ci(lost: int, gained: int, n: int, conf: float = 0.95) -> t
 
 
 def min_one_way_flips(alpha: float = 0.05) -> int:
-    """Fewest discordant items, all the same way, that the exact two-sided McNemar test finds at ``alpha``.
-
-    Args:
-        alpha: the test's two-sided level.
-
-    Returns:
-        That number of items.
-    """
+    """Fewest discordant items, all the same way, that the exact two-sided McNemar test finds at ``alpha``."""
     m = 1
     while 2 * 0.5**m >= alpha:
         m += 1
@@ -210,20 +166,12 @@ def _rejection_region(m: int, alpha: float) -> np.ndarray:
 
 
 def mde_exact_mcnemar(n: int, discordant: int, *, alpha: float = 0.05, power: float = 0.8) -> float:
-    """Smallest paired accuracy difference (a proportion) the exact McNemar test detects with ``power``, the
-    measured discordance held fixed.
+    """Smallest paired accuracy difference (a proportion) the exact McNemar test detects with ``power``, given
+    ``n`` items of which ``discordant`` are scored differently (the measured discordance, held fixed).
 
     A true difference delta sends a share ``theta = (1 + delta * n / m) / 2`` of the m discordant items one way;
-    the test rejects when their count falls in its exact rejection region.
-
-    Args:
-        n: items scored.
-        discordant: items scored differently by the two models.
-        alpha: the test's two-sided level.
-        power: the power to reach.
-
-    Returns:
-        The difference; NaN when even all m one way would not be significant (m below :func:`min_one_way_flips`).
+    the test rejects when their count falls in its exact rejection region. NaN when even all m one way would not
+    be significant (m below :func:`min_one_way_flips`).
     """
     m = int(discordant)
     if n <= 0 or m <= 0:
@@ -247,17 +195,7 @@ def mde_exact_mcnemar(n: int, discordant: int, *, alpha: float = 0.05, power: fl
 
 def mde_from_se(se: float, df: float, *, alpha: float = 0.05, power: float = 0.8) -> float:
     """Smallest difference a two-sided test at ``alpha`` on an estimate with standard error ``se`` detects with
-    ``power``.
-
-    Args:
-        se: the estimate's standard error.
-        df: its degrees of freedom (infinite: the normal law).
-        alpha: the test's two-sided level.
-        power: the power to reach.
-
-    Returns:
-        The difference; NaN when se is not finite or df not positive.
-    """
+    ``power`` (t with ``df`` degrees of freedom, normal when df is infinite)."""
     if not np.isfinite(se) or not df > 0:
         return float("nan")
     return (_quantile(1 - alpha / 2, df) + _quantile(power, df)) * se
@@ -265,15 +203,7 @@ def mde_from_se(se: float, df: float, *, alpha: float = 0.05, power: float = 0.8
 
 def block_variance_of_mean(x: Sequence[float], block: int = 5) -> float:
     """Variance of the mean of a series with serial correlation (training steps), from means of consecutive
-    blocks (``len(x) // block - 1`` degrees of freedom).
-
-    Args:
-        x: the series (non-finite values dropped).
-        block: values per block.
-
-    Returns:
-        The variance; NaN with fewer than two blocks.
-    """
+    blocks of ``block`` values (``len(x) // block - 1`` degrees of freedom); NaN with fewer than two blocks."""
     a = np.asarray(x, float)
     a = a[np.isfinite(a)]
     nb = len(a) // block
@@ -284,14 +214,7 @@ def block_variance_of_mean(x: Sequence[float], block: int = 5) -> float:
 
 
 def mean_variance(x: Sequence[float]) -> float:
-    """Variance of the mean of independent values (items).
-
-    Args:
-        x: the values (non-finite ones dropped).
-
-    Returns:
-        The variance; NaN with fewer than two values.
-    """
+    """Variance of the mean of independent values (items)."""
     a = np.asarray(x, float)
     a = a[np.isfinite(a)]
     return float(np.var(a, ddof=1) / len(a)) if len(a) > 1 else float("nan")
@@ -299,15 +222,7 @@ def mean_variance(x: Sequence[float]) -> float:
 
 # The report's per-seed measures: relative drop, loss APE, paired bootstrap, Holm.
 def relative_drop(base: float, quant: float) -> float:
-    """The relative drop ``(base - quant) / base * 100``.
-
-    Args:
-        base: the baseline's score.
-        quant: the run's score.
-
-    Returns:
-        The drop in %; NaN when the baseline is 0.
-    """
+    """``(base - quant) / base * 100``; NaN when the baseline is 0."""
     return float("nan") if base == 0 else (base - quant) / base * 100.0
 
 
@@ -323,16 +238,8 @@ def loss_ape(steps_q: Sequence[int], loss_q: Sequence[float], steps_b: Sequence[
              *, last_frac: float = 0.1, last_n: int | None = None) -> dict[str, float]:
     """Training-loss APE over the steps logged by both runs (mean of ``|Lq - Lb| / |Lb| * 100``).
 
-    Args:
-        steps_q: the quantized run's logged steps.
-        loss_q: its losses at those steps.
-        steps_b: the baseline's logged steps.
-        loss_b: its losses at those steps.
-        last_frac: share of the common steps that form the "last" window.
-        last_n: the "last" window's size in steps (overrides ``last_frac``).
-
-    Returns:
-        ``{n_common, ape_all, ape_last, last_n, first_step, last_step}``.
+    ``last_n`` (or ``ceil(last_frac * n_common)``) common steps form the "last" window.
+    Returns ``{n_common, ape_all, ape_last, last_n, first_step, last_step}``.
     """
     err = _pointwise_ape(steps_q, loss_q, steps_b, loss_b)
     common = err.index
@@ -346,14 +253,7 @@ def loss_ape(steps_q: Sequence[int], loss_q: Sequence[float], steps_b: Sequence[
 
 
 def holm(pvalues: Sequence[float]) -> np.ndarray:
-    """Holm-Bonferroni adjusted p-values.
-
-    Args:
-        pvalues: the family's p-values (NaN stays NaN and does not count).
-
-    Returns:
-        The adjusted p-values, in the input order.
-    """
+    """Holm-Bonferroni adjusted p-values (NaN stays NaN and does not count as a comparison)."""
     p = np.asarray(pvalues, float)
     out = np.full_like(p, np.nan)
     ok = np.flatnonzero(np.isfinite(p))
@@ -366,17 +266,7 @@ def holm(pvalues: Sequence[float]) -> np.ndarray:
 
 
 def running_ape(steps_q, loss_q, steps_b, loss_b) -> pd.DataFrame:
-    """Per common step: the pointwise APE and its running (cumulative) mean, for the loss figures.
-
-    Args:
-        steps_q: the quantized run's logged steps.
-        loss_q: its losses at those steps.
-        steps_b: the baseline's logged steps.
-        loss_b: its losses at those steps.
-
-    Returns:
-        A frame with columns ``step``, ``ape`` and ``running_ape``.
-    """
+    """Per common step: the pointwise APE and its running (cumulative) mean, for the loss figures."""
     err = _pointwise_ape(steps_q, loss_q, steps_b, loss_b)
     return pd.DataFrame({"step": err.index, "ape": err.values, "running_ape": err.expanding().mean().values})
 
@@ -396,18 +286,7 @@ def paired_bootstrap_drop(base_correct: Sequence[float], quant_correct: Sequence
                           seed: int = 0, ci: float = 0.95) -> DropCI:
     """Relative drop of mean(quant) vs mean(base) on the same documents, with a paired percentile CI.
 
-    Args:
-        base_correct: the baseline's per-document 0/1 (or scores).
-        quant_correct: the run's, in the same document order.
-        n_boot: bootstrap draws.
-        seed: random seed of the draws.
-        ci: confidence level.
-
-    Returns:
-        A :class:`DropCI` (NaN fields for no document).
-
-    Raises:
-        ValueError: the arrays are not 1-d of equal length.
+    Both arrays are per-document 0/1 (or scores) in the same document order.
     """
     b = np.asarray(base_correct, float)
     q = np.asarray(quant_correct, float)
@@ -435,15 +314,6 @@ def paired_bootstrap_drop(base_correct: Sequence[float], quant_correct: Sequence
 
 
 def binomial_se_pp(p_pct: float, n: int) -> float:
-    """Binomial standard error of an accuracy, in percentage points.
-
-    Args:
-        p_pct: the accuracy in %.
-        n: items.
-
-    Returns:
-        The standard error in percentage points.
-    """
     p = p_pct / 100.0
     return math.sqrt(p * (1 - p) / n) * 100.0
 
@@ -481,20 +351,6 @@ class Contrast:
 
 def make_contrast(k: int, n: int, mean: float, var: float, df: float, comps: tuple[float, float, float],
               method: str) -> Contrast:
-    """A :class:`Contrast` from a mean, the variance of that mean and its df (intervals, p-value).
-
-    Args:
-        k: seeds.
-        n: units per seed.
-        mean: the mean difference.
-        var: variance of the mean.
-        df: its degrees of freedom.
-        comps: the (seed, unit, residual) variance components.
-        method: how the variance was found, for the report.
-
-    Returns:
-        The contrast; interval, p and se are NaN when var is not finite or df not positive.
-    """
     nan = float("nan")
     if not (np.isfinite(var) and var >= 0 and df > 0):
         return Contrast(k, n, mean, nan, nan, nan, nan, nan, nan, nan, *comps, method)
@@ -507,14 +363,7 @@ def make_contrast(k: int, n: int, mean: float, var: float, df: float, comps: tup
 
 def seeds_t(diffs: Sequence[float]) -> Contrast:
     """Seeds as the only unit (training loss: every seed its own curve): t on the k per-seed means with k - 1
-    degrees of freedom.
-
-    Args:
-        diffs: per-seed differences (non-finite ones dropped).
-
-    Returns:
-        A :class:`Contrast`; no interval from one seed.
-    """
+    degrees of freedom. No interval from one seed."""
     d = np.asarray(diffs, float)
     d = d[np.isfinite(d)]
     k = len(d)
@@ -534,16 +383,8 @@ def crossed_mean(y, unit: str = "units") -> Contrast:
     (within COMPONENT_RTOL of the mean squares' scale) means no such component and is set to 0, as REML does
     (REML would also pool that term's sum of squares into the residual; the moments keep MS_e).
     Var(mean) = sigma_s^2/k + sigma_u^2/n + sigma_e^2/(kn), with Satterthwaite's degrees of freedom for that
-    combination of mean squares. One seed: the units' variance alone, n - 1 df (the seed's own effect cannot be
-    seen).
-
-    Args:
-        y: the seeds x units table (a 1-d array is one seed).
-        unit: what the columns are, for the method text.
-
-    Returns:
-        A :class:`Contrast`; no interval with fewer than two units or a non-finite value.
-    """
+    combination of mean squares. One seed: the units' variance
+    alone, n - 1 df (the seed's own effect cannot be seen). ``unit``: what the columns are, for the method text."""
     y = np.asarray(y, float)
     if y.ndim == 1:
         y = y[None, :]
@@ -580,18 +421,8 @@ def crossed_mean(y, unit: str = "units") -> Contrast:
 def hierarchical_bootstrap(y, *, n_boot: int = 2000, seed: int = 0, conf: float = 0.95) -> tuple[float, float]:
     """Percentile interval of the mean of a seeds x units table, resampling seeds and units independently (both
     are random samples; a unit recurs in every seed, so its rows are not resampled per seed). A 1-column table
-    resamples seeds alone.
-
-    Args:
-        y: the seeds x units table (a 1-d array is seeds alone).
-        n_boot: bootstrap draws.
-        seed: random seed of the draws.
-        conf: confidence level.
-
-    Returns:
-        ``(lo, hi)``; NaN when the counts do not allow it (fewer than BOOT_MIN_SEEDS seeds, or than BOOT_MIN_UNITS units
-        where there are units).
-    """
+    resamples seeds alone. NaN when the counts do not allow it (fewer than BOOT_MIN_SEEDS seeds, or than
+    BOOT_MIN_UNITS units where there are units)."""
     y = np.asarray(y, float)
     if y.ndim == 1:
         y = y[:, None]
@@ -615,15 +446,7 @@ def pool_seed_variance(seed_vars: Sequence[float], dfs: Sequence[float]) -> tupl
     averaged with weights their degrees of freedom (k - 1 each), and the degrees of freedom of the largest one
     alone, not their sum: the claims often share runs (two experiments against one baseline), so their
     estimates are not independent, and counting one claim's df is right when they are fully dependent and
-    conservative otherwise.
-
-    Args:
-        seed_vars: the claims' seed variance components.
-        dfs: their degrees of freedom.
-
-    Returns:
-        ``(pooled variance, df)``; (nan, nan) with no finite donor.
-    """
+    conservative otherwise. (nan, nan) with no finite donor."""
     v, d = np.asarray(seed_vars, float), np.asarray(dfs, float)
     ok = np.isfinite(v) & np.isfinite(d) & (d > 0)
     if not ok.any():
@@ -639,19 +462,9 @@ def with_seed_variance(one_seed: Contrast, seed_var: float, seed_df: float, *, r
     borrowed variance's degrees of freedom: Satterthwaite's for the two would be larger (the seed's own share
     is known on hundreds of df), but the borrowed component dominates, comes from a few seeds of other claims,
     and the approximation undercovers there (a one-seed simulation with the seed variance 4x the items': 0.94
-    with Satterthwaite's df).
-
-    Args:
-        one_seed: the seed's own contrast.
-        seed_var: the borrowed seed variance.
-        seed_df: its degrees of freedom.
-        replaces_own: ``seed_var`` already holds the whole per-seed variance (a quantity with no units, the training
-            loss), so it replaces the seed's own variance instead of adding to it.
-        source: where the variance came from, for the method text.
-
-    Returns:
-        The widened contrast, or ``one_seed`` unchanged when the borrowed variance is unusable.
-    """
+    with Satterthwaite's df). ``replaces_own``: ``seed_var`` already holds the whole per-seed variance (a
+    quantity with no units, the training loss: the variance over seeds of the per-seed differences), so it
+    replaces the seed's own variance instead of adding to it."""
     own = 0.0 if replaces_own else one_seed.se**2
     if not (np.isfinite(seed_var) and seed_var >= 0 and np.isfinite(own) and seed_df > 0):
         return one_seed
@@ -662,14 +475,7 @@ def with_seed_variance(one_seed: Contrast, seed_var: float, seed_df: float, *, r
 
 # ---------------------------------------------------------------------- error control over many rows
 def benjamini_hochberg(pvalues: Sequence[float]) -> np.ndarray:
-    """Benjamini-Hochberg adjusted p-values (false discovery rate; scipy's).
-
-    Args:
-        pvalues: the family's p-values (NaN kept and not counted).
-
-    Returns:
-        The adjusted p-values, in the input order.
-    """
+    """Benjamini-Hochberg adjusted p-values (false discovery rate; scipy's), NaN kept and not counted."""
     p = np.asarray(pvalues, float)
     out = np.full_like(p, np.nan)
     ok = np.isfinite(p)

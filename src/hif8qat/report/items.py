@@ -23,7 +23,14 @@ EXACT_BELOW_DISCORDANT = 25
 
 
 def align_samples(base: pd.DataFrame, quant: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Inner-join two ``doc_id,correct`` frames on doc_id (as strings), in the baseline's order."""
+    """Inner-join two ``doc_id,correct`` frames on doc_id (as strings), in the baseline's order.
+
+    Args:
+        base: the baseline's per-item frame.
+        quant: the run's.
+
+    Returns:
+        ``(baseline correct, run correct)`` as float arrays over the common items."""
     b = base.assign(doc_id=base["doc_id"].astype(str)).drop_duplicates("doc_id")
     q = quant.assign(doc_id=quant["doc_id"].astype(str)).drop_duplicates("doc_id")
     m = b.merge(q, on="doc_id", suffixes=("_b", "_q"), how="inner")

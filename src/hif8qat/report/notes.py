@@ -11,7 +11,14 @@ from hif8qat.report.items import EXACT_BELOW_DISCORDANT
 
 
 def multiple_comparisons(claims_df: pd.DataFrame, profile: str) -> tuple[str, int]:
-    """How many claims and tests the claims table holds and how they are adjusted, and the number of tests."""
+    """How many claims and tests the claims table holds and how they are adjusted.
+
+    Args:
+        claims_df: the claims table.
+        profile: the profile's name.
+
+    Returns:
+        ``(the note's text, the number of tests)``."""
     n_tests = int(claims_df["p"].notna().sum()) if "p" in claims_df else 0
     n_claims = int(claims_df.groupby(CLAIM_KEYS).ngroups) if len(claims_df) else 0
     n_head = int(claims_df["p_holm_headline"].notna().sum()) if "p_holm_headline" in claims_df else 0
@@ -27,7 +34,18 @@ def multiple_comparisons(claims_df: pd.DataFrame, profile: str) -> tuple[str, in
 
 def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margins: Mapping[str, float] | None,
                 multiple: str) -> dict[str, str]:
-    """Every table's note, keyed by table name; ``multiple``: the text of :func:`multiple_comparisons`."""
+    """Every table's note.
+
+    Args:
+        profile: the profile's name.
+        n_boot: bootstrap draws of the drop intervals.
+        seed: random seed of the draws.
+        last_frac: share of the common steps in the APE's "last" window.
+        margins: equivalence margins per metric (None: DEFAULT_MARGINS).
+        multiple: the text of :func:`multiple_comparisons`.
+
+    Returns:
+        Table name -> note."""
     margins_text = ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in {**DEFAULT_MARGINS, **(margins or {})}.items())
     return {
         f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %. dirty: made from a tree "

@@ -28,8 +28,16 @@ def _pair(run: RunInfo, experiment: str | None, runs: list[RunInfo], runs_root: 
 
 def pair_runs(runs: list[RunInfo], runs_root: Path, profile: str):
     """Each run's BF16 baseline (quant.* may differ) and the run of the experiment it derives from (its declared
-    changes may differ): same seed and training settings, else None. Returns (baseline_of, parent_of, the
-    pairing table, the unpaired runs with their reasons); the dicts are keyed by run folder."""
+    changes may differ): same seed and training settings, else None.
+
+    Args:
+        runs: the runs read.
+        runs_root: the folder that holds the runs.
+        profile: the profile's name.
+
+    Returns:
+        ``(baseline_of, parent_of, pairing table, unpaired runs with their reasons)``; the dicts are keyed by run
+        folder."""
     baseline_of, parent_of, rows, unpaired = {}, {}, [], []
     for r in runs:
         b, why_b = _pair(r, r.baseline, runs, runs_root, profile, ("quant",))

@@ -10,7 +10,14 @@ from hif8qat.report.sources import RunInfo, _tag
 
 
 def seed_spread(runs_df: pd.DataFrame, drops_df: pd.DataFrame) -> pd.DataFrame:
-    """Mean and sd over seeds of every score (``<mode>:<task>`` columns of the runs table) and drop."""
+    """Mean and sd over seeds of every score (``<mode>:<task>`` columns of the runs table) and drop.
+
+    Args:
+        runs_df: the runs table.
+        drops_df: the drops table.
+
+    Returns:
+        One row per (experiment, tag, score or drop)."""
     rows = []
     for col in [c for c in runs_df.columns if ":" in c]:
         mode, task = col.split(":", 1)
@@ -35,7 +42,15 @@ def seed_spread(runs_df: pd.DataFrame, drops_df: pd.DataFrame) -> pd.DataFrame:
 
 def seed_null_table(runs: list[RunInfo], n_boot: int, seed: int) -> pd.DataFrame:
     """Every unquantized experiment against itself at another seed (bf16 evaluations, per task): relative
-    drop with its paired CI. Same recipe, same data, only the seed differs: the noise floor of a drop."""
+    drop with its paired CI. Same recipe, same data, only the seed differs: the noise floor of a drop.
+
+    Args:
+        runs: the runs read.
+        n_boot: bootstrap draws.
+        seed: random seed of the draws.
+
+    Returns:
+        One row per (experiment, seed pair, task)."""
     rows = []
     by_exp: dict[str, list[RunInfo]] = {}
     for r in runs:

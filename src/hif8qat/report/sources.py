@@ -34,7 +34,16 @@ from hif8qat.stats.heldout import run_label
 
 
 def read_metrics(path: str | Path) -> pd.DataFrame:
-    """A run's step log; a cut last line (a killed run) is dropped, any other bad line is an error."""
+    """A run's step log; a cut last line (a killed run) is dropped, any other bad line is an error.
+
+    Args:
+        path: the run's metrics.jsonl.
+
+    Returns:
+        One row per step (the last of a step logged twice), by step.
+
+    Raises:
+        UnreadableResultFile: a bad line (the error names the file and what to run)."""
     try:
         rows = read_jsonl(path, REPORT_REDO, fields=METRICS_FIELDS)
     except CorruptArtefact as err:
@@ -63,6 +72,16 @@ def _read_json(path: Path, schema: Any = None) -> Any:
 
 
 def read_telemetry_dumps(run_dir: Path) -> pd.DataFrame:
+    """Every telemetry dump of a run (``<run>/telemetry/*.jsonl``) in one frame.
+
+    Args:
+        run_dir: the run folder.
+
+    Returns:
+        One row per recorded call; empty without dumps.
+
+    Raises:
+        UnreadableResultFile: a bad line."""
     rows = []
     for p in sorted((Path(run_dir) / "telemetry").glob("*.jsonl")):
         try:
@@ -96,7 +115,15 @@ def _get(d: Mapping, dotted: str, default=None):
 
 
 def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = None) -> list[RunInfo]:
-    """The runs under runs_root/profile; a folder that cannot be used is appended to `skipped` with why."""
+    """The runs under runs_root/profile.
+
+    Args:
+        runs_root: the folder that holds the runs.
+        profile: the profile's name.
+        skipped: collects each folder that cannot be used, with why.
+
+    Returns:
+        The runs, in folder order."""
 
 
     base = Path(runs_root) / profile
@@ -137,8 +164,16 @@ def discover_runs(runs_root: Path, profile: str, skipped: list[dict] | None = No
 
 def placement_problem(run_dir: Path, cfg: Mapping, profile: str) -> str | None:
     """Why a folder's recorded profile, experiment, seed or run_tag disagrees with where it sits
-    (<profile>/<experiment>/seed<k>[-<tag>], the path run.py made for it), or None when it is where its run
-    belongs. A run folder copied into another experiment's seed, or duplicated beside its seeds, is not a run."""
+    (<profile>/<experiment>/seed<k>[-<tag>], the path run.py made for it). A run folder copied into another
+    experiment's seed, or duplicated beside its seeds, is not a run.
+
+    Args:
+        run_dir: the folder.
+        cfg: its saved config.
+        profile: the profile's name.
+
+    Returns:
+        The reason, or None when it is where its run belongs."""
     seed, tag = _get(cfg, "seed"), str(_get(cfg, "run_tag", "") or "")
     recorded = {"profile": _get(cfg, "profile.name"), "experiment": _get(cfg, "experiment.name")}
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -158,13 +193,22 @@ class ItemsDiffer(RunError):
 
 
 def check_same_items(runs: list[RunInfo], runs_root: Path, profile: str) -> int:
-    """Refuse (ItemsDiffer) when two evaluations of the report recorded different item hashes for one task:
-    pairing their per-item results by document id would report a change of data as an effect of training or
-    quantization. Every evaluation (each run's eval/<mode>/, and the base model's) is compared, since the report
-    pairs runs with their baselines, parents, other seeds and the base model alike.
+    """Refuse when two evaluations of the report recorded different item hashes for one task: pairing their
+    per-item results by document id would report a change of data as an effect of training or quantization.
+    Every evaluation (each run's eval/<mode>/, and the base model's) is compared, since the report pairs runs
+    with their baselines, parents, other seeds and the base model alike. An evaluation that recorded no item
+    hash (made before evaluations recorded them) cannot be checked: it is paired as before.
 
-    An evaluation that recorded no item hash (made before evaluations recorded them) cannot be checked: it is
-    paired as before. Returns how many task evaluations had no hash, for the report's message."""
+    Args:
+        runs: the runs read.
+        runs_root: the folder that holds the runs.
+        profile: the profile's name.
+
+    Returns:
+        How many task evaluations had no hash, for the report's message.
+
+    Raises:
+        ItemsDiffer: naming the two evaluations."""
     first: dict[str, tuple[str, Path]] = {}
     unhashed = 0
     folders = [d for r in runs for d in sorted((r.path / "eval").glob("*")) if (d / "results.json").is_file()]
@@ -270,13 +314,25 @@ class FilesUsed:
         self.commits: dict[str, set] = {}
 
     def add(self, run: RunInfo, *files: Path) -> None:
+        """Record files read for a run, with the run's commit.
+
+        Args:
+            run: the run.
+            *files: the files."""
         for f in files:
             self.commits.setdefault(str(f), set()).add(_git_of(run))
 
     def add_run(self, run: RunInfo) -> None:
-        """The run's own files the report reads (RUN_FILES), those that exist."""
+        """The run's own files the report reads (RUN_FILES), those that exist.
+
+        Args:
+            run: the run."""
         self.add(run, *(run.path / name for name in RUN_FILES if (run.path / name).exists()))
 
     def listing(self) -> list[dict[str, Any]]:
+        """Every file recorded, for a table's sources.json.
+
+        Returns:
+            One ``{path, sha256, git_commits}`` per file, by path."""
         return [{"path": p, "sha256": sha256_file(p) if Path(p).is_file() else None,
                  "git_commits": sorted(c for c in g if c)} for p, g in sorted(self.commits.items())]

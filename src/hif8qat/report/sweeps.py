@@ -25,7 +25,15 @@ def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame
     """Sweeps: for each experiment with runs under more than one run tag, the training settings that differ
     between its tags (the knobs, read from the saved configs) and each claim metric against the knob's value:
     the cost against the baseline with its 95 % CI over seeds (the claims table's rows), beside the baseline's
-    own seed spread (sd over its seeds of the score, or of the final loss, in % of its mean)."""
+    own seed spread (sd over its seeds of the score, or of the final loss, in % of its mean).
+
+    Args:
+        runs: the runs read.
+        claims: the claims table.
+        runs_df: the runs table.
+
+    Returns:
+        One row per (experiment, knob, value, claim metric); empty without claims."""
 
     if claims.empty:
         return pd.DataFrame()
@@ -61,7 +69,15 @@ def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame
 
 def plot_sweeps(sweeps: pd.DataFrame, out: Path, profile: str) -> list[str]:
     """One figure per swept experiment: each metric's cost against the knob's value (95 % CI over seeds), with
-    the baseline's seed spread as a band around 0."""
+    the baseline's seed spread as a band around 0.
+
+    Args:
+        sweeps: the table of :func:`sweep_table`.
+        out: the figures folder.
+        profile: the profile's name.
+
+    Returns:
+        The paths written."""
     if sweeps.empty:
         return []
     plt = _plt()

@@ -36,8 +36,15 @@ LossPair = tuple[RunInfo, RunInfo, pd.DataFrame, pd.DataFrame]
 
 def runs_table(runs: list[RunInfo], skipped: list[dict], used: FilesUsed
                ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    """One row per run (steps, final loss, wall time, provenance, ``<mode>:<task>`` scores) and every run's
-    metrics.jsonl frame keyed by run folder; a run without a loss curve, or unfinished, is noted in ``skipped``."""
+    """One row per run (steps, final loss, wall time, provenance, ``<mode>:<task>`` scores) and every run's metrics.
+
+    Args:
+        runs: the runs read.
+        skipped: collects a run without a loss curve, or unfinished, with why.
+        used: collects the files read.
+
+    Returns:
+        ``(runs table, run folder -> its metrics.jsonl frame)``."""
     run_rows, metrics_cache = [], {}
     for r in runs:
         mp = r.path / "metrics.jsonl"
@@ -75,7 +82,14 @@ def runs_table(runs: list[RunInfo], skipped: list[dict], used: FilesUsed
 
 def skipped_updates(summary: Mapping[str, Any], metrics: pd.DataFrame) -> int:
     """Optimizer updates the run skipped for a non-finite gradient norm: summary.json's count when the run
-    finished, else its step log's last (an unfinished run)."""
+    finished, else its step log's last (an unfinished run).
+
+    Args:
+        summary: the run's summary.json content.
+        metrics: its metrics table.
+
+    Returns:
+        The count."""
     if isinstance(summary.get("skipped_steps"), int):
         return int(summary["skipped_steps"])
     if "skipped_steps" in metrics and metrics["skipped_steps"].notna().any():
@@ -84,9 +98,16 @@ def skipped_updates(summary: Mapping[str, Any], metrics: pd.DataFrame) -> int:
 
 
 def mark_skipped_updates(claims: pd.DataFrame, contrasts: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
-    """The claims with a ``skipped_update_runs`` column: the runs each claim pairs that skipped optimizer
-    updates ("exp8/seed2: 1 update"), empty when none did. Such a run trained on fewer updates than its
-    counterpart, so the claim's difference is not quantization's alone."""
+    """Name, on each claim, the runs it pairs that skipped optimizer updates ("exp8/seed2: 1 update"). Such a run
+    trained on fewer updates than its counterpart, so the claim's difference is not quantization's alone.
+
+    Args:
+        claims: the claims table.
+        contrasts: the per-seed contrasts.
+        runs_df: the runs table.
+
+    Returns:
+        The claims with a ``skipped_update_runs`` column ("" where none did)."""
     if claims.empty:
         return claims
     skipped = {run_label(Path(d)): int(n) for d, n in zip(runs_df["run_dir"], runs_df["skipped_updates"]) if n}
@@ -105,7 +126,15 @@ def mark_skipped_updates(claims: pd.DataFrame, contrasts: pd.DataFrame, runs_df:
 
 def loss_pairs(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None],
                metrics_cache: Mapping[str, pd.DataFrame]) -> list[LossPair]:
-    """Every run paired with a baseline where both logged a loss (the APE rows and the loss figures)."""
+    """Every run paired with a baseline where both logged a loss (the APE rows and the loss figures).
+
+    Args:
+        runs: the runs read.
+        baseline_of: run folder -> its baseline run (or None).
+        metrics_cache: run folder -> its metrics table.
+
+    Returns:
+        ``(run, baseline, run metrics, baseline metrics)`` per pair."""
     pairs = []
     for r in runs:
         b = baseline_of[str(r.path)]
@@ -118,7 +147,14 @@ def loss_pairs(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None],
 
 
 def ape_rows(curves: Sequence[LossPair], last_frac: float) -> list[dict[str, Any]]:
-    """Per loss pair: the training-loss APE over all common steps, the last ``last_frac`` and the QAT phase."""
+    """Per loss pair: the training-loss APE over all common steps, the last ``last_frac`` and the QAT phase.
+
+    Args:
+        curves: the pairs of :func:`loss_pairs`.
+        last_frac: share of the common steps in the "last" window.
+
+    Returns:
+        One dict per pair."""
     rows = []
     for r, b, mq, mb in curves:
         a = loss_ape(mq["step"], mq["loss"], mb["step"], mb["loss"], last_frac=last_frac)
@@ -137,7 +173,17 @@ def ape_rows(curves: Sequence[LossPair], last_frac: float) -> list[dict[str, Any
 def drops_table(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None], used: FilesUsed, n_boot: int,
                 seed: int) -> pd.DataFrame:
     """Per run, evaluation mode and task: the relative drop against the baseline's bf16 evaluation, one row per
-    seed, with its paired interval when both evaluations saved their items."""
+    seed, with its paired interval when both evaluations saved their items.
+
+    Args:
+        runs: the runs read.
+        baseline_of: run folder -> its baseline run (or None).
+        used: collects the files read.
+        n_boot: bootstrap draws.
+        seed: random seed of the draws.
+
+    Returns:
+        The table."""
     drop_rows = []
     for r in runs:
         b = baseline_of[str(r.path)]
@@ -171,7 +217,14 @@ def drops_table(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None], 
 
 
 def telemetry_table(runs: list[RunInfo], metrics_cache: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per run and role, the telemetry summary of its metrics.jsonl (:func:`telemetry_summary`)."""
+    """Per run and role, the telemetry summary of its metrics.jsonl (:func:`telemetry_summary`).
+
+    Args:
+        runs: the runs read.
+        metrics_cache: run folder -> its metrics table.
+
+    Returns:
+        The table."""
     tel_rows = []
     for r in runs:
         m = metrics_cache[str(r.path)]
@@ -193,7 +246,16 @@ def ablations_table(runs: list[RunInfo], parent_of: Mapping[str, RunInfo | None]
                     seed: int) -> pd.DataFrame:
     """One-factor ablations: each run against the experiment it derives from (e.g. exp7 vs exp1 = the learning
     rate alone, both BF16: the forgetting comparison; exp9 vs exp8 = the BF16 warmup alone), in bf16 mode and,
-    when both runs are quantized, in the quantized mode too (exp11 vs exp8: FP8 vs HiF8 inference)."""
+    when both runs are quantized, in the quantized mode too (exp11 vs exp8: FP8 vs HiF8 inference).
+
+    Args:
+        runs: the runs read.
+        parent_of: run folder -> the run it derives from (or None).
+        n_boot: bootstrap draws.
+        seed: random seed of the draws.
+
+    Returns:
+        The table."""
     abl_rows = []
     for r in runs:
         parent = parent_of[str(r.path)]
@@ -233,7 +295,16 @@ def _scaling_pair(run: RunInfo, other: RunInfo, changes: Sequence[str], metrics_
 def scaling_pairs_table(runs: list[RunInfo], parent_of: Mapping[str, RunInfo | None],
                         metrics_cache: Mapping[str, pd.DataFrame], ape: Sequence[Mapping[str, Any]]
                         ) -> pd.DataFrame:
-    """The one-factor pairs of two quantized runs that change only SCALING_FACTORS, side by side."""
+    """The one-factor pairs of two quantized runs that change only SCALING_FACTORS, side by side.
+
+    Args:
+        runs: the runs read.
+        parent_of: run folder -> the run it derives from (or None).
+        metrics_cache: run folder -> its metrics table.
+        ape: the rows of :func:`ape_rows`.
+
+    Returns:
+        The table."""
     pair_rows = []
     ape_of = {(a["experiment"], a["run_tag"], a["seed"]): a for a in ape}
     for r in runs:
@@ -247,7 +318,17 @@ def scaling_pairs_table(runs: list[RunInfo], parent_of: Mapping[str, RunInfo | N
 
 
 def vs_base_table(runs: list[RunInfo], runs_root: Path, profile: str, n_boot: int, seed: int) -> pd.DataFrame:
-    """Every run against the untrained base model, when its evaluation is on file (forgetting)."""
+    """Every run against the untrained base model, when its evaluation is on file (forgetting).
+
+    Args:
+        runs: the runs read.
+        runs_root: the folder that holds the runs.
+        profile: the profile's name.
+        n_boot: bootstrap draws.
+        seed: random seed of the draws.
+
+    Returns:
+        The table; empty when the base model's evaluation is not on file."""
     base_model_dir = runs_root.parent / "base_model" / profile
     vs_base_rows = []
     if (base_model_dir / "results.json").exists():

@@ -25,6 +25,13 @@ def _whole_number(text: str) -> bool:
 
 
 def main(argv=None) -> int:
+    """``python -m hif8qat.evaluate``: lm-eval evaluation of a model, an export folder or a run folder.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status: 2 for a bad setting or missing input."""
     ap = argparse.ArgumentParser(description="lm-eval evaluation of a model, an export folder or a run")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", type=Path, help="a run folder: evaluates export/ into eval/<mode>/")

@@ -1,28 +1,15 @@
 """The memory one training step needs, by simulating the step: no hand formula.
 
 :func:`step_memory` builds the run's model from its ``config.json`` (no weights) under torch's ``FakeTensorMode``,
-prepares it as the trainer does (:func:`hif8qat.train.loop.prepare_model`: BF16-parameter quirk, quantized
-linears switched on, the chunked loss head, activation checkpointing), makes the trainer's AdamW
-(:func:`~hif8qat.train.loop.build_optimizer`) and runs a step of it (forward and backward under the run's numerics
-with the previous micro-batch's gradients held when the step accumulates, gradient clipping, the AdamW update with
-its moments already made) while torch's own ``MemTracker`` follows every tensor storage that is alive. Fake
-tensors have shapes and no data, so a 1B model's step at the paper's batch takes seconds and no memory. The
-peak it reports is what the step's tensors occupy at the worst moment, by kind (weights, gradients, AdamW
-state, activations, backward temporaries), which is what ``torch.cuda.max_memory_allocated`` counts on a GPU.
-
-Simulated on the CPU (fake CPU tensors: the CPU-only torch has no CUDA autocast to simulate with), for the device
-the run trains on: AdamW runs the implementation ``train.optimizer_impl`` names for that device (``fused``; or
-torch's default, on CUDA the multi-tensor path, ``foreach``, one temporary the size of the parameters in its
-update), which is asked for explicitly. What a one-process fake step cannot see is added:
-DDP's gradient buckets (``DistributedDataParallel`` as the trainer builds it keeps ``gradient_as_bucket_view``
-at its default, False: a second copy of every gradient, allocated when DDP wraps the model); under FSDP the
-weights and AdamW state are shared out over the ranks while the gradients accumulate unsharded between
-micro-batches (an approximation, not measured). What no tensor count sees is left out and needs the headroom:
-the CUDA context, cuBLAS/attention workspaces, the allocator's fragmentation.
+prepares it and runs one step of it as the trainer does while torch's own ``MemTracker`` follows every tensor
+storage that is alive (:func:`simulate_step`), then adds what a one-process fake step cannot see (DDP's
+gradient buckets, FSDP's sharding). Fake tensors have shapes and no data, so a 1B model's step at the paper's
+batch takes seconds and no memory. The peak is what the step's tensors occupy at the worst moment, by kind,
+which is what ``torch.cuda.max_memory_allocated`` counts on a GPU; what no tensor count sees (the CUDA context,
+cuBLAS/attention workspaces, the allocator's fragmentation) needs the headroom.
 
 ``python run.py --estimate --profile paper --experiments exp8 --world-size 8 --device cuda`` prints the figure
-(`make expN` prints it for the run it starts).
-"""
+(`make expN` prints it for the run it starts)."""
 
 from __future__ import annotations
 
@@ -52,8 +39,14 @@ PARTS = ("weights", "gradients", "AdamW state", "activations", "backward tempora
 
 
 def model_config(facts: dict):
-    """The transformers config a run's model is built from: its config.json as read by `model_config_facts`
-    (openPangu's mapped to Llama, as `load_causal_lm` loads it)."""
+    """The transformers config a run's model is built from: its config.json as read by ``model_config_facts``
+    (openPangu's mapped to Llama, as ``load_causal_lm`` loads it).
+
+    Args:
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+
+    Returns:
+        The config."""
     from transformers import AutoConfig, LlamaConfig
 
     facts = dict(facts)
@@ -143,9 +136,25 @@ class Simulated:
 
 
 def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micro_batches: int = 2) -> Simulated:
-    """One optimizer step of one process under fake tensors (see the module doc). ``micro_batches`` > 1: the
-    measured micro-batch runs with the previous one's gradients held, as every micro-batch after the first of an
-    accumulating step does."""
+    """One optimizer step of one process under fake tensors.
+
+    The model is prepared as the trainer does (:func:`hif8qat.train.loop.prepare_model`: BF16-parameter quirk,
+    quantized linears switched on, the chunked loss head, activation checkpointing), with the trainer's AdamW
+    (:func:`~hif8qat.train.loop.build_optimizer`) in the implementation ``train.optimizer_impl`` names for the device
+    (``fused``; or torch's default, on CUDA ``foreach``, one temporary the size of the parameters), asked for
+    explicitly. The step runs forward and backward under the run's numerics, gradient clipping and the AdamW update
+    with its moments already made. Simulated on the CPU (the CPU-only torch has no CUDA autocast to simulate with),
+    for the device the run trains on.
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        device_type: the device the run trains on (``cpu`` or ``cuda``).
+        micro_batches: above 1, the measured micro-batch runs with the previous one's gradients held, as every
+            micro-batch after the first of an accumulating step does.
+
+    Returns:
+        A :class:`Simulated`."""
     from transformers import AutoModelForCausalLM
 
     t = cfg.train
@@ -199,8 +208,20 @@ def _micro_batch(model, cfg: RunConfig, autocast: str, tokens: torch.Tensor, tra
 
 
 def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1, device_type: str | None = None) -> dict[str, int]:
-    """Bytes one training process holds at the peak of a step, by part (:data:`PARTS`; the sum is the
-    estimate). ``device_type``: where the run trains (default: where ``train.device`` puts it on this machine)."""
+    """Bytes one training process holds at the peak of a step, by part (:data:`PARTS`; the sum is the estimate).
+    Added to the simulated step: DDP's gradient buckets (``DistributedDataParallel`` as the trainer builds it keeps
+    ``gradient_as_bucket_view`` False: a second copy of every gradient); under FSDP the weights and AdamW state
+    shared out over the ranks while the gradients accumulate unsharded between micro-batches (an approximation,
+    not measured).
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        world_size: processes the run trains on.
+        device_type: where the run trains (default: where ``train.device`` puts it on this machine).
+
+    Returns:
+        Part -> bytes."""
     device_type = device_type or numerics.training_device_type(cfg.train.device)
     t = cfg.train
     accumulates = t.global_batch_size > t.micro_batch_size * world_size
@@ -218,7 +239,15 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1, device_type: s
 def far_below(cfg: RunConfig, facts: dict, limit: int) -> bool:
     """Whether a step cannot come near ``limit`` bytes, so preflight need not simulate it (seconds per run): a
     hundred times a generous count (16 bytes per parameter, and per token and block 4 bytes per hidden, MLP and
-    attention-score element) still fits. Not an estimate: a screen for the small models of tests and rehearsals."""
+    attention-score element) still fits. Not an estimate: a screen for the small models of tests and rehearsals.
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        limit: the machine's memory, bytes.
+
+    Returns:
+        True when a step cannot come near ``limit``."""
     h, layers = facts.get("hidden_size"), facts.get("num_hidden_layers")
     if not (isinstance(h, int) and isinstance(layers, int)):
         return False
@@ -232,7 +261,16 @@ def far_below(cfg: RunConfig, facts: dict, limit: int) -> bool:
 
 
 def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, device_type: str) -> str:
-    """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight)."""
+    """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight).
+
+    Args:
+        cfg: the run's config.
+        parts: the estimate by part (:func:`step_memory`).
+        world_size: processes.
+        device_type: where the run trains.
+
+    Returns:
+        The line."""
     t = cfg.train
     per = "GPU" if device_type == "cuda" else "process"
     layout = f"{t.distributed.upper()} over {world_size} processes" if world_size > 1 else "one process"
@@ -245,7 +283,15 @@ def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, device_type
 
 def ratio_verdict(measured: int, estimate: int, tolerance: float = 0.1) -> tuple[bool, str]:
     """Whether a measured peak agrees with the estimate (measured / estimated within 1 -/+ tolerance), and the
-    line that says so (`make gpu-check`'s memory stage)."""
+    line that says so (`make gpu-check`'s memory stage).
+
+    Args:
+        measured: the measured peak, bytes.
+        estimate: the estimate, bytes.
+        tolerance: how far the ratio may be from 1.
+
+    Returns:
+        ``(whether it agrees, the line)``."""
     ratio = measured / estimate if estimate else float("inf")
     ok = 1 - tolerance <= ratio <= 1 + tolerance
     return ok, (f"peak {measured / GIB:.2f} GiB, estimate {estimate / GIB:.2f} GiB, measured/estimated "

@@ -71,7 +71,15 @@ def replay(model_dir: str, fineweb: str, sizes: argparse.Namespace) -> dict:
     """{"docs": each rank's document ids in an epoch, "decoded": the rows each rank's reader decodes (kept or
     not), "grad_norm": step 0's gradient norm}. The norm is a plain Llama's with the model folder's weights
     (its remote code set aside), over each rank's first micro-batches under bf16 autocast, averaged as the
-    trainer averages: what the sharded, accumulated step 0 must log."""
+    trainer averages: what the sharded, accumulated step 0 must log.
+
+    Args:
+        model_dir: the tiny model's folder.
+        fineweb: the FineWeb-format shards.
+        sizes: the rehearsal's sizes (world, micro-batch, sequence length ...), as the probe's command line gives them.
+
+    Returns:
+        ``{docs, decoded, grad_norm}``."""
     tok = build_tiny_tokenizer()
     docs, decoded = [], []
     with _counting_parquet_rows(decoded):
@@ -102,7 +110,18 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
     conversion of its shards to one file (parameters, optimizer state, scalers); then the documents the saved
     ranks read (fresh streams replayed to the saved step), those a 1-rank stream resized from the saved data
     states reads until its epoch ends, and that stream's data state where the 1-rank run saved its last
-    checkpoint, beside the one that run saved."""
+    checkpoint, beside the one that run saved.
+
+    Args:
+        saved: the multi-rank checkpoint folder.
+        model_dir: the tiny model's folder.
+        fineweb: the FineWeb-format shards.
+        resized_run: the 1-rank run's folder.
+        sizes: the rehearsal's sizes (world, micro-batch, sequence length ...), as the probe's command line gives them.
+
+    Returns:
+        The comparisons (``step``, ``params_equal``, ``optimizer_equal``, ``scalers_equal``, ...) and the documents
+        read."""
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(f"{saved}/dcp", f"{tmp}/full.pt")
         full = torch.load(f"{tmp}/full.pt", weights_only=True)
@@ -150,7 +169,14 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
 
 def evaluate_in_one_process(run_dir: str, out: str) -> dict:
     """The run's export evaluated in one process in every mode, with the evaluation settings and numerics the
-    run recorded (its config_resolved.yaml), as run.py evaluates a run; results under out/<mode>/."""
+    run recorded (its config_resolved.yaml), as run.py evaluates a run; results under out/<mode>/.
+
+    Args:
+        run_dir: the run folder.
+        out: where the results go.
+
+    Returns:
+        ``{modes}``: the modes evaluated."""
     cfg = yaml.safe_load((Path(run_dir) / "config_resolved.yaml").read_text())
     ev = cfg["eval"]
     device, dtype = resolve_numerics(ev["device"], ev["dtype"], train_device=cfg["train"]["device"],
@@ -180,6 +206,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hif8qat.rehearse.probes {replay,resized-load,evaluate} ...``: one probe, its answer printed as JSON.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status."""
     args = _parser().parse_args(argv)
     if args.probe == "replay":
         result = replay(args.model_dir, args.fineweb, args)

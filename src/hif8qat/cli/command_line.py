@@ -263,7 +263,7 @@ def experiment_baseline(experiment: str, overrides: list[str] = ()) -> str | Non
         The baseline experiment, or None when it has none.
 
     Raises:
-        RunError: what is wrong with the line."""
+        ConfigError: what is wrong with the line."""
     line = [f"experiment={experiment}", *overrides]
     forced = force_add_dict_overrides(["run.py", *line])[1:]
     problem = check_command_line(forced, line)

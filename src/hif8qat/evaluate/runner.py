@@ -83,7 +83,7 @@ def evaluate_model(
         device: where the model is (None: where its parameters are).
         dtype: ``bf16`` runs every forward under bf16 autocast (the training numerics); None, ``none`` or ``fp32``:
             none.
-        seed: lm-eval's seeds.
+        seed: lm-eval's random, numpy, torch and few-shot seeds.
         subset: task -> number of documents, a fixed seeded subset (:func:`subset_indices`, stratified by subtask, e.g.
             MMLU subject; ``full``, None or a missing task = every document).
         subset_seed: the subsets' seed.

@@ -38,7 +38,7 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
         seed: random seed of the draws.
         last_frac: share of the common steps in the APE's "last" window.
         figures: whether to draw figures.
-        replay: whether to build the estimator replay table (None: when traces exist).
+        replay: whether to replay the estimators on the recorded traces (None: as ``figures``).
         margins: equivalence margins per metric (default DEFAULT_MARGINS).
 
     Returns:

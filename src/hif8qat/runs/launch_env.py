@@ -31,7 +31,7 @@ def distributed_info(cfg: Any, environ: Mapping[str, str] | None = None) -> dict
     differ here differ in what a window spans.
 
     Args:
-        cfg: the train config (it gives ``grad_accum_steps``).
+        cfg: the run's config (it gives ``grad_accum_steps``).
         environ: the environment (default os.environ).
 
     Returns:

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "hif8qat"
 MODULE_WORDS = 150
 # The parts of the package already written this way, as paths under src/hif8qat (a folder: all its modules).
 # Grown part by part while the rest is rewritten; the aim is the whole package.
-SCOPE = ["formats", "scaling", "models", "integrations"]
+SCOPE = ["formats", "scaling", "models", "integrations", "data"]
 ENTRY = re.compile(r"^\s+(\*{0,2}\w+)(?:\s*\([^)]*\))?\s*:")
 
 

@@ -226,7 +226,7 @@ def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
 
 
 def _rank_part(ds, source: str, *, rank: int, world_size: int):
-    """This rank's disjoint part of a streamed source (:class:`~hif8qat.data.streams.StreamingTokenStream`, "Ranks")."""
+    """This rank's disjoint part of a streamed source (:class:`StreamingTokenStream`, "Ranks")."""
     from datasets.distributed import split_dataset_by_node
 
     files = ds.num_shards

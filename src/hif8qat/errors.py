@@ -1,7 +1,8 @@
 """The one base class for failures a user can act on, and the boundary that turns them into one line.
 
 run.py prints such an error as ``error: <message>`` and exits with status 2, so every module raises a
-subclass of RunError (with a message that names the setting or file and what to do) for anything caused by the user's input, files on disk or the environment, and lets real bugs propagate.
+subclass of RunError (with a message that names the setting or file and what to do) for anything caused by
+the user's input, files on disk or the environment, and lets real bugs propagate.
 
 What a library raises on bad input (pyarrow on a corpus with bad lines, safetensors on truncated weights) is
 not a RunError: the code that hands user input to a library wraps the call in :func:`concerning` naming the

@@ -144,14 +144,14 @@ class ScalerBank(BankExtras, nn.Module):
     * **One quantize kernel per call**, the custom op ``hif8qat::bank_qdq``: it reads its row's scale, runs
     the fused
       qdq + amax kernel of :mod:`hif8qat.formats.qdq` and writes the amax into the table. The op is opaque to
-      ``torch.compile`` (a fake implementation gives shapes), so quantized linears cause no graph break; its Python
-      body holds the per-row bookkeeping (Python ints, no tensor ops).
+      ``torch.compile`` (a fake implementation gives shapes), so quantized linears cause no graph break; its
+      Python body holds the per-row bookkeeping (Python ints, no tensor ops).
     * **One bank update per micro-batch**, queued by the first gradient-quantizer call to run when the
     backward
       ends (forward-only passes are flushed by the next call, :meth:`update` or a state dict): one optional
       all-reduce of all amaxes (``amax_reduce=max``), then one vectorised append to the histories and the
-      telemetry. The next micro-batch's scales come in one vectorised pass at its first call (the step is known
-      then); exp_smooth copies the table to the host once per refresh round.
+      telemetry. The next micro-batch's scales come in one vectorised pass at its first call (the step is
+      known then); exp_smooth copies the table to the host once per refresh round.
 
     Micro-batch rules. Each quantizer is called once per micro-batch, so a call's scale comes from the history
     before its own amax is appended. A second forward-quantizer (A / W) call during the backward is an

@@ -15,7 +15,8 @@ MODULE_WORDS = 150
 SCOPE = ["formats", "scaling", "models", "integrations", "data", "__init__.py", "artefacts.py", "boundary.py",
          "errors.py", "files.py", *(f"train/{name}.py" for name in (
              "__init__", "checkpoint", "chunked_loss", "compiled_blocks", "distributed", "export", "guards", "log",
-             "preemption", "provenance", "schedule", "sharded_checkpoint"))]
+             "preemption", "provenance", "schedule", "sharded_checkpoint")),
+         *(f"quant/{name}.py" for name in ("__init__", "blocks", "experts", "export", "gemm_check"))]
 ENTRY = re.compile(r"^\s+(\*{0,2}\w+)(?:\s*\([^)]*\))?\s*:")
 
 

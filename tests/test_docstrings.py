@@ -16,7 +16,7 @@ SCOPE = ["formats", "scaling", "models", "integrations", "data", "__init__.py", 
          "errors.py", "files.py", *(f"train/{name}.py" for name in (
              "__init__", "checkpoint", "chunked_loss", "compiled_blocks", "distributed", "export", "guards", "log",
              "preemption", "provenance", "schedule", "sharded_checkpoint")),
-         *(f"quant/{name}.py" for name in ("__init__", "blocks", "experts", "export", "gemm_check")),
+         *(f"quant/{name}.py" for name in ("__init__", "blocks", "experts", "export", "gemm", "gemm_check", "linear")),
          *(f"config/{name}.py" for name in ("__init__", "blocks", "data_source", "eval_tasks", "schema"))]
 ENTRY = re.compile(r"^\s+(\*{0,2}\w+)(?:\s*\([^)]*\))?\s*:")
 

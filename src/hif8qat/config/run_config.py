@@ -1,11 +1,8 @@
 """Typed, validated run configuration.
 
-`run.py` (the only Hydra-aware file) turns the composed DictConfig into a plain dict and calls
-`RunConfig.from_dict`, which checks every setting *before* any model or data is loaded and raises
-`ConfigError` naming the setting and its allowed values. `resolve_profile` then applies the profile:
-step-valued knobs written at paper scale (total steps, LR warmup, BF16 warmup, schedule switch points)
-are scaled by one factor, and "first k, last m" high-precision blocks are mapped to the model's depth.
-The resolved config is what each run saves and what the trainer reads.
+The command line (:mod:`hif8qat.cli`, where Hydra composes it) hands a plain dict to `RunConfig.from_dict`:
+every setting is checked *before* any model or data loads (`ConfigError` names the setting and its allowed
+values), then `resolve_profile` applies the profile. Runs save and train from the resolved config.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ TINY_DEFAULT_DEPTH = 4
 
 
 class ConfigError(RunError, ValueError):
-    """An invalid setting; the message names the setting and what is allowed (a ValueError too, for callers
-    that validate values)."""
+    """An invalid setting; the message names it and what is allowed (a ValueError too, for value checks)."""
 
 
 def _fail(setting: str, value: Any, allowed: str) -> None:
@@ -176,7 +172,7 @@ class QuantConfig:
             The config.
 
         Raises:
-            ConfigError: a bad setting, naming the ScalingConfig field.
+            ValueError: a bad setting, naming the ScalingConfig field.
         """
         scaling = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k in SCALING_FIELDS}
         return cls(**{k: v for k, v in data.items() if k not in SCALING_FIELDS}, scaling=ScalingConfig(**scaling))
@@ -559,8 +555,7 @@ class RunConfig:
         return self.train.global_batch_size // per_step
 
     def step_factor(self) -> float:
-        """How much the profile scales the step-valued settings (``profile.steps / train.steps``; 1 without
-        one).
+        """The profile's factor on step-valued settings (``profile.steps / train.steps``; 1 without one).
 
         Returns:
             The factor.
@@ -591,9 +586,8 @@ def _scale_schedule(value: Any, factor: float) -> Any:
 
 
 def resolve_profile(cfg: RunConfig) -> RunConfig:
-    """Apply the profile: scale step-valued settings and expand high-precision blocks for the model depth.
-
-    Idempotent: the returned config has profile.steps == train.steps, so resolving again changes nothing.
+    """Apply the profile: step-valued settings scaled by one factor, high-precision blocks "first k, last m"
+    mapped to the model's depth. Idempotent: the result has profile.steps == train.steps.
 
     Args:
         cfg: the configuration.

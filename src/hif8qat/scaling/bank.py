@@ -2,10 +2,9 @@
 
 The project's one implementation of delayed scaling (contract: docs/design.md, section 2): the rules of
 :mod:`hif8qat.scaling.rules` and :mod:`hif8qat.scaling.forecast` applied to all rows at once, for speed and
-for ``torch.compile``. This module owns the state table (:class:`ScalerBank`, a row per layer and role A / W /
-G), the custom op ``hif8qat::bank_qdq`` that quantizes one call with its row's scale and records its amax
-(:func:`bank_qdq`), and the once-per-micro-batch update. Saved states: :mod:`hif8qat.scaling.bank_state`; one
-row as a scaler: :mod:`hif8qat.scaling.bank_row`.
+for ``torch.compile``. It owns the table (:class:`ScalerBank`, a row per layer and role A / W / G), the custom
+op that quantizes one call with its row's scale and records its amax (:func:`bank_qdq`), the update once per
+micro-batch. Saved states: :mod:`hif8qat.scaling.bank_state`; one row as a scaler: :mod:`.bank_row`.
 """
 
 from __future__ import annotations
@@ -139,31 +138,25 @@ class ScalerBank(BankExtras, nn.Module):
       ``calls``, ``seen_total``, ``tel_calls``, ``tel_stat_calls``), ``step`` and ``frozen``. The meta of a
       saved row and the telemetry columns are named in :mod:`hif8qat.scaling.settings`.
 
-    How it runs:
+    One quantize kernel per call, the custom op ``hif8qat::bank_qdq``: it reads its row's scale, runs the
+    fused qdq + amax kernel of :mod:`hif8qat.formats.qdq` and writes the amax into the table; opaque to
+    ``torch.compile`` (a fake implementation gives shapes), so quantized linears cause no graph break; its
+    Python body holds the per-row bookkeeping (Python ints, no tensor ops). One bank update per micro-batch,
+    queued by the first gradient-quantizer call to run when the backward ends (forward-only passes are flushed
+    by the next call, :meth:`update` or a state dict): one optional all-reduce of all amaxes
+    (``amax_reduce=max``), then one vectorised append to the histories and the telemetry. The next
+    micro-batch's scales come in one vectorised pass at its first call (the step is known then); exp_smooth
+    copies the table to the host once per refresh round.
 
-    * **One quantize kernel per call**, the custom op ``hif8qat::bank_qdq``: it reads its row's scale, runs
-    the fused
-      qdq + amax kernel of :mod:`hif8qat.formats.qdq` and writes the amax into the table. The op is opaque to
-      ``torch.compile`` (a fake implementation gives shapes), so quantized linears cause no graph break; its
-      Python body holds the per-row bookkeeping (Python ints, no tensor ops).
-    * **One bank update per micro-batch**, queued by the first gradient-quantizer call to run when the
-    backward
-      ends (forward-only passes are flushed by the next call, :meth:`update` or a state dict): one optional
-      all-reduce of all amaxes (``amax_reduce=max``), then one vectorised append to the histories and the
-      telemetry. The next micro-batch's scales come in one vectorised pass at its first call (the step is
-      known then); exp_smooth copies the table to the host once per refresh round.
-
-    Micro-batch rules. Each quantizer is called once per micro-batch, so a call's scale comes from the history
-    before its own amax is appended. A second forward-quantizer (A / W) call during the backward is an
+    Each quantizer is called once per micro-batch, so a call's scale comes from the history before its own
+    amax is appended. A second forward-quantizer (A / W) call during the backward is an
     activation-checkpointing recompute: it reuses the forward's scale and records nothing (a ``keep=True``
     eager weight call leaves its result with the bank until the micro-batch ends, so the recompute gets a
     copy); any other second call raises :class:`QuantizerCalledTwice`. Under FSDP the backward re-quantizes
-    the weight with the forward's scale (``REPLAY``) instead of keeping it.
-
-    Frozen (evaluation) banks read their scales, record nothing, never communicate. A row quantizes in its
-    role's element format with that format's target. Under ``algo="current"`` a call's scale comes from its
-    own amax (:mod:`hif8qat.scaling.current`); the history still receives the amaxes at the end of the
-    micro-batch.
+    the weight with the forward's scale (``REPLAY``) instead of keeping it. Frozen (evaluation) banks read
+    their scales, record nothing, never communicate. A row quantizes in its role's element format with that
+    format's target. Under ``algo="current"`` a call's scale comes from its own amax
+    (:mod:`hif8qat.scaling.current`); the history still receives the amaxes at the end of the micro-batch.
     """
 
     def __init__(self, config: ScalingConfig | None = None, roles: Sequence[str] = ROLES, *,

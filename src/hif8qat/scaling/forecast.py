@@ -103,22 +103,20 @@ _CAND_NAMES = tuple(_CANDIDATES)
 class ExpSmoothForecaster:
     """Forecast the next ``horizon`` amaxes from the amaxes observed so far.
 
-    * fewer than ``min_obs`` (20) observations: forecast = most recent amax. * four candidates on the log
-    series: most recent; damped Holt (level + trend, damping 0.9, fitted over the
+    * fewer than ``min_obs`` (20) observations: forecast = most recent amax.
+    * four candidates on the log series: most recent; damped Holt (level + trend, damping 0.9, fitted over the
       last 50 points, alpha/beta from the volatility of the last 30 log differences, ``alpha = 0.4 + 0.5 v``,
       ``beta = 0.05 + 0.15 v``, ``v = clip(std/0.3, 0, 1)``, fast alpha 0.9 for a point whose one-step error
       exceeds 0.3); trend following (least-squares slope over the last 30, damped 0.9 per step); AR(1) fitted
       on the last 50 (``|phi| <= 0.999``).
     * rolling-origin cross validation over the last 40 origins (>= 20 points of training prefix), rerun every
-    5
-      forecasts; candidates kept if their error <= 1.01 x most recent's (at least the best two); softmax
+      5 forecasts; candidates kept if their error <= 1.01 x most recent's (at least the best two); softmax
       weights ``exp(-temp * err / mean(err))`` (temp 5 for A/W, 10 for G).
     * robust clipping: within median +- clip_sigma x 1.4826 x MAD of the last 60 log amaxes; a forecast more
       than 0.1 above log(median of the scaler history) is pulled 10 % toward it; then bounds in amax space
       [0.2 min, 3 max] of the scaler history (horizon <= 5) or [0.3 min, 2.5 max]; non-finite -> most recent.
     * :func:`exp_smooth_block` turns the forecasts into one block of scales, clipped to [0.01, 100] x the
-    scale
-      at the history median (upper bound also <= 1e8).
+      scale at the history median (upper bound also <= 1e8).
     """
 
     def __init__(self, params: ExpSmoothParams | None = None):

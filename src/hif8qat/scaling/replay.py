@@ -29,13 +29,16 @@ def replay(amax_sequence: Sequence[float] | torch.Tensor, config: ScalingConfig 
     Args:
         amax_sequence: the amaxes, one per call.
         config: the scaling settings (default ``ScalingConfig()``).
-        steps: the optimizer step of each call (drives schedules and ``history_unit=step``); default one step
-            per call.
+        steps: the optimizer step of each call (drives schedules and ``history_unit=step``); None: every call
+            at step 0.
         role: "A", "W" or "G".
         target: a scale target overriding the format's.
 
     Returns:
         A float32 tensor with one scale per call.
+
+    Raises:
+        ValueError: ``steps`` is not one entry per amax.
     """
     seq = amax_sequence.tolist() if isinstance(amax_sequence, torch.Tensor) else list(amax_sequence)
     if steps is not None and len(steps) != len(seq):

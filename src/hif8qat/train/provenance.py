@@ -118,13 +118,14 @@ def load_saved_scalers(model, path: Path, saved: dict, *, start_step: int, quant
     Args:
         model: the converted model.
         path: the checkpoint folder.
-        saved: this rank's saved state.
+        saved: this rank's saved scaler state ({} when the checkpoint has none).
         start_step: the step the checkpoint was written at.
         quant_on_step: the first quantized step (None: never).
         allow_mismatch: ``train.resume_allow_mismatch``.
 
     Raises:
-        CheckpointError: the scalers are missing where quantization had begun, unless allowed.
+        CheckpointError: the saved scalers do not match this run's quantized layers, or are missing where
+            quantization had begun (unless allowed).
     """
     if not saved and (start_step <= (quant_on_step or 0) or allow_mismatch):
         return

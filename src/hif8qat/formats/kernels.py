@@ -141,7 +141,11 @@ def _compile_enabled() -> bool:
 
 def compile_status() -> dict[str, object]:
     """Whether the compiled path is enabled, why compilation failed if it did, and the variants that disagreed with
-    the eager path at their first call (``rejected``: "<variant> on <device>" -> first difference; run eagerly)."""
+    the eager path at their first call (``rejected``: "<variant> on <device>" -> first difference; run eagerly).
+
+    Returns:
+        ``{"enabled": bool, "failed": the compile error or None, "rejected": {variant: first difference}}``.
+    """
     return {"enabled": _compile_enabled(), "failed": _compile_failed, "rejected": dict(_rejected.values())}
 
 

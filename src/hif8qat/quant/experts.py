@@ -21,7 +21,15 @@ EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 def check_experts_layout(experts: nn.Module, name: str) -> None:
     """ValueError unless ``experts`` has the layout this module computes: concatenated gate/up, not transposed,
-    no biases, the default ``act(gate) * up``, no norm after an expert."""
+    no biases, the default ``act(gate) * up``, no norm after an expert.
+
+    Args:
+        experts: an MoE layer's experts module.
+        name: its name (for the error).
+
+    Raises:
+        ValueError: another layout.
+    """
     own = {n: p for n, p in experts.named_parameters(recurse=False)}
     why = None
     if tuple(own) != EXPERT_PARAMS or any(p.dim() != 3 for p in own.values()):
@@ -63,6 +71,11 @@ class QuantExperts(QuantState, nn.Module):
         self.train(experts.training)
 
     def site_names(self) -> list[str]:
+        """The names of the quantization sites, one per expert and parameter (``gate_up_proj.3``).
+
+        Returns:
+            The names.
+        """
         return [f"{p}.{e}" for p in EXPERT_PARAMS for e in range(self.gate_up_proj.shape[0])]
 
     def _gemm(self, x: torch.Tensor, param: int, expert: int) -> torch.Tensor:
@@ -73,6 +86,17 @@ class QuantExperts(QuantState, nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Route each token to its top-k experts, each expert's two GEMMs quantized, and sum the weighted
+        outputs.
+
+        Args:
+            hidden_states: ``[tokens, hidden]``.
+            top_k_index: ``[tokens, k]`` expert indices (-1: padding).
+            top_k_weights: ``[tokens, k]`` routing weights.
+
+        Returns:
+            ``[tokens, hidden]``.
+        """
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # [expert, top-k slot, token]; the extra class catches padded (-1 -> E) routes
@@ -88,6 +112,11 @@ class QuantExperts(QuantState, nn.Module):
         return out
 
     def extra_repr(self) -> str:
+        """The expert count, whether quantization is on and the format, for ``repr``.
+
+        Returns:
+            The text.
+        """
         return f"experts={self.num_experts}, quant={'on' if self.quant_enabled else 'off'}, format={self.config.format}"
 
 

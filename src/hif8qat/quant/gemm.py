@@ -88,7 +88,11 @@ class QuantState:
         self._rows = tuple(range(3 * len(self.site_names())))
 
     def site_names(self) -> list[str]:
-        """The GEMM sites' names relative to the module ("" for the module itself)."""
+        """The GEMM sites' names relative to the module ("" for the module itself).
+
+        Returns:
+            The names.
+        """
         return [""]
 
     def _own_bank(self, device) -> None:
@@ -109,6 +113,11 @@ class QuantState:
         return self._bank
 
     def scalers(self) -> Iterator[tuple[str, BankedScaler]]:
+        """Each role's scaler of this module's (first) GEMM site, as a one-row view of the bank.
+
+        Yields:
+            ``(role, scaler)`` for A, W and G.
+        """
         for role, row in zip(ROLES, self._rows):
             yield role, BankedScaler(self._bank, row)
 
@@ -133,7 +142,14 @@ class QuantState:
     # -- the scalers in the module's own state dict (opt-in: set_state_in_state_dict) -------------------------
     def scaler_state(self, host: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """This module's scalers: ``[{site}.]{A|W|G}.{key}`` (CPU tensors of :mod:`hif8qat.scaling.bank_state`)
-        and ``enabled``."""
+        and ``enabled``.
+
+        Args:
+            host: the bank's tables already copied to the host (one copy for many modules), or None.
+
+        Returns:
+            Key -> CPU tensor.
+        """
         bank = self._bank
         bank.update()
         host = host if host is not None else bank._host()
@@ -145,6 +161,15 @@ class QuantState:
         return sd
 
     def load_scaler_state(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Restore what :meth:`scaler_state` saved.
+
+        Args:
+            sd: the saved state.
+            strict: every site and role must be there.
+
+        Raises:
+            KeyError: an unexpected key, or (strict) a missing row.
+        """
         sites = {s: i for i, s in enumerate(self.site_names())}
         states: dict[int, dict[str, torch.Tensor]] = {}
         for key, v in sd.items():

@@ -38,7 +38,11 @@ class BankExtras:
     # -- the generator -------------------------------------------------------------------------------
     def generator(self) -> torch.Generator | None:
         """The generator stochastic rounding draws from (on the bank's device; None without stochastic rows).
-        A device move starts it again from its seed on the new device (CPU and CUDA states do not convert)."""
+        A device move starts it again from its seed on the new device (CPU and CUDA states do not convert).
+
+        Returns:
+            The generator, or None.
+        """
         if self.rng_seed is None:
             return None
         if self._rng is None or self._rng.device != self.device:
@@ -56,15 +60,25 @@ class BankExtras:
             new._rng.set_state(self._rng.get_state())
 
     def rng_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{"rng_seed", "rng_state"}`` (CPU tensors) of the stochastic-rounding generator; empty without one."""
+        """``{"rng_seed", "rng_state"}`` (CPU tensors) of the stochastic-rounding generator; empty without one.
+
+        Returns:
+            The saved generator state.
+        """
         gen = self.generator()
         if gen is None:
             return {}
         return {"rng_seed": torch.tensor(self.rng_seed, dtype=torch.int64), "rng_state": gen.get_state().clone()}
 
     def load_rng_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore what :meth:`rng_state_dict` saved (ValueError when this bank has no stochastic rounding or the
-        state is another device type's)."""
+        """Restore what :meth:`rng_state_dict` saved.
+
+        Args:
+            state: the saved generator state.
+
+        Raises:
+            ValueError: this bank has no stochastic rounding, or the state is another device type's.
+        """
         if self.rng_seed is None:
             raise ValueError("saved stochastic-rounding generator state, but this model's grad_rounding is "
                              f"{self.config.grad_rounding!r}; convert it with grad_rounding='stochastic' to load it")

@@ -9,11 +9,19 @@ import torch.distributed as dist
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
-    """Clip the gradients to a total norm of max_norm (0/None: no clipping); return that norm before clipping.
+    """Clip the gradients to a total norm of ``max_norm``.
 
     Under FSDP2 the norm comes back as a DTensor: `full_tensor()` makes it the whole model's norm, one value
     on every rank, so a non-finite norm makes every rank skip the same step (a rank that alone skipped would
-    leave its shard of the weights behind the others')."""
+    leave its shard of the weights behind the others').
+
+    Args:
+        model: the model.
+        max_norm: the largest total norm (0 or None: no clipping).
+
+    Returns:
+        The total norm before clipping.
+    """
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 

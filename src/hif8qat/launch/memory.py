@@ -39,9 +39,8 @@ from hif8qat import compute_dtype as numerics
 from hif8qat.config.run_config import RunConfig
 from hif8qat.models.loading import PANGU_MODEL_TYPES, transformer_blocks
 from hif8qat.models.pangu import pangu_llama_config
-from hif8qat.quant import gemm
+from hif8qat.quant.gemm import keep_weights_under_fake_tensors
 from hif8qat.quant.linear import set_quantization
-from hif8qat.scaling.bank import RECORD, _in_backward
 from hif8qat.train.chunked_loss import lm_loss
 from hif8qat.train.loop import build_optimizer, prepare_model
 
@@ -82,35 +81,6 @@ def _one_sequence_per_row() -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = old
-
-
-@contextlib.contextmanager
-def _kept_weight_results() -> Iterator[None]:
-    """Under fake tensors the quantizer's op runs its shape-only implementation, which keeps nothing; the real
-    op (eager) keeps each quantized weight from its forward call until the layer's backward, so that an
-    activation-checkpointing recompute gets it back instead of quantizing again. Mirrored here, so the
-    simulation holds those weights exactly as long as the real step does (it matters only with checkpointing:
-    without it the forward saves the same tensor for backward anyway)."""
-    op, release = gemm.bank_qdq, gemm.release_kept
-    kept: dict[tuple[int, int], torch.Tensor] = {}
-
-    def bank_qdq(x, bank_id, row, mode, out_dtype=None, keep=False):
-        if mode == RECORD and _in_backward() and (bank_id, row) in kept:  # the recompute: a copy of the kept one
-            return kept.pop((bank_id, row)).clone()
-        y = op(x, bank_id, row, mode, out_dtype, keep)
-        if keep and mode == RECORD and not _in_backward():
-            kept[(bank_id, row)] = y
-        return y
-
-    def release_kept(bank_id, row):
-        kept.pop((bank_id, row), None)
-        release(bank_id, row)
-
-    gemm.bank_qdq, gemm.release_kept = bank_qdq, release_kept
-    try:
-        yield
-    finally:
-        gemm.bank_qdq, gemm.release_kept = op, release
 
 
 def _unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -155,7 +125,7 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, autocast=autocast))
     config = model_config(facts)
     # allow_non_fake_inputs: the scaler banks build their tables from numpy arrays
-    with FakeTensorMode(allow_non_fake_inputs=True), _kept_weight_results(), _one_sequence_per_row():
+    with FakeTensorMode(allow_non_fake_inputs=True), keep_weights_under_fake_tensors(), _one_sequence_per_row():
         # built in the dtype and on the device the run trains it in: a module of fake tensors cannot move
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.bfloat16 if cfg.quirks.bf16_params else torch.float32)

@@ -50,8 +50,14 @@ def native_bf16_supported(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device_type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return _cpu_bf16_kernels_native()
     return False
+
+
+def _cpu_bf16_kernels_native() -> bool:
+    """Adapter: whether torch's oneDNN BF16 kernels run natively on this CPU (AVX512-BF16 or AMX). Torch answers
+    only through a private op; ``torch.backends.cpu.get_cpu_capability`` names the vector ISA, not BF16 support."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve(autocast: str, device_type: str) -> str:

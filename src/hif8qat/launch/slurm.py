@@ -155,7 +155,11 @@ def gone_as_completed(listed: Mapping[str, Any], pending: set[str]) -> dict[str,
 
 
 def quiet_sacct(note=print) -> None:
-    """Make submitit's SLURM watcher fall back to squeue, with one note, once sacct fails."""
+    """Make submitit's SLURM watcher fall back to squeue, with one note, once sacct fails.
+
+    Adapter: submitit has no setting for this, so its watcher's update is replaced here, and with it the private
+    state the watcher keeps (its jobs, their states, its clock and its poll delay): the one place that touches
+    them."""
     from submitit.core import core
     from submitit.slurm import slurm
 
@@ -240,6 +244,12 @@ def _outcomes():
         Executor.map_array = plain
 
 
+def _task_exception(ret):
+    """Adapter: the exception a failed sweep task raised, from hydra's ``JobReturn``. Its public ``return_value``
+    raises that exception instead of returning it; the value sits in the private ``_return_value``."""
+    return ret._return_value
+
+
 def _job_log(job) -> Path:
     """Task 0's error stream (rank 0 prints the `error:` lines), or its output when stderr goes there."""
     from submitit.core.utils import JobPaths
@@ -280,7 +290,7 @@ class ReportFailedJobs:
         for num, (overrides, job, ret) in enumerate(zip(job_overrides, jobs, returns), start=initial_job_idx):
             failure = ret if isinstance(ret, BaseException) else None
             if failure is None and getattr(ret.status, "name", "") == "FAILED":
-                failure = ret._return_value  # the task's exception (reading ret.return_value raises it)
+                failure = _task_exception(ret)
             if failure is not None:
                 lines.append(failure_line(job, list(overrides), failure))
                 result = outcome(FAILED, lines[-1])

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hif8qat.scaling.autograd_engine import tensor_version
+
 # The values of train.autocast (the run configuration checks it against these; evaluation's eval.dtype takes the
 # same names): auto = native BF16 autocast where the device has it, else BF16 emulated. One name for the value
 # from the config to here: ``autocast``.
@@ -167,7 +169,7 @@ def _rounded_weight(weight: torch.Tensor) -> torch.Tensor:
     """round_bf16(weight), kept while the weight is unchanged: an evaluation calls each linear hundreds of times."""
     if not isinstance(weight, torch.nn.Parameter):
         return round_bf16(weight)
-    key = (weight._version, weight.data_ptr())  # an in-place update bumps the version; `.data = ...` moves the data
+    key = (tensor_version(weight), weight.data_ptr())  # an in-place update bumps the version; `.data = ...` moves the data
     cached = getattr(weight, _ROUNDED_ATTR, None)
     if cached is None or cached[0] != key:
         cached = (key, round_bf16(weight.detach()))

@@ -103,8 +103,8 @@ class QuantState:
     def _attach(self, bank: ScalerBank, rows: tuple[int, ...]) -> None:
         object.__setattr__(self, "_bank", bank)  # not a submodule: the model's bank is registered once
         self._rows = tuple(rows)
-        if "hif8_bank" in self._modules and self._modules["hif8_bank"] is not bank:
-            del self._modules["hif8_bank"]
+        if getattr(self, "hif8_bank", bank) is not bank:  # a bank registered before: the shared one replaces it
+            delattr(self, "hif8_bank")
 
     @property
     def bank(self) -> ScalerBank:

@@ -1,6 +1,7 @@
-"""What the scaler bank asks torch's autograd engine: whether a backward pass is running, and to run a callback
-when it ends. Torch offers neither through a public name, so each sits in one adapter function here, the only
-place that touches the engine's private API; a torch release that moves them breaks these two functions only."""
+"""What the quantizers ask torch's autograd machinery: whether a backward pass is running, to run a callback when
+it ends, and a tensor's version counter. Torch offers none of them through a public name, so each sits in one
+adapter function here, the only place that touches them; a torch release that moves one breaks its function
+only."""
 
 from __future__ import annotations
 
@@ -23,3 +24,11 @@ def queue_at_backward_end(callback: Callable[[], None]) -> None:
     Adapter: the engine's ``queue_callback`` is the one way to act after the last gradient of a pass, and torch
     exposes it only on the private ``Variable._execution_engine``."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many times ``tensor`` has been modified in place: equal counts (and the same data pointer) mean the
+    same values, without reading them.
+
+    Adapter: the counter autograd checks its saved tensors with is torch's private ``Tensor._version``."""
+    return tensor._version

@@ -3,7 +3,7 @@
 ``settings`` (``ScalingConfig``, algorithm and role names, the saved-state and telemetry layout), ``rules`` (cold start,
 estimators, refresh, amax reduction), ``current`` (just-in-time scaling), ``forecast``, ``bank`` (every quantizer
 of a model as rows of one table) with ``bank_row``, ``bank_state``, ``bank_telemetry`` and ``autograd_engine``
-(its two questions to torch's autograd engine), and ``replay`` (an amax
+(what it asks torch's autograd machinery), and ``replay`` (an amax
 trace through the same bank). Layer 3, library core: imports ``formats``, ``errors``, torch and numpy.
 
 Inside, imports run one way: rules -> settings -> current, forecast -> bank_state, bank_telemetry -> bank ->

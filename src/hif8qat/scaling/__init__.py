@@ -6,6 +6,7 @@ of a model as rows of one table) with ``bank_row``, ``bank_state``, ``bank_telem
 (what it asks torch's autograd machinery), and ``replay`` (an amax
 trace through the same bank). Layer 3, library core: imports ``formats``, ``errors``, torch and numpy.
 
-Inside, imports run one way: rules -> settings -> current, forecast -> bank_state, bank_telemetry -> bank ->
-bank_row -> replay (a module never imports one to its right; the bank's helpers get the bank as an argument).
+Inside, imports run one way: autograd_engine, rules -> settings -> current, forecast -> bank_state,
+bank_telemetry -> bank -> bank_row -> replay (a module never imports one to its right; the bank's helpers get the
+bank as an argument).
 """

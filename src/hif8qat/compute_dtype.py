@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hif8qat.scaling.autograd_engine import tensor_version
+
 # The values of train.autocast (the run configuration checks it against these; evaluation's eval.dtype takes the
 # same names): auto = native BF16 autocast where the device has it, else BF16 emulated. One name for the value
 # from the config to here: ``autocast``.
@@ -44,8 +46,14 @@ def native_bf16_supported(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device_type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return _cpu_bf16_kernels_native()
     return False
+
+
+def _cpu_bf16_kernels_native() -> bool:
+    """Adapter: whether torch's oneDNN BF16 kernels run natively on this CPU (AVX512-BF16 or AMX). Torch answers
+    only through a private op; ``torch.backends.cpu.get_cpu_capability`` names the vector ISA, not BF16 support."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve(autocast: str, device_type: str) -> str:
@@ -210,7 +218,7 @@ def _rounded_weight(weight: torch.Tensor) -> torch.Tensor:
     """round_bf16(weight), kept while the weight is unchanged: an evaluation calls each linear hundreds of times."""
     if not isinstance(weight, torch.nn.Parameter):
         return round_bf16(weight)
-    key = (weight._version, weight.data_ptr())  # an in-place update bumps the version; `.data = ...` moves the data
+    key = (tensor_version(weight), weight.data_ptr())  # an in-place update bumps the version; `.data = ...` moves the data
     cached = getattr(weight, _ROUNDED_ATTR, None)
     if cached is None or cached[0] != key:
         cached = (key, round_bf16(weight.detach()))

@@ -106,13 +106,13 @@ def test_remote_code_requires_config_and_explicit_opt_in(tmp_path):
     tok.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     # no auto_map: remote code is never enabled, even when asked for
-    assert models._decide_remote_code("x", cfg, True) is False
+    assert models.decide_remote_code("x", cfg, True) is False
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for flag in (None, False):
         with pytest.raises(ValueError, match="model.trust_remote_code=true"):
             load_causal_lm(str(tmp_path), trust_remote_code=flag)
-    assert models._decide_remote_code("x", cfg, True) is True
+    assert models.decide_remote_code("x", cfg, True) is True
 
 
 def test_transformer_blocks_fallback_finds_largest_modulelist():

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
 from hif8qat.compute_dtype import resolve, training_device_type
 from hif8qat.config.run_config import ConfigError, RunConfig
 
@@ -24,7 +22,16 @@ def optimizer_impl_for(requested: str, device_type: str) -> str:
     """
     if requested != "auto":
         return requested
-    return "fused" if device_type in _get_fused_kernels_supported_devices() else "torch_default"
+    return "fused" if device_type in _fused_adamw_device_types() else "torch_default"
+
+
+def _fused_adamw_device_types() -> list[str]:
+    """Adapter: the device types torch has fused optimizer kernels for. Torch keeps that list private (its own
+    optimizers read it from ``torch.utils._foreach_utils`` to validate ``fused=True``); asking here avoids trying
+    a fused AdamW on a device that would refuse it."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()
 
 
 def resolve_run(cfg: RunConfig, *, saved_optimizer_impl: str | None = None) -> RunConfig:

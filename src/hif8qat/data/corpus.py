@@ -154,7 +154,8 @@ def mini_corpus_documents(cache_dir: str | os.PathLike | None = None) -> list[di
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _mini_is_heldout(doc_id: str) -> bool:
+def mini_is_heldout(doc_id: str) -> bool:
+    """Whether the mini corpus document ``doc_id`` belongs to the held-out (eval) split."""
     return zlib.crc32(doc_id.encode()) % MINI_HELDOUT_MOD == 0
 
 
@@ -176,7 +177,7 @@ def mini_tokens(tokenizer, split: str = "train", cache_dir: str | os.PathLike | 
     if path.is_file():
         return np.load(path, mmap_mode=None)
     docs = mini_corpus_documents(cache_dir)
-    texts = [d["text"] for d in docs if _mini_is_heldout(d["id"]) == (split == "eval")]
+    texts = [d["text"] for d in docs if mini_is_heldout(d["id"]) == (split == "eval")]
     parts = tokenize_documents(texts, tokenizer)
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     dtype = np.int32 if tokens.size == 0 or tokens.max() < 2**31 - 1 else np.int64
@@ -189,16 +190,20 @@ def mini_tokens(tokenizer, split: str = "train", cache_dir: str | os.PathLike | 
 # ----------------------------------------------------------------------------------------------------------
 # streamed sources (fineweb, local files)
 # ----------------------------------------------------------------------------------------------------------
-def _stream_is_heldout(text: str) -> bool:
+def stream_is_heldout(text: str) -> bool:
+    """Whether a streamed document is held out of training (the held-out evaluation's share), by its text."""
     return zlib.crc32(text.encode("utf-8", errors="replace")) % STREAM_HELDOUT_MOD == 0
 
 
-def _datasets_offline() -> bool:
+def datasets_offline() -> bool:
+    """Whether ``HF_DATASETS_OFFLINE`` or ``HF_HUB_OFFLINE`` keeps the datasets library off the hub."""
     return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
                for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
 
-def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
+def open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
+    """The streamed corpus ``source`` (``fineweb`` or local files) as a datasets iterable: its text column, this
+    rank's part of it, at ``epoch``."""
     from datasets import load_dataset
 
     local = local_files(source)
@@ -207,7 +212,7 @@ def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
         extra = {"sample_by": "document"} if builder == "text" else {}
         ds = load_dataset(builder, data_files=files, split="train", streaming=True, **extra)
     elif source == "fineweb":
-        if _datasets_offline():
+        if datasets_offline():
             raise OSError(
                 "data.source=fineweb streams HuggingFaceFW/fineweb (sample-10BT) from the Hugging Face hub, "
                 "but HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set. Download a local copy (huggingface-cli download "

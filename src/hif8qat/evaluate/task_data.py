@@ -48,6 +48,18 @@ def lm_eval_task_dirs(specs: Iterable[TaskSpec]) -> list[Path] | None:
     return dirs
 
 
+def _lm_eval_task_index():
+    """Adapter: lm-eval's task index module (``TaskIndex`` builds the index of chosen task folders; ``Kind`` tells a
+    task from a group or a tag). lm-eval keeps it private (``lm_eval.tasks._index``); its public ``TaskManager``
+    indexes every task it ships (seconds), where the paper's tasks need their own folders only.
+
+    Returns:
+        The ``lm_eval.tasks._index`` module."""
+    from lm_eval.tasks import _index
+
+    return _index
+
+
 def task_index_for(specs: Iterable[TaskSpec]) -> Mapping[str, Any]:
     """lm-eval's task index over the folders of :func:`lm_eval_task_dirs` (the full index when it gives none).
 
@@ -56,20 +68,17 @@ def task_index_for(specs: Iterable[TaskSpec]) -> Mapping[str, Any]:
 
     Returns:
         Task name -> its index entry."""
-    from lm_eval.tasks._index import TaskIndex
-
     dirs = lm_eval_task_dirs(specs)
     if dirs is None:
         from lm_eval.tasks import TaskManager
 
         return TaskManager().task_index
-    return TaskIndex.build(dirs)
+    return _lm_eval_task_index().TaskIndex.build(dirs)
 
 
 def _leaf_tasks(name: str, index: Mapping[str, Any], _seen: set[str] | None = None) -> list[str]:
     """Leaf task names under a task/group/tag name in lm-eval's task index."""
-    from lm_eval.tasks._index import Kind
-
+    Kind = _lm_eval_task_index().Kind  # noqa: N806 - lm-eval's enum, under its own name
     _seen = set() if _seen is None else _seen
     if name in _seen:
         return []

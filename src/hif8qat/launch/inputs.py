@@ -18,11 +18,11 @@ from huggingface_hub import try_to_load_from_cache
 
 from hif8qat.config.data_source import local_files
 from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.models.hub import looks_like_path
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
     PANGU_MODEL_TYPES,
-    _decide_remote_code,
-    _looks_like_path,
+    decide_remote_code,
     hub_offline,
     model_config_facts,
 )
@@ -148,7 +148,7 @@ def _model_folder(cfg: RunConfig) -> Path | None:
     local = Path(name).expanduser()
     if local.is_dir():
         return local
-    if local.exists() or _looks_like_path(name) or not hub_offline():
+    if local.exists() or looks_like_path(name) or not hub_offline():
         return None
     hub_id = OPENPANGU_EMBEDDED_1B["hub_id"] if name == "openpangu_embedded_1b" else name
     try:
@@ -247,7 +247,7 @@ def check_remote_code(cfg: RunConfig) -> None:
         ConfigError: the model declares its own code and model.trust_remote_code is not true."""
     config = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if isinstance(config, dict) and config.get("model_type") not in PANGU_MODEL_TYPES:  # openPangu: never its code
-        _decide_remote_code(cfg.model.name, config, cfg.model.trust_remote_code)
+        decide_remote_code(cfg.model.name, config, cfg.model.trust_remote_code)
 
 
 def wandb_modes() -> tuple[str, ...] | None:

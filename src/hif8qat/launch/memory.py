@@ -18,17 +18,14 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from transformers import masking_utils
 
 from hif8qat import compute_dtype as numerics
 from hif8qat.config.run_config import RunConfig
 from hif8qat.models.loading import PANGU_MODEL_TYPES, transformer_blocks
 from hif8qat.models.pangu import pangu_llama_config
-from hif8qat.quant import gemm
+from hif8qat.quant.gemm import keep_weights_under_fake_tensors
 from hif8qat.quant.linear import set_quantization
-from hif8qat.scaling.bank import RECORD, _in_backward
 from hif8qat.train.chunked_loss import lm_loss
 from hif8qat.train.loop import build_optimizer, prepare_model
 
@@ -58,8 +55,15 @@ def model_config(facts: dict):
         config = AutoConfig.for_model(**facts)
     else:  # the tiny model's facts: a Llama config's own keys
         config = LlamaConfig(**facts)
-    config._attn_implementation = attn
+    _set_attention_implementation(config, attn)
     return config
+
+
+def _set_attention_implementation(config, attn: str) -> None:
+    """Adapter: which attention a config's model is built with. transformers takes it as ``from_pretrained``'s
+    ``attn_implementation``; on a config already made (here from a config.json's facts, by three constructors)
+    its one setter is the private ``_attn_implementation``."""
+    config._attn_implementation = attn
 
 
 @contextlib.contextmanager
@@ -77,51 +81,42 @@ def _one_sequence_per_row() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = old
 
 
-@contextlib.contextmanager
-def _kept_weight_results() -> Iterator[None]:
-    """Under fake tensors the quantizer's op runs its shape-only implementation, which keeps nothing; the real
-    op (eager) keeps each quantized weight from its forward call until the layer's backward, so that an
-    activation-checkpointing recompute gets it back instead of quantizing again. Mirrored here, so the
-    simulation holds those weights exactly as long as the real step does (it matters only with checkpointing:
-    without it the forward saves the same tensor for backward anyway)."""
-    op, release = gemm.bank_qdq, gemm.release_kept
-    kept: dict[tuple[int, int], torch.Tensor] = {}
-
-    def bank_qdq(x, bank_id, row, mode, out_dtype=None, keep=False):
-        if mode == RECORD and _in_backward() and (bank_id, row) in kept:  # the recompute: a copy of the kept one
-            return kept.pop((bank_id, row)).clone()
-        y = op(x, bank_id, row, mode, out_dtype, keep)
-        if keep and mode == RECORD and not _in_backward():
-            kept[(bank_id, row)] = y
-        return y
-
-    def release_kept(bank_id, row):
-        kept.pop((bank_id, row), None)
-        release(bank_id, row)
-
-    gemm.bank_qdq, gemm.release_kept = bank_qdq, release_kept
-    try:
-        yield
-    finally:
-        gemm.bank_qdq, gemm.release_kept = op, release
-
-
 def _unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list({id(p): p for p in model.parameters() if p.requires_grad}.values())
 
 
-def _peak_tracker_class():
-    class PeakTracker(MemTracker):
-        """torch's MemTracker keeping the whole step's peak only: its per-module peaks walk every module at
-        every op (80 % of a 1B model's simulation), and nothing here reads them."""
+def _fake_tensor_mode():
+    """Adapter: torch's ``FakeTensorMode`` (tensors with shapes and no data), which torch exports only from the
+    private ``torch._subclasses``. ``allow_non_fake_inputs``: the scaler banks build their tables from numpy
+    arrays."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _peak_tracker():
+    """Adapter: torch's ``MemTracker`` (the private ``torch.distributed._tools``), the one tool that counts every
+    live tensor storage by kind, keeping the whole step's peak only (its per-module peaks walk every module at
+    every op, 80 % of a 1B model's simulation, and nothing here reads them). Its kinds and its peak bookkeeping
+    are private names too: all of them stay in here."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    class PeakTracker(MemTracker):
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
 
-    return PeakTracker
+        def peak_parts(self) -> dict[str, int]:
+            """The bytes alive at the step's peak by part (:data:`PARTS` but the DDP buckets)."""
+            peak = next(iter(self.get_tracker_snapshot("peak").values()))
+            kinds = {"weights": (_MemRefType.PARAM, _MemRefType.BUFFER), "gradients": (_MemRefType.GRAD,),
+                     "AdamW state": (_MemRefType.OPT,), "activations": (_MemRefType.ACT,),
+                     "backward temporaries": (_MemRefType.TEMP, _MemRefType.OTH)}
+            return {name: sum(peak.get(k, 0) for k in refs) for name, refs in kinds.items()}
+
+    return PeakTracker()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +158,7 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
     autocast = numerics.resolve(t.autocast, device_type)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, autocast=autocast))
     config = model_config(facts)
-    # allow_non_fake_inputs: the scaler banks build their tables from numpy arrays
-    with FakeTensorMode(allow_non_fake_inputs=True), _kept_weight_results(), _one_sequence_per_row():
+    with _fake_tensor_mode(), keep_weights_under_fake_tensors(), _one_sequence_per_row():
         # built in the dtype and on the device the run trains it in: a module of fake tensors cannot move
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.bfloat16 if cfg.quirks.bf16_params else torch.float32)
@@ -179,7 +173,7 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
         optimizer.step()
         if micro_batches < 2:
             optimizer.zero_grad(set_to_none=True)
-        tracker = _peak_tracker_class()()
+        tracker = _peak_tracker()
         tracker.track_external(model, optimizer)
         tokens = torch.zeros(t.micro_batch_size, t.seq_len + 1, dtype=torch.long)
         with tracker:
@@ -187,14 +181,10 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        parts = tracker.peak_parts()
         params = _unique_parameters(model)
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
         blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in transformer_blocks(model)]
-    kinds = {"weights": (_MemRefType.PARAM, _MemRefType.BUFFER), "gradients": (_MemRefType.GRAD,),
-             "AdamW state": (_MemRefType.OPT,), "activations": (_MemRefType.ACT,),
-             "backward temporaries": (_MemRefType.TEMP, _MemRefType.OTH)}
-    parts = {name: sum(peak.get(k, 0) for k in refs) for name, refs in kinds.items()}
     return Simulated(parts, grad_bytes, max(blocks, default=0), grad_bytes - sum(blocks))
 
 

@@ -20,17 +20,15 @@ from huggingface_hub import hf_hub_download
 
 from hif8qat.config.eval_tasks import resolve_tasks
 from hif8qat.config.run_config import ConfigError, RunConfig
-from hif8qat.data.corpus import mini_corpus_path
-from hif8qat.data.loader import _datasets_offline
+from hif8qat.data.corpus import datasets_offline, mini_corpus_path
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
 from hif8qat.evaluate.task_data import prepare_paper_tasks
 from hif8qat.launch.inputs import check_inputs
 from hif8qat.launch.memory import far_below, step_memory
+from hif8qat.models.hub import hub_cached, looks_like_path
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
     PANGU_MODEL_TYPES,
-    _hub_cached,
-    _looks_like_path,
     hub_offline,
     model_config_facts,
     pangu_tokenizer_problem,
@@ -111,10 +109,10 @@ def check_model(cfg: RunConfig) -> None:
             check_local_model_type(name, local / "config.json", cfg.model.trust_remote_code)
             check_tokenizer(cfg)
         return
-    if _looks_like_path(name) or local.is_absolute():
+    if looks_like_path(name) or local.is_absolute():
         raise ConfigError(f"invalid setting model.name={name!r}: no such local folder and not a hub id "
                           f"(org/name); allowed {MODEL_FORMS}")
-    if _hub_cached(hub_id, cfg.model.revision):
+    if hub_cached(hub_id, cfg.model.revision):
         check_tokenizer(cfg)
         return
     extra = (f" To use it offline: {OPENPANGU_EMBEDDED_1B['how_to']}" if name == "openpangu_embedded_1b" else
@@ -146,7 +144,7 @@ def check_data(cfg: RunConfig) -> None:
     if cfg.data.source.strip() == "mini":
         mini_corpus_path(cfg.data.cache_dir)
 
-    if cfg.data.source.strip() == "fineweb" and _datasets_offline():
+    if cfg.data.source.strip() == "fineweb" and datasets_offline():
         raise ConfigError("invalid setting data.source='fineweb': it streams from the Hugging Face hub, but "
                           "HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set; allowed 'mini', or a local directory, file "
                           "or glob of .parquet/.jsonl/.json/.txt files (e.g. a downloaded copy of fineweb "

@@ -186,6 +186,10 @@ def quiet_sacct(note=print) -> None:
     accounting storage every poll printed an error three times). ``HIF8QAT_SLURM_POLL_S`` caps the time between
     polls (submitit's own cap is 10 minutes). Idempotent.
 
+    Adapter: submitit has no setting for this, so its watcher's update is replaced here, and with it the private
+    state the watcher keeps (its jobs, their states, its clock and its poll delay): the one place that touches
+    them.
+
     Args:
         note: where the one note goes."""
     from submitit.core import core
@@ -272,6 +276,12 @@ def _outcomes():
         Executor.map_array = plain
 
 
+def _task_exception(ret):
+    """Adapter: the exception a failed sweep task raised, from hydra's ``JobReturn``. Its public ``return_value``
+    raises that exception instead of returning it; the value sits in the private ``_return_value``."""
+    return ret._return_value
+
+
 def _job_log(job) -> Path:
     """Task 0's error stream (rank 0 prints the `error:` lines), or its output when stderr goes there."""
     from submitit.core.utils import JobPaths
@@ -331,7 +341,7 @@ class ReportFailedJobs:
         for num, (overrides, job, ret) in enumerate(zip(job_overrides, jobs, returns), start=initial_job_idx):
             failure = ret if isinstance(ret, BaseException) else None
             if failure is None and getattr(ret.status, "name", "") == "FAILED":
-                failure = ret._return_value  # the task's exception (reading ret.return_value raises it)
+                failure = _task_exception(ret)
             if failure is not None:
                 lines.append(failure_line(job, list(overrides), failure))
                 result = outcome(FAILED, lines[-1])

@@ -35,6 +35,7 @@ from torch import nn
 from hif8qat.errors import RunError
 from hif8qat.files import file_mode
 from hif8qat.models import pangu
+from hif8qat.models.hub import hub_cached, looks_like_path
 from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
 from hif8qat.quant.blocks import find_transformer_blocks
 from hif8qat.runs.downloads import (
@@ -206,7 +207,7 @@ def model_config_facts(name: str, *, revision: str | None = None) -> dict | None
     local = Path(name).expanduser()
     if local.is_dir():
         candidates.append(local / "config.json")
-    elif not _looks_like_path(name):
+    elif not looks_like_path(name):
         try:
             hit = try_to_load_from_cache(hub_id, "config.json", revision=revision)
             if isinstance(hit, str):
@@ -238,7 +239,7 @@ def pangu_tokenizer_problem(name: str, *, revision: str | None = None) -> str | 
     hub_id = OPENPANGU_EMBEDDED_1B["hub_id"] if name == "openpangu_embedded_1b" else name
     if local.is_dir():
         config_file, model_file = local / "config.json", local / "tokenizer.model"
-    elif not _looks_like_path(name) and _hub_cached(hub_id, revision):
+    elif not looks_like_path(name) and hub_cached(hub_id, revision):
         config_file = Path(try_to_load_from_cache(hub_id, "config.json", revision=revision))
         hit = try_to_load_from_cache(hub_id, "tokenizer.model", revision=revision)
         model_file = Path(hit) if isinstance(hit, str) else config_file.parent / "tokenizer.model"
@@ -360,19 +361,6 @@ def _convert_gguf_to_safetensors(gguf_dir: Path, gguf_name: str, dest: Path) -> 
 # ----------------------------------------------------------------------------------------------------------
 # generic loading
 # ----------------------------------------------------------------------------------------------------------
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep in name and name.count(
-        os.sep) > 1
-
-
-def _hub_cached(repo_id: str, revision: str | None) -> bool:
-    try:
-        hit = try_to_load_from_cache(repo_id, "config.json", revision=revision)
-        return isinstance(hit, str)
-    except Exception:  # noqa: BLE001 - any cache lookup failure means "not cached"
-        return False
-
-
 def resolve_model_source(name_or_path: str, *, revision: str | None = None) -> str:
     """The concrete hub id / local folder that ``load_causal_lm(name_or_path)`` will load.
 
@@ -386,7 +374,7 @@ def resolve_model_source(name_or_path: str, *, revision: str | None = None) -> s
         The source.
     """
     if name_or_path == "smollm2_135m":
-        if not hub_offline() and (_hub_cached(SMOLLM2_HUB_ID, revision) or hub_reachable()):
+        if not hub_offline() and (hub_cached(SMOLLM2_HUB_ID, revision) or hub_reachable()):
             return SMOLLM2_HUB_ID
         log.info("hub unavailable: smollm2_135m uses the offline weights (Instruct, dequantized Q4_1)")
         return str(smollm2_offline_dir())
@@ -418,7 +406,9 @@ class RemoteCodeError(RunError, ValueError):
     make: reported as an ``error:`` line; a ValueError too, for callers that catch it as one)."""
 
 
-def _decide_remote_code(source: str, config: dict, trust_remote_code: bool | None) -> bool:
+def decide_remote_code(source: str, config: dict, trust_remote_code: bool | None) -> bool:
+    """Whether ``source`` loads with its own modeling code: only where its ``config`` declares some (``auto_map``)
+    and ``trust_remote_code`` is True; a declared one without that opt-in raises :class:`RemoteCodeError`."""
     auto_map = config.get("auto_map") or {}
     if not auto_map:
         if trust_remote_code:
@@ -495,14 +485,14 @@ def load_causal_lm(
             else:
                 raise FileNotFoundError(f"model.name={source!r} is a file, expected a model folder")
         source = str(local)
-    elif _looks_like_path(source) or Path(source).is_absolute():
+    elif looks_like_path(source) or Path(source).is_absolute():
         raise FileNotFoundError(
             f"model.name={source!r} does not exist. Give an existing save_pretrained folder, a hub id "
             f"(org/name), or one of: tiny, tiny:<layers>, smollm2_135m, smollm2_135m_offline, "
             f"openpangu_embedded_1b."
         )
     else:
-        if hub_offline() and not _hub_cached(source, revision):
+        if hub_offline() and not hub_cached(source, revision):
             raise OSError(
                 f"model.name={source!r} is not in the local Hugging Face cache and the hub is offline "
                 f"(HF_HUB_OFFLINE=1). Download it on a machine with access (huggingface-cli download "
@@ -518,7 +508,7 @@ def load_causal_lm(
         model.eval()
         log.info("loaded %s (%s) as Llama in %.1f s", name, source, time.time() - t0)
         return model, tok
-    remote = _decide_remote_code(source, config, trust_remote_code)
+    remote = decide_remote_code(source, config, trust_remote_code)
     kwargs = dict(trust_remote_code=remote, revision=revision)
     if gguf_file:
         kwargs["gguf_file"] = gguf_file

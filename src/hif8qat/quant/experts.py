@@ -38,7 +38,7 @@ def check_experts_layout(experts: nn.Module, name: str) -> None:
           or not getattr(experts, "has_gate", True) or getattr(experts, "has_bias", False)
           or getattr(experts, "has_post_expert_norm", False)):
         why = "a transposed, interleaved, gateless, biased or post-normed layout"
-    elif getattr(getattr(experts, "_apply_gate", None), "__name__", "_default_apply_gate") != "_default_apply_gate":
+    elif not _gates_by_default(experts):
         why = "its own gating function"
     elif not hasattr(experts, "act_fn"):
         why = "no act_fn"
@@ -49,6 +49,14 @@ def check_experts_layout(experts: nn.Module, name: str) -> None:
     if why is not None:
         raise ValueError(f"{name}: an experts module with {why} has no per-expert quantization here; leave it out "
                          "with module_filter_fn or role_map={'<its name in the block>': 'none'}")
+
+
+def _gates_by_default(experts: nn.Module) -> bool:
+    """Whether a transformers experts module gates with its default ``act(gate) * up``.
+
+    Adapter: transformers keeps the gate function in the private ``_apply_gate``; a model that brings its own
+    names it otherwise."""
+    return getattr(getattr(experts, "_apply_gate", None), "__name__", "_default_apply_gate") == "_default_apply_gate"
 
 
 class QuantExperts(QuantState, nn.Module):

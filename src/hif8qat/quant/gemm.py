@@ -5,6 +5,7 @@ scalers in the module's ``state_dict``). :mod:`hif8qat.quant.linear` builds its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hif8qat import compute_dtype as numerics
+from hif8qat.scaling.autograd_engine import in_backward
 from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
 from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ROLES, ScalingConfig
@@ -105,8 +107,8 @@ class QuantState:
     def _attach(self, bank: ScalerBank, rows: tuple[int, ...]) -> None:
         object.__setattr__(self, "_bank", bank)  # not a submodule: the model's bank is registered once
         self._rows = tuple(rows)
-        if "hif8_bank" in self._modules and self._modules["hif8_bank"] is not bank:
-            del self._modules["hif8_bank"]
+        if getattr(self, "hif8_bank", bank) is not bank:  # a bank registered before: the shared one replaces it
+            delattr(self, "hif8_bank")
 
     @property
     def bank(self) -> ScalerBank:
@@ -229,6 +231,39 @@ class QuantState:
                                     RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight, self.emulate_bf16)
 
 
+@contextlib.contextmanager
+def keep_weights_under_fake_tensors() -> Iterator[None]:
+    """Within it, a quantized GEMM run on fake tensors keeps its quantized weight as the real one does.
+
+    Under torch's ``FakeTensorMode`` the bank op runs its shape-only implementation, which keeps nothing; the real
+    op (eager, ``keep``) keeps each quantized weight from its forward call until the layer's backward, so that an
+    activation-checkpointing recompute gets it back instead of quantizing again. Here that keeping is done around
+    the op, so a fake-tensor simulation of a step (the memory estimate) holds those weights exactly as long as the
+    real step does (it matters only with checkpointing: without it the forward saves the same tensor for backward
+    anyway). Not reentrant; not for real tensors, whose op keeps them itself."""
+    global bank_qdq, release_kept
+    op, release = bank_qdq, release_kept
+    kept: dict[tuple[int, int], torch.Tensor] = {}
+
+    def keeping_qdq(x, bank_id, row, mode, out_dtype=None, keep=False):
+        if mode == RECORD and in_backward() and (bank_id, row) in kept:  # the recompute: a copy of the kept one
+            return kept.pop((bank_id, row)).clone()
+        y = op(x, bank_id, row, mode, out_dtype, keep)
+        if keep and mode == RECORD and not in_backward():
+            kept[(bank_id, row)] = y
+        return y
+
+    def keeping_release(bank_id, row):
+        kept.pop((bank_id, row), None)
+        release(bank_id, row)
+
+    bank_qdq, release_kept = keeping_qdq, keeping_release
+    try:
+        yield
+    finally:
+        bank_qdq, release_kept = op, release
+
+
 def _settings(config: ScalingConfig) -> dict:
     d = ScalingConfig.to_dict(config)
     return json.loads(json.dumps({k: d[k] for k in RECORDED_SETTINGS}))  # schedule keys as JSON gives them back
@@ -250,4 +285,4 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-__all__ = ["SETTINGS_KEY", "STATE_KEY", "QuantState"]
+__all__ = ["SETTINGS_KEY", "STATE_KEY", "QuantState", "keep_weights_under_fake_tensors"]

@@ -13,7 +13,6 @@ import collections
 import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hif8qat.compute_dtype import backward_context, describe, forward_context, resolve, training_device_type
 from hif8qat.quant.linear import convert_model, set_quantization
@@ -23,7 +22,16 @@ _GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "mv
              "convolution", "convolution_backward"}
 
 
-class GemmOperandCount(TorchDispatchMode):
+def _torch_dispatch_mode() -> type:
+    """Adapter: torch's base class of a mode that sees every ATen call below autograd and autocast (what reaches
+    the kernels). Torch exports it only from the private ``torch.utils._python_dispatch``; the public
+    ``torch.overrides.TorchFunctionMode`` sees Python-level calls, before autocast picks the dtypes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+class GemmOperandCount(_torch_dispatch_mode()):
     """Counts the GEMM-class ATen calls (matrix products, convolutions, fused attention) by operand dtype: what
     reaches torch's kernels, whatever the Python above them does."""
 

@@ -52,7 +52,10 @@ def _stream(fineweb: str, tok, sizes: argparse.Namespace, rank: int, world: int)
 
 @contextmanager
 def _counting_parquet_rows(decoded: list[int]) -> Iterator[None]:
-    """Inside, every row the parquet reader decodes (whichever rank keeps it) is added to decoded[-1]."""
+    """Inside, every row the parquet reader decodes (whichever rank keeps it) is added to decoded[-1].
+
+    Adapter: datasets reports no count of the rows its parquet reader decodes; its private ``_generate_tables``
+    is wrapped here, the one place that touches it."""
     real = Parquet._generate_tables
 
     def counting(self, *args, **kwargs):

@@ -10,7 +10,7 @@ import random
 import shutil
 from pathlib import Path
 
-from hif8qat.data.loader import _stream_is_heldout
+from hif8qat.data.corpus import stream_is_heldout
 from hif8qat.models.loading import build_tiny_llama
 
 REMOTE_MODEL_TYPE = "tiny_pangu"
@@ -110,4 +110,4 @@ def write_fineweb_shards(folder: str | os.PathLike, *, shards: int = 3, docs_per
 
 def _heldout(text: str) -> bool:
 
-    return _stream_is_heldout(text)
+    return stream_is_heldout(text)

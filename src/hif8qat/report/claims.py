@@ -20,12 +20,12 @@ import pandas as pd
 from hif8qat.report.sources import (
     FilesUsed,
     RunInfo,
-    _dirty_of,
-    _eval_results,
-    _qat_start,
-    _read_samples,
-    _run_label,
-    _tag,
+    dirty_of,
+    eval_results,
+    label_of,
+    qat_start,
+    read_samples,
+    tag_of,
 )
 from hif8qat.stats.crossed import (
     Contrast,
@@ -140,7 +140,7 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
     rows = []
     if against != "bf16_mode":
         mq, mb = metrics_cache[str(run.path)], metrics_cache[str(other.path)]
-        d, v, n = _signed_loss_difference(mq, mb, _qat_start(run, mq) if run.quant else None)
+        d, v, n = _signed_loss_difference(mq, mb, qat_start(run, mq) if run.quant else None)
         rows.append({**head, "mode": "train", "task": "loss", "metric": "train_loss", "n": n, "recorded": n > 0,
                      "diff": d, "var": v, "within_df": n // LOSS_BLOCK - 1, "base": float("nan"), "lost": 0,
                      "gained": 0})
@@ -150,12 +150,12 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
     for mode, other_mode in modes:
         if mode == "hif8" and not (run.quant and (against != "derived_from" or other.quant)):
             continue
-        base_res = _eval_results(other, other_mode)
-        for task in _eval_results(run, mode):
+        base_res = eval_results(other, other_mode)
+        for task in eval_results(run, mode):
             if task not in base_res:
                 continue
-            bs = _read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")
-            qs = _read_samples(run.path / "eval" / mode / f"samples_{task}.csv")
+            bs = read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")
+            qs = read_samples(run.path / "eval" / mode / f"samples_{task}.csv")
             if bs is None or qs is None:
                 continue
             if used is not None:
@@ -184,9 +184,9 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
 
 
 def _contrast_head(run: RunInfo, other: RunInfo, against: str) -> dict[str, Any]:
-    return {"experiment": run.experiment, "run_tag": _tag(run), "against": against, "counterpart": other.experiment,
-            "seed": run.seed, "run": _run_label(run), "counterpart_run": _run_label(other),
-            "dirty": bool(_dirty_of(run) or _dirty_of(other))}
+    return {"experiment": run.experiment, "run_tag": tag_of(run), "against": against, "counterpart": other.experiment,
+            "seed": run.seed, "run": label_of(run), "counterpart_run": label_of(other),
+            "dirty": bool(dirty_of(run) or dirty_of(other))}
 
 
 def heldout_contrasts(run: RunInfo, baseline: RunInfo | None, used: FilesUsed | None = None ) -> list[dict[str, Any]]:
@@ -215,7 +215,7 @@ def heldout_contrasts(run: RunInfo, baseline: RunInfo | None, used: FilesUsed | 
         used.add(run, heldout_dir(run.path) / "summary.json", *([tokens] if table is not None else []))
     for cmp in (doc.get("comparisons") or {}).values():
         if cmp["reference"] == "baseline":
-            if baseline is None or doc.get("baseline_run") != _run_label(baseline):
+            if baseline is None or doc.get("baseline_run") != label_of(baseline):
                 continue
             head = _contrast_head(run, baseline, "baseline")
         else:

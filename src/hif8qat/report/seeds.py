@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from hif8qat.report.items import _paired_comparison
-from hif8qat.report.sources import RunInfo, _tag
+from hif8qat.report.items import paired_comparison
+from hif8qat.report.sources import RunInfo, tag_of
 
 
 def seed_spread(runs_df: pd.DataFrame, drops_df: pd.DataFrame) -> pd.DataFrame:
@@ -54,7 +54,7 @@ def seed_null_table(runs: list[RunInfo], n_boot: int, seed: int) -> pd.DataFrame
     rows = []
     by_exp: dict[str, list[RunInfo]] = {}
     for r in runs:
-        if not r.quant and not _tag(r):
+        if not r.quant and not tag_of(r):
             by_exp.setdefault(r.experiment, []).append(r)
     for exp, rs in sorted(by_exp.items()):
         rs = sorted(rs, key=lambda r: (r.seed, not r.done))
@@ -62,6 +62,6 @@ def seed_null_table(runs: list[RunInfo], n_boot: int, seed: int) -> pd.DataFrame
         for i, a in enumerate(rs):
             for b in rs[i + 1:]:
                 rows += [{"experiment": exp, "seed_a": a.seed, "seed_b": b.seed, **row}
-                         for row in _paired_comparison(a.path / "eval" / "bf16", b.path / "eval" / "bf16",
+                         for row in paired_comparison(a.path / "eval" / "bf16", b.path / "eval" / "bf16",
                                                        n_boot, seed)]
     return pd.DataFrame(rows)

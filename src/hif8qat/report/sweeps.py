@@ -13,7 +13,7 @@ import pandas as pd
 from hif8qat.files import save_figure
 from hif8qat.report.claims import NOT_RECORDED
 from hif8qat.report.figures import _plt
-from hif8qat.report.sources import RunInfo, _get, _tag
+from hif8qat.report.sources import RunInfo, get_dotted, tag_of
 from hif8qat.runs.folders import training_differences
 
 
@@ -38,8 +38,8 @@ def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame
     if claims.empty:
         return pd.DataFrame()
     by_exp: dict[str, dict[str, dict]] = {}
-    for r in sorted(runs, key=lambda r: (r.experiment, _tag(r), r.seed if r.seed is not None else -1)):
-        by_exp.setdefault(r.experiment, {}).setdefault(_tag(r), r.config)
+    for r in sorted(runs, key=lambda r: (r.experiment, tag_of(r), r.seed if r.seed is not None else -1)):
+        by_exp.setdefault(r.experiment, {}).setdefault(tag_of(r), r.config)
     rows = []
     for exp, tags in sorted(by_exp.items()):
         if len(tags) < 2:
@@ -49,7 +49,7 @@ def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame
         if not knobs:
             continue
         for tag, cfg in tags.items():
-            values = [_get(cfg, k) for k in knobs]
+            values = [get_dotted(cfg, k) for k in knobs]
             sub = claims[(claims.experiment == exp) & (claims.run_tag == tag) & (claims.against == "baseline")
                          & (claims.equivalence != NOT_RECORDED)]
             for _, c in sub.iterrows():

@@ -23,6 +23,7 @@ from torch import nn
 from hif8qat.errors import RunError
 from hif8qat.formats import qdq as formats
 from hif8qat.scaling import bank_state, bank_telemetry, current, forecast, rules
+from hif8qat.scaling.autograd_engine import in_backward, queue_at_backward_end, tensor_version
 from hif8qat.scaling.bank_extras import BankExtras
 from hif8qat.scaling.forecast import ExpSmoothForecaster
 from hif8qat.scaling.settings import ALGOS, ROLES, ScalingConfig, lookup
@@ -63,10 +64,6 @@ class QuantizerCalledTwice(RunError):
 
 _BANKS: weakref.WeakValueDictionary[int, ScalerBank] = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -332,9 +329,9 @@ class ScalerBank(BankExtras, nn.Module):
         if mode == REPLAY or self.frozen:
             return self._qdq(x, row, self.frozen_scale(x, row) if self.frozen else self._scale_rows[row], out_dtype)
         if self._mb_calls[row]:
-            if _in_backward() and not self._is_g[row]:  # checkpoint recompute: the forward's scale
+            if in_backward() and not self._is_g[row]:  # checkpoint recompute: the forward's scale
                 kept = self._kept.pop(row, None)
-                if kept is not None and kept[1] == (x.data_ptr(), x._version, x.shape, out_dtype):
+                if kept is not None and kept[1] == (x.data_ptr(), tensor_version(x), x.shape, out_dtype):
                     # the forward's tensor, unchanged: a copy of its result (an op returns a fresh tensor)
                     # instead of a second quantization
                     return kept[0].clone()
@@ -386,11 +383,11 @@ class ScalerBank(BankExtras, nn.Module):
         self._amax_rows[row].copy_(amax if own is None else own)
         self._mb_calls[row] += 1
         if keep and mode == RECORD:  # for a checkpoint recompute (see quantize)
-            self._kept[row] = (y, (x.data_ptr(), x._version, x.shape, out_dtype))
+            self._kept[row] = (y, (x.data_ptr(), tensor_version(x), x.shape, out_dtype))
         if stats:
             bank_telemetry.record_stats(self, x, row, scale)
-        if self._is_g[row] and not self._callback_queued and _in_backward():
-            torch.autograd.Variable._execution_engine.queue_callback(self.update)
+        if self._is_g[row] and not self._callback_queued and in_backward():
+            queue_at_backward_end(self.update)
             self._callback_queued = True
         return y
 

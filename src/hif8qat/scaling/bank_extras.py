@@ -18,6 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
+from hif8qat.scaling.autograd_engine import tensor_version
+
 _SEED_MIX = 0x5DEECE66D2B7E151  # mixed into the global seed: the bank's stream is not the global one's
 RNG_KEYS = ("rng_seed", "rng_state")
 
@@ -113,7 +115,7 @@ class BankExtras:
     def _watch_step(self, row: int, weight: torch.Tensor) -> None:
         if row != self._watch_row:
             return
-        version, seen = weight._version, self._seen_version
+        version, seen = tensor_version(weight), self._seen_version
         self._seen_version = version
         if seen is None or version == seen or self._step_warned:
             return

@@ -32,11 +32,11 @@ def compile_blocks(model: nn.Module) -> int:
     """
     # Ints read from a module (a quantized layer's bank rows) become graph inputs where they differ between
     # calls: one graph serves every block of the same structure.
-    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    torch.compiler.config.allow_unspec_int_on_nn_module = True
     _, blocks = find_transformer_blocks(model)
     # enough cached graphs per block code object for its variants (quantized or BF16 block, train or eval,
     # with and without gradients) while a shape change still recompiles instead of failing
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    torch.compiler.config.recompile_limit = max(torch.compiler.config.recompile_limit, 16)
     for block in blocks:
         block.forward = torch.compile(block.forward)  # one code object: every block shares its graph cache
     return len(blocks)

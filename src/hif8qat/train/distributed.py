@@ -137,6 +137,13 @@ def unsharded_class(model: nn.Module) -> Iterator[nn.Module]:
         model.__class__ = sharded
 
 
+def _compiled_inner(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs, or ``model`` itself when not wrapped.
+
+    Adapter: the wrapper keeps the module in its private ``_orig_mod``, the one way torch gives to reach it."""
+    return getattr(model, "_orig_mod", model)
+
+
 @contextmanager
 def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Run a micro-batch's forward *and* backward inside: with enabled=False its gradients only accumulate
@@ -150,7 +157,7 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         enabled: synchronise this micro-batch's gradients.
     """
 
-    target = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule wraps the module
+    target = _compiled_inner(model)
     if enabled or not (isinstance(target, FSDPModule) or hasattr(target, "no_sync")):
         yield
     elif isinstance(target, FSDPModule):

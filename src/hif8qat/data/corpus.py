@@ -155,7 +155,14 @@ def mini_corpus_documents(cache_dir: str | os.PathLike | None = None) -> list[di
 
 
 def mini_is_heldout(doc_id: str) -> bool:
-    """Whether the mini corpus document ``doc_id`` belongs to the held-out (eval) split."""
+    """Whether the mini corpus document ``doc_id`` belongs to the held-out (eval) split.
+
+    Args:
+        doc_id: the document's ``id``.
+
+    Returns:
+        True when the CRC-32 of ``doc_id`` is a multiple of ``MINI_HELDOUT_MOD``.
+    """
     return zlib.crc32(doc_id.encode()) % MINI_HELDOUT_MOD == 0
 
 
@@ -191,19 +198,40 @@ def mini_tokens(tokenizer, split: str = "train", cache_dir: str | os.PathLike | 
 # streamed sources (fineweb, local files)
 # ----------------------------------------------------------------------------------------------------------
 def stream_is_heldout(text: str) -> bool:
-    """Whether a streamed document is held out of training (the held-out evaluation's share), by its text."""
+    """Whether a streamed document is held out of training (the held-out evaluation's share), by its text.
+
+    Args:
+        text: the document's text.
+
+    Returns:
+        True when the CRC-32 of ``text`` is a multiple of ``STREAM_HELDOUT_MOD``.
+    """
     return zlib.crc32(text.encode("utf-8", errors="replace")) % STREAM_HELDOUT_MOD == 0
 
 
 def datasets_offline() -> bool:
-    """Whether ``HF_DATASETS_OFFLINE`` or ``HF_HUB_OFFLINE`` keeps the datasets library off the hub."""
+    """Whether ``HF_DATASETS_OFFLINE`` or ``HF_HUB_OFFLINE`` keeps the datasets library off the hub.
+
+    Returns:
+        True when either is set to 1, true, yes or on (any case).
+    """
     return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
                for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
 
 def open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
     """The streamed corpus ``source`` (``fineweb`` or local files) as a datasets iterable: its text column, this
-    rank's part of it, at ``epoch``."""
+    rank's part of it, at ``epoch``.
+
+    Args:
+        source: ``fineweb`` or a local files source (a ``data.source`` value).
+        rank: this rank.
+        world_size: the number of ranks (1: the whole source).
+        epoch: the pass over the source, set on the dataset (``set_epoch``).
+
+    Returns:
+        The streaming dataset (``text`` column only, where it has one).
+    """
     from datasets import load_dataset
 
     local = local_files(source)

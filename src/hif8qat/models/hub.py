@@ -11,13 +11,28 @@ from huggingface_hub import try_to_load_from_cache
 
 def looks_like_path(name: str) -> bool:
     """Whether ``name`` is written as a filesystem path (absolute, relative, ``~``, or more than one slash) rather
-    than a hub id ``org/name``."""
+    than a hub id ``org/name``.
+
+    Args:
+        name: the model name as the user wrote it.
+
+    Returns:
+        True for a path, False for what may be a hub id.
+    """
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep in name and name.count(
         os.sep) > 1
 
 
 def hub_cached(repo_id: str, revision: str | None) -> bool:
-    """Whether the local Hugging Face cache holds ``repo_id``'s ``config.json`` at ``revision`` (no network)."""
+    """Whether the local Hugging Face cache holds ``repo_id``'s ``config.json`` at ``revision`` (no network).
+
+    Args:
+        repo_id: the hub id ``org/name``.
+        revision: the branch, tag or commit (None: the default branch).
+
+    Returns:
+        True when the file is cached; False otherwise, including when the lookup itself fails.
+    """
     try:
         hit = try_to_load_from_cache(repo_id, "config.json", revision=revision)
         return isinstance(hit, str)

@@ -408,7 +408,19 @@ class RemoteCodeError(RunError, ValueError):
 
 def decide_remote_code(source: str, config: dict, trust_remote_code: bool | None) -> bool:
     """Whether ``source`` loads with its own modeling code: only where its ``config`` declares some (``auto_map``)
-    and ``trust_remote_code`` is True; a declared one without that opt-in raises :class:`RemoteCodeError`."""
+    and ``trust_remote_code`` is True; a declared one without that opt-in raises :class:`RemoteCodeError`.
+
+    Args:
+        source: the model's name, for the messages.
+        config: its parsed ``config.json``.
+        trust_remote_code: the user's opt-in (``model.trust_remote_code``; None: not given).
+
+    Returns:
+        True to load with the model's own code, False for transformers' built-in code.
+
+    Raises:
+        RemoteCodeError: the config declares its own code and ``trust_remote_code`` is not True.
+    """
     auto_map = config.get("auto_map") or {}
     if not auto_map:
         if trust_remote_code:

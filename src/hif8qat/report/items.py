@@ -45,7 +45,17 @@ def _discordant(a: np.ndarray, b: np.ndarray) -> float:
 def item_stats(xb: np.ndarray, xq: np.ndarray, n_boot: int, seed: int) -> dict[str, Any]:
     """One seed's paired 0/1 items: the relative drop's 95 % interval and significance, from the exact
     conditional McNemar interval and test when fewer than EXACT_BELOW_DISCORDANT items differ, else from the
-    paired percentile bootstrap; flips both ways and the exact p-value in every case."""
+    paired percentile bootstrap; flips both ways and the exact p-value in every case.
+
+    Args:
+        xb: the baseline's per-item scores (0/1).
+        xq: the run's, aligned with ``xb`` (:func:`align_samples`).
+        n_boot: the bootstrap's resamples (used when it decides).
+        seed: the bootstrap's seed.
+
+    Returns:
+        ``n_paired``, ``n_lost``, ``n_gained``, ``discordant``, ``p_mcnemar``, ``ci_lo``, ``ci_hi`` (percent),
+        ``ci_method`` (``exact`` or ``bootstrap``) and ``significant``."""
     ip = item_pair(xb, xq)
     p = exact_mcnemar_p(ip.lost, ip.gained)
     row = {"n_paired": ip.n, "n_lost": ip.lost, "n_gained": ip.gained, "discordant": _discordant(xb, xq),
@@ -62,7 +72,18 @@ def item_stats(xb: np.ndarray, xq: np.ndarray, n_boot: int, seed: int) -> dict[s
 
 
 def paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int) -> list[dict]:
-    """Per task: both scores, the relative drop and its paired bootstrap CI, from two eval folders."""
+    """Per task: both scores, the relative drop and its paired interval (:func:`item_stats`), from two eval
+    folders.
+
+    Args:
+        base_eval: the baseline's eval folder (``results.json``, ``samples_<task>.csv``).
+        other_eval: the run's eval folder.
+        n_boot: the bootstrap's resamples.
+        seed: the bootstrap's seed.
+
+    Returns:
+        One row per task in both ``results.json`` files: ``task``, ``base_pct``, ``run_pct``, ``drop_pct``, and
+        the :func:`item_stats` columns where both folders hold the task's samples."""
     def scores(folder: Path) -> dict:
         path = folder / "results.json"
         if not path.exists():

@@ -64,7 +64,17 @@ REPORT_REDO = ("Write it again (for a file under eval/<mode>/: run.py ... stage=
 
 def read_report_json(path: Path, schema: Any = None) -> Any:
     """A result file through the verified reader, naming the file and the way out when it does not parse or
-    a field has the wrong type (``schema``: artefacts.schema_problem)."""
+    a field has the wrong type (``schema``: artefacts.schema_problem).
+
+    Args:
+        path: the result file (JSON).
+        schema: the schema its value must follow, or None.
+
+    Returns:
+        The parsed object.
+
+    Raises:
+        UnreadableResultFile: not readable, not a JSON object, or off the schema."""
     try:
         return read_json(path, REPORT_REDO, schema=schema)
     except CorruptArtefact as err:
@@ -107,7 +117,15 @@ class RunInfo:
 
 def get_dotted(d: Mapping, dotted: str, default=None):
     """``d["a"]["b"]`` for ``dotted="a.b"`` in a nested mapping (a run's config), or ``default`` where a key is
-    missing."""
+    missing.
+
+    Args:
+        d: the nested mapping.
+        dotted: the keys, joined by dots.
+        default: what a missing key (or a non-mapping on the way) gives.
+
+    Returns:
+        The value, or ``default``."""
     cur: Any = d
     for part in dotted.split("."):
         if not isinstance(cur, Mapping) or part not in cur:
@@ -237,29 +255,59 @@ def check_same_items(runs: list[RunInfo], runs_root: Path, profile: str) -> int:
 
 
 def tag_of(run: RunInfo) -> str:
-    """The run's ``run_tag`` ("" when it has none)."""
+    """The run's ``run_tag`` ("" when it has none).
+
+    Args:
+        run: the run.
+
+    Returns:
+        The tag, as a string."""
     return str(get_dotted(run.config, "run_tag", "") or "")
 
 
 def label_of(run: RunInfo | None) -> str:
-    """The run's label in tables (its folder, as :func:`hif8qat.stats.heldout.run_label` names it); "" for none."""
+    """The run's label in tables (its folder, as :func:`hif8qat.stats.heldout.run_label` names it); "" for none.
+
+    Args:
+        run: the run, or None.
+
+    Returns:
+        ``<experiment>/<seed folder>``, or ""."""
     return run_label(run.path) if run is not None else ""
 
 
 def dirty_of(run: RunInfo) -> bool | None:
-    """Whether the run was made from a tree with uncommitted changes (its exact code is not in the commit)."""
+    """Whether the run was made from a tree with uncommitted changes (its exact code is not in the commit).
+
+    Args:
+        run: the run.
+
+    Returns:
+        The run record's ``dirty`` flag; None where it records none."""
     g = run.info.get("git") or get_dotted(run.info, "provenance.git") or {}
     return g.get("dirty") if isinstance(g, Mapping) else None
 
 
 def git_of(run: RunInfo):
-    """The commit the run was made from, as its run record gives it."""
+    """The commit the run was made from, as its run record gives it.
+
+    Args:
+        run: the run.
+
+    Returns:
+        The commit (``git.commit``, or ``git`` itself where that is not a mapping); None where none is recorded."""
     g = run.info.get("git") or get_dotted(run.info, "provenance.git") or {}
     return g.get("commit") if isinstance(g, Mapping) else g
 
 
 def read_samples(p: Path) -> pd.DataFrame | None:
-    """A mode's samples_<task>.csv, whole rows only, with the sha256 its results.json recorded (if any)."""
+    """A mode's samples_<task>.csv, whole rows only, with the sha256 its results.json recorded (if any).
+
+    Args:
+        p: the samples file, beside its mode's results.json.
+
+    Returns:
+        The per-item rows (``doc_id`` as strings); None when the file does not exist."""
     if not p.exists():
         return None
     results = p.parent / "results.json"
@@ -271,7 +319,14 @@ def read_samples(p: Path) -> pd.DataFrame | None:
 
 def eval_results(run: RunInfo, mode: str) -> dict:
     """The run's evaluation ``mode`` by task (its verified results.json without the bookkeeping keys); {} when
-    it has none."""
+    it has none.
+
+    Args:
+        run: the run.
+        mode: the evaluation mode (a folder under ``<run>/eval``).
+
+    Returns:
+        Task -> its results."""
     p = run.path / "eval" / mode / "results.json"
     if not p.exists():
         return {}
@@ -282,7 +337,13 @@ def eval_results(run: RunInfo, mode: str) -> dict:
 
 def targets_of(run: RunInfo) -> str:
     """The scale target of each role, A/W/G ("15/15/224"), from the run's saved quant settings (runs saved before
-    ``quant.target`` existed: target_fwd / target_bwd); "" for a BF16 run or settings that do not load."""
+    ``quant.target`` existed: target_fwd / target_bwd); "" for a BF16 run or settings that do not load.
+
+    Args:
+        run: the run.
+
+    Returns:
+        The targets joined by "/", in role order, or ""."""
     if not run.quant:
         return ""
     quant = get_dotted(run.config, "quant", {}) or {}
@@ -295,12 +356,25 @@ def targets_of(run: RunInfo) -> str:
 
 
 def format_of(run: RunInfo) -> str:
-    """The run's ``quant.format`` (runs from before FP8 are HiF8; BF16 runs: bf16)."""
+    """The run's ``quant.format`` (runs from before FP8 are HiF8; BF16 runs: bf16).
+
+    Args:
+        run: the run.
+
+    Returns:
+        The format's name."""
     return str(get_dotted(run.config, "quant.format", "hif8") or "hif8") if run.quant else "bf16"
 
 
 def qat_start(run: RunInfo, metrics: pd.DataFrame) -> int | None:
-    """First step of the QAT phase: where the run's log says ``quant``, else after quant.bf16_warmup_steps."""
+    """First step of the QAT phase: where the run's log says ``quant``, else after quant.bf16_warmup_steps.
+
+    Args:
+        run: the run.
+        metrics: its step log (:func:`read_metrics`).
+
+    Returns:
+        The step; None for a BF16 run."""
     if not run.quant:
         return None
     if "quant" in metrics and metrics["quant"].astype(bool).any():

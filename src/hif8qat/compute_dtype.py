@@ -218,7 +218,8 @@ def _rounded_weight(weight: torch.Tensor) -> torch.Tensor:
     """round_bf16(weight), kept while the weight is unchanged: an evaluation calls each linear hundreds of times."""
     if not isinstance(weight, torch.nn.Parameter):
         return round_bf16(weight)
-    key = (tensor_version(weight), weight.data_ptr())  # an in-place update bumps the version; `.data = ...` moves the data
+    # an in-place update bumps the version; `.data = ...` moves the data
+    key = (tensor_version(weight), weight.data_ptr())
     cached = getattr(weight, _ROUNDED_ATTR, None)
     if cached is None or cached[0] != key:
         cached = (key, round_bf16(weight.detach()))

@@ -2,8 +2,7 @@
 
 The command line (:mod:`hif8qat.cli`, where Hydra composes it) hands a plain dict to `RunConfig.from_dict`:
 every setting is checked *before* any model or data loads (`ConfigError` names the setting and its allowed
-values), then `resolve_profile` applies the profile. Runs save and train from the resolved config.
-"""
+values), then `resolve_profile` applies the profile. Runs save and train from the resolved config."""
 
 from __future__ import annotations
 

@@ -311,7 +311,8 @@ def read_samples(p: Path) -> pd.DataFrame | None:
     if not p.exists():
         return None
     results = p.parent / "results.json"
-    recorded = results_record(p.parent, read_report_json(results, RESULTS_SCHEMA), REPORT_REDO) if results.exists() else {}
+    recorded = (results_record(p.parent, read_report_json(results, RESULTS_SCHEMA), REPORT_REDO)
+                if results.exists() else {})
     if not results.exists():  # samples with no results.json beside them: nothing vouches for them
         unverified(p, "there is no results.json beside it recording its sha256", REPORT_REDO)
     return read_csv(p, REPORT_REDO, sha256=recorded.get(p.name), dtype={"doc_id": str})

@@ -333,7 +333,8 @@ def vs_base_table(runs: list[RunInfo], runs_root: Path, profile: str, n_boot: in
     vs_base_rows = []
     if (base_model_dir / "results.json").exists():
         for r in runs:
-            head = {"experiment": r.experiment, "seed": r.seed, "lr": get_dotted(r.config, "train.lr"), "quant": r.quant}
+            head = {"experiment": r.experiment, "seed": r.seed, "lr": get_dotted(r.config, "train.lr"),
+                    "quant": r.quant}
             vs_base_rows += [{**head, **row} for row in paired_comparison(base_model_dir, r.path / "eval" / "bf16",
                                                                            n_boot, seed)]
     return pd.DataFrame(vs_base_rows)

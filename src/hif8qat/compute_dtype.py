@@ -26,6 +26,7 @@ emulated path is measured and tested on a machine that has native BF16.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -35,8 +36,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 # The values of train.autocast (the run configuration checks it against these; evaluation's eval.dtype takes the
-# same names): auto = native BF16 autocast where the device has it, else BF16 emulated. One name for the value
-# from the config to here: ``autocast``.
+# same names): auto = native BF16 autocast where the device has it, else BF16 emulated. Resolved, the value is a
+# :class:`Numerics`, named ``numerics`` wherever it is passed.
 SETTINGS = ("auto", "bf16", "bf16_emulated", "none")
 RESOLVED = tuple(s for s in SETTINGS if s != "auto")
 NO_NATIVE_BF16_ENV = "HIF8QAT_NO_NATIVE_BF16"
@@ -62,6 +63,42 @@ def resolve(autocast: str, device_type: str) -> str:
     if autocast == "auto":
         return "bf16" if native_bf16_supported(device_type) else "bf16_emulated"
     return autocast
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """Resolved compute numerics: ``mode`` one of RESOLVED (never ``auto``) on ``device_type``. What a forward, a
+    backward, an activation-checkpointing recompute and a result file need of the numerics, from one value that
+    the pipeline makes once per run (``hif8qat.config.numerics``) and hands to whatever runs the model."""
+
+    mode: str
+    device_type: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.mode not in RESOLVED:
+            raise ValueError(f"numerics must be one of {', '.join(RESOLVED)}, got {self.mode!r}")
+
+    @property
+    def emulates_bf16(self) -> bool:
+        """Whether BF16 GEMMs run emulated in FP32 (the quantized layers are told so when converted)."""
+        return self.mode == "bf16_emulated"
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the GEMMs compute in under autocast (None: FP32, no autocast)."""
+        return None if self.mode == "none" else _BF16
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        return forward_context(self.mode, self.device_type)
+
+    def backward(self) -> contextlib.AbstractContextManager:
+        return backward_context(self.mode, self.device_type)
+
+    def checkpoint_kwargs(self) -> dict[str, Any]:
+        return checkpoint_kwargs(self.mode, self.device_type)
+
+    def describe(self) -> dict[str, Any]:
+        return describe(self.mode, self.device_type)
 
 
 def describe(autocast: str, device_type: str) -> dict[str, Any]:

@@ -16,14 +16,15 @@ Modes
 
 Device and numerics
 -------------------
-Weights are always loaded in FP32, the trainer's master weights. ``dtype="bf16"`` runs the forward under
-bf16 autocast, exactly as a ``train.autocast=bf16`` training step: in ``hif8`` mode the FP32 weight is
-quantized and the matmul runs in bf16 (casting the weights to bf16 first would round them twice before
-quantization). ``dtype="none"`` (``"fp32"``, its old name): no autocast. :func:`resolve_numerics` turns ``auto`` into the training
-device and numerics (run.py's ``eval.device`` / ``eval.dtype``); without a training config, ``auto`` is
-CUDA when available and bf16 there, none (FP32) on CPU. ``results.json`` records ``device``, ``dtype`` (of the
-weights) and ``autocast`` (the matmul dtype, or null). The numerics are applied in one place, around each
-model forward of :class:`hif8qat.evaluate.prefix_lm.SharedContextLM` (:func:`hif8qat.compute_dtype.forward_context`).
+Weights are always loaded in FP32, the trainer's master weights. ``numerics=Numerics("bf16", ...)`` runs the
+forward under bf16 autocast, exactly as a ``train.autocast=bf16`` training step: in ``hif8`` mode the FP32 weight
+is quantized and the matmul runs in bf16 (casting the weights to bf16 first would round them twice before
+quantization). ``Numerics("none", ...)`` (the default): no autocast. :func:`hif8qat.config.numerics.eval_numerics`
+turns ``eval.device`` / ``eval.dtype`` into a device and a :class:`~hif8qat.compute_dtype.Numerics` (``auto``:
+the training's; without a training config, CUDA when available and bf16 there, none (FP32) on CPU).
+``results.json`` records ``device``, ``dtype`` (of the weights) and ``autocast`` (the matmul dtype, or null). The
+numerics are applied in one place, around each model forward of :class:`hif8qat.evaluate.prefix_lm.SharedContextLM`
+(:meth:`hif8qat.compute_dtype.Numerics.forward`).
 
 Cost
 ----
@@ -91,7 +92,7 @@ from typing import Any
 
 import torch
 
-from hif8qat import compute_dtype as numerics
+from hif8qat.compute_dtype import Numerics
 from hif8qat.config.eval_tasks import MINITASK_DIR, MODES, resolve_tasks
 from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
 from hif8qat.evaluate.offline_benchmarks import CACHE_SUBDIR, ensure_installed
@@ -105,7 +106,6 @@ from hif8qat.evaluate.outputs import (
 )
 from hif8qat.evaluate.prefix_lm import SharedContextLM
 from hif8qat.evaluate.ranks import Ranks, summed
-from hif8qat.evaluate.settings import eval_autocast, resolve_numerics
 from hif8qat.evaluate.subsets import _limited, check_subset, subset_indices
 from hif8qat.evaluate.task_data import _forced_offline, lm_eval_task_dirs, prepare_paper_tasks
 from hif8qat.runs.folders import provenance
@@ -125,7 +125,7 @@ def evaluate_model(
     num_fewshot: Mapping[str, int] | None = None,
     local_datasets: Mapping[str, str | os.PathLike] | None = None,
     device: str | None = None,
-    dtype: str | None = None,
+    numerics: Numerics | None = None,
     seed: int = 1234,
     subset: Mapping[str, int | None] | str | None = None,
     subset_seed: int = 0,
@@ -136,7 +136,7 @@ def evaluate_model(
 
     The model is used as it is (the caller puts a QAT model into the wanted mode, e.g. by
     :func:`hif8qat.quant.linear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
-    ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None, ``"none"`` or ``"fp32"``: none.
+    Every forward runs under ``numerics`` (e.g. the training's bf16 autocast); None: none (FP32).
         ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``subset``: task -> number of
     documents, a fixed seeded subset (:func:`subset_indices`, stratified by subtask, e.g. MMLU subject;
     ``"full"``, None or a missing task = every document); lm-eval's ``samples`` selects them, so per-sample
@@ -166,14 +166,13 @@ def evaluate_model(
         include = (lm_dirs or []) + [MINITASK_DIR] + extra
         tm = TaskManager(include_path=[str(p) for p in include], include_defaults=lm_dirs is None)
         shots = {s.name: int((num_fewshot or {}).get(s.name, s.num_fewshot)) for s in specs}
-        autocast = eval_autocast(dtype)
-        device_type = torch.device(device).type
+        numerics = numerics or Numerics("none", torch.device(device).type)
         ranks = Ranks.current()  # under torchrun: every rank scores its share (hif8qat.evaluate.ranks)
         # log-probabilities in fp32 from the (bf16 under autocast) logits: summed in bf16, an item's
         # log-likelihood of -20..-60 nats is rounded to 0.125-0.25, coarser than the paired per-item differences
         # (gold_ll, gold_margin) that resolve quantization effects, and near-tied choices tie
         lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-                             numerics=functools.partial(numerics.forward_context, autocast, device_type),
+                             numerics=numerics.forward,
                              ranks=ranks, softmax_dtype=torch.float32)
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
         raw = None
@@ -206,8 +205,8 @@ def evaluate_model(
         results[s.name] = _task_result(raw["results"], s, len(rows), shots[s.name])
     meta = {
         "mode": mode, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
-        "autocast": None if autocast == "none" else "bfloat16",
-        "numerics": numerics.describe(autocast, device_type),
+        "autocast": None if numerics.mode == "none" else "bfloat16",
+        "numerics": numerics.describe(),
         "batch_size": batch_size, "limit": limit, "seed": seed, "wall_time_s": round(wall, 2),
         "tasks": {s.name: {"metric": s.metric, "filter": s.filter, "num_fewshot": shots[s.name],
                            "mini": s.mini} for s in specs},
@@ -335,14 +334,14 @@ def _merge_lm_eval(a: dict, b: dict) -> dict:
     return out
 
 
-def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=None, dtype="auto",
-                    device: str = "auto", trust_remote_code: bool | None = None, **kwargs) -> dict:
-    device, dtype = resolve_numerics(device, dtype)
+def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=None, device: str = "cpu",
+                    numerics: Numerics | None = None, trust_remote_code: bool | None = None, **kwargs) -> dict:
+    """Evaluate an export folder in ``mode`` on ``device`` under ``numerics`` (:func:`evaluate_model`)."""
     model, tok = load_for_eval(export_dir, mode, device=device, trust_remote_code=trust_remote_code)
     meta = {"export_dir": str(Path(export_dir).resolve()), **kwargs.pop("extra_meta", {})}
     if mode == "hif8":
         meta["quant"] = quant_eval_meta(model, export_dir)
-    return evaluate_model(model, tok, tasks, out_dir=out_dir, mode=mode, device=device, dtype=dtype,
+    return evaluate_model(model, tok, tasks, out_dir=out_dir, mode=mode, device=device, numerics=numerics,
                           extra_meta=meta, **kwargs)
 
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 from huggingface_hub import hf_hub_download
 
+from hif8qat.compute_dtype import Numerics
 from hif8qat.config.eval_tasks import resolve_tasks
+from hif8qat.config.numerics import RunNumerics
 from hif8qat.config.run_config import ConfigError, RunConfig
 from hif8qat.data.corpus import mini_corpus_path
 from hif8qat.data.loader import _datasets_offline
@@ -174,9 +176,10 @@ def _machine_memory(device: str) -> tuple[int | None, str]:
     return total // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1), "RAM"
 
 
-def check_model_fits(cfg: RunConfig) -> None:
-    """train.seq_len within the model's positions, and one step's memory within the machine's, read from the
-    model's config.json only (no weights). A model whose config cannot be had offline is not checked."""
+def check_model_fits(cfg: RunConfig, numerics: Numerics) -> None:
+    """train.seq_len within the model's positions, and one step's memory (under the run's training ``numerics``)
+    within the machine's, read from the model's config.json only (no weights). A model whose config cannot be
+    had offline is not checked."""
 
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts or not all(isinstance(facts.get(k), int) for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
@@ -189,7 +192,7 @@ def check_model_fits(cfg: RunConfig) -> None:
     have, where = _machine_memory(cfg.train.device)
     if not have or far_below(cfg, facts, have):  # nothing to compare with, or a step that cannot come near it
         return
-    parts = step_memory(cfg, facts, int(os.environ.get("WORLD_SIZE", "1")))
+    parts = step_memory(cfg, facts, numerics, int(os.environ.get("WORLD_SIZE", "1")))
     need = sum(parts.values())
     if need > have:
         gib = 2.0 ** 30
@@ -234,15 +237,16 @@ def check_export(cfg: RunConfig) -> None:
                           "in HiF8 or E4M3 only (quant.format hif8, e4m3 or hybrid); allowed train, eval, report or all")
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Every check that applies to cfg.stage; raises ConfigError (or DatasetUnavailableError) on the first."""
+def preflight(cfg: RunConfig, numerics: RunNumerics) -> None:
+    """Every check that applies to cfg.stage (``numerics``: the run's); raises ConfigError (or
+    DatasetUnavailableError) on the first."""
     check_results_root(cfg)
     if cfg.stage in ("train", "all"):
         check_model(cfg)
         check_data(cfg)
         check_inputs(cfg)  # opens the corpus, tokenizer, weights: usable, not only present
         check_device(cfg)
-        check_model_fits(cfg)
+        check_model_fits(cfg, numerics.train)
     if cfg.stage in ("eval", "all"):
         check_eval_datasets(cfg)
     if cfg.stage == "export":

@@ -55,14 +55,14 @@ def native_bf16_supported(device_type: str) -> bool:
     return False
 
 
-def resolve(autocast: str, device_type: str) -> str:
-    """The concrete value (one of RESOLVED) of an ``autocast`` setting (one of SETTINGS) on a device type. The
+def resolve(setting: str, device_type: str) -> str:
+    """The concrete mode (one of RESOLVED) of a ``train.autocast`` setting (one of SETTINGS) on a device type. The
     pipeline calls it once per run, when its configuration is made (``hif8qat.config.numerics``)."""
-    if autocast not in SETTINGS:
-        raise ValueError(f"autocast must be one of {', '.join(SETTINGS)}, got {autocast!r}")
-    if autocast == "auto":
+    if setting not in SETTINGS:
+        raise ValueError(f"autocast must be one of {', '.join(SETTINGS)}, got {setting!r}")
+    if setting == "auto":
         return "bf16" if native_bf16_supported(device_type) else "bf16_emulated"
-    return autocast
+    return setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +101,9 @@ class Numerics:
         return describe(self.mode, self.device_type)
 
 
-def describe(autocast: str, device_type: str) -> dict[str, Any]:
+def describe(mode: str, device_type: str) -> dict[str, Any]:
     """What a result file records about the numerics it was made with (the key ``numerics``, as files have it)."""
-    info: dict[str, Any] = {"numerics": autocast, "device_type": device_type,
+    info: dict[str, Any] = {"numerics": mode, "device_type": device_type,
                             "native_bf16": native_bf16_supported(device_type)}
     if device_type == "cpu":
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
@@ -215,30 +215,30 @@ def _linear_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return values[0], values[1], values[2]
 
 
-def checkpoint_kwargs(autocast: str, device_type: str) -> dict[str, Any]:
+def checkpoint_kwargs(mode: str, device_type: str) -> dict[str, Any]:
     """``torch.utils.checkpoint`` arguments under which an activation-checkpointing recompute runs with the
     forward's numerics: autocast is restored by torch, a mode is not, so the emulation is entered explicitly (a
     recompute without it would run native BF16 GEMMs and produce tensors of another dtype than the forward's)."""
     kwargs: dict[str, Any] = {"use_reentrant": False}
-    if autocast == "bf16_emulated":
+    if mode == "bf16_emulated":
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), BF16Emulation(device_type))
     return kwargs
 
 
-def forward_context(autocast: str, device_type: str) -> contextlib.AbstractContextManager:
-    """Around a forward pass (training step, held-out loss, evaluation), for a resolved ``autocast`` value."""
-    if autocast == "none":
+def forward_context(mode: str, device_type: str) -> contextlib.AbstractContextManager:
+    """Around a forward pass (training step, held-out loss, evaluation), for a resolved mode (one of RESOLVED)."""
+    if mode == "none":
         return contextlib.nullcontext()
-    if autocast == "bf16":
+    if mode == "bf16":
         return torch.autocast(device_type=device_type, dtype=_BF16)
-    if autocast == "bf16_emulated":
+    if mode == "bf16_emulated":
         return _stacked(BF16Emulation(device_type), torch.autocast(device_type=device_type, dtype=_BF16))
-    raise ValueError(f"autocast must be one of {', '.join(RESOLVED)}, got {autocast!r}")
+    raise ValueError(f"autocast must be one of {', '.join(RESOLVED)}, got {mode!r}")
 
 
-def backward_context(autocast: str, device_type: str) -> contextlib.AbstractContextManager:
+def backward_context(mode: str, device_type: str) -> contextlib.AbstractContextManager:
     """Around loss.backward(): the emulation must also see the GEMMs a custom backward runs on BF16 tensors."""
-    if autocast == "bf16_emulated":
+    if mode == "bf16_emulated":
         return BF16Emulation(device_type)
     return contextlib.nullcontext()
 

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hif8qat.cli import main as cli_main
+from hif8qat.config.numerics import train_numerics
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.runs.folders import find_baseline_run, prepare_run_dir, release_run_dir
 
@@ -163,7 +164,7 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
                  "train.global_batch_size=16", "train.micro_batch_size=2", f"results_root={tmp_path}"]
     cfg = _smoke(tmp_path, "train.distributed=fsdp", "train.global_batch_size=16", "train.micro_batch_size=2")
     facts = model_config_facts(cfg.model.name)
-    one, eight = (sum(preflight_module.step_memory(cfg, facts, w).values()) for w in (1, 8))
+    one, eight = (sum(preflight_module.step_memory(cfg, facts, train_numerics(cfg), w).values()) for w in (1, 8))
     assert one > eight
     monkeypatch.setattr(preflight_module, "_machine_memory", lambda device: (eight, "memory on GPU 0"))
 

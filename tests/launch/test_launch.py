@@ -172,7 +172,7 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
     run_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_module)
     dispatched = []
-    monkeypatch.setattr(cli_main, "dispatch", dispatched.append)
+    monkeypatch.setattr(cli_main, "dispatch", lambda cfg, numerics: dispatched.append(cfg))
     # hydra finds conf/ beside the file of a __main__ function, as when run.py is started as a script
     monkeypatch.setattr(run_module.main.__wrapped__, "__module__", "__main__")
     monkeypatch.setattr(sys, "argv", ["run.py", *overrides, f"hydra.run.dir={tmp_path / 'hydra'}",

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                                  num_fewshot={task: shots[task]} if task in shots else None,
                                  subset={task: subset[task]} if task in subset else None,
                                  subset_seed=cfg.get("subset_seed", 0), offline_data=cfg.get("offline_data", False),
-                                 device="cpu", dtype="fp32")
+                                 device="cpu")
             c = res["_meta"]["eval_tokens"]
             for k in total:
                 total[k] += c[k]

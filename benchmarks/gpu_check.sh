@@ -282,6 +282,7 @@ sys.path.insert(0, "benchmarks")
 from bench_step import build_model
 from hif8qat.cli.hydra_config import config_for
 from hif8qat.launch.memory import ratio_verdict, step_memory
+from hif8qat.compute_dtype import Numerics
 from hif8qat.quant.linear import set_quantization
 from hif8qat.train import loop
 from hif8qat.train.schedule import warmup_cosine_schedule
@@ -292,15 +293,16 @@ cfg = config_for("paper", "exp8", 0, (f"train.micro_batch_size={micro}", f"train
                                       f"train.seq_len={seq}", f"train.device={dev.type}", "train.autocast=bf16",
                                       f"quant.high_precision_blocks=[0,1,2,{n - 2},{n - 1}]"))
 facts = {**model.config.to_dict(), "attn_implementation": model.config._attn_implementation}
-estimate = sum(step_memory(cfg, facts, world_size=1, device_type=dev.type).values())
-loop.prepare_model(model, cfg, dev)
+numerics = Numerics("bf16", dev.type)  # train.autocast=bf16, set above
+estimate = sum(step_memory(cfg, facts, numerics, world_size=1).values())
+loop.prepare_model(model, cfg, dev, numerics)
 set_quantization(model, True)
 opt = loop.build_optimizer(model, cfg)
 sched = warmup_cosine_schedule(opt, 1, 100)
 ctx, skips = loop.DistContext(device=dev), {"skipped_steps": 0, "consecutive_skips": 0}
 short = torch.randint(0, model.config.vocab_size, (micro, 3))
 full = torch.randint(0, model.config.vocab_size, (micro, seq + 1))
-loop._forward_backward(model, iter([short]), 1, "bf16", cfg, ctx)  # AdamW's moments exist from here on
+loop._forward_backward(model, iter([short]), 1, numerics, cfg, ctx)  # AdamW's moments exist from here on
 loop._optimizer_step(model, opt, sched, cfg, ctx, skips, 0)
 t0 = time.time()
 tracker = None
@@ -315,7 +317,7 @@ else:
 for _ in range(2):  # two micro-batches of a step: the second runs with the first's gradients held
     if tracker is not None:
         tracker.reset_mod_stats()  # else MemTracker takes the model's second call for a second step
-    loop._forward_backward(model, iter([full]), 1, "bf16", cfg, ctx)
+    loop._forward_backward(model, iter([full]), 1, numerics, cfg, ctx)
 loop._optimizer_step(model, opt, sched, cfg, ctx, skips, 1)
 if tracker is None:
     peak = torch.cuda.max_memory_allocated()

@@ -172,7 +172,7 @@ class Bench:
         self.device = torch.device("cpu")
         model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
                                   revision=cfg.model.revision)
-        prepare_model(model, cfg, self.device)
+        prepare_model(model, cfg, self.device, compute_dtype.Numerics(cfg.train.autocast))
         if cfg.quant.enabled:
             set_quantization(model, True)
         self.model = model

@@ -15,6 +15,7 @@ from test_reliability import assert_user_error, cli
 from test_report import make_fake_runs
 
 from hif8qat.cli import stages
+from hif8qat.compute_dtype import Numerics
 from hif8qat.errors import RunError
 from hif8qat.evaluate import heldout
 from hif8qat.evaluate.outputs import write_eval_dir
@@ -132,7 +133,7 @@ def _after_eval(run: Path, monkeypatch) -> list:
     monkeypatch.setattr(heldout, "format_summary", lambda doc: "")
     cfg = types.SimpleNamespace(quant=types.SimpleNamespace(enabled=True), eval=types.SimpleNamespace(
         modes=["bf16", "hif8"]), force=False, results_root=str(run.parent))
-    heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
+    heldout.after_eval(cfg, run, device="cpu", numerics=Numerics("none"))
     return calls
 
 

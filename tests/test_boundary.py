@@ -37,9 +37,10 @@ def _model_cfg(name: Path):
 
 
 def _build_model(folder: Path):
+    from hif8qat.compute_dtype import Numerics
     from hif8qat.train.loop import _build_model
 
-    return _build_model(_model_cfg(folder), types.SimpleNamespace(device=torch.device("cpu")))
+    return _build_model(_model_cfg(folder), types.SimpleNamespace(device=torch.device("cpu")), Numerics("none"))
 
 
 def _first_batch(source: Path):
@@ -230,6 +231,6 @@ def test_a_corrupt_result_in_the_report_is_one_error_line(monkeypatch, tmp_path,
 def test_ctrl_c_in_an_evaluation_is_one_line(monkeypatch, tmp_path, capsys):
     from hif8qat.evaluate import cli
 
-    monkeypatch.setattr(cli, "resolve_numerics", _interrupt)
+    monkeypatch.setattr(cli, "eval_numerics", _interrupt)
     assert cli.main(["--export", str(tmp_path), "--tasks", "mini_arc"]) == INTERRUPTED_STATUS
     assert "interrupted (Ctrl-C)" in capsys.readouterr().err

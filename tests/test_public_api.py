@@ -148,7 +148,7 @@ def test_a_plain_checkpoint_refuses_to_load_silently_without_scalers():
 def test_the_plain_loop_gives_the_pipeline_trainers_losses(tmp_path):
     from test_reliability import cli_config
 
-    from hif8qat.config.numerics import resolve_run
+    from hif8qat.config.numerics import resolve_run, train_numerics
     from hif8qat.config.run_config import resolve_profile
     from hif8qat.data.loader import build_train_stream
     from hif8qat.models.loading import build_tiny_tokenizer
@@ -160,7 +160,7 @@ def test_the_plain_loop_gives_the_pipeline_trainers_losses(tmp_path):
     assert cfg.quant.interval == {0: 1, 1: 10}  # exp3's switch, scaled: the plain loop must follow it too
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    train(cfg, run_dir)
+    train(cfg, run_dir, numerics=train_numerics(cfg))
     pipeline = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     t = cfg.train

@@ -13,6 +13,7 @@ that has it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -24,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 from hif8qat.scaling.autograd_engine import tensor_version
 
 # The values of train.autocast (the run configuration checks it against these; evaluation's eval.dtype takes the
-# same names): auto = native BF16 autocast where the device has it, else BF16 emulated. One name for the value
-# from the config to here: ``autocast``.
+# same names): auto = native BF16 autocast where the device has it, else BF16 emulated. Resolved, the value is a
+# :class:`Numerics`, named ``numerics`` wherever it is passed.
 SETTINGS = ("auto", "bf16", "bf16_emulated", "none")
 RESOLVED = tuple(s for s in SETTINGS if s != "auto")
 NO_NATIVE_BF16_ENV = "HIF8QAT_NO_NATIVE_BF16"
@@ -56,49 +57,55 @@ def _cpu_bf16_kernels_native() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def resolve(autocast: str, device_type: str) -> str:
-    """The concrete value (one of RESOLVED) of an ``autocast`` setting on a device type. The pipeline calls it
-    once per run, when its configuration is made (``hif8qat.config.numerics``).
-
-    The settings: ``bf16``, ``torch.autocast(bfloat16)`` over FP32 master weights, the paper's numerics; fast
-    where the device has native BF16 (CUDA; CPUs with AVX512-BF16 or AMX); on a CPU without it (AVX2 only:
-    most laptops) torch runs BF16 GEMMs through a slow path (a SmolLM2-135M step took 30x the FP32 time).
-    ``bf16_emulated``, what a BF16 GEMM with FP32 accumulation computes, at about FP32 cost: every GEMM that
-    autocast would run in BF16 (linear, matmul, bmm, mm, scaled-dot-product attention) gets its operands
-    rounded to BF16, runs in FP32, and has its result rounded to BF16; in backward the incoming gradient and
-    the operand gradients are rounded the same way. Tensors stay float32 (holding BF16 values), so the
-    elementwise ops between GEMMs run in FP32 where native autocast runs some of them in BF16: the only
-    difference from ``bf16`` besides summation order. A GEMM that meets BF16 tensors outside autocast (the
-    quantized linear casts its operands itself) is computed in FP32 from them and its result cast to BF16,
-    exactly what the BF16 kernel returns up to summation order; regions where a model turns autocast off
-    (rotary position angles) stay FP32, as under native autocast. ``auto``, ``bf16`` where the device has
-    native BF16, else ``bf16_emulated``. ``none``, FP32, no autocast.
-
-    Args:
-        autocast: one of SETTINGS.
-        device_type: "cpu" or "cuda".
-
-    Returns:
-        ``bf16``, ``bf16_emulated`` or ``none``.
-    """
-    if autocast not in SETTINGS:
-        raise ValueError(f"autocast must be one of {', '.join(SETTINGS)}, got {autocast!r}")
-    if autocast == "auto":
+def resolve(setting: str, device_type: str) -> str:
+    """The concrete mode (one of RESOLVED) of a ``train.autocast`` setting (one of SETTINGS) on a device type. The
+    pipeline calls it once per run, when its configuration is made (``hif8qat.config.numerics``)."""
+    if setting not in SETTINGS:
+        raise ValueError(f"autocast must be one of {', '.join(SETTINGS)}, got {setting!r}")
+    if setting == "auto":
         return "bf16" if native_bf16_supported(device_type) else "bf16_emulated"
-    return autocast
+    return setting
 
 
-def describe(autocast: str, device_type: str) -> dict[str, Any]:
-    """What a result file records about the numerics it was made with (the key ``numerics``, as files have it).
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """Resolved compute numerics: ``mode`` one of RESOLVED (never ``auto``) on ``device_type``. What a forward, a
+    backward, an activation-checkpointing recompute and a result file need of the numerics, from one value that
+    the pipeline makes once per run (``hif8qat.config.numerics``) and hands to whatever runs the model."""
 
-    Args:
-        autocast: the setting.
-        device_type: "cpu" or "cuda".
+    mode: str
+    device_type: str = "cpu"
 
-    Returns:
-        ``{"numerics", "device_type", ...}``.
-    """
-    info: dict[str, Any] = {"numerics": autocast, "device_type": device_type,
+    def __post_init__(self) -> None:
+        if self.mode not in RESOLVED:
+            raise ValueError(f"numerics must be one of {', '.join(RESOLVED)}, got {self.mode!r}")
+
+    @property
+    def emulates_bf16(self) -> bool:
+        """Whether BF16 GEMMs run emulated in FP32 (the quantized layers are told so when converted)."""
+        return self.mode == "bf16_emulated"
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the GEMMs compute in under autocast (None: FP32, no autocast)."""
+        return None if self.mode == "none" else _BF16
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        return forward_context(self.mode, self.device_type)
+
+    def backward(self) -> contextlib.AbstractContextManager:
+        return backward_context(self.mode, self.device_type)
+
+    def checkpoint_kwargs(self) -> dict[str, Any]:
+        return checkpoint_kwargs(self.mode, self.device_type)
+
+    def describe(self) -> dict[str, Any]:
+        return describe(self.mode, self.device_type)
+
+
+def describe(mode: str, device_type: str) -> dict[str, Any]:
+    """What a result file records about the numerics it was made with (the key ``numerics``, as files have it)."""
+    info: dict[str, Any] = {"numerics": mode, "device_type": device_type,
                             "native_bf16": native_bf16_supported(device_type)}
     if device_type == "cpu":
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
@@ -236,7 +243,7 @@ def _linear_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return values[0], values[1], values[2]
 
 
-def checkpoint_kwargs(autocast: str, device_type: str) -> dict[str, Any]:
+def checkpoint_kwargs(mode: str, device_type: str) -> dict[str, Any]:
     """``torch.utils.checkpoint`` arguments under which an activation-checkpointing recompute runs with the
     forward's numerics: autocast is restored by torch, a mode is not, so the emulation is entered explicitly (a
     recompute without it would run native BF16 GEMMs and produce tensors of another dtype than the forward's).
@@ -249,41 +256,25 @@ def checkpoint_kwargs(autocast: str, device_type: str) -> dict[str, Any]:
         Keyword arguments for ``torch.utils.checkpoint.checkpoint``.
     """
     kwargs: dict[str, Any] = {"use_reentrant": False}
-    if autocast == "bf16_emulated":
+    if mode == "bf16_emulated":
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), BF16Emulation(device_type))
     return kwargs
 
 
-def forward_context(autocast: str, device_type: str) -> contextlib.AbstractContextManager:
-    """Around a forward pass (training step, held-out loss, evaluation), for a resolved ``autocast`` value.
-
-    Args:
-        autocast: the resolved setting.
-        device_type: "cpu" or "cuda".
-
-    Returns:
-        The context manager.
-    """
-    if autocast == "none":
+def forward_context(mode: str, device_type: str) -> contextlib.AbstractContextManager:
+    """Around a forward pass (training step, held-out loss, evaluation), for a resolved mode (one of RESOLVED)."""
+    if mode == "none":
         return contextlib.nullcontext()
-    if autocast == "bf16":
+    if mode == "bf16":
         return torch.autocast(device_type=device_type, dtype=_BF16)
-    if autocast == "bf16_emulated":
+    if mode == "bf16_emulated":
         return _stacked(BF16Emulation(device_type), torch.autocast(device_type=device_type, dtype=_BF16))
-    raise ValueError(f"autocast must be one of {', '.join(RESOLVED)}, got {autocast!r}")
+    raise ValueError(f"autocast must be one of {', '.join(RESOLVED)}, got {mode!r}")
 
 
-def backward_context(autocast: str, device_type: str) -> contextlib.AbstractContextManager:
-    """Around loss.backward(): the emulation must also see the GEMMs a custom backward runs on BF16 tensors.
-
-    Args:
-        autocast: the resolved setting.
-        device_type: "cpu" or "cuda".
-
-    Returns:
-        The context manager.
-    """
-    if autocast == "bf16_emulated":
+def backward_context(mode: str, device_type: str) -> contextlib.AbstractContextManager:
+    """Around loss.backward(): the emulation must also see the GEMMs a custom backward runs on BF16 tensors."""
+    if mode == "bf16_emulated":
         return BF16Emulation(device_type)
     return contextlib.nullcontext()
 

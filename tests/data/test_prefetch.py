@@ -66,6 +66,7 @@ def test_training_on_streamed_data_tokenizes_off_the_main_thread(tmp_path, corpu
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from hif8qat.config.numerics import train_numerics
     from hif8qat.config.run_config import RunConfig, resolve_profile
     from hif8qat.train.loop import train
 
@@ -85,6 +86,6 @@ def test_training_on_streamed_data_tokenizes_off_the_main_thread(tmp_path, corpu
     readers = [t for t in threading.enumerate() if t.name == "hif8qat-prefetch"]
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    train(cfg, run_dir)
+    train(cfg, run_dir, numerics=train_numerics(cfg))
     assert threads and not any(threads), threads  # every training batch was tokenized by the reader thread
     assert [t for t in threading.enumerate() if t.name == "hif8qat-prefetch"] == readers  # it ended with the run

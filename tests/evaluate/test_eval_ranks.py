@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, store: str, out: str, what: str, export: str)
         else:
             from hif8qat.evaluate.runner import evaluate_export
 
-            res = evaluate_export(export, what, "mini", out_dir=Path(out) / what, dtype="fp32", device="cpu",
+            res = evaluate_export(export, what, "mini", out_dir=Path(out) / what, device="cpu",
                                   limit=4, batch_size=4)
             Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     finally:
@@ -112,7 +112,7 @@ def test_two_rank_evaluation_writes_the_single_process_files(tmp_path, mode):
     from hif8qat.evaluate.runner import evaluate_export
 
     export = write_quantized_export(tmp_path / "export", scope="attn_mlp", seed=4)
-    single = evaluate_export(export, mode, "mini", out_dir=tmp_path / "single", dtype="fp32", device="cpu",
+    single = evaluate_export(export, mode, "mini", out_dir=tmp_path / "single", device="cpu",
                              limit=4, batch_size=4)
     out = _spawn(tmp_path, mode, str(export))
     sharded = json.loads((out / "rank0.json").read_text())

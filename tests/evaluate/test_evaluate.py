@@ -12,8 +12,10 @@ import torch
 from conftest import smollm2_weights_missing
 
 from hif8qat.artefacts import write_folder_manifest
+from hif8qat.compute_dtype import Numerics
 from hif8qat.config import eval_tasks
-from hif8qat.evaluate import loading, outputs, runner, settings, subsets, task_data
+from hif8qat.config.numerics import eval_numerics
+from hif8qat.evaluate import loading, outputs, runner, subsets, task_data
 from hif8qat.models import loading as tiny
 from hif8qat.models.quant_files import save_quant_export
 from hif8qat.quant import linear as qlinear
@@ -84,7 +86,7 @@ def test_per_item_log_likelihoods_are_not_rounded_to_bf16_under_autocast(tiny_mo
     would round every value to a multiple of 2^-8 of its magnitude (0.125 nats at -20..-32)."""
     model, tok = tiny_model
     out = tmp_path / "eval" / "bf16"
-    runner.evaluate_model(model, tok, "mini_arc", out_dir=out, limit=6, batch_size=8, dtype="bf16")
+    runner.evaluate_model(model, tok, "mini_arc", out_dir=out, limit=6, batch_size=8, numerics=Numerics("bf16"))
     lls = torch.tensor([float(r["gold_ll"]) for r in _read_csv(out / "samples_mini_arc.csv")])
     assert lls.numel() == 6 and bool((lls < 0).all())
     off_grid = lls.bfloat16().float() != lls
@@ -191,26 +193,34 @@ def test_unavailable_dataset_fails_fast(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ device and numerics
+def _eval_numerics(device, dtype, *, train_device=None, train_autocast=None) -> tuple[str, str]:
+    """(device, mode) of an evaluation after a training on train_device with train_autocast (resolved)."""
+    train = None if train_autocast is None else Numerics(train_autocast)
+    device, numerics = eval_numerics(device, dtype, train_device=train_device, train=train)
+    assert numerics.device_type == torch.device(device).type  # the numerics are for the device evaluated on
+    return device, numerics.mode
+
+
 def test_auto_numerics_follow_the_training_settings(monkeypatch):
     from hif8qat.errors import RunError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert settings.resolve_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cpu", "bf16")
+    assert _eval_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cpu", "bf16")
     # the training's value passes under its own name: train.autocast=none is evaluated as none, not renamed
     for value in ("none", "bf16", "bf16_emulated"):
-        assert settings.resolve_numerics("auto", "auto", train_device="cpu", train_autocast=value) == ("cpu", value)
-    assert settings.resolve_numerics("cpu", "none", train_autocast="bf16") == ("cpu", "none")  # explicit wins
+        assert _eval_numerics("auto", "auto", train_device="cpu", train_autocast=value) == ("cpu", value)
+    assert _eval_numerics("cpu", "none", train_autocast="bf16") == ("cpu", "none")  # explicit wins
     # fp32, the name earlier versions gave none (command lines, saved configs), is still read, as none
-    assert settings.resolve_numerics("cpu", "fp32", train_autocast="bf16") == ("cpu", "none")
-    assert settings.resolve_numerics("auto", "auto") == ("cpu", "none")  # no training config: FP32 on a CPU
+    assert _eval_numerics("cpu", "fp32", train_autocast="bf16") == ("cpu", "none")
+    assert _eval_numerics("auto", "auto") == ("cpu", "none")  # no training config: FP32 on a CPU
     with pytest.raises(RunError, match="eval.device=cuda.*no CUDA device"):
-        settings.resolve_numerics("cuda", "auto")
+        eval_numerics("cuda", "auto")
     with pytest.raises(RunError, match=r"eval.dtype='fp16'.*allowed one of auto, bf16, bf16_emulated, none"):
-        settings.resolve_numerics("auto", "fp16")
+        eval_numerics("auto", "fp16")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert settings.resolve_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cuda", "bf16")
-    assert settings.resolve_numerics("auto", "auto", train_device="cpu", train_autocast="bf16") == ("cpu", "bf16")
-    assert settings.resolve_numerics("auto", "auto") == ("cuda", "bf16")  # no training config: bf16 on a GPU
+    assert _eval_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cuda", "bf16")
+    assert _eval_numerics("auto", "auto", train_device="cpu", train_autocast="bf16") == ("cpu", "bf16")
+    assert _eval_numerics("auto", "auto") == ("cuda", "bf16")  # no training config: bf16 on a GPU
 
 
 def _loglikelihoods(out) -> list:
@@ -222,10 +232,10 @@ def _loglikelihoods(out) -> list:
 def test_bf16_evaluation_is_the_training_autocast_forward(tiny_model, tmp_path, monkeypatch):
     model, tok = tiny_model
     kw = dict(tasks="mini_arc", limit=3, batch_size=4)
-    res = runner.evaluate_model(model, tok, out_dir=tmp_path / "bf16", dtype="bf16", **kw)
+    res = runner.evaluate_model(model, tok, out_dir=tmp_path / "bf16", numerics=Numerics("bf16"), **kw)
     assert {k: res["_meta"][k] for k in ("device", "dtype", "autocast")} == \
         {"device": "cpu", "dtype": "float32", "autocast": "bfloat16"}
-    fp32 = runner.evaluate_model(model, tok, out_dir=tmp_path / "fp32", dtype="fp32", **kw)
+    fp32 = runner.evaluate_model(model, tok, out_dir=tmp_path / "fp32", numerics=Numerics("none"), **kw)
     assert fp32["_meta"]["autocast"] is None
     forward = model.forward
 
@@ -246,7 +256,7 @@ def test_hif8_mode_keeps_fp32_master_weights_under_bf16(tmp_path):
     export = write_quantized_export(tmp_path / "export", scope="mlp", seed=2, seq=16)
     loaded, _ = loading.load_for_eval(export, "hif8", device="cpu")
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
-    res = runner.evaluate_export(export, "hif8", "mini_arc", dtype="bf16", device="cpu", limit=2, batch_size=4)
+    res = runner.evaluate_export(export, "hif8", "mini_arc", numerics=Numerics("bf16"), device="cpu", limit=2, batch_size=4)
     assert (res["_meta"]["mode"], res["_meta"]["dtype"], res["_meta"]["autocast"]) == ("hif8", "float32", "bfloat16")
 
 

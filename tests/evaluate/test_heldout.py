@@ -16,6 +16,7 @@ from conftest import mini_corpus_missing, write_quantized_export
 from scipy import stats as st
 
 from hif8qat.artefacts import write_folder_manifest
+from hif8qat.compute_dtype import Numerics
 from hif8qat.evaluate import heldout
 from hif8qat.models.loading import build_tiny_llama
 from hif8qat.report.claims import DEFAULT_MARGINS, ONE_SEED
@@ -235,31 +236,31 @@ def test_eval_hook_skips_a_baseline_without_export_and_covers_modes_evaluated_la
     shutil.rmtree(base / "export")
     cfg = types.SimpleNamespace(quant=types.SimpleNamespace(enabled=True), force=False, results_root=str(root),
                                 eval=types.SimpleNamespace(modes=["bf16", "hif8"]))
-    doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
+    doc = heldout.after_eval(cfg, run, device="cpu", numerics=Numerics("none"))
     assert "no export" in doc["baseline_skipped"] and list(doc["comparisons"]) == ["hif8_vs_bf16"]
-    assert heldout.after_eval(cfg, run, device="cpu", dtype="fp32") is None  # done once, not redone
+    assert heldout.after_eval(cfg, run, device="cpu", numerics=Numerics("none")) is None  # done once, not redone
     assert "already done" in capsys.readouterr().out
     # once the baseline has an export, the eval stage pairs the run with it
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=11)
     model.save_pretrained(base / "export")
     tok.save_pretrained(base / "export")
     write_folder_manifest(base / "export")
-    doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
+    doc = heldout.after_eval(cfg, run, device="cpu", numerics=Numerics("none"))
     assert doc["baseline_run"] == "exp7/seed0" and doc["baseline_skipped"] is None
     # exactly the three comparisons: the baseline's two added, the one made before kept, nothing else
     assert sorted(doc["comparisons"]) == ["bf16_vs_baseline", "hif8_vs_baseline", "hif8_vs_bf16"]
     # a comparison made in bf16 mode only, then hif8 evaluated later (stage=eval with eval.modes=[bf16,hif8]):
     # its comparisons are added then; an eval of bf16 alone afterwards neither redoes nor narrows them
     heldout.compute_heldout(run, modes=["bf16"])
-    doc = heldout.after_eval(cfg, run, device="cpu", dtype="fp32")
+    doc = heldout.after_eval(cfg, run, device="cpu", numerics=Numerics("none"))
     assert set(doc["comparisons"]) == {"bf16_vs_baseline", "hif8_vs_baseline", "hif8_vs_bf16"}
-    assert heldout.after_eval(cfg, run, device="cpu", dtype="fp32") is None
+    assert heldout.after_eval(cfg, run, device="cpu", numerics=Numerics("none")) is None
     cfg.eval.modes = ["bf16"]
-    assert heldout.after_eval(cfg, run, device="cpu", dtype="fp32") is None
+    assert heldout.after_eval(cfg, run, device="cpu", numerics=Numerics("none")) is None
     assert "hif8" in heldout.read_summary(run)["models"]
     # an unquantized run computes nothing in the eval stage
     cfg.quant.enabled = False
-    assert heldout.after_eval(cfg, base, device="cpu", dtype="fp32") is None
+    assert heldout.after_eval(cfg, base, device="cpu", numerics=Numerics("none")) is None
 
 
 def test_report_keeps_only_the_baseline_they_were_computed_against(runs):

@@ -26,11 +26,12 @@ def _error_lines_stand_alone(err: str) -> list[str]:
 
 
 def _train_with_bar(tmp_path: Path, *overrides: str):
+    from hif8qat.config.numerics import train_numerics
     from hif8qat.train.loop import train
 
     (tmp_path / "run").mkdir()
     cfg = _smoke(tmp_path, "logger.progress_bar=true", *overrides)
-    return lambda: train(cfg, tmp_path / "run")
+    return lambda: train(cfg, tmp_path / "run", numerics=train_numerics(cfg))
 
 
 def test_a_diverging_run_closes_its_progress_bar_before_the_error(tmp_path, capsys):

@@ -242,7 +242,9 @@ def test_fsdp_checkpoint_roundtrip_over_nccl(tmp_path):
 
 def test_evaluation_defaults_to_the_gpu_with_bf16_autocast_over_fp32_weights(tmp_path):
     from hif8qat.artefacts import write_folder_manifest
-    from hif8qat.evaluate import runner, settings
+    from hif8qat.compute_dtype import Numerics
+    from hif8qat.config.numerics import eval_numerics
+    from hif8qat.evaluate import runner
     from hif8qat.models.loading import build_tiny_llama
     from hif8qat.models.quant_files import save_quant_export
     from hif8qat.quant.linear import convert_model, set_quantization
@@ -256,8 +258,10 @@ def test_evaluation_defaults_to_the_gpu_with_bf16_autocast_over_fp32_weights(tmp
         model(torch.randint(3, 200, (2, 16)))
     save_quant_export(model, tmp_path / "export", {"step": 1})
     write_folder_manifest(tmp_path / "export")
-    assert settings.resolve_numerics("auto", "auto", train_device="auto", train_autocast="bf16") == ("cuda", "bf16")
-    res = runner.evaluate_export(tmp_path / "export", "hif8", "mini_arc", limit=4, batch_size=4)  # auto, auto
+    device, numerics = eval_numerics("auto", "auto", train_device="auto", train=Numerics("bf16", "cuda"))
+    assert (device, numerics) == ("cuda", Numerics("bf16", "cuda"))
+    res = runner.evaluate_export(tmp_path / "export", "hif8", "mini_arc", device=device, numerics=numerics,
+                                 limit=4, batch_size=4)
     meta = res["_meta"]
     assert meta["device"].startswith("cuda") and (meta["dtype"], meta["autocast"]) == ("float32", "bfloat16")
     assert res["mini_arc"]["n"] == 4

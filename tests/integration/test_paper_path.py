@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hif8qat.cli import stages
+from hif8qat.config.numerics import run_numerics, train_numerics
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.rehearse.standins import write_remote_code_model
@@ -51,12 +52,12 @@ def test_evaluation_loads_a_remote_code_export_only_when_the_run_trusted_remote_
     exported = json.loads((run_dir / "export" / "config.json").read_text())
     assert exported.get("auto_map"), "the export keeps its remote code, as an openPangu export does"
     if trusted:
-        stages.evaluate(cfg, run_dir)
+        stages.evaluate(cfg, run_dir, numerics=run_numerics(cfg))
         results = json.loads((run_dir / "eval" / "bf16" / "results.json").read_text())
         assert results["mini_arc"]["n"] == 2
     else:  # a run that did not opt in never runs the export's code at evaluation either
         with pytest.raises(ValueError, match="model.trust_remote_code"):
-            stages.evaluate(cfg, run_dir)
+            stages.evaluate(cfg, run_dir, numerics=run_numerics(cfg))
 
 
 def test_an_fsdp_run_exports_a_remote_code_model_with_its_own_modeling_code(tmp_path, remote_model):
@@ -99,7 +100,7 @@ def test_telemetry_dumps_hold_the_counts_of_their_own_steps(tmp_path, monkeypatc
     assert cfg.quant.bf16_warmup_steps == 0 and cfg.train.steps == 8
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    train(cfg, run_dir)
+    train(cfg, run_dir, numerics=train_numerics(cfg))
     dumps = sorted((run_dir / "telemetry").glob("*.jsonl"))
     assert [p.name for p in dumps] == [f"step{s:07d}_rank0.jsonl" for s in (0, 3, 6)]
     initial, _ = load_causal_lm(cfg.model.name)  # the same seeded weights the run starts from
@@ -248,7 +249,7 @@ def test_the_step_log_records_the_data_epoch_and_a_wrap_is_announced(tmp_path, c
     cfg = _smoke(tmp_path, "experiment=exp1", f"data.source={tmp_path / 'fineweb'}", "train.checkpoint_every=100")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    train(cfg, run_dir)
+    train(cfg, run_dir, numerics=train_numerics(cfg))
     epochs = [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(epochs) == 8 and epochs[0] == 0 and epochs[-1] >= 1 and epochs == sorted(epochs)
     first_wrap = epochs.index(1)
@@ -264,6 +265,6 @@ def test_a_run_that_keeps_no_checkpoint_when_done_never_writes_the_final_one(tmp
     cfg = _smoke(tmp_path, "experiment=exp1", "train.checkpoint_every=3", "train.keep_checkpoints_when_done=0")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    train(cfg, run_dir)
+    train(cfg, run_dir, numerics=train_numerics(cfg))
     assert saved == [3, 6]  # the step-8 checkpoint would have been pruned right after its write
     assert (run_dir / "export" / "model.safetensors").exists() and (run_dir / "DONE").exists()

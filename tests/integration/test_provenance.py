@@ -92,11 +92,13 @@ def test_a_cut_line_in_the_middle_of_a_telemetry_dump_is_an_error(tmp_path):
 def quant_export(tmp_path_factory) -> Path:
     from test_checkpoint import _smoke
 
+    from hif8qat.config.numerics import train_numerics
     from hif8qat.train.loop import train
 
     root = tmp_path_factory.mktemp("export")
     (root / "run").mkdir()
-    train(_smoke(root, "train.keep_checkpoints_when_done=0", experiment="exp3"), root / "run")
+    cfg = _smoke(root, "train.keep_checkpoints_when_done=0", experiment="exp3")
+    train(cfg, root / "run", numerics=train_numerics(cfg))
     return root / "run" / "export"
 
 

@@ -17,6 +17,7 @@ from test_reliability import assert_user_error, cli, cli_config
 from test_report import make_fake_runs
 
 from hif8qat.cli import command_line
+from hif8qat.config.numerics import train_numerics
 from hif8qat.config.run_config import ConfigError, RunConfig
 from hif8qat.launch import preflight
 from hif8qat.train import checkpoint as ckpt
@@ -183,7 +184,7 @@ def test_memory_estimate_counts_the_real_models_parameters(layers):
     model, _ = build_tiny_llama(num_layers=layers)
     facts = model_config_facts(f"tiny:{layers}")
     cfg = cli_config(["experiment=exp1", "profile=smoke", f"model.name=tiny:{layers}"])
-    parts = preflight.step_memory(cfg, facts)
+    parts = preflight.step_memory(cfg, facts, train_numerics(cfg))
     n = sum(p.numel() for p in model.parameters())
     # the simulated model is the real one: FP32 weights (and the rotary buffer), two AdamW moments and a step count
     assert parts["weights"] == 4 * n + sum(b.numel() * b.element_size() for b in model.buffers())
@@ -193,7 +194,8 @@ def test_memory_estimate_counts_the_real_models_parameters(layers):
 
 def test_profiles_as_shipped_pass_the_model_checks():
     for profile in ("smoke", "mini"):
-        preflight.check_model_fits(cli_config(["experiment=exp8", f"profile={profile}"]))
+        cfg = cli_config(["experiment=exp8", f"profile={profile}"])
+        preflight.check_model_fits(cfg, train_numerics(cfg))
 
 
 # ------------------------------------------------------------------ a full disk
@@ -268,7 +270,7 @@ def test_training_checks_free_space_before_the_first_step(tmp_path, monkeypatch)
     try:
         monkeypatch.setattr(ckpt, "free_bytes", lambda path: 1000)
         with pytest.raises(ckpt.DiskFull, match=r"not enough free space for a checkpoint .*1\.0 KB free"):
-            train.train(cfg, run_dir)
+            train.train(cfg, run_dir, numerics=train_numerics(cfg))
         assert not (run_dir / "metrics.jsonl").exists()  # no step was trained
     finally:
         runs.release_run_dir(run_dir)
@@ -285,7 +287,7 @@ def test_disk_full_while_exporting_says_training_is_kept(tmp_path, monkeypatch):
     try:
         _enospc_on(monkeypatch, export, "export_model")
         with pytest.raises(ckpt.DiskFull, match="the export.*Training is complete in .*step_0000002"):
-            train.train(cfg, run_dir)
+            train.train(cfg, run_dir, numerics=train_numerics(cfg))
     finally:
         runs.release_run_dir(run_dir)
     assert not (run_dir / "export.tmp").exists() and not (run_dir / "DONE").exists()

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hif8qat.cli import main as cli_main
+from hif8qat.config.numerics import train_numerics
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.runs.folders import find_baseline_run, prepare_run_dir, release_run_dir
 
@@ -164,7 +165,7 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
                  "train.global_batch_size=16", "train.micro_batch_size=2", f"results_root={tmp_path}"]
     cfg = _smoke(tmp_path, "train.distributed=fsdp", "train.global_batch_size=16", "train.micro_batch_size=2")
     facts = model_config_facts(cfg.model.name)
-    one, eight = (sum(preflight_module.step_memory(cfg, facts, w).values()) for w in (1, 8))
+    one, eight = (sum(preflight_module.step_memory(cfg, facts, train_numerics(cfg), w).values()) for w in (1, 8))
     assert one > eight
     monkeypatch.setattr(preflight_module, "_machine_memory", lambda device: (eight, "memory on GPU 0"))
 
@@ -172,7 +173,7 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
     run_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_module)
     dispatched = []
-    monkeypatch.setattr(cli_main, "dispatch", dispatched.append)
+    monkeypatch.setattr(cli_main, "dispatch", lambda cfg, numerics: dispatched.append(cfg))
     # hydra finds conf/ beside the file of a __main__ function, as when run.py is started as a script
     monkeypatch.setattr(run_module.main.__wrapped__, "__module__", "__main__")
     monkeypatch.setattr(sys, "argv", ["run.py", *overrides, f"hydra.run.dir={tmp_path / 'hydra'}",

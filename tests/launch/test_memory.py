@@ -14,6 +14,7 @@ minutes at that width, so those configurations are `slow`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from hif8qat.config.numerics import train_numerics
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.launch.memory import GIB, far_below, ratio_verdict, step_memory
 from hif8qat.models.loading import model_config_facts
@@ -40,6 +42,11 @@ def _cfg(*overrides: str) -> RunConfig:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         composed = compose(config_name="config", overrides=["stage=train", *overrides])
     return resolve_profile(RunConfig.from_dict(OmegaConf.to_container(composed, resolve=True), check_paths=False))
+
+
+def _on(cfg, device_type: str):
+    """The run's training numerics, for a run on device_type (the paper profile's GPU, estimated here)."""
+    return dataclasses.replace(train_numerics(cfg), device_type=device_type)
 
 
 def _measured_peak(facts: dict, overrides: list[str], chunk_elements: int | None) -> int:
@@ -81,7 +88,7 @@ def test_estimate_is_within_10_percent_of_the_measured_peak(monkeypatch, name):
     cfg = _cfg(*overrides)
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     assert (tokens * facts["vocab_size"] > chunked_loss.CHUNK_ELEMENTS) == (chunk_elements is not None)
-    estimate = sum(step_memory(cfg, facts, device_type="cpu").values())
+    estimate = sum(step_memory(cfg, facts, _on(cfg, "cpu")).values())
     peak = _measured_peak(facts, overrides, chunk_elements)
     print(f"{name}: estimate {estimate / GIB:.3f} GiB, measured {peak / GIB:.3f} GiB, ratio {estimate / peak:.3f}")
     assert 0.9 <= estimate / peak <= 1.1, f"estimate {estimate / GIB:.3f} GiB, measured {peak / GIB:.3f} GiB"
@@ -92,7 +99,7 @@ def paper():
     """exp8 at the paper profile: the real (tied) openPangu-Embedded-1B, DDP on 8 GPUs, micro-batch 16 x 1024."""
     cfg = _cfg("profile=paper", "experiment=exp8")
     facts = model_config_facts("openpangu_embedded_1b")
-    return cfg, step_memory(cfg, facts, world_size=8, device_type="cuda")
+    return cfg, step_memory(cfg, facts, _on(cfg, "cuda"), world_size=8)
 
 
 def test_a_measured_peak_is_judged_against_the_estimate():
@@ -116,7 +123,7 @@ def test_the_docs_print_the_paper_profiles_estimate(paper):
     _, parts = paper
     figure = f"{sum(parts.values()) / GIB:.1f} GiB"
     cfg = _cfg("profile=paper", "experiment=exp8", "train.activation_checkpointing=true")
-    checkpointed = sum(step_memory(cfg, model_config_facts("openpangu_embedded_1b"), 8, "cuda").values())
+    checkpointed = sum(step_memory(cfg, model_config_facts("openpangu_embedded_1b"), _on(cfg, "cuda"), 8).values())
     for doc in ("README.md", "docs/running_at_scale.md"):
         text = (ROOT / doc).read_text()
         assert figure in text, f"{doc} does not quote the paper profile's estimate {figure}"
@@ -131,7 +138,7 @@ def test_preflight_skips_the_simulation_only_for_steps_far_below_the_memory(pape
     small = _cfg("experiment=exp8", "profile=smoke")
     facts = model_config_facts(small.model.name)
     assert far_below(small, facts, 2 ** 34)
-    assert 100 * sum(step_memory(small, facts).values()) < 2 ** 34  # what it skipped fits a hundred times over
+    assert 100 * sum(step_memory(small, facts, train_numerics(small)).values()) < 2 ** 34  # what it skipped fits a hundred times over
 
 
 # ------------------------------------------------------------------ the measured process
@@ -142,7 +149,6 @@ def _measure(spec: dict) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
-    from hif8qat import compute_dtype as numerics
     from hif8qat.models.pangu import pangu_llama_config
     from hif8qat.quant.linear import set_quantization
     from hif8qat.train import loop
@@ -155,13 +161,13 @@ def _measure(spec: dict) -> dict:
     if spec["chunk_elements"]:
         chunked_loss.CHUNK_ELEMENTS = spec["chunk_elements"]
     torch.set_num_threads(2)
-    compute = numerics.resolve(cfg.train.autocast, "cpu")
+    compute = dataclasses.replace(train_numerics(cfg), device_type="cpu")
     ctx = loop.DistContext()
 
     def step(facts: dict, measured: bool) -> None:
         config = pangu_llama_config(facts)
         loop.load_causal_lm = lambda *args, **kwargs: (LlamaForCausalLM(config), None)
-        model, _, _ = loop._build_model(cfg, ctx)
+        model, _, _ = loop._build_model(cfg, ctx, compute)
         if cfg.quant.enabled:
             set_quantization(model, True)
         optimizer = loop.build_optimizer(model, cfg)

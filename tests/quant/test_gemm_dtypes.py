@@ -175,7 +175,7 @@ def test_held_out_comparison_sends_no_bf16_operand_to_a_gemm():
     counter = GemmOperandDtypes()
     with counter:
         cols = stream_token_stats({"base": base.eval(), "run": quant.eval()}, [("base", "run")], windows,
-                                  numerics="bf16_emulated", batch_windows=2)
+                                  numerics=numerics.Numerics("bf16_emulated"), batch_windows=2)
     assert len(cols["nll_run"]) == 3 * 16
     assert counter.bf16() == {}, counter.bf16()
     assert counter.total() > 0
@@ -190,8 +190,8 @@ def test_evaluation_sends_no_bf16_operand_to_a_gemm(mode, tmp_path):
     export = write_quantized_export(tmp_path / "export", scope="attn_mlp", seed=3)
     counter = GemmOperandDtypes()
     with counter:
-        res = runner.evaluate_export(export, mode, "mini_arc", dtype="bf16_emulated", device="cpu", limit=2,
-                                 batch_size=4)
+        res = runner.evaluate_export(export, mode, "mini_arc", numerics=numerics.Numerics("bf16_emulated"),
+                                     device="cpu", limit=2, batch_size=4)
     assert res, "the evaluation produced results"
     assert counter.bf16() == {}, counter.bf16()
     assert counter.total() > 0
@@ -205,7 +205,7 @@ def test_time_estimate_measures_with_no_bf16_operand(monkeypatch):
     cfg = _with_autocast(cli_config(["experiment=exp3", "profile=smoke"]), "bf16_emulated")
     counter = GemmOperandDtypes()
     with counter:
-        costs = estimate.measure(cfg, repeats=1)
+        costs = estimate.measure(cfg, numerics.Numerics(cfg.train.autocast), repeats=1)
     assert costs.numerics == "bf16_emulated" and costs.qat_step_s > 0
     assert counter.bf16() == {}, counter.bf16()
     assert counter.total() > 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hif8qat.compute_dtype import Numerics
 from hif8qat.models.loading import build_tiny_llama
 from hif8qat.train import loop
 
@@ -39,7 +40,7 @@ def test_accumulated_micro_batches_give_the_gradient_of_their_mean_loss(accum):
     want, want_loss = _oracle_grads(model, batches)
     model.zero_grad(set_to_none=True)
     cfg = types.SimpleNamespace(quirks=types.SimpleNamespace(double_label_shift=False))
-    got_loss = loop._forward_backward(model, iter(batches), accum, "none", cfg, loop.DistContext())
+    got_loss = loop._forward_backward(model, iter(batches), accum, Numerics("none"), cfg, loop.DistContext())
     assert got_loss == pytest.approx(want_loss, rel=1e-6)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, want[name], rtol=1e-5, atol=1e-7, msg=name)

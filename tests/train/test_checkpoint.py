@@ -15,13 +15,21 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from hif8qat.config.numerics import train_numerics
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.errors import RunError
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.guards import _first_nonfinite
 from hif8qat.train.log import truncate_metrics
-from hif8qat.train.loop import TrainingDiverged, train
+from hif8qat.train.loop import TrainingDiverged
+from hif8qat.train.loop import train as train_with
 from hif8qat.train.provenance import check_provenance, run_provenance
+
+
+def train(cfg, run_dir):
+    """The trainer under the run's numerics, as run.py resolves them."""
+    return train_with(cfg, run_dir, numerics=train_numerics(cfg))
+
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from hif8qat.boundary import guarded
 from hif8qat.cli.hydra_config import config_for, replace_typed_dicts, to_run_config
 from hif8qat.cli.stages import check_cache_env, dispatch
+from hif8qat.config.numerics import run_numerics
 from hif8qat.launch.preflight import preflight
 from hif8qat.launch.sweep import run_point
 from hif8qat.launch.time_estimate import main as estimate_main
@@ -39,8 +40,10 @@ def run_job(cfg: DictConfig) -> dict[str, str] | None:
         run_cfg = to_run_config(replace_typed_dicts(cfg, overrides), overrides)
         env_from_slurm()  # under srun, preflight's memory check must know the world size
         check_cache_env()
-        preflight(run_cfg)
-        return dispatch(run_cfg)
+        # the run's numerics, resolved once here (an evaluation device this machine lacks fails before training)
+        numerics = run_numerics(run_cfg)
+        preflight(run_cfg, numerics)
+        return dispatch(run_cfg, numerics)
 
     if hydra_cfg.mode == RunMode.MULTIRUN:
         return run_point(run)

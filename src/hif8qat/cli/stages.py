@@ -9,12 +9,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hif8qat.artefacts import CorruptArtefact, UnverifiedArtefact, trusting_unverified
+from hif8qat.config.numerics import RunNumerics
 from hif8qat.config.run_config import RunConfig
 from hif8qat.errors import RunError, concerning
 from hif8qat.evaluate.heldout import after_eval
 from hif8qat.evaluate.outputs import verify_eval_dir
 from hif8qat.evaluate.runner import evaluate_run
-from hif8qat.evaluate.settings import resolve_numerics
 from hif8qat.files import folder_problem
 from hif8qat.launch.sweep import SKIPPED
 from hif8qat.report import build_report, format_report
@@ -54,35 +54,15 @@ def baseline_note(cfg: RunConfig, run_dir: Path) -> None:
           "runs it first.")
 
 
-def eval_numerics(cfg: RunConfig) -> tuple[str, str]:
-    """The evaluation's device and autocast: eval.device / eval.dtype, auto being the training's device and its
-    (resolved) train.autocast.
-
-    Args:
-        cfg: the run's config.
-
-    Returns:
-        ``(device, autocast)``."""
-    return resolve_numerics(cfg.eval.device, cfg.eval.dtype, train_device=cfg.train.device,
-                            train_autocast=cfg.train.autocast)
-
-
-def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> bool:
+def evaluate(cfg: RunConfig, run_dir: Path, ctx=None, *, numerics: RunNumerics) -> bool:
     """Evaluate the run's export in each configured mode that has no results yet (force=true redoes them).
 
     Under torchrun (ctx of several ranks) every rank evaluates its share of the requests and rank 0, which
     alone checks and locks the folder and chooses the modes, writes the results (hif8qat.evaluate.ranks).
-
-    Args:
-        cfg: the run's config.
-        run_dir: the run folder.
-        ctx: the distributed context (None: one process).
-
-    Returns:
-        Whether any mode was evaluated."""
+    ``numerics``: the run's (its evaluation device and numerics). Returns whether any mode was evaluated."""
     main = ctx is None or ctx.is_main
     modes = on_rank0(ctx, lambda: _modes_to_evaluate(cfg, run_dir))
-    device, autocast = eval_numerics(cfg)
+    device = numerics.eval_device
     if modes:
         on_gpu_ranks = ctx is not None and ctx.world_size > 1 and device == "cuda"
         settings = (f"the evaluation settings (eval.tasks={list(cfg.eval.tasks)}, eval.num_fewshot="
@@ -90,14 +70,14 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> bool:
         with concerning(settings, libraries=("lm_eval", "datasets", "pyarrow")):  # what lm-eval cannot honour
             evaluate_run(run_dir, modes=modes, tasks=list(cfg.eval.tasks), batch_size=cfg.eval.batch_size,
                          device=str(ctx.device) if on_gpu_ranks else device,  # each rank its own GPU
-                         dtype=autocast, limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
+                         numerics=numerics.eval, limit=cfg.eval.limit, num_fewshot=dict(cfg.eval.num_fewshot) or None,
                          local_datasets=dict(cfg.eval.local_datasets) or None, subset=cfg.eval.subset,
                          subset_seed=cfg.eval.subset_seed, offline_data=cfg.eval.offline_data,
                          results_root=Path(cfg.results_root), trust_remote_code=cfg.model.trust_remote_code)
     elif main:
         print(f"{run_dir}: evaluation already done for modes {cfg.eval.modes} (force=true redoes it)")
     if main:  # one process computes a quantized run's held-out distances (up to three models); once per run
-        after_eval(cfg, run_dir, device=device, dtype=autocast)
+        after_eval(cfg, run_dir, device=device, numerics=numerics.eval)
     return bool(modes)
 
 
@@ -210,19 +190,15 @@ def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:
     return on_rank0(ctx, lambda: prepare_run_dir(cfg))
 
 
-def dispatch(cfg: RunConfig) -> str | None:
-    """Run cfg.stage. Files without an integrity record are refused unless cfg.trust_unverified.
-
-    Args:
-        cfg: the run's config.
-
-    Returns:
-        SKIPPED when the run was found finished with nothing left to do (a sweep's rerun), else None."""
+def dispatch(cfg: RunConfig, numerics: RunNumerics) -> str | None:
+    """Run cfg.stage with the run's ``numerics`` (resolved once, with the config); SKIPPED when the run was found
+    finished with nothing left to do (a sweep's rerun). Files without an integrity record are refused unless
+    cfg.trust_unverified."""
     with trusting_unverified(cfg.trust_unverified):
-        return _dispatch(cfg)
+        return _dispatch(cfg, numerics)
 
 
-def _dispatch(cfg: RunConfig) -> str | None:
+def _dispatch(cfg: RunConfig, numerics: RunNumerics) -> str | None:
     env_from_slurm()  # under srun, every task must know its rank before deciding anything
 
     if cfg.stage == "report":
@@ -231,13 +207,10 @@ def _dispatch(cfg: RunConfig) -> str | None:
     if cfg.stage == "export":  # the deployable 8-bit export of a trained run
         export_8bit_stage(cfg)
         return
-    if cfg.stage in ("eval", "all"):
-        eval_numerics(cfg)  # an evaluation device this machine lacks fails before training, not after
-
-    ctx = setup_distributed(cfg.train.device if cfg.stage != "eval" else eval_numerics(cfg)[0])
+    ctx = setup_distributed(cfg.train.device if cfg.stage != "eval" else numerics.eval_device)
     if cfg.stage == "eval":  # evaluation never touches the training folder's state
         try:  # under torchrun every rank scores its share; rank 0 writes eval/
-            evaluated = evaluate(cfg, run_dir_for(cfg), ctx)
+            evaluated = evaluate(cfg, run_dir_for(cfg), ctx, numerics=numerics)
         finally:
             if ctx.is_main:
                 release_run_dir(run_dir_for(cfg))
@@ -252,9 +225,9 @@ def _dispatch(cfg: RunConfig) -> str | None:
                 print(f"{run_dir} is finished: skipping training (force=true reruns it)")
             else:
 
-                train(cfg, run_dir, ctx)
+                train(cfg, run_dir, ctx, numerics=numerics.train)
         if cfg.stage == "all":
-            evaluated = evaluate(cfg, run_dir, ctx)
+            evaluated = evaluate(cfg, run_dir, ctx, numerics=numerics)
             if ctx.is_main:
                 report(cfg, only_experiment=cfg.experiment.name)
     finally:

@@ -1,12 +1,34 @@
 """``train.autocast`` and ``train.optimizer_impl`` resolved for the machine a run trains on, before its folder is
-made (the numerics themselves are the library core's :mod:`hif8qat.compute_dtype`)."""
+made, and the run's compute numerics made one typed value (:class:`RunNumerics`: training's and evaluation's,
+``eval.dtype`` / ``eval.device`` resolved against them). The one place where ``auto`` numerics are resolved; the
+numerics themselves are the library core's :mod:`hif8qat.compute_dtype`. ``eval.dtype`` takes
+``train.autocast``'s values (``fp32``, the name earlier versions gave ``none``, is still read)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from hif8qat.compute_dtype import resolve, training_device_type
+import torch
+
+from hif8qat.compute_dtype import RESOLVED, Numerics, resolve, training_device_type
+from hif8qat.config.eval_tasks import DEVICES, DTYPES, FP32_OLD_NAME
 from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.errors import RunError
+
+
+class EvalSettingError(RunError):
+    """An evaluation device or dtype that this machine or this mode cannot honour."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunNumerics:
+    """A run's compute numerics, resolved once from its (resolved) config and passed to what runs its model:
+    ``train`` (training steps, the memory and time estimates), ``eval`` and ``eval_device`` (lm-eval, the held-out
+    comparison; None for a stage that does not evaluate)."""
+
+    train: Numerics
+    eval: Numerics | None
+    eval_device: str | None
 
 
 def optimizer_impl_for(requested: str, device_type: str) -> str:
@@ -63,3 +85,46 @@ def resolve_run(cfg: RunConfig, *, saved_optimizer_impl: str | None = None) -> R
         return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, autocast=autocast,
                                                               optimizer_impl=optimizer_impl))
+
+
+def train_numerics(cfg: RunConfig) -> Numerics:
+    """``train.autocast`` on the run's training device type (the training steps, the memory and time estimates)."""
+    device_type = training_device_type(cfg.train.device)
+    return Numerics(resolve(cfg.train.autocast, device_type), device_type)
+
+
+def run_numerics(cfg: RunConfig) -> RunNumerics:
+    """The numerics of a run: :func:`train_numerics`, and for a stage that evaluates (eval, all) ``eval.device`` /
+    ``eval.dtype`` (``auto``: the training's). Raises :class:`EvalSettingError` for an evaluation device this
+    machine lacks, before any training."""
+    train = train_numerics(cfg)
+    if cfg.stage not in ("eval", "all"):
+        return RunNumerics(train, None, None)
+    eval_device, numerics = eval_numerics(cfg.eval.device, cfg.eval.dtype, train_device=cfg.train.device,
+                                          train=train)
+    return RunNumerics(train, numerics, eval_device)
+
+
+def eval_numerics(device: str = "auto", dtype: str | None = "auto", *, train_device: str | None = None,
+                  train: Numerics | None = None) -> tuple[str, Numerics]:
+    """Concrete ``(device, numerics)`` of an evaluation.
+
+    ``auto`` follows the training when given: the device as ``train.device`` resolves (CUDA unless it is ``cpu``
+    or there is no GPU), the numerics the training's mode, passed on unchanged. Without a training: native bf16
+    where the device has it (CUDA), else none (FP32); None and ``fp32`` are ``none``. Raises
+    :class:`EvalSettingError` for an unknown value or ``cuda`` on a machine without a GPU."""
+    dtype = "none" if dtype in (None, FP32_OLD_NAME) else dtype
+    for setting, value, allowed in (("eval.device", device, DEVICES), ("eval.dtype", dtype, DTYPES)):
+        if value not in allowed and not (setting == "eval.device" and str(value).startswith("cuda:")):
+            raise EvalSettingError(f"invalid setting {setting}={value!r}: allowed one of {', '.join(allowed)}")
+    if device == "auto":
+        wanted = str(train_device or "auto")
+        device = "cpu" if wanted == "cpu" or not torch.cuda.is_available() else wanted.replace("auto", "cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EvalSettingError(f"eval.device={device} but this machine has no CUDA device; use eval.device=cpu "
+                               "(or auto: the training device)")
+    if dtype == "auto":
+        dtype = train.mode if train is not None else "bf16" if device.startswith("cuda") else "none"
+    if dtype not in RESOLVED:
+        raise EvalSettingError(f"invalid setting eval.dtype={dtype!r}: allowed one of {', '.join(RESOLVED)} (or auto)")
+    return device, Numerics(dtype, torch.device(device).type)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hif8qat.compute_dtype import SETTINGS as NUMERICS  # train.autocast: auto, bf16, bf16_emulated, none
+from hif8qat import compute_dtype  # SETTINGS: train.autocast's values (auto, bf16, bf16_emulated, none)
 from hif8qat.config import schema
 from hif8qat.config.blocks import parse_high_precision_blocks
 from hif8qat.config.data_source import validate_source
@@ -434,7 +434,7 @@ class RunConfig:
         _check_positive("train.max_consecutive_skips", t.max_consecutive_skips, integer=True, allow_zero=True)
         _check_positive("train.val_every", t.val_every, integer=True, allow_zero=True)
         _check_positive("train.num_threads", t.num_threads, integer=True, allow_zero=True)
-        _check_choice("train.autocast", t.autocast, NUMERICS)
+        _check_choice("train.autocast", t.autocast, compute_dtype.SETTINGS)
         _check_choice("train.optimizer_impl", t.optimizer_impl, schema.OPTIMIZER_IMPLS)
         _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
         _check_choice("train.distributed", t.distributed, ("ddp", "fsdp"))

@@ -13,10 +13,10 @@ import yaml
 from hif8qat.artefacts import trusting_unverified
 from hif8qat.boundary import guarded
 from hif8qat.config.eval_tasks import DTYPES
+from hif8qat.config.numerics import eval_numerics
 from hif8qat.errors import concerning, one_line
 from hif8qat.evaluate.outputs import format_results
 from hif8qat.evaluate.runner import evaluate_export, evaluate_model, evaluate_run
-from hif8qat.evaluate.settings import resolve_numerics
 from hif8qat.models.loading import RemoteCodeError, load_causal_lm
 
 
@@ -111,20 +111,20 @@ def main(argv=None) -> int:
             raise RemoteCodeError(f"{err} From the command line: add --trust-remote-code to allow it.") from None
 
     def evaluate() -> None:
-        device, dtype = resolve_numerics(args.device, args.dtype)
+        device, numerics = eval_numerics(args.device, args.dtype)  # no training to follow: auto is the machine's
         if args.run_dir:
-            found.append(evaluate_run(args.run_dir, modes, args.tasks, dtype=dtype, device=device,
+            found.append(evaluate_run(args.run_dir, modes, args.tasks, numerics=numerics, device=device,
                                       trust_remote_code=trust, **kw))
         elif args.export:
             found.append({m: evaluate_export(args.export, m, args.tasks, out_dir=args.out / m if args.out else None,
-                                             dtype=dtype, device=device, trust_remote_code=trust, **kw)
+                                             numerics=numerics, device=device, trust_remote_code=trust, **kw)
                           for m in modes})
         else:
             with concerning(f"--model {args.model}"):
                 model, tok = load_causal_lm(args.model, trust_remote_code=trust)
             model.to(device).eval()
             found.append({"bf16": evaluate_model(model, tok, args.tasks, out_dir=args.out, mode="bf16",
-                                                 device=device, dtype=dtype, extra_meta={"model": args.model},
+                                                 device=device, numerics=numerics, extra_meta={"model": args.model},
                                                  **kw)})
 
     try:  # the boundary every entry point has (hif8qat.boundary.guarded): one error line, or a traceback for a bug

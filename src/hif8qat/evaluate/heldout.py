@@ -11,6 +11,7 @@ them to ``<run>/eval/heldout/`` (:func:`compute_heldout`); :mod:`hif8qat.stats.h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import hashlib
 import logging
@@ -26,13 +27,20 @@ import torch
 import yaml
 
 from hif8qat.artefacts import CorruptArtefact, UnverifiedArtefact
-from hif8qat.compute_dtype import describe, forward_context
+from hif8qat.compute_dtype import Numerics
+from hif8qat.config.numerics import run_numerics
 from hif8qat.data.loader import build_eval_windows, tokenizer_fingerprint
 from hif8qat.errors import RunError
 from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
-from hif8qat.evaluate.settings import resolve_numerics
 from hif8qat.files import sha256_file, write_bytes, write_json
-from hif8qat.runs.folders import find_baseline_run, has_export, lock_run_dir, provenance, release_run_dir
+from hif8qat.runs.folders import (
+    find_baseline_run,
+    has_export,
+    load_run_config,
+    lock_run_dir,
+    provenance,
+    release_run_dir,
+)
 from hif8qat.stats.heldout import SUMMARY_FILE, comparison_summary, heldout_dir, read_summary, run_label
 
 log = logging.getLogger(__name__)
@@ -134,25 +142,14 @@ def kl_and_top1(logp_ref: torch.Tensor, logp_other: torch.Tensor) -> tuple[torch
 
 @torch.inference_mode()
 def stream_token_stats(models: Mapping[str, torch.nn.Module], pairs: Sequence[tuple[str, str]],
-                       windows: torch.Tensor, *, numerics: str = "none", device: str = "cpu",
+                       windows: torch.Tensor, *, numerics: Numerics | None = None, device: str = "cpu",
                        batch_windows: int = BATCH_WINDOWS) -> dict[str, np.ndarray]:
-    """Per predicted token of ``windows``: its window, position and target, each model's NLL and per pair the KL
-    and top-1 agreement. Models are forwarded batch by batch of windows and only these per-token values are kept,
-    never the logits.
+    """Per predicted token of ``windows`` (``[n, L + 1]``; inputs ``[:, :-1]``, targets ``[:, 1:]``): its window,
+    position and target, each model's NLL (``nll_<name>``) and per pair ``(reference, other)`` the KL and top-1
+    agreement (``kl_<pair>``, ``top1_<pair>``; :func:`pair_name`). Window-major order; float32 columns. Every
+    forward runs under ``numerics`` (None: FP32)."""
 
-    Args:
-        models: name -> model.
-        pairs: (reference, other) model names.
-        windows: ``[n, L + 1]`` token ids (inputs ``[:, :-1]``, targets ``[:, 1:]``).
-        numerics: the evaluation's autocast (``none``, ``bf16``, ``bf16_emulated``).
-        device: where to forward.
-        batch_windows: windows per forward.
-
-    Returns:
-        Columns ``window``, ``pos``, ``target``, ``nll_<name>``, ``kl_<pair>``, ``top1_<pair>`` (:func:`pair_name`),
-        window-major, float32 values."""
-
-    device_type = torch.device(device).type
+    numerics = numerics or Numerics("none", torch.device(device).type)
     cols: dict[str, list[np.ndarray]] = {"window": [], "pos": [], "target": []}
     n, length = windows.shape[0], windows.shape[1] - 1
     for start in range(0, n, batch_windows):
@@ -160,7 +157,7 @@ def stream_token_stats(models: Mapping[str, torch.nn.Module], pairs: Sequence[tu
         inputs, targets = w[:, :-1], w[:, 1:]
         logp = {}
         for name, model in models.items():
-            with forward_context(numerics, device_type):
+            with numerics.forward():
                 logits = model(input_ids=inputs, use_cache=False).logits
             logp[name] = torch.log_softmax(logits.float(), dim=-1)
             del logits
@@ -303,42 +300,18 @@ def plan(run_dir: Path, *, baseline: Path | None | bool = None, modes: Sequence[
 
 
 def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes: Sequence[str] | None = None,
-                    results_root: Path | None = None, device: str | None = None, dtype: str | None = None,
+                    results_root: Path | None = None, device: str | None = None, numerics: Numerics | None = None,
                     batch_windows: int = BATCH_WINDOWS) -> dict[str, Any]:
-    """Compute and write ``<run>/eval/heldout/``.
-
-    Models: ``baseline`` (the run's BF16 baseline export, unquantized) and the run's export in its evaluation modes
-    (:func:`hif8qat.evaluate.loading.load_for_eval`; hif8: frozen final scales), all under the evaluation's numerics.
-    Pairs: ``<mode>_vs_baseline`` for each mode, and ``hif8_vs_bf16`` (the cost of quantized inference alone).
-    Writes ``tokens.csv.gz`` (one row per predicted token: window, position, target id, ``nll_<model>``,
-    ``kl_<pair>``, ``top1_<pair>``) and ``summary.json`` (per pair the statistics of
-    :func:`hif8qat.stats.heldout.comparison_summary`, computed from the file as written; the windows and their
-    sha256, numerics, the baseline run paired with, config and provenance). A baseline without an export
-    (committed reference runs keep none) is skipped and said so in the summary.
-
-    Args:
-        run_dir: the run folder (its export/ is compared).
-        baseline: a run folder, None (find it with :func:`hif8qat.runs.folders.find_baseline_run`), or False (no
-            baseline comparison).
-        modes: the run's modes to compare (default: bf16, and hif8 when the export is quantized).
-        results_root: the folder that holds the runs (default: three folders above the run).
-        device: the evaluation device (default: the run's eval.device resolved as the eval stage does).
-        dtype: the evaluation dtype (default: the run's eval.dtype, likewise).
-        batch_windows: windows per forward.
-
-    Returns:
-        The summary.
-
-    Raises:
-        HeldoutError: the run has no export."""
+    """Compute and write ``<run>/eval/heldout/`` (module doc); returns the summary. device / numerics: the
+    evaluation's (default: the run's, :func:`saved_eval_numerics`)."""
 
     t0 = time.time()
     run_dir = Path(run_dir)
     p = plan(run_dir, baseline=baseline, modes=modes, results_root=results_root)
     cfg, root = p["config"], p["results_root"]
-    ev, tr, data = cfg.get("eval") or {}, cfg.get("train") or {}, cfg.get("data") or {}
-    device, autocast = resolve_numerics(device or ev.get("device", "auto"), dtype or ev.get("dtype", "auto"),
-                                        train_device=tr.get("device"), train_autocast=tr.get("autocast"))
+    tr, data = cfg.get("train") or {}, cfg.get("data") or {}
+    if numerics is None:
+        device, numerics = saved_eval_numerics(run_dir, device)
     out = heldout_dir(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
@@ -348,7 +321,7 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
         "baseline_dir": _rel(p["baseline_run"], root) if p["baseline_run"] is not None else None,
         "baseline_skipped": p["baseline_skipped"], "paths_relative_to": "results_root",
         "models": {name: {"export": _rel(export, root), "mode": mode} for name, (export, mode) in p["models"].items()},
-        "numerics": {"device": device, "dtype": autocast, **describe(autocast, torch.device(device).type)},
+        "numerics": {"device": device, "dtype": numerics.mode, **numerics.describe()},
         "config": cfg,
     }
     if not p["pairs"]:
@@ -371,7 +344,7 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     if "hif8" in loaded:
 
         doc["models"]["hif8"]["quant"] = quant_eval_meta(loaded["hif8"], run_dir / "export")
-    cols = stream_token_stats(loaded, p["pairs"], windows, numerics=autocast, device=device,
+    cols = stream_token_stats(loaded, p["pairs"], windows, numerics=numerics, device=device,
                               batch_windows=batch_windows)
     del loaded
     write_tokens(out / TOKENS_FILE, cols)
@@ -388,7 +361,16 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     return doc
 
 
-def after_eval(cfg, run_dir: Path, *, device: str, dtype: str) -> dict | None:
+def saved_eval_numerics(run_dir: Path, device: str | None = None, dtype: str | None = None) -> tuple[str, Numerics]:
+    """The evaluation device and numerics of a run folder, from its saved config read back as a RunConfig, as the
+    eval stage resolves them; ``device`` / ``dtype`` given replace its ``eval.device`` / ``eval.dtype``."""
+    cfg = load_run_config(run_dir)
+    evaluation = dataclasses.replace(cfg.eval, device=device or cfg.eval.device, dtype=dtype or cfg.eval.dtype)
+    numerics = run_numerics(dataclasses.replace(cfg, stage="eval", eval=evaluation))
+    return numerics.eval_device, numerics.eval
+
+
+def after_eval(cfg, run_dir: Path, *, device: str, numerics: Numerics) -> dict | None:
     """The eval stage's hook: a quantized run's held-out comparison, once (force=true redoes it). A baseline
     without an export, or none at all, is written down in the summary and skipped; never fails the run for it.
     Redone when it lacks a mode now evaluated, or a baseline that has an export since; a redo keeps the modes
@@ -420,7 +402,7 @@ def after_eval(cfg, run_dir: Path, *, device: str, dtype: str) -> dict | None:
             print(f"{run_dir}: held-out comparison already done (force=true redoes it)")
             return None
     doc = compute_heldout(run_dir, modes=modes, results_root=Path(cfg.results_root),
-                          device=device, dtype=dtype)
+                          device=device, numerics=numerics)
     print(format_summary(doc))
     return doc
 
@@ -481,9 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lock_run_dir(args.run)  # eval/heldout/ is written into the run folder: one writer at a time
         try:
+            device, numerics = saved_eval_numerics(args.run, args.device, args.dtype)
             doc = compute_heldout(args.run, baseline=False if args.no_baseline else args.baseline,
                                   modes=args.modes.split(",") if args.modes else None,
-                                  results_root=args.results_root, device=args.device, dtype=args.dtype,
+                                  results_root=args.results_root, device=device, numerics=numerics,
                                   batch_windows=args.batch_windows)
         finally:
             release_run_dir(args.run)

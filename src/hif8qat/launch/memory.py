@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from transformers import masking_utils
 
-from hif8qat import compute_dtype as numerics
+from hif8qat.compute_dtype import Numerics
 from hif8qat.config.run_config import RunConfig
 from hif8qat.models.loading import PANGU_MODEL_TYPES, transformer_blocks
 from hif8qat.models.pangu import pangu_llama_config
@@ -130,39 +130,23 @@ class Simulated:
     root_bytes: int  # the parameters outside the blocks (embedding, head, final norm)
 
 
-def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micro_batches: int = 2) -> Simulated:
-    """One optimizer step of one process under fake tensors.
-
-    The model is prepared as the trainer does (:func:`hif8qat.train.loop.prepare_model`: BF16-parameter quirk,
-    quantized linears switched on, the chunked loss head, activation checkpointing), with the trainer's AdamW
-    (:func:`~hif8qat.train.loop.build_optimizer`) in the implementation ``train.optimizer_impl`` names for the device
-    (``fused``; or torch's default, on CUDA ``foreach``, one temporary the size of the parameters), asked for
-    explicitly. The step runs forward and backward under the run's numerics, gradient clipping and the AdamW update
-    with its moments already made. Simulated on the CPU (the CPU-only torch has no CUDA autocast to simulate with),
-    for the device the run trains on.
-
-    Args:
-        cfg: the run's config.
-        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
-        device_type: the device the run trains on (``cpu`` or ``cuda``).
-        micro_batches: above 1, the measured micro-batch runs with the previous one's gradients held, as every
-            micro-batch after the first of an accumulating step does.
-
-    Returns:
-        A :class:`Simulated`."""
+def simulate_step(cfg: RunConfig, facts: dict, numerics: Numerics, *, micro_batches: int = 2) -> Simulated:
+    """One optimizer step of one process under fake tensors (see the module doc), for a run on
+    ``numerics.device_type`` with those numerics. ``micro_batches`` > 1: the measured micro-batch runs with the
+    previous one's gradients held, as every micro-batch after the first of an accumulating step does."""
     from transformers import AutoModelForCausalLM
 
     t = cfg.train
-    # `auto` resolved for the device the estimate is for (the paper profile's GPU, estimated on a CPU), which is
-    # not necessarily the one this process runs on; a resolved value passes through unchanged.
-    autocast = numerics.resolve(t.autocast, device_type)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, autocast=autocast))
+    # the device the estimate is for (the paper profile's GPU, estimated on a CPU), not necessarily this one
+    device_type = numerics.device_type
+    # the simulation runs on fake CPU tensors: the run's numerics, on the CPU
+    on_cpu = dataclasses.replace(numerics, device_type="cpu")
     config = model_config(facts)
     with _fake_tensor_mode(), keep_weights_under_fake_tensors(), _one_sequence_per_row():
         # built in the dtype and on the device the run trains it in: a module of fake tensors cannot move
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.bfloat16 if cfg.quirks.bf16_params else torch.float32)
-        prepare_model(model, cfg, torch.device("cpu"))
+        prepare_model(model, cfg, torch.device("cpu"), on_cpu)
         if cfg.quant.enabled:
             set_quantization(model, True)  # after the BF16 warmup: the larger step
         optimizer = build_optimizer(model, cfg, device_type)
@@ -177,7 +161,7 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
         tracker.track_external(model, optimizer)
         tokens = torch.zeros(t.micro_batch_size, t.seq_len + 1, dtype=torch.long)
         with tracker:
-            _micro_batch(model, cfg, autocast, tokens, tracker)
+            _micro_batch(model, cfg, on_cpu, tokens, tracker)
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -188,34 +172,21 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
     return Simulated(parts, grad_bytes, max(blocks, default=0), grad_bytes - sum(blocks))
 
 
-def _micro_batch(model, cfg: RunConfig, autocast: str, tokens: torch.Tensor, tracker=None) -> None:
+def _micro_batch(model, cfg: RunConfig, numerics: Numerics, tokens: torch.Tensor, tracker=None) -> None:
     if tracker is not None:  # MemTracker takes a second call of the model as the next iteration unless told
         tracker.reset_mod_stats()
-    with numerics.forward_context(autocast, "cpu"):
+    with numerics.forward():
         loss = lm_loss(model, tokens, double_label_shift=cfg.quirks.double_label_shift)
-    with numerics.backward_context(autocast, "cpu"):
+    with numerics.backward():
         loss.backward()
 
 
-def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1, device_type: str | None = None) -> dict[str, int]:
-    """Bytes one training process holds at the peak of a step, by part (:data:`PARTS`; the sum is the estimate).
-    Added to the simulated step: DDP's gradient buckets (``DistributedDataParallel`` as the trainer builds it keeps
-    ``gradient_as_bucket_view`` False: a second copy of every gradient); under FSDP the weights and AdamW state
-    shared out over the ranks while the gradients accumulate unsharded between micro-batches (an approximation,
-    not measured).
-
-    Args:
-        cfg: the run's config.
-        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
-        world_size: processes the run trains on.
-        device_type: where the run trains (default: where ``train.device`` puts it on this machine).
-
-    Returns:
-        Part -> bytes."""
-    device_type = device_type or numerics.training_device_type(cfg.train.device)
+def step_memory(cfg: RunConfig, facts: dict, numerics: Numerics, world_size: int = 1) -> dict[str, int]:
+    """Bytes one training process holds at the peak of a step, by part (:data:`PARTS`; the sum is the
+    estimate). ``numerics``: the run's training numerics, on the device type it trains on."""
     t = cfg.train
     accumulates = t.global_batch_size > t.micro_batch_size * world_size
-    sim = simulate_step(cfg, facts, device_type=device_type, micro_batches=2 if accumulates else 1)
+    sim = simulate_step(cfg, facts, numerics, micro_batches=2 if accumulates else 1)
     parts = dict(sim.parts)
     if world_size > 1 and t.distributed == "fsdp":
         # sharded weights and AdamW state, plus the units gathered while they run (the root, one block and the
@@ -250,23 +221,14 @@ def far_below(cfg: RunConfig, facts: dict, limit: int) -> bool:
     return 100 * count < limit
 
 
-def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, device_type: str) -> str:
-    """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight).
-
-    Args:
-        cfg: the run's config.
-        parts: the estimate by part (:func:`step_memory`).
-        world_size: processes.
-        device_type: where the run trains.
-
-    Returns:
-        The line."""
+def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, numerics: Numerics) -> str:
+    """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight)."""
     t = cfg.train
-    per = "GPU" if device_type == "cuda" else "process"
+    per = "GPU" if numerics.device_type == "cuda" else "process"
     layout = f"{t.distributed.upper()} over {world_size} processes" if world_size > 1 else "one process"
     detail = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if v)
     return (f"{sum(parts.values()) / GIB:.1f} GiB per {per} ({layout}, micro-batch {t.micro_batch_size} x "
-            f"{t.seq_len}, {numerics.resolve(t.autocast, device_type)} numerics, activation checkpointing "
+            f"{t.seq_len}, {numerics.mode} numerics, activation checkpointing "
             f"{'on' if t.activation_checkpointing else 'off'}; {detail} GiB)")
 
 

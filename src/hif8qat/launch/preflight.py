@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 from huggingface_hub import hf_hub_download
 
+from hif8qat.compute_dtype import Numerics
 from hif8qat.config.eval_tasks import resolve_tasks
+from hif8qat.config.numerics import RunNumerics
 from hif8qat.config.run_config import ConfigError, RunConfig
 from hif8qat.data.corpus import datasets_offline, mini_corpus_path
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
@@ -204,15 +206,10 @@ def _machine_memory(device: str) -> tuple[int | None, str]:
     return total // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1), "RAM"
 
 
-def check_model_fits(cfg: RunConfig) -> None:
-    """train.seq_len within the model's positions, and one step's memory within the machine's, read from the
-    model's config.json only (no weights). A model whose config cannot be had offline is not checked.
-
-    Args:
-        cfg: the run's config.
-
-    Raises:
-        ConfigError: train.seq_len beyond the model's positions, or a step that does not fit the machine's memory."""
+def check_model_fits(cfg: RunConfig, numerics: Numerics) -> None:
+    """train.seq_len within the model's positions, and one step's memory (under the run's training ``numerics``)
+    within the machine's, read from the model's config.json only (no weights). A model whose config cannot be
+    had offline is not checked."""
 
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts or not all(isinstance(facts.get(k), int) for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
@@ -225,7 +222,7 @@ def check_model_fits(cfg: RunConfig) -> None:
     have, where = _machine_memory(cfg.train.device)
     if not have or far_below(cfg, facts, have):  # nothing to compare with, or a step that cannot come near it
         return
-    parts = step_memory(cfg, facts, int(os.environ.get("WORLD_SIZE", "1")))
+    parts = step_memory(cfg, facts, numerics, int(os.environ.get("WORLD_SIZE", "1")))
     need = sum(parts.values())
     if need > have:
         gib = 2.0 ** 30
@@ -290,22 +287,16 @@ def check_export(cfg: RunConfig) -> None:
                           "allowed train, eval, report or all")
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Every check that applies to cfg.stage, before any folder is made.
-
-    Args:
-        cfg: the run's config.
-
-    Raises:
-        ConfigError: the first check that fails.
-        DatasetUnavailableError: a paper task's dataset cannot be had."""
+def preflight(cfg: RunConfig, numerics: RunNumerics) -> None:
+    """Every check that applies to cfg.stage (``numerics``: the run's); raises ConfigError (or
+    DatasetUnavailableError) on the first."""
     check_results_root(cfg)
     if cfg.stage in ("train", "all"):
         check_model(cfg)
         check_data(cfg)
         check_inputs(cfg)  # opens the corpus, tokenizer, weights: usable, not only present
         check_device(cfg)
-        check_model_fits(cfg)
+        check_model_fits(cfg, numerics.train)
     if cfg.stage in ("eval", "all"):
         check_eval_datasets(cfg)
     if cfg.stage == "export":

@@ -13,13 +13,14 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hif8qat import compute_dtype
+from hif8qat.compute_dtype import Numerics
+from hif8qat.config.numerics import train_numerics
 from hif8qat.evaluate.heldout import heldout_window_count
 from hif8qat.launch.memory import describe, step_memory
 from hif8qat.models.loading import load_causal_lm, model_config_facts
@@ -153,30 +154,24 @@ def _gpu1_facts(cfg) -> tuple[dict, str]:
     return OPENPANGU_EMBEDDED_1B_CONFIG, "openPangu-Embedded-1B's published config"
 
 
-def measure(cfg, repeats: int = 2) -> Costs:
-    """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant).
-
-    Args:
-        cfg: the run's resolved config.
-        repeats: timings per piece (the fastest is kept).
-
-    Returns:
-        The measured costs."""
+def measure(cfg, numerics: Numerics, repeats: int = 2) -> Costs:
+    """Time the pieces of a run with the run's model, batch and ``numerics`` (quantized ones with cfg's quant),
+    on this machine's CPU."""
 
 
     t0 = time.perf_counter()
     model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
     load_s = time.perf_counter() - t0
-    autocast = cfg.train.autocast  # resolved with the run's config (config_for)
+    numerics = replace(numerics, device_type="cpu")  # the model is timed where it loads: the CPU
     ids = torch.randint(0, model.config.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
     batch = torch.randint(0, model.config.vocab_size, (16, 128))
 
     def step_s(opt) -> float:
         def once() -> float:
             t = time.perf_counter()
-            with compute_dtype.forward_context(autocast, "cpu"):
+            with numerics.forward():
                 loss = lm_loss(model, ids)
-            with compute_dtype.backward_context(autocast, "cpu"):
+            with numerics.backward():
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -188,7 +183,7 @@ def measure(cfg, repeats: int = 2) -> Costs:
 
     def token_s() -> float:
         model.eval()
-        with torch.inference_mode(), compute_dtype.forward_context(autocast, "cpu"):
+        with torch.inference_mode(), numerics.forward():
             model(input_ids=batch, use_cache=False)
             t = time.perf_counter()
             model(input_ids=batch, use_cache=False)
@@ -199,31 +194,28 @@ def measure(cfg, repeats: int = 2) -> Costs:
     qat_step, quant_token = plain_step, plain_token
     if cfg.quant.enabled:
         convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
-                      emulate_bf16=autocast == "bf16_emulated")
+                      emulate_bf16=numerics.emulates_bf16)
         set_quantization(model, True)
         qat_step = step_s(build_optimizer(model, cfg))
         freeze_scales(model, True)
         quant_token = token_s()
-    return Costs(autocast, load_s, plain_step, qat_step, plain_token, quant_token)
+    return Costs(numerics.mode, load_s, plain_step, qat_step, plain_token, quant_token)
 
 
-def print_memory(cfg, world_size: int | None, device: str | None) -> None:
-    """The simulated memory of one training step of the run (:mod:`hif8qat.launch.memory`), when its model's
-    config.json is at hand.
-
-    Args:
-        cfg: the run's resolved config.
-        world_size: processes (None: every local GPU for the paper profile, else one).
-        device: where the run trains (None: where ``train.device`` puts it here)."""
+def print_memory(cfg, numerics: Numerics, world_size: int | None, device: str | None) -> None:
+    """The simulated memory of one training step of the run under its training ``numerics``
+    (:mod:`hif8qat.launch.memory`), when its model's config.json is at hand; ``device``: the device type it
+    trains on, when not this machine's."""
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts:
         return
     if world_size is None:  # the Makefile launches the paper profile on every local GPU, the others in one process
         world_size = max(torch.cuda.device_count(), 1) if cfg.profile.name == "paper" else 1
-    device = device or compute_dtype.training_device_type(cfg.train.device)
-    parts = step_memory(cfg, facts, world_size, device)
+    if device is not None:
+        numerics = replace(numerics, device_type=device)
+    parts = step_memory(cfg, facts, numerics, world_size)
     print(f"memory: {cfg.experiment.name} at profile {cfg.profile.name}: one training step needs about "
-          f"{describe(cfg, parts, world_size, device)}")
+          f"{describe(cfg, parts, world_size, numerics)}")
 
 
 def main(argv, config_for: Callable[..., Any]) -> int:
@@ -260,7 +252,8 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         return plain_config_for(profile, experiment, seed, tuple(extra))
 
     experiments = [e for e in (args.baseline, *args.experiments) if e]
-    print_memory(config_for(args.profile, args.experiments[0], args.seeds[0]), args.world_size, args.device)
+    first = config_for(args.profile, args.experiments[0], args.seeds[0])
+    print_memory(first, train_numerics(first), args.world_size, args.device)
     if args.profile not in ("mini", "gpu1"):
         return 0
 
@@ -291,7 +284,7 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     measured = next((c for c in configs if c.quant.enabled), configs[0])
     print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "
           "machine (loading it, training steps plain and quantized, evaluation forwards)...", flush=True)
-    costs = measure(measured)
+    costs = measure(measured, train_numerics(measured))
     total = sum(run_seconds(c, costs, tokens) for c in configs)
     print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
           f"this machine ({costs.numerics} numerics, measured just now: a training step {costs.train_step_s:.1f} s "

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.nn.functional as F
 
-from hif8qat import compute_dtype as numerics
+from hif8qat.compute_dtype import emulated_linear, emulated_matmul
 from hif8qat.scaling.autograd_engine import in_backward
 from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
 from hif8qat.scaling.bank_row import BankedScaler
@@ -37,7 +37,7 @@ class _QuantLinearFn(torch.autograd.Function):
         # BF16 emulation is the layer's setting, decided here and kept for the backward
         emulate = qa.dtype == torch.bfloat16 and emulate_bf16
         if emulate:
-            out = numerics.emulated_linear(qa, qw, b)
+            out = emulated_linear(qa, qw, b)
         else:
             with torch.autocast(dev, enabled=False):
                 out = F.linear(qa, qw, b)
@@ -62,9 +62,9 @@ class _QuantLinearFn(torch.autograd.Function):
         flat_g = qg.reshape(-1, qg.shape[-1])
         if emulate:  # FP32 GEMMs on the BF16 values, BF16 results: never torch's slow BF16 path
             if ctx.needs_input_grad[0]:
-                dx = numerics.emulated_matmul(qg, qw, x_dtype)
+                dx = emulated_matmul(qg, qw, x_dtype)
             if ctx.needs_input_grad[1]:
-                dw = numerics.emulated_matmul(flat_g.t(), qa.reshape(-1, qa.shape[-1]), w_dtype)
+                dw = emulated_matmul(flat_g.t(), qa.reshape(-1, qa.shape[-1]), w_dtype)
         else:
             if ctx.needs_input_grad[0]:
                 dx = qg.matmul(qw).to(x_dtype)

@@ -27,16 +27,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 from datasets.packaged_modules.parquet.parquet import Parquet
 from safetensors.torch import load_model
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hif8qat.data.loader import build_train_stream
+from hif8qat.evaluate.heldout import saved_eval_numerics
 from hif8qat.evaluate.runner import evaluate_export
-from hif8qat.evaluate.settings import resolve_numerics
 from hif8qat.models.loading import build_tiny_tokenizer, load_causal_lm
+from hif8qat.runs.folders import load_run_config
 from hif8qat.train.checkpoint import load_checkpoint
 from hif8qat.train.loop import parameter_groups
 
@@ -172,22 +172,13 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
 
 def evaluate_in_one_process(run_dir: str, out: str) -> dict:
     """The run's export evaluated in one process in every mode, with the evaluation settings and numerics the
-    run recorded (its config_resolved.yaml), as run.py evaluates a run; results under out/<mode>/.
-
-    Args:
-        run_dir: the run folder.
-        out: where the results go.
-
-    Returns:
-        ``{modes}``: the modes evaluated."""
-    cfg = yaml.safe_load((Path(run_dir) / "config_resolved.yaml").read_text())
-    ev = cfg["eval"]
-    device, dtype = resolve_numerics(ev["device"], ev["dtype"], train_device=cfg["train"]["device"],
-                                     train_autocast=cfg["train"]["autocast"])
-    for mode in ev["modes"]:
-        evaluate_export(Path(run_dir) / "export", mode, list(ev["tasks"]), out_dir=Path(out) / mode, dtype=dtype,
-                        device=device, limit=ev["limit"], batch_size=ev["batch_size"], trust_remote_code=True)
-    return {"modes": ev["modes"]}
+    run recorded (its config_resolved.yaml), as run.py evaluates a run; results under out/<mode>/."""
+    device, numerics = saved_eval_numerics(Path(run_dir))
+    ev = load_run_config(Path(run_dir)).eval
+    for mode in ev.modes:
+        evaluate_export(Path(run_dir) / "export", mode, list(ev.tasks), out_dir=Path(out) / mode, numerics=numerics,
+                        device=device, limit=ev.limit, batch_size=ev.batch_size, trust_remote_code=True)
+    return {"modes": list(ev.modes)}
 
 
 def _parser() -> argparse.ArgumentParser:

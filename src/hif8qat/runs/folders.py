@@ -405,6 +405,20 @@ def _read_saved_config(path: Path) -> dict[str, Any]:
     return saved
 
 
+def load_run_config(run_dir: Path) -> RunConfig:
+    """The RunConfig a run folder's saved config records, read back and checked as run.py checks one (a setting
+    added since the run was saved takes the value that does what the code did before it existed). Raises
+    CorruptRunFile when the file is unreadable."""
+    saved = _read_saved_config(Path(run_dir) / CONFIG_FILE)
+    for key, old_behaviour in _ADDED_SETTINGS.items():
+        *sections, name = key.split(".")
+        section = saved
+        for part in sections:
+            section = section.setdefault(part, {})
+        section.setdefault(name, old_behaviour)
+    return RunConfig.from_dict(saved, check_paths=False)
+
+
 def _read_run_info(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hif8qat import compute_dtype as numerics
+from hif8qat.compute_dtype import checkpoint_kwargs
 
 #: Logit elements per chunk: 2^28 is 0.5 GB in BF16 and 1 GB in FP32 (about 1,750 tokens of openPangu's vocabulary).
 CHUNK_ELEMENTS = 1 << 28
@@ -63,7 +63,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     # non-reentrant checkpoint: torch restores autocast for the recompute, and the kwargs re-enter the BF16
     # emulation when this forward runs under it
-    kwargs = numerics.checkpoint_kwargs("bf16_emulated" if emulate_bf16 else "none", h.device.type)
+    kwargs = checkpoint_kwargs("bf16_emulated" if emulate_bf16 else "none", h.device.type)
     for start in range(0, h.size(0), rows):
         part = (h[start:start + rows], weight, bias, t[start:start + rows])
         total = total + (checkpoint(_chunk_loss_sum, *part, **kwargs) if torch.is_grad_enabled()

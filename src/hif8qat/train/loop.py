@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hif8qat import compute_dtype
+from hif8qat.compute_dtype import Numerics
 from hif8qat.config.numerics import optimizer_impl_for
 from hif8qat.config.run_config import RunConfig
 from hif8qat.data.loader import build_eval_windows, build_train_stream
@@ -161,19 +161,9 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
 
 
 @torch.no_grad()
-def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.device, batch: int = 4) -> float:
-    """Mean loss on held-out windows, with the quantizers' scales frozen so evaluation leaves no trace.
-
-    Args:
-        model: the model.
-        windows: ``[n, seq_len + 1]`` held-out windows.
-        cfg: the run's configuration (its numerics).
-        device: where the model runs.
-        batch: windows per forward.
-
-    Returns:
-        The mean loss.
-    """
+def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, numerics: Numerics, device: torch.device,
+                  batch: int = 4) -> float:
+    """Mean loss on held-out windows, with the quantizers' scales frozen so evaluation leaves no trace."""
     was_training = model.training
     model.eval()
     freeze_scales(model, True)
@@ -181,7 +171,7 @@ def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.de
         losses = []
         for start in range(0, len(windows), batch):
             chunk = windows[start:start + batch].to(device)
-            with compute_dtype.forward_context(cfg.train.autocast, device.type):
+            with numerics.forward():
                 losses.append(lm_loss(model, chunk, double_label_shift=cfg.quirks.double_label_shift).item())
     finally:
         freeze_scales(model, False)
@@ -200,14 +190,14 @@ def _reduce_step(value: float, flags: list[float], ctx: DistContext) -> tuple[fl
     return float(t[0].item() / ctx.world_size), t[1:].tolist()
 
 
-def _build_model(cfg: RunConfig, ctx: DistContext):
+def _build_model(cfg: RunConfig, ctx: DistContext, numerics: Numerics):
     with concerning(f"model.name={cfg.model.name}"):  # a folder without tokenizer files, truncated weights
         model, tokenizer = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
                                           revision=cfg.model.revision)
-    return model, tokenizer, prepare_model(model, cfg, ctx.device)
+    return model, tokenizer, prepare_model(model, cfg, ctx.device, numerics)
 
 
-def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
+def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, numerics: Numerics) -> list[str]:
     """The loaded model made the one the run trains, in place: BF16 parameters (quirk), quantized linears (off
     until the BF16 warmup ends), the chunked loss head, the device, activation checkpointing. Returns the
     converted layers' names. The memory estimate (`launch.memory`) builds its simulated model through this too.
@@ -224,7 +214,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) 
     if cfg.quirks.bf16_params and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
     converted: list[str] = []
-    emulate = cfg.train.autocast == "bf16_emulated"  # the layers are told the numerics, never guess them
+    emulate = numerics.emulates_bf16  # the layers are told the numerics, never guess them
     if cfg.quant.enabled:
         converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
                                   emulate_bf16=emulate)
@@ -234,7 +224,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) 
         model.to(device)
     model.train()
     if cfg.train.activation_checkpointing:  # the recompute reuses the forward's HiF8 scales, records nothing
-        enable_activation_checkpointing(model, compute_dtype.checkpoint_kwargs(cfg.train.autocast, device.type))
+        enable_activation_checkpointing(model, numerics.checkpoint_kwargs())
     return converted
 
 
@@ -269,18 +259,10 @@ def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) 
     return DistributedDataParallel(model, device_ids=ids)
 
 
-def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict[str, Any]:
-    """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows).
-
-    Args:
-        cfg: the run's resolved configuration.
-        run_dir: the run folder.
-        ctx: the distributed context (default: set up from the environment).
-
-    Returns:
-        The training summary on the main rank (what summary.json records), {} on the others.
-    """
-    run = _Run(cfg, run_dir, ctx or setup_distributed(cfg.train.device))
+def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None, *, numerics: Numerics) -> dict[str, Any]:
+    """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows), its forwards and
+    backwards under ``numerics`` (the run's, ``hif8qat.config.numerics.run_numerics(cfg).train``)."""
+    run = _Run(cfg, run_dir, ctx or setup_distributed(cfg.train.device), numerics)
     start_step = run.resume()
     run.open_log(start_step)
     if run.ctx.is_main:  # before the first step, not when the first save fails after hours of training
@@ -293,12 +275,12 @@ class _Run:
     """One training run's parts (model, optimizer, schedule, data stream, log), so that each phase of
     :func:`train` is a method that says what it does: resume, steps, save, stop on a signal, finish."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, ctx: DistContext):
-        self.cfg, self.run_dir, self.ctx = cfg, run_dir, ctx
+    def __init__(self, cfg: RunConfig, run_dir: Path, ctx: DistContext, numerics: Numerics):
+        self.cfg, self.run_dir, self.ctx, self.numerics = cfg, run_dir, ctx, numerics
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         seed_everything(cfg.seed)
-        self.model, self.tokenizer, self.converted = _build_model(cfg, ctx)
+        self.model, self.tokenizer, self.converted = _build_model(cfg, ctx, numerics)
         if cfg.train.compile:  # each decoder block on its own: identical blocks share one graph
             compile_blocks(self.model)
         self.wrapped = _wrap_distributed(self.model, cfg, ctx)
@@ -379,7 +361,7 @@ class _Run:
                 self._held_out_windows = build_eval_windows(self.cfg.data.source, self.tokenizer,
                                                             seq_len=self.cfg.train.seq_len,
                                                             num_windows=self.cfg.data.eval_windows)
-        return held_out_loss(self.model, self._held_out_windows, self.cfg, self.ctx.device)
+        return held_out_loss(self.model, self._held_out_windows, self.cfg, self.numerics, self.ctx.device)
 
     def diverged(self, reason: str) -> TrainingDiverged:
         self.sink.close()
@@ -454,8 +436,7 @@ class _Run:
                 t0 = time.perf_counter()
                 epoch = self.stream.epoch
                 loss_value, flags = _reduce_step(
-                    _forward_backward(self.wrapped, self.stream, self.accum, cfg.train.autocast, cfg, ctx),
-                    stop.flags(), ctx)
+                    _forward_backward(self.wrapped, self.stream, self.accum, self.numerics, cfg, ctx), stop.flags(), ctx)
                 if self.stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
                     order = "in a new order" if self.stream.kind == "packed" else "in the same order"
                     print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {self.stream.epoch} "
@@ -518,7 +499,7 @@ class _Run:
                                                                    self.converted,
                                                                    time.perf_counter() - self.wall_start),
                                      skipped_steps=self.skips["skipped_steps"],
-                                     numerics=compute_dtype.describe(cfg.train.autocast, ctx.device.type))
+                                     numerics=self.numerics.describe())
             mark_done(self.run_dir)
         ctx.barrier()
         if ctx.is_main and cfg.train.keep_checkpoints_when_done is not None:
@@ -526,7 +507,7 @@ class _Run:
         return summary
 
 
-def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, autocast: str, cfg: RunConfig,
+def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, numerics: Numerics, cfg: RunConfig,
                       ctx: DistContext) -> float:
     """One optimizer step's micro-batches, forward and backward; their mean loss on this rank."""
     loss_sum = 0.0
@@ -536,9 +517,9 @@ def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, autocast: st
             tokens = tokens.pin_memory()
         tokens = tokens.to(ctx.device, non_blocking=True)
         with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
-            with compute_dtype.forward_context(autocast, ctx.device.type):
+            with numerics.forward():
                 loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
-            with compute_dtype.backward_context(autocast, ctx.device.type):
+            with numerics.backward():
                 (loss / accum).backward()
         loss_sum += loss.detach().float()
     return float(loss_sum / accum)

@@ -59,7 +59,29 @@ def _cpu_bf16_kernels_native() -> bool:
 
 def resolve(setting: str, device_type: str) -> str:
     """The concrete mode (one of RESOLVED) of a ``train.autocast`` setting (one of SETTINGS) on a device type. The
-    pipeline calls it once per run, when its configuration is made (``hif8qat.config.numerics``)."""
+    pipeline calls it once per run, when its configuration is made (``hif8qat.config.numerics``).
+
+    The settings: ``bf16``, ``torch.autocast(bfloat16)`` over FP32 master weights, the paper's numerics; fast
+    where the device has native BF16 (CUDA; CPUs with AVX512-BF16 or AMX); on a CPU without it (AVX2 only:
+    most laptops) torch runs BF16 GEMMs through a slow path (a SmolLM2-135M step took 30x the FP32 time).
+    ``bf16_emulated``, what a BF16 GEMM with FP32 accumulation computes, at about FP32 cost: every GEMM that
+    autocast would run in BF16 (linear, matmul, bmm, mm, scaled-dot-product attention) gets its operands
+    rounded to BF16, runs in FP32, and has its result rounded to BF16; in backward the incoming gradient and
+    the operand gradients are rounded the same way. Tensors stay float32 (holding BF16 values), so the
+    elementwise ops between GEMMs run in FP32 where native autocast runs some of them in BF16: the only
+    difference from ``bf16`` besides summation order. A GEMM that meets BF16 tensors outside autocast (the
+    quantized linear casts its operands itself) is computed in FP32 from them and its result cast to BF16,
+    exactly what the BF16 kernel returns up to summation order; regions where a model turns autocast off
+    (rotary position angles) stay FP32, as under native autocast. ``auto``, ``bf16`` where the device has
+    native BF16, else ``bf16_emulated``. ``none``, FP32, no autocast.
+
+    Args:
+        setting: one of SETTINGS.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        ``bf16``, ``bf16_emulated`` or ``none``.
+    """
     if setting not in SETTINGS:
         raise ValueError(f"autocast must be one of {', '.join(SETTINGS)}, got {setting!r}")
     if setting == "auto":
@@ -91,20 +113,48 @@ class Numerics:
         return None if self.mode == "none" else _BF16
 
     def forward(self) -> contextlib.AbstractContextManager:
+        """Around a forward pass (training step, held-out loss, evaluation).
+
+        Returns:
+            The context manager (:func:`forward_context` of these numerics).
+        """
         return forward_context(self.mode, self.device_type)
 
     def backward(self) -> contextlib.AbstractContextManager:
+        """Around loss.backward().
+
+        Returns:
+            The context manager (:func:`backward_context` of these numerics).
+        """
         return backward_context(self.mode, self.device_type)
 
     def checkpoint_kwargs(self) -> dict[str, Any]:
+        """Arguments under which an activation-checkpointing recompute runs with these numerics.
+
+        Returns:
+            Keyword arguments for ``torch.utils.checkpoint.checkpoint`` (:func:`checkpoint_kwargs`).
+        """
         return checkpoint_kwargs(self.mode, self.device_type)
 
     def describe(self) -> dict[str, Any]:
+        """What a result file records about these numerics.
+
+        Returns:
+            ``{"numerics", "device_type", ...}`` (:func:`describe`).
+        """
         return describe(self.mode, self.device_type)
 
 
 def describe(mode: str, device_type: str) -> dict[str, Any]:
-    """What a result file records about the numerics it was made with (the key ``numerics``, as files have it)."""
+    """What a result file records about the numerics it was made with (the key ``numerics``, as files have it).
+
+    Args:
+        mode: the resolved mode (one of RESOLVED).
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        ``{"numerics", "device_type", ...}``.
+    """
     info: dict[str, Any] = {"numerics": mode, "device_type": device_type,
                             "native_bf16": native_bf16_supported(device_type)}
     if device_type == "cpu":
@@ -249,7 +299,7 @@ def checkpoint_kwargs(mode: str, device_type: str) -> dict[str, Any]:
     recompute without it would run native BF16 GEMMs and produce tensors of another dtype than the forward's).
 
     Args:
-        autocast: the resolved setting.
+        mode: the resolved mode (one of RESOLVED).
         device_type: "cpu" or "cuda".
 
     Returns:
@@ -262,7 +312,15 @@ def checkpoint_kwargs(mode: str, device_type: str) -> dict[str, Any]:
 
 
 def forward_context(mode: str, device_type: str) -> contextlib.AbstractContextManager:
-    """Around a forward pass (training step, held-out loss, evaluation), for a resolved mode (one of RESOLVED)."""
+    """Around a forward pass (training step, held-out loss, evaluation), for a resolved mode (one of RESOLVED).
+
+    Args:
+        mode: the resolved mode.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        The context manager.
+    """
     if mode == "none":
         return contextlib.nullcontext()
     if mode == "bf16":
@@ -273,7 +331,15 @@ def forward_context(mode: str, device_type: str) -> contextlib.AbstractContextMa
 
 
 def backward_context(mode: str, device_type: str) -> contextlib.AbstractContextManager:
-    """Around loss.backward(): the emulation must also see the GEMMs a custom backward runs on BF16 tensors."""
+    """Around loss.backward(): the emulation must also see the GEMMs a custom backward runs on BF16 tensors.
+
+    Args:
+        mode: the resolved mode.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        The context manager.
+    """
     if mode == "bf16_emulated":
         return BF16Emulation(device_type)
     return contextlib.nullcontext()

@@ -59,7 +59,15 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None, *, numerics: RunNumerics) 
 
     Under torchrun (ctx of several ranks) every rank evaluates its share of the requests and rank 0, which
     alone checks and locks the folder and chooses the modes, writes the results (hif8qat.evaluate.ranks).
-    ``numerics``: the run's (its evaluation device and numerics). Returns whether any mode was evaluated."""
+
+    Args:
+        cfg: the run's config.
+        run_dir: the run folder.
+        ctx: the distributed context (None: one process).
+        numerics: the run's resolved :class:`RunNumerics` (its evaluation device and numerics).
+
+    Returns:
+        Whether any mode was evaluated."""
     main = ctx is None or ctx.is_main
     modes = on_rank0(ctx, lambda: _modes_to_evaluate(cfg, run_dir))
     device = numerics.eval_device
@@ -191,9 +199,14 @@ def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:
 
 
 def dispatch(cfg: RunConfig, numerics: RunNumerics) -> str | None:
-    """Run cfg.stage with the run's ``numerics`` (resolved once, with the config); SKIPPED when the run was found
-    finished with nothing left to do (a sweep's rerun). Files without an integrity record are refused unless
-    cfg.trust_unverified."""
+    """Run cfg.stage. Files without an integrity record are refused unless cfg.trust_unverified.
+
+    Args:
+        cfg: the run's config.
+        numerics: the run's :class:`RunNumerics`, resolved once, with the config.
+
+    Returns:
+        SKIPPED when the run was found finished with nothing left to do (a sweep's rerun), else None."""
     with trusting_unverified(cfg.trust_unverified):
         return _dispatch(cfg, numerics)
 

@@ -88,15 +88,32 @@ def resolve_run(cfg: RunConfig, *, saved_optimizer_impl: str | None = None) -> R
 
 
 def train_numerics(cfg: RunConfig) -> Numerics:
-    """``train.autocast`` on the run's training device type (the training steps, the memory and time estimates)."""
+    """``train.autocast`` on the run's training device type (the training steps, the memory and time estimates).
+
+    Args:
+        cfg: the run's configuration.
+
+    Returns:
+        The training's :class:`Numerics` (never ``auto``).
+    """
     device_type = training_device_type(cfg.train.device)
     return Numerics(resolve(cfg.train.autocast, device_type), device_type)
 
 
 def run_numerics(cfg: RunConfig) -> RunNumerics:
     """The numerics of a run: :func:`train_numerics`, and for a stage that evaluates (eval, all) ``eval.device`` /
-    ``eval.dtype`` (``auto``: the training's). Raises :class:`EvalSettingError` for an evaluation device this
-    machine lacks, before any training."""
+    ``eval.dtype`` (``auto``: the training's), checked before any training.
+
+    Args:
+        cfg: the run's configuration.
+
+    Returns:
+        The run's :class:`RunNumerics` (``eval`` and ``eval_device`` None for a stage that does not evaluate).
+
+    Raises:
+        EvalSettingError: an evaluation device this machine lacks, or an unknown ``eval.device`` /
+            ``eval.dtype``.
+    """
     train = train_numerics(cfg)
     if cfg.stage not in ("eval", "all"):
         return RunNumerics(train, None, None)
@@ -111,8 +128,20 @@ def eval_numerics(device: str = "auto", dtype: str | None = "auto", *, train_dev
 
     ``auto`` follows the training when given: the device as ``train.device`` resolves (CUDA unless it is ``cpu``
     or there is no GPU), the numerics the training's mode, passed on unchanged. Without a training: native bf16
-    where the device has it (CUDA), else none (FP32); None and ``fp32`` are ``none``. Raises
-    :class:`EvalSettingError` for an unknown value or ``cuda`` on a machine without a GPU."""
+    where the device has it (CUDA), else none (FP32); None and ``fp32`` are ``none``.
+
+    Args:
+        device: ``eval.device`` (auto, cpu, cuda or cuda:N).
+        dtype: ``eval.dtype`` (one of DTYPES, or None).
+        train_device: the run's ``train.device``, if any.
+        train: the run's training :class:`Numerics`, if any.
+
+    Returns:
+        ``(device, numerics)``: the concrete device and the evaluation's :class:`Numerics` on its device type.
+
+    Raises:
+        EvalSettingError: an unknown value, or ``cuda`` on a machine without a GPU.
+    """
     dtype = "none" if dtype in (None, FP32_OLD_NAME) else dtype
     for setting, value, allowed in (("eval.device", device, DEVICES), ("eval.dtype", dtype, DTYPES)):
         if value not in allowed and not (setting == "eval.device" and str(value).startswith("cuda:")):

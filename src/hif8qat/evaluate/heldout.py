@@ -144,10 +144,21 @@ def kl_and_top1(logp_ref: torch.Tensor, logp_other: torch.Tensor) -> tuple[torch
 def stream_token_stats(models: Mapping[str, torch.nn.Module], pairs: Sequence[tuple[str, str]],
                        windows: torch.Tensor, *, numerics: Numerics | None = None, device: str = "cpu",
                        batch_windows: int = BATCH_WINDOWS) -> dict[str, np.ndarray]:
-    """Per predicted token of ``windows`` (``[n, L + 1]``; inputs ``[:, :-1]``, targets ``[:, 1:]``): its window,
-    position and target, each model's NLL (``nll_<name>``) and per pair ``(reference, other)`` the KL and top-1
-    agreement (``kl_<pair>``, ``top1_<pair>``; :func:`pair_name`). Window-major order; float32 columns. Every
-    forward runs under ``numerics`` (None: FP32)."""
+    """Per predicted token of ``windows``: its window, position and target, each model's NLL and per pair the KL
+    and top-1 agreement. Models are forwarded batch by batch of windows and only these per-token values are kept,
+    never the logits.
+
+    Args:
+        models: name -> model.
+        pairs: (reference, other) model names.
+        windows: ``[n, L + 1]`` token ids (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+        numerics: the evaluation's resolved :class:`Numerics`, every forward runs under it (None: FP32).
+        device: where to forward.
+        batch_windows: windows per forward.
+
+    Returns:
+        Columns ``window``, ``pos``, ``target``, ``nll_<name>``, ``kl_<pair>``, ``top1_<pair>`` (:func:`pair_name`),
+        window-major, float32 values."""
 
     numerics = numerics or Numerics("none", torch.device(device).type)
     cols: dict[str, list[np.ndarray]] = {"window": [], "pos": [], "target": []}
@@ -302,8 +313,34 @@ def plan(run_dir: Path, *, baseline: Path | None | bool = None, modes: Sequence[
 def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes: Sequence[str] | None = None,
                     results_root: Path | None = None, device: str | None = None, numerics: Numerics | None = None,
                     batch_windows: int = BATCH_WINDOWS) -> dict[str, Any]:
-    """Compute and write ``<run>/eval/heldout/`` (module doc); returns the summary. device / numerics: the
-    evaluation's (default: the run's, :func:`saved_eval_numerics`)."""
+    """Compute and write ``<run>/eval/heldout/``.
+
+    Models: ``baseline`` (the run's BF16 baseline export, unquantized) and the run's export in its evaluation modes
+    (:func:`hif8qat.evaluate.loading.load_for_eval`; hif8: frozen final scales), all under the evaluation's numerics.
+    Pairs: ``<mode>_vs_baseline`` for each mode, and ``hif8_vs_bf16`` (the cost of quantized inference alone).
+    Writes ``tokens.csv.gz`` (one row per predicted token: window, position, target id, ``nll_<model>``,
+    ``kl_<pair>``, ``top1_<pair>``) and ``summary.json`` (per pair the statistics of
+    :func:`hif8qat.stats.heldout.comparison_summary`, computed from the file as written; the windows and their
+    sha256, numerics, the baseline run paired with, config and provenance). A baseline without an export
+    (committed reference runs keep none) is skipped and said so in the summary.
+
+    Args:
+        run_dir: the run folder (its export/ is compared).
+        baseline: a run folder, None (find it with :func:`hif8qat.runs.folders.find_baseline_run`), or False (no
+            baseline comparison).
+        modes: the run's modes to compare (default: bf16, and hif8 when the export is quantized).
+        results_root: the folder that holds the runs (default: three folders above the run).
+        device: the evaluation device when ``numerics`` is given; else it replaces the run's eval.device (default:
+            the run's eval.device resolved as the eval stage does).
+        numerics: the evaluation's resolved :class:`Numerics` (default: the run's, resolved from its saved config
+            as the eval stage does, :func:`saved_eval_numerics`).
+        batch_windows: windows per forward.
+
+    Returns:
+        The summary.
+
+    Raises:
+        HeldoutError: the run has no export."""
 
     t0 = time.time()
     run_dir = Path(run_dir)
@@ -363,7 +400,21 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
 
 def saved_eval_numerics(run_dir: Path, device: str | None = None, dtype: str | None = None) -> tuple[str, Numerics]:
     """The evaluation device and numerics of a run folder, from its saved config read back as a RunConfig, as the
-    eval stage resolves them; ``device`` / ``dtype`` given replace its ``eval.device`` / ``eval.dtype``."""
+    eval stage resolves them.
+
+    Args:
+        run_dir: the run folder.
+        device: replaces the saved ``eval.device`` when given.
+        dtype: replaces the saved ``eval.dtype`` when given.
+
+    Returns:
+        ``(device, numerics)``: the concrete evaluation device and its resolved :class:`Numerics`.
+
+    Raises:
+        CorruptRunFile: the saved config is unreadable.
+        ConfigError: a saved setting is invalid.
+        EvalSettingError: an evaluation device this machine lacks, or an unknown ``eval.device`` /
+            ``eval.dtype``."""
     cfg = load_run_config(run_dir)
     evaluation = dataclasses.replace(cfg.eval, device=device or cfg.eval.device, dtype=dtype or cfg.eval.dtype)
     numerics = run_numerics(dataclasses.replace(cfg, stage="eval", eval=evaluation))
@@ -380,7 +431,7 @@ def after_eval(cfg, run_dir: Path, *, device: str, numerics: Numerics) -> dict |
         cfg: the run's config.
         run_dir: the run folder.
         device: the evaluation's device.
-        dtype: its autocast.
+        numerics: its resolved :class:`Numerics`.
 
     Returns:
         The summary, or None for a run without quantization or a comparison already done."""

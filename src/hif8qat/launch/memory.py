@@ -131,9 +131,26 @@ class Simulated:
 
 
 def simulate_step(cfg: RunConfig, facts: dict, numerics: Numerics, *, micro_batches: int = 2) -> Simulated:
-    """One optimizer step of one process under fake tensors (see the module doc), for a run on
-    ``numerics.device_type`` with those numerics. ``micro_batches`` > 1: the measured micro-batch runs with the
-    previous one's gradients held, as every micro-batch after the first of an accumulating step does."""
+    """One optimizer step of one process under fake tensors.
+
+    The model is prepared as the trainer does (:func:`hif8qat.train.loop.prepare_model`: BF16-parameter quirk,
+    quantized linears switched on, the chunked loss head, activation checkpointing), with the trainer's AdamW
+    (:func:`~hif8qat.train.loop.build_optimizer`) in the implementation ``train.optimizer_impl`` names for the device
+    (``fused``; or torch's default, on CUDA ``foreach``, one temporary the size of the parameters), asked for
+    explicitly. The step runs forward and backward under the run's numerics, gradient clipping and the AdamW update
+    with its moments already made. Simulated on the CPU (the CPU-only torch has no CUDA autocast to simulate with),
+    for the device the run trains on.
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics`; its ``device_type`` is the
+            device the run trains on (``cpu`` or ``cuda``).
+        micro_batches: above 1, the measured micro-batch runs with the previous one's gradients held, as every
+            micro-batch after the first of an accumulating step does.
+
+    Returns:
+        A :class:`Simulated`."""
     from transformers import AutoModelForCausalLM
 
     t = cfg.train
@@ -182,8 +199,21 @@ def _micro_batch(model, cfg: RunConfig, numerics: Numerics, tokens: torch.Tensor
 
 
 def step_memory(cfg: RunConfig, facts: dict, numerics: Numerics, world_size: int = 1) -> dict[str, int]:
-    """Bytes one training process holds at the peak of a step, by part (:data:`PARTS`; the sum is the
-    estimate). ``numerics``: the run's training numerics, on the device type it trains on."""
+    """Bytes one training process holds at the peak of a step, by part (:data:`PARTS`; the sum is the estimate).
+    Added to the simulated step: DDP's gradient buckets (``DistributedDataParallel`` as the trainer builds it keeps
+    ``gradient_as_bucket_view`` False: a second copy of every gradient); under FSDP the weights and AdamW state
+    shared out over the ranks while the gradients accumulate unsharded between micro-batches (an approximation,
+    not measured).
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics`, on the device type it
+            trains on.
+        world_size: processes the run trains on.
+
+    Returns:
+        Part -> bytes."""
     t = cfg.train
     accumulates = t.global_batch_size > t.micro_batch_size * world_size
     sim = simulate_step(cfg, facts, numerics, micro_batches=2 if accumulates else 1)
@@ -222,7 +252,17 @@ def far_below(cfg: RunConfig, facts: dict, limit: int) -> bool:
 
 
 def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, numerics: Numerics) -> str:
-    """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight)."""
+    """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight).
+
+    Args:
+        cfg: the run's config.
+        parts: the estimate by part (:func:`step_memory`).
+        world_size: processes.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (its device type: where
+            the run trains).
+
+    Returns:
+        The line."""
     t = cfg.train
     per = "GPU" if numerics.device_type == "cuda" else "process"
     layout = f"{t.distributed.upper()} over {world_size} processes" if world_size > 1 else "one process"

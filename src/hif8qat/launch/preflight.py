@@ -207,9 +207,16 @@ def _machine_memory(device: str) -> tuple[int | None, str]:
 
 
 def check_model_fits(cfg: RunConfig, numerics: Numerics) -> None:
-    """train.seq_len within the model's positions, and one step's memory (under the run's training ``numerics``)
-    within the machine's, read from the model's config.json only (no weights). A model whose config cannot be
-    had offline is not checked."""
+    """train.seq_len within the model's positions, and one step's memory within the machine's, read from the
+    model's config.json only (no weights). A model whose config cannot be had offline is not checked.
+
+    Args:
+        cfg: the run's config.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (the step's memory is
+            estimated under them).
+
+    Raises:
+        ConfigError: train.seq_len beyond the model's positions, or a step that does not fit the machine's memory."""
 
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts or not all(isinstance(facts.get(k), int) for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
@@ -288,8 +295,15 @@ def check_export(cfg: RunConfig) -> None:
 
 
 def preflight(cfg: RunConfig, numerics: RunNumerics) -> None:
-    """Every check that applies to cfg.stage (``numerics``: the run's); raises ConfigError (or
-    DatasetUnavailableError) on the first."""
+    """Every check that applies to cfg.stage, before any folder is made.
+
+    Args:
+        cfg: the run's config.
+        numerics: the run's :class:`~hif8qat.config.numerics.RunNumerics`, resolved once, with the config.
+
+    Raises:
+        ConfigError: the first check that fails.
+        DatasetUnavailableError: a paper task's dataset cannot be had."""
     check_results_root(cfg)
     if cfg.stage in ("train", "all"):
         check_model(cfg)

@@ -155,8 +155,17 @@ def _gpu1_facts(cfg) -> tuple[dict, str]:
 
 
 def measure(cfg, numerics: Numerics, repeats: int = 2) -> Costs:
-    """Time the pieces of a run with the run's model, batch and ``numerics`` (quantized ones with cfg's quant),
-    on this machine's CPU."""
+    """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant), on this
+    machine's CPU.
+
+    Args:
+        cfg: the run's resolved config.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (its mode is timed on the
+            CPU).
+        repeats: timings per piece (the fastest is kept).
+
+    Returns:
+        The measured costs."""
 
 
     t0 = time.perf_counter()
@@ -203,9 +212,15 @@ def measure(cfg, numerics: Numerics, repeats: int = 2) -> Costs:
 
 
 def print_memory(cfg, numerics: Numerics, world_size: int | None, device: str | None) -> None:
-    """The simulated memory of one training step of the run under its training ``numerics``
-    (:mod:`hif8qat.launch.memory`), when its model's config.json is at hand; ``device``: the device type it
-    trains on, when not this machine's."""
+    """The simulated memory of one training step of the run (:mod:`hif8qat.launch.memory`), when its model's
+    config.json is at hand.
+
+    Args:
+        cfg: the run's resolved config.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics`.
+        world_size: processes (None: every local GPU for the paper profile, else one).
+        device: the device type the run trains on, replacing ``numerics``' (None: ``numerics``' own, where
+            ``train.device`` puts it here)."""
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts:
         return

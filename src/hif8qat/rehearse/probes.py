@@ -172,7 +172,15 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
 
 def evaluate_in_one_process(run_dir: str, out: str) -> dict:
     """The run's export evaluated in one process in every mode, with the evaluation settings and numerics the
-    run recorded (its config_resolved.yaml), as run.py evaluates a run; results under out/<mode>/."""
+    run recorded (its config_resolved.yaml, read back as a RunConfig), as run.py evaluates a run; results under
+    out/<mode>/.
+
+    Args:
+        run_dir: the run folder.
+        out: where the results go.
+
+    Returns:
+        ``{modes}``: the modes evaluated."""
     device, numerics = saved_eval_numerics(Path(run_dir))
     ev = load_run_config(Path(run_dir)).eval
     for mode in ev.modes:

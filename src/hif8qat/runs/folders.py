@@ -407,8 +407,17 @@ def _read_saved_config(path: Path) -> dict[str, Any]:
 
 def load_run_config(run_dir: Path) -> RunConfig:
     """The RunConfig a run folder's saved config records, read back and checked as run.py checks one (a setting
-    added since the run was saved takes the value that does what the code did before it existed). Raises
-    CorruptRunFile when the file is unreadable."""
+    added since the run was saved takes the value that does what the code did before it existed).
+
+    Args:
+        run_dir: the run folder.
+
+    Returns:
+        The run's configuration.
+
+    Raises:
+        CorruptRunFile: the saved config is unreadable.
+        ConfigError: a saved setting is invalid."""
     saved = _read_saved_config(Path(run_dir) / CONFIG_FILE)
     for key, old_behaviour in _ADDED_SETTINGS.items():
         *sections, name = key.split(".")

@@ -163,7 +163,20 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
 @torch.no_grad()
 def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, numerics: Numerics, device: torch.device,
                   batch: int = 4) -> float:
-    """Mean loss on held-out windows, with the quantizers' scales frozen so evaluation leaves no trace."""
+    """Mean loss on held-out windows, with the quantizers' scales frozen so evaluation leaves no trace.
+
+    Args:
+        model: the model.
+        windows: ``[n, seq_len + 1]`` held-out windows.
+        cfg: the run's configuration.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics`; every forward runs under
+            it.
+        device: where the model runs.
+        batch: windows per forward.
+
+    Returns:
+        The mean loss.
+    """
     was_training = model.training
     model.eval()
     freeze_scales(model, True)
@@ -206,6 +219,8 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, 
         model: the loaded model.
         cfg: the run's configuration.
         device: where it trains.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (the quantized layers are
+            told whether BF16 is emulated; the activation-checkpointing recompute runs under them).
 
     Returns:
         The converted layers' names.
@@ -260,8 +275,18 @@ def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) 
 
 
 def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None, *, numerics: Numerics) -> dict[str, Any]:
-    """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows), its forwards and
-    backwards under ``numerics`` (the run's, ``hif8qat.config.numerics.run_numerics(cfg).train``)."""
+    """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows).
+
+    Args:
+        cfg: the run's resolved configuration.
+        run_dir: the run folder.
+        ctx: the distributed context (default: set up from the environment).
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics`
+            (``hif8qat.config.numerics.run_numerics(cfg).train``); every forward and backward runs under it.
+
+    Returns:
+        The training summary on the main rank (what summary.json records), {} on the others.
+    """
     run = _Run(cfg, run_dir, ctx or setup_distributed(cfg.train.device), numerics)
     start_step = run.resume()
     run.open_log(start_step)

@@ -256,7 +256,8 @@ def test_hif8_mode_keeps_fp32_master_weights_under_bf16(tmp_path):
     export = write_quantized_export(tmp_path / "export", scope="mlp", seed=2, seq=16)
     loaded, _ = loading.load_for_eval(export, "hif8", device="cpu")
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
-    res = runner.evaluate_export(export, "hif8", "mini_arc", numerics=Numerics("bf16"), device="cpu", limit=2, batch_size=4)
+    res = runner.evaluate_export(export, "hif8", "mini_arc", numerics=Numerics("bf16"), device="cpu", limit=2,
+                                 batch_size=4)
     assert (res["_meta"]["mode"], res["_meta"]["dtype"], res["_meta"]["autocast"]) == ("hif8", "float32", "bfloat16")
 
 

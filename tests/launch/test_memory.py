@@ -138,7 +138,8 @@ def test_preflight_skips_the_simulation_only_for_steps_far_below_the_memory(pape
     small = _cfg("experiment=exp8", "profile=smoke")
     facts = model_config_facts(small.model.name)
     assert far_below(small, facts, 2 ** 34)
-    assert 100 * sum(step_memory(small, facts, train_numerics(small)).values()) < 2 ** 34  # what it skipped fits a hundred times over
+    # what it skipped fits a hundred times over
+    assert 100 * sum(step_memory(small, facts, train_numerics(small)).values()) < 2 ** 34
 
 
 # ------------------------------------------------------------------ the measured process

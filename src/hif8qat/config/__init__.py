@@ -4,7 +4,8 @@
 type checks), ``blocks`` (which blocks stay in high precision), ``eval_tasks`` (tasks, suites, modes),
 ``data_source`` (``data.source``: named sources and local files), ``numerics`` (the run's compute numerics,
 resolved once: ``train.autocast``, ``eval.dtype``, ``eval.device``). Layer 7: imports the library core's settings
-(``scaling.settings``, ``compute_dtype``) and the base modules, never a model, the data or the evaluation: a bad setting fails before anything heavy loads.
+(``scaling.settings``, ``compute_dtype``) and the base modules, never a model, the data or the evaluation: a bad
+setting fails before anything heavy loads.
 """
 
 from hif8qat.errors import require_pipeline_extra

@@ -461,7 +461,8 @@ class _Run:
                 t0 = time.perf_counter()
                 epoch = self.stream.epoch
                 loss_value, flags = _reduce_step(
-                    _forward_backward(self.wrapped, self.stream, self.accum, self.numerics, cfg, ctx), stop.flags(), ctx)
+                    _forward_backward(self.wrapped, self.stream, self.accum, self.numerics, cfg, ctx),
+                    stop.flags(), ctx)
                 if self.stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
                     order = "in a new order" if self.stream.kind == "packed" else "in the same order"
                     print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {self.stream.epoch} "

@@ -128,10 +128,13 @@ def _gpu1_facts(cfg) -> tuple[dict, str]:
     return OPENPANGU_EMBEDDED_1B_CONFIG, "openPangu-Embedded-1B's published config"
 
 
-def measure(cfg, repeats: int = 2) -> Costs:
-    """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant)."""
+def measure(cfg, repeats: int = 1, say: Callable[[str], None] = lambda line: None) -> Costs:
+    """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant).
 
-
+    Each kind of step runs once to warm up (allocation, AdamW's moments, the quantizers' cold start), then
+    ``repeats`` times timed; the evaluation forward is timed once, after the training steps have warmed the
+    kernels up. ``say`` is told each phase as it starts."""
+    say(f"loading {cfg.model.name}")
     t0 = time.perf_counter()
     model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
     load_s = time.perf_counter() - t0
@@ -157,15 +160,20 @@ def measure(cfg, repeats: int = 2) -> Costs:
     def token_s() -> float:
         model.eval()
         with torch.inference_mode(), compute_dtype.forward_context(autocast, "cpu"):
-            model(input_ids=batch, use_cache=False)
             t = time.perf_counter()
             model(input_ids=batch, use_cache=False)
             return (time.perf_counter() - t) / batch.numel()
 
     # the run's AdamW, in its implementation (train.optimizer_impl): a large share of a mini-profile step
-    plain_step, plain_token = step_s(build_optimizer(model, cfg)), token_s()
+    say(f"timing {1 + repeats} training steps of {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, "
+        "the first a warm-up")
+    plain_step = step_s(build_optimizer(model, cfg))
+    say(f"timing an evaluation forward of {batch.shape[0]} x {batch.shape[1]} tokens")
+    plain_token = token_s()
     qat_step, quant_token = plain_step, plain_token
     if cfg.quant.enabled:
+        say(f"converting to {cfg.quant.scaling.format} ({cfg.quant.scope}), timing {1 + repeats} quantized "
+            "training steps and a quantized evaluation forward")
         convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
                       emulate_bf16=autocast == "bf16_emulated")
         set_quantization(model, True)
@@ -213,11 +221,18 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         extra = args.baseline_overrides if experiment == args.baseline else args.overrides
         return plain_config_for(profile, experiment, seed, tuple(extra))
 
+    started = time.perf_counter()
+
+    def say(phase: str) -> None:  # a line per phase, as it starts: the user sees what the seconds go to
+        print(f"estimate: {args.label}: [{time.perf_counter() - started:.0f} s] {phase}...", flush=True)
+
     experiments = [e for e in (args.baseline, *args.experiments) if e]
+    say("simulating a training step's memory")
     print_memory(config_for(args.profile, args.experiments[0], args.seeds[0]), args.world_size, args.device)
     if args.profile not in ("mini", "gpu1"):
         return 0
 
+    say(f"composing the configs of {len(experiments) * len(args.seeds)} run(s) and looking for finished ones")
     pending = []
     for seed in args.seeds:
         for experiment in experiments:
@@ -244,11 +259,12 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
     measured = next((c for c in configs if c.quant.enabled), configs[0])
     print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "
-          "machine (loading it, training steps plain and quantized, evaluation forwards)...", flush=True)
-    costs = measure(measured)
+          "machine", flush=True)
+    costs = measure(measured, say=say)
     total = sum(run_seconds(c, costs, tokens) for c in configs)
-    print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
-          f"this machine ({costs.numerics} numerics, measured just now: a training step {costs.train_step_s:.1f} s "
-          f"plain / {costs.qat_step_s:.1f} s quantized, {costs.eval_token_s * 1e3:.2f} / "
-          f"{costs.quant_eval_token_s * 1e3:.2f} ms per evaluated token, {costs.load_s:.0f} s to load the model)")
+    print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.1f} min on "
+          f"this machine ({costs.numerics} numerics, measured just now in {time.perf_counter() - started:.0f} s: a "
+          f"training step {costs.train_step_s:.2f} s plain / {costs.qat_step_s:.2f} s quantized, "
+          f"{costs.eval_token_s * 1e3:.2f} / {costs.quant_eval_token_s * 1e3:.2f} ms per evaluated token, "
+          f"{costs.load_s:.0f} s to load the model)")
     return 0

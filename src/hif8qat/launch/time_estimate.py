@@ -36,10 +36,12 @@ from hif8qat.train.loop import build_optimizer, lm_loss
 # Tokens an evaluation of one run forwards at the mini profile (its three subsets, each item's context once,
 # the bf16 mode only), counted by the evaluation itself into results.json (_meta.eval_tokens); used when no
 # finished evaluation of this profile exists yet to read it from. A workload size, not a time.
+# mini: the committed reference run of exp1 forwarded 51,287 positions, padding included (was 60,000, which put a
+# fresh clone's estimate of each evaluation 17 % high).
 # gpu1: MMLU 1,140 items x about 540 tokens (5 shots and the question), HellaSwag 1,000 x about 1,160 (10 shots,
 # the context once and four endings), ARC-Challenge 1,172 x about 1,300 (25 shots): about 3.3 M, a planning figure
 # until the first gpu1 evaluation records its own count.
-_EVAL_TOKENS_FALLBACK = {"mini": 60_000, "gpu1": 3_300_000}
+_EVAL_TOKENS_FALLBACK = {"mini": 51_300, "gpu1": 3_300_000}
 
 # The gpu1 estimate's stated assumptions (none of them measured by this project on a GPU): BF16 training at
 # 250 TFLOP/s on one H200 (about a quarter of its dense BF16 peak; the authors' logs imply about 335 TFLOP/s per

@@ -73,9 +73,11 @@ def main(argv=None) -> dict:
            "threads": torch.get_num_threads(), "whole_s": statistics.median(times[None]), "chunked": []}
     for rows in args.rows:
         loss, dh, dw = results[rows]
+        seconds = statistics.median(times[rows])
         out["chunked"].append({
-            "rows": rows, "s": statistics.median(times[rows]), "over_whole": statistics.median(times[rows]) / out["whole_s"],
-            "loss_abs_diff": abs(float(loss) - float(ref_loss)), "loss_bit_identical": bool(torch.equal(loss, ref_loss)),
+            "rows": rows, "s": seconds, "over_whole": seconds / out["whole_s"],
+            "loss_abs_diff": abs(float(loss) - float(ref_loss)),
+            "loss_bit_identical": bool(torch.equal(loss, ref_loss)),
             "grad_hidden_max_rel": float((dh - ref_dh).abs().max() / ref_dh.abs().max()),
             "grad_weight_max_rel": float((dw - ref_dw).abs().max() / ref_dw.abs().max())})
     print(json.dumps(out, indent=1))

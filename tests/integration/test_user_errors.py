@@ -50,7 +50,8 @@ def test_multirun_lines_are_checked_value_by_value():
 
 @pytest.mark.parametrize("line", [
     ["experiment=exp1", "seed=0"], ["-m", "seed=0,1", "--cfg", "hydra", "-p", "hydra.launcher"],
-    ["--cfg", "job", "-m", "seed=0,1", "stage=train"], ["-m"], ["--multi", "seed=0,1"], ["seed=0", "--resolve", "-c", "all"],
+    ["--cfg", "job", "-m", "seed=0,1", "stage=train"], ["-m"], ["--multi", "seed=0,1"],
+    ["seed=0", "--resolve", "-c", "all"],
     ["experiment=exp1", "-m", "seed=0,1"], ["--info"], ["-i", "defaults", "seed=1"], ["--info", "experiment=exp1"],
     ["-cn", "other", "seed=1"], ["--config-dir", "/tmp/elsewhere", "seed=1"], ["-cp", "x", "-r", "seed=1"],
     ["--experimental-rerun", "config.pickle"], ["-h"], ["--hydra-help"], ["-sc"], ["--bogus", "seed=1"],
@@ -82,7 +83,8 @@ def _setting_names() -> set[str]:
     names = set()
     for f in fields(RunConfig):
         default = f.default_factory() if callable(f.default_factory) else None
-        keys = (getattr(default, "FLAT_KEYS", None) or [g.name for g in fields(default)]) if is_dataclass(default) else []
+        keys = ((getattr(default, "FLAT_KEYS", None) or [g.name for g in fields(default)])
+                if is_dataclass(default) else [])
         names |= {f"{f.name}.{key}" for key in keys} if keys else {f.name}  # quant's as the YAML writes them
     return names
 
@@ -216,7 +218,8 @@ def _tiny_training_state():
     model(input_ids=torch.arange(8)[None]).logits.sum().backward()
     optimizer.step()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "rank_state": {"rng": torch.get_rng_state()}}
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+            "rank_state": {"rng": torch.get_rng_state()}}
 
 
 @pytest.mark.parametrize("where", ["torch.save", "safetensors"])

@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from hif8qat import compute_dtype
 from hif8qat.cli.hydra_config import config_for
 from hif8qat.models.loading import load_causal_lm
-from hif8qat.quant import linear as quant_linear
+from hif8qat.quant import gemm as quant_gemm
 from hif8qat.quant.linear import freeze_scales, set_quantization
 from hif8qat.train.chunked_loss import lm_loss
 from hif8qat.train.guards import clip_gradients
@@ -60,13 +60,13 @@ KINDS = ("gemm", "attention", "optimizer", "casts", "fill", "loss", "quantizer",
 def _labelled_quantizer():
     """The quantized linear's qdq calls under a profiler label (this process only), so their ops count as the
     quantizer's wherever they run."""
-    original = quant_linear.bank_qdq
+    original = quant_gemm.bank_qdq  # the quantized GEMM's module, where every quantized layer calls it
 
     def bank_qdq(*args, **kwargs):
         with record_function(QUANTIZER_LABEL):
             return original(*args, **kwargs)
 
-    quant_linear.bank_qdq = bank_qdq
+    quant_gemm.bank_qdq = bank_qdq
 
 
 def _kind(event, ancestors: list[str]) -> str:

@@ -29,3 +29,22 @@ def test_a_quantized_run_counts_its_warmup_its_quantized_steps_and_every_evaluat
                 # baseline's export (bf16), the run's bf16 and its quantized mode
                 + 3 * 5.0 + 4096 * 1e-3 + 4096 * 1e-3 + 4096 * 2e-3)
     assert run_seconds(cfg, COSTS, 10_000) == pytest.approx(expected)
+
+
+def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took(tmp_path, capsys):
+    """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the model load,
+    the plain steps, the evaluation forward, the quantized steps), then the total with the seconds it measured for.
+    The tiny model stands in for the mini profile's so that the whole measurement runs in seconds."""
+    from hif8qat.launch import time_estimate
+
+    def config_for(profile, experiment, seed, extra):
+        return cli_config([f"experiment={experiment}", "profile=smoke", f"seed={seed}", f"results_root={tmp_path}"])
+
+    assert time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1",
+                               "--results-root", str(tmp_path), "--label", "make exp3"], config_for) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("estimate: make exp3: ")]
+    phases = [line.split("] ", 1)[1] for line in lines if line.startswith("estimate: make exp3: [")]
+    expected = ["simulating a training step's memory", "composing the configs", "loading ", "timing 2 training steps",
+                "timing an evaluation forward", "converting to "]
+    assert len(phases) == len(expected) and all(p.startswith(e) for p, e in zip(phases, expected, strict=True)), lines
+    assert "2 run(s) to train and evaluate" in lines[-1] and "measured just now in " in lines[-1], lines[-1]

@@ -32,10 +32,12 @@ from hif8qat.train.loop import build_optimizer, lm_loss
 # Tokens an evaluation of one run forwards at the mini profile (its three subsets, each item's context once,
 # the bf16 mode only), counted by the evaluation itself into results.json (_meta.eval_tokens); used when no
 # finished evaluation of this profile exists yet to read it from. A workload size, not a time.
+# mini: the committed reference run of exp1 forwarded 51,287 positions, padding included (was 60,000, which put a
+# fresh clone's estimate of each evaluation 17 % high).
 # gpu1: MMLU 1,140 items x about 540 tokens (5 shots and the question), HellaSwag 1,000 x about 1,160 (10 shots,
 # the context once and four endings), ARC-Challenge 1,172 x about 1,300 (25 shots): about 3.3 M, a planning figure
 # until the first gpu1 evaluation records its own count.
-_EVAL_TOKENS_FALLBACK = {"mini": 60_000, "gpu1": 3_300_000}
+_EVAL_TOKENS_FALLBACK = {"mini": 51_300, "gpu1": 3_300_000}
 
 # The gpu1 estimate's stated assumptions (none of them measured by this project on a GPU): BF16 training at
 # 250 TFLOP/s on one H200 (about a quarter of its dense BF16 peak; the authors' logs imply about 335 TFLOP/s per
@@ -154,20 +156,24 @@ def _gpu1_facts(cfg) -> tuple[dict, str]:
     return OPENPANGU_EMBEDDED_1B_CONFIG, "openPangu-Embedded-1B's published config"
 
 
-def measure(cfg, numerics: Numerics, repeats: int = 2) -> Costs:
+def measure(cfg, numerics: Numerics, repeats: int = 1, say: Callable[[str], None] = lambda line: None) -> Costs:
     """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant), on this
     machine's CPU.
+
+    Each kind of step runs once to warm up (allocation, AdamW's moments, the quantizers' cold start), then
+    ``repeats`` times timed; the evaluation forward is timed once, after the training steps have warmed the
+    kernels up.
 
     Args:
         cfg: the run's resolved config.
         numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (its mode is timed on the
             CPU).
-        repeats: timings per piece (the fastest is kept).
+        repeats: timed steps per kind after its warm-up (the fastest is kept).
+        say: told each phase as it starts.
 
     Returns:
         The measured costs."""
-
-
+    say(f"loading {cfg.model.name}")
     t0 = time.perf_counter()
     model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
     load_s = time.perf_counter() - t0
@@ -193,15 +199,20 @@ def measure(cfg, numerics: Numerics, repeats: int = 2) -> Costs:
     def token_s() -> float:
         model.eval()
         with torch.inference_mode(), numerics.forward():
-            model(input_ids=batch, use_cache=False)
             t = time.perf_counter()
             model(input_ids=batch, use_cache=False)
             return (time.perf_counter() - t) / batch.numel()
 
     # the run's AdamW, in its implementation (train.optimizer_impl): a large share of a mini-profile step
-    plain_step, plain_token = step_s(build_optimizer(model, cfg)), token_s()
+    say(f"timing {1 + repeats} training steps of {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, "
+        "the first a warm-up")
+    plain_step = step_s(build_optimizer(model, cfg))
+    say(f"timing an evaluation forward of {batch.shape[0]} x {batch.shape[1]} tokens")
+    plain_token = token_s()
     qat_step, quant_token = plain_step, plain_token
     if cfg.quant.enabled:
+        say(f"converting to {cfg.quant.scaling.format} ({cfg.quant.scope}), timing {1 + repeats} quantized "
+            "training steps and a quantized evaluation forward")
         convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
                       emulate_bf16=numerics.emulates_bf16)
         set_quantization(model, True)
@@ -266,12 +277,19 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         extra = args.baseline_overrides if experiment == args.baseline else args.overrides
         return plain_config_for(profile, experiment, seed, tuple(extra))
 
+    started = time.perf_counter()
+
+    def say(phase: str) -> None:  # a line per phase, as it starts: the user sees what the seconds go to
+        print(f"estimate: {args.label}: [{time.perf_counter() - started:.0f} s] {phase}...", flush=True)
+
     experiments = [e for e in (args.baseline, *args.experiments) if e]
+    say("simulating a training step's memory")
     first = config_for(args.profile, args.experiments[0], args.seeds[0])
     print_memory(first, train_numerics(first), args.world_size, args.device)
     if args.profile not in ("mini", "gpu1"):
         return 0
 
+    say(f"composing the configs of {len(experiments) * len(args.seeds)} run(s) and looking for finished ones")
     pending = []
     for seed in args.seeds:
         for experiment in experiments:
@@ -298,11 +316,12 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
     measured = next((c for c in configs if c.quant.enabled), configs[0])
     print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "
-          "machine (loading it, training steps plain and quantized, evaluation forwards)...", flush=True)
-    costs = measure(measured, train_numerics(measured))
+          "machine", flush=True)
+    costs = measure(measured, train_numerics(measured), say=say)
     total = sum(run_seconds(c, costs, tokens) for c in configs)
-    print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
-          f"this machine ({costs.numerics} numerics, measured just now: a training step {costs.train_step_s:.1f} s "
-          f"plain / {costs.qat_step_s:.1f} s quantized, {costs.eval_token_s * 1e3:.2f} / "
-          f"{costs.quant_eval_token_s * 1e3:.2f} ms per evaluated token, {costs.load_s:.0f} s to load the model)")
+    print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.1f} min on "
+          f"this machine ({costs.numerics} numerics, measured just now in {time.perf_counter() - started:.0f} s: a "
+          f"training step {costs.train_step_s:.2f} s plain / {costs.qat_step_s:.2f} s quantized, "
+          f"{costs.eval_token_s * 1e3:.2f} / {costs.quant_eval_token_s * 1e3:.2f} ms per evaluated token, "
+          f"{costs.load_s:.0f} s to load the model)")
     return 0

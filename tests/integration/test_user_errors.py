@@ -17,7 +17,7 @@ from test_reliability import assert_user_error, cli, cli_config
 from test_report import make_fake_runs
 
 from hif8qat.cli import command_line
-from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.config.run_config import ConfigError, RunConfig, setting_keys
 from hif8qat.launch import preflight
 from hif8qat.train import checkpoint as ckpt
 
@@ -82,7 +82,7 @@ def _setting_names() -> set[str]:
     names = set()
     for f in fields(RunConfig):
         default = f.default_factory() if callable(f.default_factory) else None
-        keys = (getattr(default, "FLAT_KEYS", None) or [g.name for g in fields(default)]) if is_dataclass(default) else []
+        keys = setting_keys(type(default)) if is_dataclass(default) else []
         names |= {f"{f.name}.{key}" for key in keys} if keys else {f.name}  # quant's as the YAML writes them
     return names
 

@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,8 @@ from hif8qat.evaluate.heldout import heldout_window_count
 from hif8qat.launch.memory import describe, step_memory
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
-from hif8qat.quant.linear import convert_model, freeze_scales, set_quantization
+from hif8qat.quant.linear import freeze_scales
+from hif8qat.quant.training import convert_to_hif8_training
 from hif8qat.runs.folders import is_done, run_dir_for
 from hif8qat.train.loop import build_optimizer, lm_loss
 
@@ -166,9 +167,7 @@ def measure(cfg, repeats: int = 2) -> Costs:
     plain_step, plain_token = step_s(build_optimizer(model, cfg)), token_s()
     qat_step, quant_token = plain_step, plain_token
     if cfg.quant.enabled:
-        convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
-                      emulate_bf16=autocast == "bf16_emulated")
-        set_quantization(model, True)
+        convert_to_hif8_training(model, config=replace(cfg.quant.training, emulate_bf16=autocast == "bf16_emulated"))
         qat_step = step_s(build_optimizer(model, cfg))
         freeze_scales(model, True)
         quant_token = token_s()

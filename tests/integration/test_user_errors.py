@@ -118,7 +118,7 @@ def test_boolean_settings_take_a_boolean_only(setting, value):
     for text, want in (("false", False), ("true", True)):
         cfg = cli_config(["experiment=exp8", "profile=smoke", f"{setting}={text}"])
         section, _, key = setting.partition(".")
-        got = getattr(getattr(cfg, section), key) if key else getattr(cfg, section)
+        got = cfg.to_dict()[section][key] if key else getattr(cfg, section)  # as the saved config records it
         assert got is want, (setting, text, got)
 
 

@@ -114,7 +114,7 @@ def test_a_cpu_rehearsal_of_gpu1_runs_its_steps_accumulation_and_calls(tmp_path)
     done = int(ckpt.name.split("_")[1])
     state = torch.load(ckpt / "rank000.pt", weights_only=False)
     assert state["data"]["position"] == 32 * done
-    totals = {k: int(v) for k, v in state["quant"].items() if k.endswith(".total")}
-    histories = {k: v.numel() for k, v in state["quant"].items() if k.endswith(".history")}
+    totals = {k: int(v) for k, v in state["scalers"].items() if k.endswith(".total")}
+    histories = {k: v.numel() for k, v in state["scalers"].items() if k.endswith(".history")}
     assert totals and set(totals.values()) == {8 * done}  # every quantizer: 8 calls per optimizer step
     assert set(histories.values()) == {30}

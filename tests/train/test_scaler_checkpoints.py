@@ -18,8 +18,9 @@ from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
-# exp3's schedules, stochastic rounding (the bank's generator must come back too), checkpoints at steps 4 and 8
-SETTINGS = ("experiment=exp3", "quant.grad_rounding=stochastic", "train.checkpoint_every=4")
+# exp4's schedules (exp_smooth from step 1: its optional state entries), stochastic rounding (the bank's generator
+# must come back too), checkpoints at steps 4 and 8
+SETTINGS = ("experiment=exp4", "quant.grad_rounding=stochastic", "train.checkpoint_every=4")
 
 
 def _smoke(tmp_path: Path, *overrides: str) -> RunConfig:
@@ -71,6 +72,7 @@ def test_scalers_travel_per_rank_as_state_dict_entries_and_the_former_layout_res
     assert all(".hif8_scaler." in k or k.startswith("hif8qat_bank.") for k in rank["scalers"])
     assert any(k.endswith(".hif8_scaler.W.history") for k in rank["scalers"])
     assert any(k.startswith("hif8qat_bank.") for k in rank["scalers"])  # stochastic rounding's generator
+    assert any(".hif8_scaler.A.es_" in k for k in rank["scalers"])  # exp_smooth's entries, which a fresh state lacks
 
     former = tmp_path / "former" / "step_0000004"
     _as_former_layout(step4, former)

@@ -110,6 +110,24 @@ def test_one_default_scope_for_the_library_the_pipeline_and_the_yaml():
     assert run_config(["experiment=exp1", "profile=smoke", "quant=hif8"]).quant.training.scope == DEFAULT_SCOPE
 
 
+def test_a_library_config_error_is_structured_and_the_pipeline_words_it_as_the_setting():
+    """The library's config names the field, the value and what is allowed as attributes (no text to parse); the
+    pipeline says quant.<field> as the YAML writes it, in its one error form."""
+    from hif8qat import Hif8TrainingConfig
+    from hif8qat.scaling.settings import SettingError
+
+    with pytest.raises(SettingError) as err:
+        Hif8TrainingConfig(history_len=0)
+    assert (err.value.owner, err.value.field, err.value.value, err.value.allowed) == (
+        "Hif8TrainingConfig", "history_len", 0, "an integer >= 1")
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"quant": {"history_len": 0}}, check_paths=False)
+    assert str(err.value) == "invalid setting quant.history_len=0: allowed an integer >= 1"
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"quant": {"scope": "everything"}}, check_paths=False)
+    assert str(err.value) == "invalid setting quant.scope='everything': allowed one of mlp, attn_mlp"
+
+
 def test_profile_scales_step_valued_settings_and_maps_blocks_to_depth():
     cfg = run_config(["experiment=exp4", "profile=paper", "profile.steps=1000", "quant.high_precision_blocks=first3_last2"])
     assert cfg.train.steps == 1000 and cfg.train.lr_warmup_steps == 30

@@ -4,7 +4,8 @@ A small QAT Llama (hidden 64, every attention and MLP linear quantized, bank row
 each measurement runs in its own process with an empty Inductor cache (``TORCHINDUCTOR_CACHE_DIR`` in a fresh
 temporary folder: the cold cache of a first run on a node), and times the first forward + backward + AdamW step,
 compile included. The quantizer's own kernels run eagerly (``HIF8QAT_COMPILE=0``; ``--quantizer-compiled`` compiles
-them too): their compile is the same fixed part in both ways of compiling and would only hide the difference. Printed side by side, with the graphs Dynamo compiled and its graph breaks:
+them too): their compile is the same fixed part in both ways of compiling and would only hide the difference. Printed
+side by side, with the graphs Dynamo compiled and its graph breaks:
 
 * ``block``: ``train.compiled_blocks.compile_blocks`` (what ``train.compile=true`` does): its time must not grow
   with the depth (52 blocks within 1.2x of 8);
@@ -91,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         for depth in args.depths:
             rows.append(measure(depth, mode, args.timeout, args.quantizer_compiled))
             r = rows[-1]
-            print(f"{depth:>3} blocks  {mode:<5}  " + (f"first step {r['first_step_s']:7.1f} s  graphs {r['graphs']:>3}  "
-                  f"graph breaks {r['graph_breaks']}" if r["first_step_s"] is not None else f"FAILED: {r['error']}"),
+            print(f"{depth:>3} blocks  {mode:<5}  "
+                  + (f"first step {r['first_step_s']:7.1f} s  graphs {r['graphs']:>3}  "
+                     f"graph breaks {r['graph_breaks']}" if r["first_step_s"] is not None else f"FAILED: {r['error']}"),
                   flush=True)
     t = {(r["depth"], r["mode"]): r["first_step_s"] for r in rows}
     failed = any(r["first_step_s"] is None for r in rows)

@@ -132,7 +132,8 @@ def main(argv=None) -> dict:
     out = {"this_cpu": measure(args)}
     if args.classes:
         cmd = [sys.executable, __file__, "--json", "--model", args.model, "--batch", str(args.batch), "--seq",
-               str(args.seq), "--repeats", str(args.repeats), "--scopes", args.scopes] + (["--slow-native"] if args.slow_native else [])
+               str(args.seq), "--repeats", str(args.repeats), "--scopes", args.scopes] \
+            + (["--slow-native"] if args.slow_native else [])
         # its own inductor cache: the ISA limits change the generated code but not inductor's cache key, and a
         # kernel cached for one ISA and loaded under the other was seen to corrupt the heap (free(): invalid pointer)
         with tempfile.TemporaryDirectory(prefix="inductor-avx2-") as cache:

@@ -178,8 +178,9 @@ def main() -> int:
             r = bench_one(n, dtype, repeats, not ARGS.no_en_dtypes)
             itemsize = torch.tensor([], dtype=dtype).element_size()
             gbps = {k: 2 * itemsize * v / 1e9 for k, v in r.items()}  # read once + write once
-            rows.append({"dtype": str(dtype).replace("torch.", ""), "n": n, "melem_s": {k: v / 1e6 for k, v in r.items()},
-                         "gbps": gbps, "peak_fraction": {k: g / peak for k, g in gbps.items()} if peak else None})
+            rows.append({"dtype": str(dtype).replace("torch.", ""), "n": n,
+                         "melem_s": {k: v / 1e6 for k, v in r.items()}, "gbps": gbps,
+                         "peak_fraction": {k: g / peak for k, g in gbps.items()} if peak else None})
             name = str(dtype).replace("torch.", "")
             size = f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
             print(f"\n{name} n={size}  (Melem/s, GB/s read+write" + (", % of peak)" if peak else ")"))

@@ -292,10 +292,12 @@ def _table(out: dict) -> str:
     for key, label in (("step_per_gemm_profiled", "step / GEMM (profiled)"),
                        ("step_per_gemm_flops", "step / GEMM FLOPs at rate")):
         lines.append(f"| {label} | " + " | ".join(f"{out['cases'][n][key]:.1f}" for n in names) + " |")
-    lines.append(f"\nfused / torch_default AdamW step time (same run, interleaved): {out['fused_over_torch_default']:.2f}")
+    lines.append("\nfused / torch_default AdamW step time (same run, interleaved): "
+                 f"{out['fused_over_torch_default']:.2f}")
     for name in names:
         lines.append(f"fill_/zero_ in {name}, by the ops they ran inside (calls, ms): "
-                     + "; ".join(f"{chain} ({calls}, {ms:.0f})" for chain, calls, ms in out["cases"][name]["fill_sources"]))
+                     + "; ".join(f"{chain} ({calls}, {ms:.0f})"
+                                 for chain, calls, ms in out["cases"][name]["fill_sources"]))
     return "\n".join(lines)
 
 

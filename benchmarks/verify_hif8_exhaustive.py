@@ -54,7 +54,8 @@ def first_mismatch(y: torch.Tensor, ref: torch.Tensor, bits: torch.Tensor) -> st
     ref_nan = torch.isnan(ref)
     bad = (torch.isnan(y) != ref_nan) | (~ref_nan & (y.view(torch.int32) != ref.view(torch.int32)))
     i = int(bad.nonzero()[0])
-    return f"pattern 0x{int(bits[i]) & 0xFFFFFFFF:08x} ({float(bits.view(torch.float32)[i])!r}): got {float(y[i])!r} want {float(ref[i])!r}"
+    return (f"pattern 0x{int(bits[i]) & 0xFFFFFFFF:08x} ({float(bits.view(torch.float32)[i])!r}): "
+            f"got {float(y[i])!r} want {float(ref[i])!r}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(f.stat().st_size for f in [*wheels, *data])
     for f in [*wheels, *data]:
         print(f"{f.stat().st_size / 2**20:7.2f} MiB  {f.relative_to(args.out)}")
-    print(f"wheelhouse: {len(missing)} packages, {len(wheels)} wheels for Python {', '.join(sorted({here, *args.python}))}, "
+    print(f"wheelhouse: {len(missing)} packages, {len(wheels)} wheels for Python "
+          f"{', '.join(sorted({here, *args.python}))}, "
           f"{len(data)} data files, {total / 2**20:.1f} MiB in {args.out} (limit {args.max_mib:g} MiB)")
     with tempfile.TemporaryDirectory() as tmp:
         proc = check_kit(args.out, node, Path(tmp))

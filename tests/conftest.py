@@ -1,6 +1,17 @@
-"""Shared pytest setup: offline hub access, deterministic CPU threads, gpu marker handling."""
+"""Shared pytest setup: a temporary home, offline hub access, deterministic CPU threads, gpu marker handling."""
 
 import os
+import shutil
+from pathlib import Path
+
+# First, before anything imports the libraries that read them: HOME and the caches point into a temporary folder
+# (tests/isolated_home.py), and the real home is snapshotted to check at the end that no test wrote into it.
+import isolated_home  # noqa: E402
+
+_TEMP_ROOT = isolated_home.redirect()
+_REAL_HOME = Path(os.environ[isolated_home.OWNER_MARK])
+_REAL_HOME_BEFORE = isolated_home.snapshot(_REAL_HOME) if _TEMP_ROOT is not None else {}
+_WRITTEN_TO_REAL_HOME: list[str] = []
 
 # Tests never touch the network: the hub clients must fail fast instead of retrying.
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -15,6 +26,29 @@ import torch  # noqa: E402
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Only the session that made the temporary home checks (under xdist: the controller, after every worker).
+    if _TEMP_ROOT is None:
+        return
+    _WRITTEN_TO_REAL_HOME[:] = isolated_home.appeared(_REAL_HOME_BEFORE, isolated_home.snapshot(_REAL_HOME))
+    if _WRITTEN_TO_REAL_HOME:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _WRITTEN_TO_REAL_HOME:
+        shown = _WRITTEN_TO_REAL_HOME[:20]
+        terminalreporter.write_sep("=", f"FAILED: {len(_WRITTEN_TO_REAL_HOME)} paths appeared or changed under "
+                                        f"the real home {_REAL_HOME} during the run", red=True)
+        for path in shown:
+            terminalreporter.write_line(f"  ~/{path}")
+
+
+def pytest_unconfigure(config):
+    if _TEMP_ROOT is not None:
+        shutil.rmtree(_TEMP_ROOT, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

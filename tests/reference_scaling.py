@@ -1,9 +1,9 @@
 """Reference delayed scaler for tests: one quantizer, plain Python numbers, written from the contract.
 
 The contract is docs/design.md, section 2 (delayed tensor scaling). This file restates it as directly as
-possible, so that the fast implementation (``hif8qat.scaling.bank`` with ``hif8qat.scaling.rules`` and ``hif8qat.scaling.forecast``)
-can be checked against it, as Transformer Engine and torchao keep their reference scalers with their tests.
-It imports none of the scaling code it checks: only ``ScalingConfig`` (the settings and their step
+possible, so that the fast implementation (``hif8qat.scaling.bank`` with ``hif8qat.scaling.rules`` and
+``hif8qat.scaling.forecast``) can be checked against it, as Transformer Engine and torchao keep their reference scalers
+with their tests. It imports none of the scaling code it checks: only ``ScalingConfig`` (the settings and their step
 schedules) and ``hif8qat.formats.qdq`` (the element formats: the qdq kernel, targets, the clipped-value count).
 
 State is Python lists and floats (the history is the list of the last ``history_len`` finite amaxes, each a

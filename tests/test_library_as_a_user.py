@@ -47,12 +47,14 @@ def run_script(body: str, *args: str, cwd: Path, block: tuple[str, ...] = ()) ->
         ''')
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "WANDB_MODE": "offline", "HIF8QAT_COMPILE": "0", "TOKENIZERS_PARALLELISM": "false"}
-    code = blocker + (PRELUDE if not block else "import json\ndef emit(obj):\n    print('RESULT ' + json.dumps(obj))\n") \
+    code = blocker \
+        + (PRELUDE if not block else "import json\ndef emit(obj):\n    print('RESULT ' + json.dumps(obj))\n") \
         + textwrap.dedent(body)
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"script failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, \
+        f"script failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULT "):])
 
 

@@ -19,7 +19,7 @@ from hif8qat.artefacts import FOLDER_MANIFEST, UnverifiedArtefact, trusting_unve
 from hif8qat.boundary import guarded
 from hif8qat.errors import RunError
 from hif8qat.evaluate.loading import load_for_eval
-from hif8qat.report.sources import _eval_results, _read_samples
+from hif8qat.report.sources import eval_results, read_samples
 from hif8qat.stats.heldout import read_summary
 
 ONE_THREAD = True
@@ -89,9 +89,9 @@ def test_a_files_record_that_leaves_out_a_file_beside_it_is_unverified(tmp_path)
     shutil.copy(mode / "samples_mini_arc.csv", mode / "samples_mini_hellaswag.csv")  # written after the record
     run = type("Run", (), {"path": mode.parent.parent})()
     with pytest.raises(UnverifiedArtefact, match="does not list samples_mini_hellaswag.csv, which is there"):
-        _eval_results(run, "bf16")
+        eval_results(run, "bf16")
     with trusting_unverified(True) as accepted:
-        assert _eval_results(run, "bf16")["mini_arc"]["n"] == 120
+        assert eval_results(run, "bf16")["mini_arc"]["n"] == 120
     assert list(accepted) == [str(mode / "results.json")]
 
 
@@ -99,13 +99,13 @@ def test_an_edited_csv_is_refused_through_its_recorded_hash(tmp_path):
     runs_root = make_fake_runs(tmp_path / "runs", exps=("exp7",))
     samples = runs_root / "smoke" / "exp7" / "seed0" / "eval" / "bf16" / "samples_mini_arc.csv"
     recorded = json.loads((samples.parent / "results.json").read_text())["_files"][samples.name]
-    assert _read_samples(samples)["correct"].sum() > 0  # the control: as written, it reads
+    assert read_samples(samples)["correct"].sum() > 0  # the control: as written, it reads
     artefacts.read_csv(samples, "redo", sha256=recorded)
     _edit_samples(samples)
     with pytest.raises(RunError, match=r"sha256 .* differs"):
         artefacts.read_csv(samples, "redo", sha256=recorded)  # well-formed: only the hash sees the edit
     with pytest.raises(RunError, match=rf"{samples.name} is unreadable \(sha256"):
-        _read_samples(samples)
+        read_samples(samples)
 
 
 def test_samples_with_no_results_beside_them_are_unverified(tmp_path):
@@ -113,7 +113,7 @@ def test_samples_with_no_results_beside_them_are_unverified(tmp_path):
     mode = runs_root / "smoke" / "exp7" / "seed0" / "eval" / "bf16"
     (mode / "results.json").unlink()
     with pytest.raises(UnverifiedArtefact, match="no results.json beside it"):
-        _read_samples(mode / "samples_mini_arc.csv")
+        read_samples(mode / "samples_mini_arc.csv")
 
 
 def test_a_heldout_summary_without_the_tokens_hash_is_unverified(tmp_path):

@@ -60,7 +60,14 @@ class UnverifiedArtefact(RunError):
 @contextlib.contextmanager
 def trusting_unverified(trust: bool) -> Iterator[dict[str, str]]:
     """Inside the block, files without a whole integrity record are accepted when ``trust`` is true; yields
-    the map path -> why of those accepted (empty when trust is false: they were refused)."""
+    the map path -> why of those accepted (empty when trust is false: they were refused).
+
+    Args:
+        trust: the ``trust_unverified`` setting.
+
+    Yields:
+        Path -> why, for each file accepted unverified.
+    """
     accepted: dict[str, str] = {}
     tokens = (_TRUST.set(bool(trust)), _ACCEPTED.set(accepted))
     try:
@@ -71,12 +78,25 @@ def trusting_unverified(trust: bool) -> Iterator[dict[str, str]]:
 
 
 def accepted_unverified() -> dict[str, str]:
-    """What the current trusting_unverified block accepted unverified (path -> why)."""
+    """What the current trusting_unverified block accepted unverified (path -> why).
+
+    Returns:
+        Path -> why.
+    """
     return dict(_ACCEPTED.get() or {})
 
 
 def unverified(path: str | Path, why: str, redo: str) -> None:
-    """The one rule: a file without a whole integrity record is refused, or, trusted, accepted and listed."""
+    """The one rule: a file without a whole integrity record is refused, or, trusted, accepted and listed.
+
+    Args:
+        path: the file or folder.
+        why: what record is missing.
+        redo: what the user does to make it again (the error's last sentence).
+
+    Raises:
+        UnverifiedArtefact: outside a trusting block.
+    """
     if not _TRUST.get():
         raise UnverifiedArtefact(path, why, redo)
     accepted = _ACCEPTED.get()
@@ -87,7 +107,18 @@ def unverified(path: str | Path, why: str, redo: str) -> None:
 def require_record(subject: str | Path, recorded: Iterable[str] | None, present: Iterable[str], redo: str, *,
                    record: str) -> None:
     """``recorded`` (the names an integrity record lists, None when there is no record) covers every name in
-    ``present`` (the files beside it); else the unverified rule for ``subject`` naming ``record``."""
+    ``present`` (the files beside it); else the unverified rule for ``subject`` naming ``record``.
+
+    Args:
+        subject: the file or folder the record belongs to.
+        recorded: the names the record lists, None when there is no record.
+        present: the files beside it.
+        redo: what the user does to make it again.
+        record: the record's name (for the message).
+
+    Raises:
+        UnverifiedArtefact: a name is not covered, outside a trusting block.
+    """
     if recorded is None:
         unverified(subject, f"it has no {record}", redo)
         return
@@ -98,7 +129,16 @@ def require_record(subject: str | Path, recorded: Iterable[str] | None, present:
 
 
 def verify_sha256(path: str | Path, expected: str | None, redo: str) -> None:
-    """The file's sha256 equals the one recorded when it was written (no check when none was recorded)."""
+    """The file's sha256 equals the one recorded when it was written (no check when none was recorded).
+
+    Args:
+        path: the file.
+        expected: the recorded hex sha256, or None.
+        redo: what the user does to make it again.
+
+    Raises:
+        CorruptArtefact: the digests differ.
+    """
     if expected is None:
         return
     try:
@@ -125,7 +165,21 @@ def _check_type(path: Path, value: Any, expect: type | None, redo: str) -> Any:
 
 def read_json(path: str | Path, redo: str, *, expect: type | None = dict, sha256: str | None = None,
               schema: Any = None) -> Any:
-    """The parsed file, of type ``expect``, following ``schema`` (:func:`schema_problem`) when given."""
+    """The parsed file, of type ``expect``, following ``schema`` (:func:`schema_problem`) when given.
+
+    Args:
+        path: the file.
+        redo: what the user does to make it again.
+        expect: the type the top-level value must have (None: any).
+        sha256: the recorded digest to check first, or None.
+        schema: the schema the value must follow, or None.
+
+    Returns:
+        The value.
+
+    Raises:
+        CorruptArtefact: unreadable, not JSON, of another type or off the schema.
+    """
     path = Path(path)
     verify_sha256(path, sha256, redo)
     try:
@@ -138,6 +192,19 @@ def read_json(path: str | Path, redo: str, *, expect: type | None = dict, sha256
 
 def read_yaml(path: str | Path, redo: str, *, expect: type | None = dict) -> Any:
 
+    """The parsed YAML file, of type ``expect``.
+
+    Args:
+        path: the file.
+        redo: what the user does to make it again.
+        expect: the type the top-level value must have (None: any).
+
+    Returns:
+        The value.
+
+    Raises:
+        CorruptArtefact: unreadable, not YAML or of another type.
+    """
     path = Path(path)
     try:  # libyaml's loader when built: the pure-Python one dominates a report over dozens of runs
         value = yaml.load(_text(path, redo), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
@@ -148,7 +215,20 @@ def read_yaml(path: str | Path, redo: str, *, expect: type | None = dict) -> Any
 
 def read_csv(path: str | Path, redo: str, *, sha256: str | None = None, dtype: dict | None = None):
     """A CSV table as a DataFrame, refused when empty, when a row has more or fewer fields than the header
-    (pandas would pad a row cut mid-line with NaN) or when the last line has no newline (a cut file)."""
+    (pandas would pad a row cut mid-line with NaN) or when the last line has no newline (a cut file).
+
+    Args:
+        path: the file.
+        redo: what the user does to make it again.
+        sha256: the recorded digest to check first, or None.
+        dtype: column -> dtype, passed to pandas.
+
+    Returns:
+        The DataFrame.
+
+    Raises:
+        CorruptArtefact: empty, ragged or cut.
+    """
     import pandas as pd
 
     path = Path(path)
@@ -200,7 +280,17 @@ def read_jsonl(path: str | Path, redo: str, *, fields: dict[str, Any] | None = N
 
     A writer killed mid-line leaves its last line cut: that line alone is dropped (``note`` is told). A line
     that does not parse anywhere else, or a record that is not an object or has a wrongly typed field
-    (``fields``: name -> int | "number" | "number?"), is a CorruptArtefact naming the file and line."""
+    (``fields``: name -> int | "number" | "number?"), is a CorruptArtefact naming the file and line.
+
+    Args:
+        path: the log.
+        redo: what the user does to make it again.
+        fields: name -> type each record's field must have.
+        note: called with a message when a cut last line is dropped.
+
+    Returns:
+        The records.
+    """
     path = Path(path)
     lines = _text(path, redo).split("\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
@@ -229,7 +319,11 @@ FOLDER_MANIFEST = "hif8qat_files.json"
 
 
 def write_folder_manifest(folder: str | Path) -> None:
-    """Record every file under ``folder`` (before it is published) for :func:`verify_folder_manifest`."""
+    """Record every file under ``folder`` (before it is published) for :func:`verify_folder_manifest`.
+
+    Args:
+        folder: the folder.
+    """
     folder = Path(folder)
     files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != FOLDER_MANIFEST}
@@ -245,7 +339,19 @@ def verify_folder_manifest(folder: str | Path, redo: str) -> bool:
     """Every file recorded in ``folder``'s manifest is there with its size and sha256 (CorruptArtefact naming
     the first that is not), and every file there is recorded. A folder without a manifest, or with files its
     manifest does not list, is unverified (:func:`unverified`): refused unless trusted; False when trusted
-    without a manifest."""
+    without a manifest.
+
+    Args:
+        folder: the folder.
+        redo: what the user does to make it again.
+
+    Returns:
+        True when verified by its manifest.
+
+    Raises:
+        CorruptArtefact: a recorded file is missing or differs.
+        UnverifiedArtefact: no manifest, or unlisted files, outside a trusting block.
+    """
     folder = Path(folder)
     if not (folder / FOLDER_MANIFEST).exists():
         require_record(folder, None, (), redo, record=FOLDER_MANIFEST)
@@ -287,7 +393,17 @@ def _not(value: Any, where: str, what: str) -> str:
 
 
 def schema_problem(value: Any, schema: Any, where: str = "") -> str | None:
-    """The first place where ``value`` does not follow ``schema`` (a JSON path and what belongs there)."""
+    """The first place where ``value`` does not follow ``schema`` (a JSON path and what belongs there).
+
+    Args:
+        value: the parsed value.
+        schema: a kind name ("str", "number", ...; "?" suffix: may be null), a one-element list (each item),
+            or a dict (keys; "?key" optional, "*" / "_*" any other key).
+        where: the JSON path of ``value`` (for the message).
+
+    Returns:
+        The problem, or None when ``value`` follows ``schema``.
+    """
     if isinstance(schema, str):
         kind, nullable = schema.rstrip("?"), schema.endswith("?")
         if (value is None and nullable) or _KINDS[kind](value):
@@ -318,7 +434,20 @@ def schema_problem(value: Any, schema: Any, where: str = "") -> str | None:
 
 
 def check_schema(path: str | Path, value: Any, schema: Any, redo: str) -> Any:
-    """``value`` (read from ``path``) when it follows ``schema``; else CorruptArtefact naming the field."""
+    """``value`` (read from ``path``) when it follows ``schema``; else CorruptArtefact naming the field.
+
+    Args:
+        path: the file it was read from.
+        value: the parsed value.
+        schema: the schema.
+        redo: what the user does to make it again.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        CorruptArtefact: off the schema.
+    """
     problem = schema_problem(value, schema)
     if problem:
         raise CorruptArtefact(path, problem, redo)
@@ -332,7 +461,16 @@ FILES_KEY = "_files"  # results.json: sha256 of each file written beside it, che
 def results_record(mode_dir: str | Path, results: Mapping[str, Any], redo: str) -> dict[str, str]:
     """The sha256 per file that ``mode_dir``'s results.json (``results``, already read) recorded for the files
     beside it, after the unverified rule: no ``_files``, or a file there that it does not list, is refused
-    unless trusted (then what it does record, possibly nothing)."""
+    unless trusted (then what it does record, possibly nothing).
+
+    Args:
+        mode_dir: the folder of results.json.
+        results: results.json, already read.
+        redo: what the user does to make it again.
+
+    Returns:
+        File name -> sha256.
+    """
     mode_dir = Path(mode_dir)
     recorded = results.get(FILES_KEY)
     present = [p.name for p in sorted(mode_dir.iterdir()) if p.is_file() and p.name != RESULTS_FILE

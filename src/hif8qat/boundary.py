@@ -32,7 +32,14 @@ _PATH_ERRNOS = {
 
 
 def user_error(err: BaseException) -> str | None:
-    """The one-line message for an exception the user can act on; None for a bug (left a traceback)."""
+    """The one-line message for an exception the user can act on; None for a bug (left a traceback).
+
+    Args:
+        err: the exception.
+
+    Returns:
+        The message, or None.
+    """
     if isinstance(err, RunError):
         return str(err)
     if isinstance(err, OSError):
@@ -54,7 +61,15 @@ def user_error(err: BaseException) -> str | None:
 def guarded(job: Callable[[], object], *, stream=None) -> int:
     """The exception boundary of an entry point: run ``job``; a failure the user can act on (user_error)
     becomes one ``error:`` line and status 2, Ctrl-C one ``interrupted`` line and status 130; anything else
-    propagates as a traceback."""
+    propagates as a traceback.
+
+    Args:
+        job: the entry point's work.
+        stream: where the line goes (default stderr).
+
+    Returns:
+        Exit status: 0, 2 (a user error) or 130 (interrupted).
+    """
     stream = stream or sys.stderr
     try:
         job()

@@ -1,26 +1,13 @@
 """Compute numerics of a training step or an evaluation: BF16 (native or emulated) over FP32 weights, or FP32.
 
-``train.autocast`` (and ``eval.dtype``, which follows it by default) takes:
-
-- ``bf16``: ``torch.autocast(bfloat16)`` over FP32 master weights, the paper's numerics. Fast where the device
-  has native BF16 (CUDA; CPUs with AVX512-BF16 or AMX). On a CPU without it (AVX2 only: most laptops) torch
-  runs BF16 GEMMs through a slow path: a SmolLM2-135M step took 30x the FP32 time.
-- ``bf16_emulated``: what a BF16 GEMM with FP32 accumulation computes, at about FP32 cost: every GEMM that
-  autocast would run in BF16 (linear, matmul, bmm, mm, scaled-dot-product attention) gets its operands
-  rounded to BF16, runs in FP32, and has its result rounded to BF16; in backward the incoming gradient and
-  the operand gradients are rounded the same way. Tensors stay float32 (holding BF16 values), so the
-  elementwise ops between GEMMs run in FP32 where native autocast runs some of them in BF16: the only
-  difference from ``bf16`` besides summation order. A GEMM that meets BF16 tensors outside autocast (the
-  quantized linear casts its operands itself, in forward and backward) is computed in FP32 from them and
-  its result cast to BF16, which is exactly what the BF16 kernel returns up to summation order.
-  Regions where a model turns autocast off (rotary position angles) stay FP32, as under native autocast.
-- ``auto``: ``bf16`` where the device has native BF16, else ``bf16_emulated``.
-- ``none``: FP32, no autocast.
-
-``auto`` is resolved before a run folder is made, so ``config_resolved.yaml`` records the numerics used and a
-finished run made with other numerics is neither reused nor paired with this one. Set
-``HIF8QAT_NO_NATIVE_BF16=1`` to treat the machine as one without native BF16 (``auto`` then emulates): how the
-emulated path is measured and tested on a machine that has native BF16.
+This module owns the values of ``train.autocast`` (and ``eval.dtype``, which follows it by default): ``bf16``,
+``bf16_emulated``, ``auto`` and ``none`` (:func:`resolve` says what each computes), whether a device has
+native BF16, the BF16 emulation itself (rounding, emulated GEMMs, the mode that applies them) and the contexts
+a forward, a backward and an activation-checkpointing recompute run in. ``auto`` is resolved before a run
+folder is made, so ``config_resolved.yaml`` records the numerics used and a finished run made with other
+numerics is neither reused nor paired with this one. Set ``HIF8QAT_NO_NATIVE_BF16=1`` to treat the machine as
+one without native BF16 (``auto`` then emulates): how the emulated path is measured and tested on a machine
+that has it.
 """
 
 from __future__ import annotations
@@ -34,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hif8qat.scaling.autograd_engine import tensor_version
+
 # The values of train.autocast (the run configuration checks it against these; evaluation's eval.dtype takes the
 # same names): auto = native BF16 autocast where the device has it, else BF16 emulated. One name for the value
 # from the config to here: ``autocast``.
@@ -44,19 +33,54 @@ _BF16 = torch.bfloat16
 
 
 def native_bf16_supported(device_type: str) -> bool:
-    """Whether BF16 GEMMs run natively (fast) on this kind of device here."""
+    """Whether BF16 GEMMs run natively (fast) on this kind of device here.
+
+    Args:
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        True when native.
+    """
     if os.environ.get(NO_NATIVE_BF16_ENV, "") not in ("", "0"):
         return False
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device_type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return _cpu_bf16_kernels_native()
     return False
 
 
+def _cpu_bf16_kernels_native() -> bool:
+    """Adapter: whether torch's oneDNN BF16 kernels run natively on this CPU (AVX512-BF16 or AMX). Torch answers
+    only through a private op; ``torch.backends.cpu.get_cpu_capability`` names the vector ISA, not BF16 support."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def resolve(autocast: str, device_type: str) -> str:
-    """The concrete value (one of RESOLVED) of an ``autocast`` setting (one of SETTINGS) on a device type. The
-    pipeline calls it once per run, when its configuration is made (``hif8qat.config.numerics``)."""
+    """The concrete value (one of RESOLVED) of an ``autocast`` setting on a device type. The pipeline calls it
+    once per run, when its configuration is made (``hif8qat.config.numerics``).
+
+    The settings: ``bf16``, ``torch.autocast(bfloat16)`` over FP32 master weights, the paper's numerics; fast
+    where the device has native BF16 (CUDA; CPUs with AVX512-BF16 or AMX); on a CPU without it (AVX2 only:
+    most laptops) torch runs BF16 GEMMs through a slow path (a SmolLM2-135M step took 30x the FP32 time).
+    ``bf16_emulated``, what a BF16 GEMM with FP32 accumulation computes, at about FP32 cost: every GEMM that
+    autocast would run in BF16 (linear, matmul, bmm, mm, scaled-dot-product attention) gets its operands
+    rounded to BF16, runs in FP32, and has its result rounded to BF16; in backward the incoming gradient and
+    the operand gradients are rounded the same way. Tensors stay float32 (holding BF16 values), so the
+    elementwise ops between GEMMs run in FP32 where native autocast runs some of them in BF16: the only
+    difference from ``bf16`` besides summation order. A GEMM that meets BF16 tensors outside autocast (the
+    quantized linear casts its operands itself) is computed in FP32 from them and its result cast to BF16,
+    exactly what the BF16 kernel returns up to summation order; regions where a model turns autocast off
+    (rotary position angles) stay FP32, as under native autocast. ``auto``, ``bf16`` where the device has
+    native BF16, else ``bf16_emulated``. ``none``, FP32, no autocast.
+
+    Args:
+        autocast: one of SETTINGS.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        ``bf16``, ``bf16_emulated`` or ``none``.
+    """
     if autocast not in SETTINGS:
         raise ValueError(f"autocast must be one of {', '.join(SETTINGS)}, got {autocast!r}")
     if autocast == "auto":
@@ -65,7 +89,15 @@ def resolve(autocast: str, device_type: str) -> str:
 
 
 def describe(autocast: str, device_type: str) -> dict[str, Any]:
-    """What a result file records about the numerics it was made with (the key ``numerics``, as files have it)."""
+    """What a result file records about the numerics it was made with (the key ``numerics``, as files have it).
+
+    Args:
+        autocast: the setting.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        ``{"numerics", "device_type", ...}``.
+    """
     info: dict[str, Any] = {"numerics": autocast, "device_type": device_type,
                             "native_bf16": native_bf16_supported(device_type)}
     if device_type == "cpu":
@@ -77,7 +109,14 @@ def describe(autocast: str, device_type: str) -> dict[str, Any]:
 # BF16 emulation
 # --------------------------------------------------------------------------------------------------
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """float32 tensor holding x rounded to the nearest BF16 value (ties to even, as the cast does)."""
+    """float32 tensor holding x rounded to the nearest BF16 value (ties to even, as the cast does).
+
+    Args:
+        x: a float tensor.
+
+    Returns:
+        The rounded float32 tensor.
+    """
     return x.to(_BF16).to(torch.float32)
 
 
@@ -97,13 +136,31 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
 # being active, and torch.compile traces it without a graph break.
 def emulated_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """A BF16 GEMM with FP32 accumulation computed in FP32 (no gradient): for code that runs its own GEMMs on BF16
-    operands, such as the quantized linear's backward."""
+    operands, such as the quantized linear's backward.
+
+    Args:
+        a: the left operand (BF16 values).
+        b: the right operand (BF16 values).
+        out_dtype: the result's dtype.
+
+    Returns:
+        ``a @ b``, rounded to BF16 and cast to ``out_dtype``.
+    """
     with torch.autocast(a.device.type, enabled=False):
         return _round_to(_fp32(a).matmul(_fp32(b)), _BF16).to(out_dtype)
 
 
 def emulated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear on BF16 operands computed in FP32 with a BF16 result (no gradient: the quantized linear's forward)."""
+    """F.linear on BF16 operands computed in FP32 with a BF16 result (no gradient: the quantized linear's forward).
+
+    Args:
+        x: the input (BF16 values).
+        weight: the weight (BF16 values).
+        bias: the bias, or None.
+
+    Returns:
+        The BF16 result.
+    """
     with torch.autocast(x.device.type, enabled=False):
         return F.linear(_fp32(x), _fp32(weight), None if bias is None else _fp32(bias)).to(_BF16)
 
@@ -161,7 +218,8 @@ def _rounded_weight(weight: torch.Tensor) -> torch.Tensor:
     """round_bf16(weight), kept while the weight is unchanged: an evaluation calls each linear hundreds of times."""
     if not isinstance(weight, torch.nn.Parameter):
         return round_bf16(weight)
-    key = (weight._version, weight.data_ptr())  # an in-place update bumps the version; `.data = ...` moves the data
+    # an in-place update bumps the version; `.data = ...` moves the data
+    key = (tensor_version(weight), weight.data_ptr())
     cached = getattr(weight, _ROUNDED_ATTR, None)
     if cached is None or cached[0] != key:
         cached = (key, round_bf16(weight.detach()))
@@ -181,7 +239,15 @@ def _linear_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def checkpoint_kwargs(autocast: str, device_type: str) -> dict[str, Any]:
     """``torch.utils.checkpoint`` arguments under which an activation-checkpointing recompute runs with the
     forward's numerics: autocast is restored by torch, a mode is not, so the emulation is entered explicitly (a
-    recompute without it would run native BF16 GEMMs and produce tensors of another dtype than the forward's)."""
+    recompute without it would run native BF16 GEMMs and produce tensors of another dtype than the forward's).
+
+    Args:
+        autocast: the resolved setting.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        Keyword arguments for ``torch.utils.checkpoint.checkpoint``.
+    """
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if autocast == "bf16_emulated":
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), BF16Emulation(device_type))
@@ -189,7 +255,15 @@ def checkpoint_kwargs(autocast: str, device_type: str) -> dict[str, Any]:
 
 
 def forward_context(autocast: str, device_type: str) -> contextlib.AbstractContextManager:
-    """Around a forward pass (training step, held-out loss, evaluation), for a resolved ``autocast`` value."""
+    """Around a forward pass (training step, held-out loss, evaluation), for a resolved ``autocast`` value.
+
+    Args:
+        autocast: the resolved setting.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        The context manager.
+    """
     if autocast == "none":
         return contextlib.nullcontext()
     if autocast == "bf16":
@@ -200,7 +274,15 @@ def forward_context(autocast: str, device_type: str) -> contextlib.AbstractConte
 
 
 def backward_context(autocast: str, device_type: str) -> contextlib.AbstractContextManager:
-    """Around loss.backward(): the emulation must also see the GEMMs a custom backward runs on BF16 tensors."""
+    """Around loss.backward(): the emulation must also see the GEMMs a custom backward runs on BF16 tensors.
+
+    Args:
+        autocast: the resolved setting.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        The context manager.
+    """
     if autocast == "bf16_emulated":
         return BF16Emulation(device_type)
     return contextlib.nullcontext()
@@ -215,5 +297,12 @@ def _stacked(*managers: contextlib.AbstractContextManager) -> Iterator[None]:
 
 
 def training_device_type(device_setting: str) -> str:
-    """The device type a training with ``train.device`` runs on (as train.setup_distributed picks it)."""
+    """The device type a training with ``train.device`` runs on (as train.setup_distributed picks it).
+
+    Args:
+        device_setting: "auto", "cpu" or "cuda".
+
+    Returns:
+        "cpu" or "cuda".
+    """
     return "cuda" if device_setting != "cpu" and torch.cuda.is_available() else "cpu"

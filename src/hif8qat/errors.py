@@ -1,16 +1,14 @@
 """The one base class for failures a user can act on, and the boundary that turns them into one line.
 
-run.py prints such an error as ``error: <message>`` and exits with status 2 instead of a traceback, so every
-module raises a subclass of RunError (with a message that names the setting or file and what to do) for
-anything caused by the user's input, files on disk or the environment, and lets real bugs propagate.
+run.py prints such an error as ``error: <message>`` and exits with status 2, so every module raises a
+subclass of RunError (with a message that names the setting or file and what to do) for anything caused by
+the user's input, files on disk or the environment, and lets real bugs propagate.
 
-What the world raises on bad input is not a RunError: a library's exception (pyarrow on a corpus with bad
-lines, safetensors on truncated weights, transformers on a model folder without tokenizer files, wandb on an
-unknown mode, lm-eval's assertions on settings it cannot honour) and the file system's errno values. The code
-that hands user input to a library wraps the call in :func:`concerning` naming the setting or file; the
-boundary (:func:`hif8qat.boundary.guarded`, in every entry point) maps what escapes to one line
-with the library's own message and that setting. Anything else stays a traceback: it is a bug to fix.
-Nothing here imports a library: an exception's class is recognised by the module that defines it.
+What a library raises on bad input (pyarrow on a corpus with bad lines, safetensors on truncated weights) is
+not a RunError: the code that hands user input to a library wraps the call in :func:`concerning` naming the
+setting or file, and the boundary (:func:`hif8qat.boundary.guarded`) maps what escapes to one line with the
+library's own message and that setting. Nothing here imports a library: an exception's class is recognised by
+the module that defines it.
 """
 
 from __future__ import annotations
@@ -48,7 +46,14 @@ def _missing_pipeline_imports() -> tuple[str, ...]:
 
 def require_pipeline_extra(package: str) -> None:
     """ImportError naming the install line when ``package`` (a pipeline subpackage, being imported) would fail
-    on a library of the 'pipeline' extra that is not installed (found without importing it)."""
+    on a library of the 'pipeline' extra that is not installed (found without importing it).
+
+    Args:
+        package: the subpackage being imported.
+
+    Raises:
+        ImportError: a library of the extra is missing.
+    """
     missing = _missing_pipeline_imports()
     if missing:
         raise ImportError(f"{package} is part of the hif8qat pipeline, which needs the 'pipeline' extra "
@@ -67,7 +72,13 @@ _INPUT_CLASSES = {("safetensors", "SafetensorError"), ("pyarrow", "ArrowInvalid"
 def concerning(what: str, libraries: tuple[str, ...] | None = None) -> Iterator[None]:
     """Exceptions a library raises inside the block concern ``what`` (``data.source=...``, a file): the
     boundary names it with the library's message. The innermost block's name wins. ``libraries``: only those
-    libraries' exceptions (a block that also runs the model leaves torch's errors to be bugs)."""
+    libraries' exceptions (a block that also runs the model leaves torch's errors to be bugs).
+
+    Args:
+        what: the setting or file, as the user wrote it.
+        libraries: only these libraries' exceptions (a block that also runs the model leaves torch's errors to
+            be bugs); default all.
+    """
     try:
         yield
     except Exception as err:
@@ -79,13 +90,28 @@ def concerning(what: str, libraries: tuple[str, ...] | None = None) -> Iterator[
 
 
 def input_class(cls: type) -> bool:
+    """Whether an exception class is one a library raises for bad input (recognised by its module and name).
+
+    Args:
+        cls: the exception class.
+
+    Returns:
+        True for such a class.
+    """
     return (cls.__module__.split(".")[0], cls.__name__) in _INPUT_CLASSES
 
 
 def raised_in_library(err: BaseException) -> str | None:
     """The library the exception came from: its class's package, else that of the innermost frame (lm-eval
     raises a bare AssertionError, transformers an OSError), None for this project's code or the standard
-    library."""
+    library.
+
+    Args:
+        err: the exception.
+
+    Returns:
+        The library's top-level package, or None.
+    """
     for cls in type(err).__mro__:
         top = cls.__module__.split(".")[0].removesuffix("_rust")
         if top in _LIBRARIES:
@@ -99,12 +125,28 @@ def raised_in_library(err: BaseException) -> str | None:
 
 
 def one_line(text: str, limit: int = 600) -> str:
+    """The text on one line (its lines joined by "; "), cut at ``limit`` characters.
+
+    Args:
+        text: the text.
+        limit: the longest line kept whole.
+
+    Returns:
+        The line.
+    """
     line = "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
     return line if len(line) <= limit else line[:limit] + " ..."
 
 
 def library_message(err: BaseException) -> str:
-    """``Type: message`` of the exception and of the library error that caused it (datasets wraps pyarrow's)."""
+    """``Type: message`` of the exception and of the library error that caused it (datasets wraps pyarrow's).
+
+    Args:
+        err: the exception.
+
+    Returns:
+        The message.
+    """
     parts, seen = [], set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))

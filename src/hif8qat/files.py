@@ -37,7 +37,14 @@ class StorageError(RunError):
 
 
 def free_space(path: str | os.PathLike) -> int | None:
-    """Free bytes on the disk holding ``path`` (its nearest existing parent), None when it cannot be known."""
+    """Free bytes on the disk holding ``path`` (its nearest existing parent), None when it cannot be known.
+
+    Args:
+        path: a file or folder, existing or not.
+
+    Returns:
+        The bytes, or None.
+    """
     path = Path(path)
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -48,6 +55,14 @@ def free_space(path: str | os.PathLike) -> int | None:
 
 
 def human_bytes(n: float | None) -> str:
+    """A byte count in decimal units (``"12.3 MB"``; ``"unknown"`` for None).
+
+    Args:
+        n: the count, or None.
+
+    Returns:
+        The text.
+    """
     if n is None:
         return "unknown"
     for unit in ("B", "kB", "MB", "GB"):
@@ -59,7 +74,15 @@ def human_bytes(n: float | None) -> str:
 
 def storage_error(err: BaseException, where: str | os.PathLike | None = None) -> StorageError | None:
     """The StorageError for an OSError the disk caused (None for any other error: that one is a bug or has
-    its own handler). ``where``: the file being written when the error does not name one."""
+    its own handler). ``where``: the file being written when the error does not name one.
+
+    Args:
+        err: the exception.
+        where: the file being written, when the error does not name one.
+
+    Returns:
+        The StorageError, or None.
+    """
     if not isinstance(err, OSError) or err.errno not in _STORAGE_ERRNOS:
         return None
     target = Path(err.filename if err.filename else where or ".")
@@ -72,7 +95,11 @@ def storage_error(err: BaseException, where: str | os.PathLike | None = None) ->
 
 @contextlib.contextmanager
 def storage_errors(where: str | os.PathLike) -> Iterator[None]:
-    """Turn a disk's refusal inside the block into a StorageError naming ``where`` and its free space."""
+    """Turn a disk's refusal inside the block into a StorageError naming ``where`` and its free space.
+
+    Args:
+        where: the file or folder being written.
+    """
     try:
         yield
     except OSError as err:
@@ -83,7 +110,11 @@ def storage_errors(where: str | os.PathLike) -> Iterator[None]:
 def file_mode() -> int:
     """The mode a plain ``open(path, "w")`` gives a new file under this process's umask (mkstemp's 0600 would
     hide a result from the group a user shares it with; a fixed 0644 would show it to users a umask of 077
-    hides it from). Linux states the umask in /proc; elsewhere it is read by setting it and back."""
+    hides it from). Linux states the umask in /proc; elsewhere it is read by setting it and back.
+
+    Returns:
+        The mode bits.
+    """
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
@@ -96,7 +127,14 @@ def file_mode() -> int:
 
 
 def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in chunks (hashlib.file_digest needs Python 3.11; the project supports 3.10)."""
+    """Hex SHA-256 of a file, read in chunks (hashlib.file_digest needs Python 3.11; the project supports 3.10).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The hex digest.
+    """
     digest = hashlib.sha256()
     with Path(path).open("rb") as f:
         for block in iter(lambda: f.read(_CHUNK), b""):
@@ -119,6 +157,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     The caller writes and closes the temporary file inside the block (any writer that takes a path or an
     open file: ``np.save``, ``safetensors.save_file``...). An exception in the block removes the temporary
     file and leaves ``path`` as it was. The parent folder is created when missing.
+
+    Args:
+        path: the file to replace.
+
+    Yields:
+        The temporary path.
     """
     path = Path(path)
     with storage_errors(path):
@@ -140,25 +184,47 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Atomically replace ``path`` with ``data``."""
+    """Atomically replace ``path`` with ``data``.
+
+    Args:
+        path: the file.
+        data: its new contents.
+    """
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
 
 
 def write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8") -> None:
-    """Atomically replace ``path`` with ``text``."""
+    """Atomically replace ``path`` with ``text``.
+
+    Args:
+        path: the file.
+        text: its new contents.
+        encoding: the text's encoding.
+    """
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding=encoding)
 
 
 def write_json(path: str | os.PathLike, payload: Any, **dumps_kwargs: Any) -> None:
-    """Atomically replace ``path`` with ``payload`` as JSON (``json.dumps`` options; a final newline)."""
+    """Atomically replace ``path`` with ``payload`` as JSON (``json.dumps`` options; a final newline).
+
+    Args:
+        path: the file.
+        payload: a JSON-serialisable value.
+        **dumps_kwargs: ``json.dumps`` options.
+    """
     write_text(path, json.dumps(payload, **dumps_kwargs) + "\n")
 
 
 def append_text(path: str | os.PathLike, text: str) -> None:
     """Append ``text`` to a log (metrics.jsonl); a full or read-only disk is a StorageError naming the file.
-    A log that a resume can repeat is made idempotent by its reader-side repair (trainlog.truncate_metrics)."""
+    A log that a resume can repeat is made idempotent by its reader-side repair (trainlog.truncate_metrics).
+
+    Args:
+        path: the log.
+        text: the lines to append.
+    """
     path = Path(path)
     with storage_errors(path), path.open("a", encoding="utf-8") as fh:
         fh.write(text)
@@ -166,7 +232,12 @@ def append_text(path: str | os.PathLike, text: str) -> None:
 
 def replace_step_records(path: str | os.PathLike, lines: list[str]) -> None:
     """Write JSON lines (each a record with a "step") into a log, replacing the lines of those steps already
-    there, atomically: rerunning a step (a resume) leaves the file exactly as one run of it would."""
+    there, atomically: rerunning a step (a resume) leaves the file exactly as one run of it would.
+
+    Args:
+        path: the log.
+        lines: the JSON lines to write.
+    """
     path = Path(path)
     steps = {json.loads(line).get("step") for line in lines}
     kept = []
@@ -190,7 +261,13 @@ def replace_step_records(path: str | os.PathLike, lines: list[str]) -> None:
 
 
 def save_figure(fig, path: str | os.PathLike, **savefig_kwargs: Any) -> None:
-    """``fig.savefig`` through a temporary file, so a failed save (a full disk) leaves the old figure whole."""
+    """``fig.savefig`` through a temporary file, so a failed save (a full disk) leaves the old figure whole.
+
+    Args:
+        fig: a matplotlib figure.
+        path: the image file.
+        **savefig_kwargs: ``savefig`` options.
+    """
     path = Path(path)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **savefig_kwargs)
@@ -198,7 +275,14 @@ def save_figure(fig, path: str | os.PathLike, **savefig_kwargs: Any) -> None:
 
 def folder_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot serve as a folder this process writes into (None when it can): it, or the nearest
-    part of it that exists, is a file, or is not writable (a read-only mount, permissions)."""
+    part of it that exists, is a file, or is not writable (a read-only mount, permissions).
+
+    Args:
+        path: the folder, existing or not.
+
+    Returns:
+        The reason, or None.
+    """
     path = Path(path).expanduser()
     probe = path
     while not probe.exists() and probe != probe.parent:

@@ -129,7 +129,8 @@ def test_a_library_config_error_is_structured_and_the_pipeline_words_it_as_the_s
 
 
 def test_profile_scales_step_valued_settings_and_maps_blocks_to_depth():
-    cfg = run_config(["experiment=exp4", "profile=paper", "profile.steps=1000", "quant.high_precision_blocks=first3_last2"])
+    cfg = run_config(["experiment=exp4", "profile=paper", "profile.steps=1000",
+                      "quant.high_precision_blocks=first3_last2"])
     assert cfg.train.steps == 1000 and cfg.train.lr_warmup_steps == 30
     assert cfg.quant.training.algo == {0: "most_recent", 100: "exp_smooth"}
     assert cfg.quant.training.interval == {0: 1, 100: 10}
@@ -204,7 +205,8 @@ def test_cli_rejects_bad_setting_before_loading_anything(tmp_path):
 
 def test_the_baseline_query_answers_from_the_composed_config():
     for name in EXPERIMENTS:
-        assert command_line.experiment_baseline(name) == run_config([f"experiment={name}"], resolve=False).experiment.baseline
+        baseline = run_config([f"experiment={name}"], resolve=False).experiment.baseline
+        assert command_line.experiment_baseline(name) == baseline
     assert command_line.experiment_baseline("exp8") == "exp7" and command_line.experiment_baseline("exp1") is None
     # the run's whole line counts: a baseline named on the command line is the one the run pairs with
     assert command_line.experiment_baseline("exp3", ["experiment.baseline=exp2"]) == "exp2"

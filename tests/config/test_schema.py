@@ -146,7 +146,8 @@ def test_a_model_folder_without_config_json_is_refused_before_any_run_folder(tmp
     assert cli_config(["experiment=exp1", "profile=smoke", f"model.name={tmp_path / 'model.gguf'}"]).model.name
 
 
-@pytest.mark.parametrize("config, needle", [({"model_type": "surely_not_an_architecture"}, "surely_not_an_architecture"),
+@pytest.mark.parametrize("config, needle", [({"model_type": "surely_not_an_architecture"},
+                                              "surely_not_an_architecture"),
                                              ({"hidden_size": 8}, "model_type=None"),
                                              ("{not json", "cannot be read")])
 def test_a_model_folder_transformers_cannot_build_is_refused_before_any_run_folder(tmp_path, config, needle):

@@ -88,7 +88,8 @@ def test_every_point_of_a_sweep_is_checked_not_each_value_alone():
     assert problem is not None
     assert "train.global_batch_size=6" in problem and "train.micro_batch_size=4" in problem, problem
     # the control: every point of this sweep divides
-    assert command_line.check_command_line(SWEEP[:3] + ["train.micro_batch_size=1,2", "train.global_batch_size=4,6"]) is None
+    assert command_line.check_command_line(
+        SWEEP[:3] + ["train.micro_batch_size=1,2", "train.global_batch_size=4,6"]) is None
 
 
 def test_a_sweep_with_a_bad_combination_trains_nothing(tmp_path):
@@ -121,5 +122,6 @@ def test_an_environment_variable_never_enters_a_folder_name_or_saved_config(tmp_
 def test_a_path_setting_may_read_the_environment(monkeypatch):
     # The control: paths come from the environment in the shipped configs (OPENPANGU_PATH, FINEWEB_PATH).
     monkeypatch.setenv("HIF8QAT_TEST_MODEL", "tiny:2")
-    assert cli_config(["experiment=exp1", "profile=smoke", "model.name=${oc.env:HIF8QAT_TEST_MODEL}"]).model.name == "tiny:2"
+    cfg = cli_config(["experiment=exp1", "profile=smoke", "model.name=${oc.env:HIF8QAT_TEST_MODEL}"])
+    assert cfg.model.name == "tiny:2"
     assert command_line.check_command_line(["experiment=exp1", "model=openpangu_embedded_1b"]) is None

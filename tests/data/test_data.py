@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import mini_corpus_missing
 
+from hif8qat.data import corpus
 from hif8qat.data import loader as data
 from hif8qat.data.loader import (
     PackedTokenStream,
@@ -42,7 +43,7 @@ def jsonl(tmp_path_factory, docs):
 
 
 def _stream_tokens(texts, tok):
-    kept = [t for t in texts if not data._stream_is_heldout(t)]
+    kept = [t for t in texts if not corpus.stream_is_heldout(t)]
     return np.concatenate(tokenize_documents(kept, tok))
 
 
@@ -172,7 +173,7 @@ def test_local_text_files_and_eval_windows_are_held_out(tmp_path, docs, tok):
     folder.mkdir()
     for i, t in enumerate(docs):
         (folder / f"d{i:03d}.txt").write_text(t)
-    held = [t for t in docs if data._stream_is_heldout(t)]
+    held = [t for t in docs if corpus.stream_is_heldout(t)]
     assert held, "fixture should contain held-out documents"
     ev = build_eval_windows(str(folder), tok, seq_len=15, num_windows=1000)
     assert ev.shape[1] == 16 and 0 < ev.shape[0] < 1000
@@ -214,7 +215,7 @@ def test_mini_corpus_train_and_eval(mini_available, tok):
     assert "\x00" not in tok.decode(b[0])
     ev = build_eval_windows("mini", tok, seq_len=127, num_windows=8)
     assert ev.shape == (8, 128)
-    train_ids = {d["id"] for d in docs if not data._mini_is_heldout(d["id"])}
-    held_ids = {d["id"] for d in docs if data._mini_is_heldout(d["id"])}
+    train_ids = {d["id"] for d in docs if not corpus.mini_is_heldout(d["id"])}
+    held_ids = {d["id"] for d in docs if corpus.mini_is_heldout(d["id"])}
     assert held_ids and not train_ids & held_ids
     assert 0.01 < len(held_ids) / len(docs) < 0.04

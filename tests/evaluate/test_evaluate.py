@@ -322,7 +322,8 @@ def _real_data():
 
 
 real = pytest.mark.skipif(_real_data() is None,
-                          reason="offline benchmark data not installed (python -m hif8qat.evaluate.offline_benchmarks --install)")
+                          reason="offline benchmark data not installed "
+                                 "(python -m hif8qat.evaluate.offline_benchmarks --install)")
 
 
 @real

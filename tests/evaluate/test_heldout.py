@@ -1,5 +1,6 @@
-"""Held-out per-token distances (hif8qat.evaluate.heldout, hif8qat.stats.heldout): the per-token values against a float64
-oracle from plain forwards, the block interval against simulation, the files, pooling and the eval-stage hook."""
+"""Held-out per-token distances (hif8qat.evaluate.heldout, hif8qat.stats.heldout): the per-token values against a
+float64 oracle from plain forwards, the block interval against simulation, the files, pooling and the eval-stage
+hook."""
 
 import json
 import math
@@ -30,8 +31,10 @@ def _oracle(model_a, model_b, windows):
         for w in windows:
             la = model_a(w[None, :-1]).logits[0].double()
             lb = model_b(w[None, :-1]).logits[0].double()
-            lpa = la - (la - la.max(-1, keepdim=True).values).exp().sum(-1, keepdim=True).log() - la.max(-1, keepdim=True).values
-            lpb = lb - (lb - lb.max(-1, keepdim=True).values).exp().sum(-1, keepdim=True).log() - lb.max(-1, keepdim=True).values
+            lpa = (la - (la - la.max(-1, keepdim=True).values).exp().sum(-1, keepdim=True).log()
+                   - la.max(-1, keepdim=True).values)
+            lpb = (lb - (lb - lb.max(-1, keepdim=True).values).exp().sum(-1, keepdim=True).log()
+                   - lb.max(-1, keepdim=True).values)
             t = w[1:]
             idx = torch.arange(len(t))
             nll_a.append(-lpa[idx, t])

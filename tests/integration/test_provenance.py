@@ -154,7 +154,7 @@ def _eval_mode(tmp_path: Path, **changes) -> Path:
 def test_a_wrongly_typed_results_file_is_redone_by_the_eval_stage_and_named_by_the_report(
         tmp_path, changes, field, capsys):
 
-    from hif8qat.report.sources import _eval_results
+    from hif8qat.report.sources import eval_results
 
     out = _eval_mode(tmp_path)
     assert stages._mode_done(out)  # intact: done
@@ -162,7 +162,7 @@ def test_a_wrongly_typed_results_file_is_redone_by_the_eval_stage_and_named_by_t
     assert not stages._mode_done(out)  # stage=eval evaluates the mode again
     assert "evaluating hif8 again" in capsys.readouterr().out
     with pytest.raises(RunError, match=rf"results.json is unreadable \({field}"):
-        _eval_results(types_run(tmp_path), "hif8")
+        eval_results(types_run(tmp_path), "hif8")
 
 
 def types_run(path: Path):

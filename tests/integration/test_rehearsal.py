@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_paper_path_rehearsal_passes_every_check(tmp_path):
     work = tmp_path / "work"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "hif8qat.rehearse.paper_path", "--work", str(work)], capture_output=True,
-                         text=True, timeout=900, env=env, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "hif8qat.rehearse.paper_path", "--work", str(work)],
+                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     result = json.loads((work / "checks.json").read_text())
     failed = {name: why for name, why in result["checks"].items() if why}
     assert out.returncode == 0 and not failed, f"{failed}\n{out.stdout[-4000:]}\n{out.stderr[-2000:]}"

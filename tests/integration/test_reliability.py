@@ -96,7 +96,8 @@ def test_typed_dict_replaces_the_experiments_dict_instead_of_merging():
 
 
 def test_local_datasets_need_no_plus_and_are_checked(tmp_path):
-    cfg = cli_config(["experiment=exp1", "profile=smoke", "eval.tasks=[mmlu]", f"eval.local_datasets={{mmlu:{tmp_path}}}"])
+    cfg = cli_config(["experiment=exp1", "profile=smoke", "eval.tasks=[mmlu]",
+                      f"eval.local_datasets={{mmlu:{tmp_path}}}"])
     assert cfg.eval.local_datasets == {"mmlu": str(tmp_path)}
     cfg = cli_config(["experiment=exp1", "profile=smoke", "eval.tasks=[mmlu]",
                       f"eval.local_datasets={{cais/mmlu:{tmp_path}}}"])  # a hub dataset id as the key

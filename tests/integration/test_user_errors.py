@@ -50,7 +50,8 @@ def test_multirun_lines_are_checked_value_by_value():
 
 @pytest.mark.parametrize("line", [
     ["experiment=exp1", "seed=0"], ["-m", "seed=0,1", "--cfg", "hydra", "-p", "hydra.launcher"],
-    ["--cfg", "job", "-m", "seed=0,1", "stage=train"], ["-m"], ["--multi", "seed=0,1"], ["seed=0", "--resolve", "-c", "all"],
+    ["--cfg", "job", "-m", "seed=0,1", "stage=train"], ["-m"], ["--multi", "seed=0,1"],
+    ["seed=0", "--resolve", "-c", "all"],
     ["experiment=exp1", "-m", "seed=0,1"], ["--info"], ["-i", "defaults", "seed=1"], ["--info", "experiment=exp1"],
     ["-cn", "other", "seed=1"], ["--config-dir", "/tmp/elsewhere", "seed=1"], ["-cp", "x", "-r", "seed=1"],
     ["--experimental-rerun", "config.pickle"], ["-h"], ["--hydra-help"], ["-sc"], ["--bogus", "seed=1"],
@@ -216,7 +217,8 @@ def _tiny_training_state():
     model(input_ids=torch.arange(8)[None]).logits.sum().backward()
     optimizer.step()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "rank_state": {"rng": torch.get_rng_state()}}
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+            "rank_state": {"rng": torch.get_rng_state()}}
 
 
 @pytest.mark.parametrize("where", ["torch.save", "safetensors"])

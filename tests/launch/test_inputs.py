@@ -91,7 +91,8 @@ def _missing_shard(tmp_path, model):
     folder = _copy(model, tmp_path)
     first = "model-00001-of-00002.safetensors"
     (folder / "model.safetensors").rename(folder / first)  # sharded: the index names the files to load
-    index = {"metadata": {}, "weight_map": {"model.norm.weight": first, "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    index = {"metadata": {},
+             "weight_map": {"model.norm.weight": first, "lm_head.weight": "model-00002-of-00002.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return [f"model.name={folder}"], {}
 

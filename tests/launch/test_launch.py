@@ -94,7 +94,8 @@ def test_runs_made_alike_or_recorded_before_still_pair(tmp_path, baseline):
 def _with_numerics(run: Path, first: dict, resumed: dict | None = None) -> Path:
     """run_info.json as the trainer records it: the numerics of the first start, and of a resume if any."""
     info = json.loads((run / "run_info.json").read_text())
-    starts = [{**info["history"][0], "numerics": first}] + ([{"status": "resumed", "numerics": resumed}] if resumed else [])
+    starts = [{**info["history"][0], "numerics": first}] \
+        + ([{"status": "resumed", "numerics": resumed}] if resumed else [])
     (run / "run_info.json").write_text(json.dumps({**starts[-1], "history": starts}))
     return run
 

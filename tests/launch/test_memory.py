@@ -69,7 +69,8 @@ SLOW = {"fp32-tied-1B-vocab-checkpointed-chunked", "bf16-untied-whole-logits", "
 
 
 # The heavy ones (GBs of RAM, minutes each on a CPU without native BF16) run in make test-memory, not make test.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow, pytest.mark.memory_peak] if n in SLOW else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow, pytest.mark.memory_peak]
+                                               if n in SLOW else [])
                                   for n in CONFIGS])
 def test_estimate_is_within_10_percent_of_the_measured_peak(monkeypatch, name):
     facts, settings, chunk_elements = CONFIGS[name]

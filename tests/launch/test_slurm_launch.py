@@ -62,7 +62,8 @@ def test_without_sinfo_auto_is_an_error_and_explicit_values_pass():
     with pytest.raises(LauncherError, match="gpus_per_node, tasks_per_node, cpus_per_task are auto"):
         resolve_resources(AUTO, LauncherError("sinfo could not be run"))
     explicit = {"gpus_per_node": 4, "tasks_per_node": 4, "cpus_per_task": 6, "partition": "x"}
-    assert resolve_resources(explicit, LauncherError("no sinfo")) == {k: explicit[k] for k in explicit if k != "partition"}
+    assert resolve_resources(explicit, LauncherError("no sinfo")) == {
+        k: explicit[k] for k in explicit if k != "partition"}
 
 
 def test_jobs_squeue_has_forgotten_read_as_completed():

@@ -106,13 +106,13 @@ def test_remote_code_requires_config_and_explicit_opt_in(tmp_path):
     tok.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     # no auto_map: remote code is never enabled, even when asked for
-    assert models._decide_remote_code("x", cfg, True) is False
+    assert models.decide_remote_code("x", cfg, True) is False
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for flag in (None, False):
         with pytest.raises(ValueError, match="model.trust_remote_code=true"):
             load_causal_lm(str(tmp_path), trust_remote_code=flag)
-    assert models._decide_remote_code("x", cfg, True) is True
+    assert models.decide_remote_code("x", cfg, True) is True
 
 
 def test_transformer_blocks_fallback_finds_largest_modulelist():
@@ -152,7 +152,8 @@ def test_tiny_works_with_lm_eval_hflm():
 def smollm2_offline():
     path = models.cache_root() / models.SMOLLM2_CACHE_SUBDIR
     if not (path / "model.safetensors").is_file():
-        pytest.skip("offline SmolLM2 weights not installed (python -m hif8qat.models.loading --install-offline-weights)")
+        pytest.skip("offline SmolLM2 weights not installed "
+                    "(python -m hif8qat.models.loading --install-offline-weights)")
     return path
 
 

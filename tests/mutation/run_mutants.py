@@ -12,9 +12,10 @@ leaves it as it was; the copy is removed on the way out.
     python tests/mutation/run_mutants.py --list               # ids and what each one breaks
     python tests/mutation/run_mutants.py --check              # are the snippets still in the code? (no tests)
 
-Before the mutants, every test they name runs once on the unmutated copy (``--no-baseline`` skips it): a test that fails without a mutant would count every mutant as killed. A snippet that is no longer in its
-file (the code moved on) is reported as ``snippet not found``, not run, and left out of the score; exit status 1
-then, as when the score is under ``--min-score``.
+Before the mutants, every test they name runs once on the unmutated copy (``--no-baseline`` skips it): a test that fails
+without a mutant would count every mutant as killed. A snippet that is no longer in its file (the code moved on) is
+reported as ``snippet not found``, not run, and left out of the score; exit status 1 then, as when the score is under
+``--min-score``.
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: without any mutant, the mutants' tests {outcome} ({seconds:.0f} s): fix the tests or "
                       f"the list first\n{out}", file=sys.stderr)
                 return 2
-            print(f"baseline: the {len(selection)} test selection(s) pass without a mutant ({seconds:.0f} s)", flush=True)
+            print(f"baseline: the {len(selection)} test selection(s) pass without a mutant ({seconds:.0f} s)",
+                  flush=True)
         for mutant in mutants:
             target = copy / mutant.file
             original = target.read_text() if target.is_file() else None

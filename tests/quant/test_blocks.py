@@ -1,6 +1,6 @@
-"""One block finder (quant.blocks, which models.loading uses too) and one high-precision-block parser (config/blocks.py):
-the config parses the spec, the conversion takes the indices; the edges of the spec and which ModuleList is the
-decoder stack."""
+"""One block finder (quant.blocks, which models.loading uses too) and one high-precision-block parser
+(config/blocks.py): the config parses the spec, the conversion takes the indices; the edges of the spec and which
+ModuleList is the decoder stack."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ def test_readme_holds_the_generated_config_table():
     text = README.read_text(encoding="utf-8")
     block = re.search(r"<!-- config-table[^>]*-->\n(.*?)\n<!-- /config-table -->", text, re.S)
     assert block is not None, "README.md has no config-table block"
-    assert block.group(1) == config_table(), "rewrite it from python -c 'from hif8qat.quant.training import config_table; print(config_table())'"
+    assert block.group(1) == config_table(), \
+        "rewrite it from python -c 'from hif8qat.quant.training import config_table; print(config_table())'"
 
 
 def test_the_table_names_every_field_with_its_default():

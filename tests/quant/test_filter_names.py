@@ -25,7 +25,8 @@ def test_the_filter_sees_the_full_names_of_the_linears_in_scope():
 
 def test_a_filter_on_one_full_name_leaves_exactly_that_linear():
     model, _ = build_tiny_llama(num_layers=3, hidden_size=32, intermediate_size=64)
-    _convert_model(model, "mlp", None, ScalingConfig(), module_filter_fn=lambda mod, fqn: fqn != "model.layers.1.mlp.up_proj")
+    _convert_model(model, "mlp", None, ScalingConfig(),
+                   module_filter_fn=lambda mod, fqn: fqn != "model.layers.1.mlp.up_proj")
     quantized = {name for name, mod in model.named_modules() if isinstance(mod, QuantLinear)}
     assert "model.layers.1.mlp.up_proj" not in quantized
     assert {"model.layers.0.mlp.up_proj", "model.layers.2.mlp.up_proj", "model.layers.1.mlp.gate_proj"} <= quantized

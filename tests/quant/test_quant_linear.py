@@ -1,6 +1,7 @@
 """QuantLinear and model conversion: exactness when off, hand-computed reference when on, conversion rules,
 state/export round trips, telemetry plumbing."""
 
+import contextlib
 import copy
 import json
 
@@ -424,3 +425,39 @@ def test_a_kept_quantized_weight_is_dropped_by_its_layers_backward():
     hidden.register_hook(lambda g: seen.update(second=len(second._bank._kept), first=len(first._bank._kept)))
     second(hidden).sum().backward()
     assert seen == {"second": 0, "first": 1}
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_under_fake_tensors_the_hook_keeps_the_forwards_quantized_weight_for_the_recompute(monkeypatch, hooked):
+    """Fake tensors run the bank op's shape-only implementation, which keeps nothing: without the hook a checkpoint
+    recompute quantizes W again, where the real op hands back the forward's Q(W) (as
+    test_weight_is_quantized_once_per_micro_batch pins). Within keep_weights_under_fake_tensors the recompute gets
+    the forward's result, and the layer's backward drops it: one W call per micro-batch reaches the op, as on real
+    tensors, and no Q(W) outlives its backward."""
+    import weakref
+
+    from torch._subclasses.fake_tensor import FakeTensorMode  # the mode the memory estimate simulates under
+    from torch.utils.checkpoint import checkpoint
+
+    from hif8qat.quant import gemm
+
+    op, reached, results = gemm.bank_qdq, [], []
+
+    def spy(x, bank_id, row, mode, out_dtype=None, keep=False):
+        y = op(x, bank_id, row, mode, out_dtype, keep)
+        reached.append(row)
+        results.append(weakref.ref(y))
+        return y
+
+    monkeypatch.setattr(gemm, "bank_qdq", spy)
+    with FakeTensorMode(allow_non_fake_inputs=True), (
+            gemm.keep_weights_under_fake_tensors() if hooked else contextlib.nullcontext()):
+        layer = QuantLinear(32, 16, config=ScalingConfig(), name="l")
+        w_row = layer._row0 + 1
+        x = torch.randn(4, 32, requires_grad=True)
+        for _ in range(2):  # two micro-batches
+            checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert gemm.bank_qdq is spy  # the hook puts back what it found
+    assert reached.count(w_row) == (2 if hooked else 4)
+    w_results = [r for row, r in zip(reached, results) if row == w_row]
+    assert all(r() is None for r in w_results), "a quantized weight outlived its layer's backward"

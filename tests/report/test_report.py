@@ -211,7 +211,8 @@ def _fake_seed(root, profile, n_docs, steps, sd, exps, tags):
                     for role in ("A", "W", "G"):
                         amax = 2.0 + 0.05 * s + (1.0 if s % 10 == 0 else 0)
                         fh.write(json.dumps({"step": s, "layer": "model.layers.0.mlp.up_proj", "role": role,
-                                             "amax": amax, "estimate": 2.0 + 0.05 * (s - 2), "scale": 15 / amax}) + "\n")
+                                             "amax": amax, "estimate": 2.0 + 0.05 * (s - 2),
+                                             "scale": 15 / amax}) + "\n")
         for mode in (("bf16", "hif8") if quant else ("bf16",)):
             e = d / "eval" / mode
             e.mkdir(parents=True)
@@ -235,8 +236,8 @@ def test_build_report_structure(tmp_path):
     t = rep["tables"]
     assert set(t) == {"runs_smoke", "drops_smoke", "ape_smoke", "telemetry_smoke", "replay_smoke",
                       "ablations_smoke", "scaling_pairs_smoke", "vs_base_smoke", "seeds_smoke", "seed_null_smoke",
-                      "claims_smoke", "mde_smoke", "reach_smoke", "anchor", "pairing_smoke", "paired_smoke", "sweeps_smoke",
-                      "heldout_smoke"}
+                      "claims_smoke", "mde_smoke", "reach_smoke", "anchor", "pairing_smoke", "paired_smoke",
+                      "sweeps_smoke", "heldout_smoke"}
     assert t["replay_smoke"].empty  # no exported scaler state in these fake runs
     # exp8 derives from exp7: the ablation is the bf16-mode drop, and against the base model exp7 is unchanged.
     abl = t["ablations_smoke"].iloc[0]

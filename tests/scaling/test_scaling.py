@@ -140,7 +140,7 @@ def test_matches_authors_rules_on_random_traces(algo, L, k, impl):
     torch.testing.assert_close(got, _authors_rules(seq, algo, L, k), rtol=0, atol=0)
 
 
-# ------------------------------------------------------------------------------------------------ cold start, reset, non-finite
+# ---------------------------------------------------------------------------------- cold start, reset, non-finite
 def test_cold_start_uses_own_amax_and_reset_restarts_it(impl):
     sc = impl.Scaler("A", ScalingConfig(algo="max", history_len=4))
     assert sc.observe_amax(3.0).item() == s(3).item()

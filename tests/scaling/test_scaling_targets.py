@@ -96,7 +96,8 @@ def test_the_gradient_target_experiments(exp, parent, baseline):
     assert training_differences(cfg.to_dict(), ref.to_dict(), may_differ=["quant.target"]) == []
 
 
-@pytest.mark.parametrize("saved", sorted((ROOT / "results" / "reference_runs" / "mini").glob("exp*/seed*/config_resolved.yaml"))
+@pytest.mark.parametrize("saved", sorted((ROOT / "results" / "reference_runs" / "mini")
+                                          .glob("exp*/seed*/config_resolved.yaml"))
                          or [pytest.param(None, marks=pytest.mark.skip(reason="no committed reference runs"))])
 def test_committed_configs_load_with_their_targets_and_still_pair(saved):
     """A run saved before ``target`` existed loads with its old targets (``target_fwd`` / ``target_bwd``), one saved

@@ -8,8 +8,7 @@ import numpy as np
 from scipy import stats as st
 
 from hif8qat.report.claims import accuracy_interval_and_test, seed_variance_donors
-from hif8qat.stats import item_flips
-from hif8qat.stats import paired as stats
+from hif8qat.stats import crossed, item_flips
 
 
 def _crossed(rng, k, n, sd_seed, sd_unit, sd_resid, mean=0.0):
@@ -27,12 +26,12 @@ def test_one_seed_interval_with_a_borrowed_seed_variance_covers_when_seeds_domin
     reps, hit, hit_before = 2000, 0, 0
     kind = ("baseline", "bf16", "arc_challenge", "gold_ll")
     for _ in range(reps):
-        donors = {(f"exp{i}", "", kind[0], "exp1", *kind[1:]): stats.crossed_mean(
+        donors = {(f"exp{i}", "", kind[0], "exp1", *kind[1:]): crossed.crossed_mean(
             _crossed(rng, k, n, sd_seed, sd_unit, sd_resid), "items") for i, k in ((3, 5), (6, 3))}
         var, df, n_claims = seed_variance_donors(donors)[kind]
-        one = stats.crossed_mean(_crossed(rng, 1, n, sd_seed, sd_unit, sd_resid, true), "items")
+        one = crossed.crossed_mean(_crossed(rng, 1, n, sd_seed, sd_unit, sd_resid, true), "items")
         hit_before += one.lo <= true <= one.hi
-        c = stats.with_seed_variance(one, var, df)
+        c = crossed.with_seed_variance(one, var, df)
         hit += c.lo <= true <= c.hi
     assert n_claims == 2 and df == 4  # the largest donor's df, not the sum: the donors may share runs
     assert hit_before / reps < 0.7
@@ -72,7 +71,7 @@ def test_accuracy_interval_covers_under_a_per_seed_shift_twice_the_noise():
     y_all = _shifted_flips(rng, reps, k, n, q, shift_sd)
     hit = hit_before = 0
     for y in y_all:
-        c = stats.crossed_mean(y, "items")
+        c = crossed.crossed_mean(y, "items")
         net = y.sum(0) / 100.0
         lost, gained = (y < 0).sum(1), (y > 0).sum(1)
         homog_p = item_flips.gain_share_homogeneity(lost, gained, n_sim=999)[2]

@@ -16,7 +16,7 @@ import pytest
 from reference_stats import textbook_crossed
 from scipy import stats as st
 
-from hif8qat.stats import item_flips
+from hif8qat.stats import crossed, item_flips
 from hif8qat.stats import paired as stats
 
 
@@ -34,7 +34,7 @@ def test_crossed_mean_equals_a_reml_mixed_model_with_crossed_variance_components
                        "g": 1})
     fit = sm.MixedLM.from_formula("y ~ 1", groups="g", re_formula="0", data=df,
                                   vc_formula={"seed": "0 + C(seed)", "unit": "0 + C(unit)"}).fit(reml=True)
-    c = stats.crossed_mean(y)
+    c = crossed.crossed_mean(y)
     # vc_formula components in name order: seed, unit; on balanced data REML and the moments agree when positive
     assert (c.seed_var, c.unit_var, c.resid_var) == pytest.approx((*fit.vcomp, fit.scale), rel=1e-3)
     assert c.mean == pytest.approx(float(fit.fe_params.iloc[0]))
@@ -47,7 +47,7 @@ def test_crossed_intervals_cover_the_true_difference_at_5_seeds_x_30_windows():
     hit_crossed = hit_rule_before = 0
     for _ in range(reps):
         y = _crossed(rng, 5, 30, 0.3, 1.0, 1.0, mean=true)  # seed, window and seed x window effects
-        c = stats.crossed_mean(y, "windows")
+        c = crossed.crossed_mean(y, "windows")
         hit_crossed += c.lo <= true <= c.hi
         # the rule the report used before: max(between-seed, mean within-seed variance) / k
         p = stats.pool_seeds(y.mean(1), y.var(1, ddof=1) / 30, 5 * 29)
@@ -58,7 +58,7 @@ def test_crossed_intervals_cover_the_true_difference_at_5_seeds_x_30_windows():
 
 def test_one_seed_has_no_seed_component_and_says_so():
     y = np.random.default_rng(2).normal(size=50)
-    c = stats.crossed_mean(y, "items")
+    c = crossed.crossed_mean(y, "items")
     ref = st.ttest_1samp(y, 0.0)
     ci = ref.confidence_interval(0.95)
     assert (c.lo, c.hi, c.p, c.df) == pytest.approx((ci.low, ci.high, ref.pvalue, 49))
@@ -125,7 +125,8 @@ def test_accuracy_mde_is_the_smallest_effect_the_item_test_detects_under_the_fli
 
 def test_accuracy_mde_grows_with_the_flips_seen_not_capped_by_them():
     # the rule before held the discordant count fixed, so its MDE could never exceed m / n
-    few, many = item_flips.mde_item_flips(130, [1, 1, 2], 5), item_flips.mde_item_flips(130, [1, -1] * 10 + [2, -2] * 5, 5)
+    few = item_flips.mde_item_flips(130, [1, 1, 2], 5)
+    many = item_flips.mde_item_flips(130, [1, -1] * 10 + [2, -2] * 5, 5)
     assert many > few > (1 + 1 + 2) / 130 / 5
 
 
@@ -133,9 +134,9 @@ def test_hierarchical_bootstrap_resamples_units_as_well_as_seeds():
     rng = np.random.default_rng(8)
     col = rng.normal(0, 1.0, 40)
     y = np.tile(col, (5, 1))  # only the units differ: a seeds-only bootstrap would give zero width
-    lo, hi = stats.hierarchical_bootstrap(y, n_boot=4000, seed=1)
+    lo, hi = crossed.hierarchical_bootstrap(y, n_boot=4000, seed=1)
     assert (hi - lo) == pytest.approx(2 * 1.96 * col.std(ddof=0) / math.sqrt(40), rel=0.15)
-    assert all(map(math.isnan, stats.hierarchical_bootstrap(y[:3])))  # 3 seeds: too few to resample
+    assert all(map(math.isnan, crossed.hierarchical_bootstrap(y[:3])))  # 3 seeds: too few to resample
 
 
 def test_heldout_claims_cross_seeds_with_windows_and_list_the_token_files(tmp_path):

@@ -15,8 +15,7 @@ import pytest
 from reference_stats import textbook_crossed
 from scipy import stats as st
 
-from hif8qat.stats import item_flips
-from hif8qat.stats import paired as stats
+from hif8qat.stats import crossed, item_flips
 
 
 def _flips(k, n, cells, value=100.0, unit_effect=None):
@@ -53,7 +52,7 @@ DESIGNS = {
 def test_crossed_df_and_interval_equal_the_textbook_satterthwaite_formula(name):
     y = DESIGNS[name]
     want = textbook_crossed(y)
-    c = stats.crossed_mean(y)
+    c = crossed.crossed_mean(y)
     assert c.df == pytest.approx(want["df"], rel=1e-9), name
     assert (c.mean, c.se, c.lo, c.hi) == pytest.approx((want["mean"], want["se"], want["lo"], want["hi"]),
                                                         rel=1e-9, abs=1e-12)
@@ -68,7 +67,7 @@ def test_a_rounding_noise_component_does_not_decide_the_df():
     # MS_seed equals MS_error in exact arithmetic; in floating point one exceeds the other by about 1e-16 of
     # their size, which before counted as a seed component and gave the df of the two-df seed term
     y = DESIGNS["one flip on a unit effect: seed tied, unit positive"]
-    c = stats.crossed_mean(y)
+    c = crossed.crossed_mean(y)
     assert c.seed_var == 0 and c.df == pytest.approx(199)
 
 
@@ -139,7 +138,7 @@ def test_crossed_model_equals_exact_reml_and_its_satterthwaite_df_in_balanced_de
     # REML and the moments agree exactly, and so do the two ways to Satterthwaite's df
     y = DESIGNS[name]
     y = y[:, :20]  # the dense fit stays small; one flip on unit effects keeps MS_seed = MS_error at any width
-    c = stats.crossed_mean(y)
+    c = crossed.crossed_mean(y)
     r = reml_fit(y)
     assert (c.seed_var, c.unit_var, c.resid_var) == pytest.approx(tuple(r["theta"]), rel=1e-7, abs=1e-9)
     assert c.mean == pytest.approx(r["mean"], rel=1e-9, abs=1e-12)
@@ -284,7 +283,7 @@ def test_an_accuracy_row_with_few_flips_has_an_interval_that_agrees_with_its_tes
     row = claims_table(c, n_boot=10).iloc[0]
     assert row["p"] == pytest.approx(0.125)
     assert row["ci_lo"] < 0 < row["ci_hi"] and "exact" in row["ci_method"]
-    t = stats.crossed_mean(np.stack([u.to_numpy() for u in c["units"]]))
+    t = crossed.crossed_mean(np.stack([u.to_numpy() for u in c["units"]]))
     assert t.lo > 0  # what the interval was before: gains only, yet a test that finds nothing
     assert row["homog_df"] == 0  # flips one way: no share to compare
     assert row["changed_by_size"] == "1:4"

@@ -311,7 +311,8 @@ def test_divergence_before_any_checkpoint_says_none_exists(tmp_path):
         train(_smoke(tmp_path, "train.lr=1e6", "train.checkpoint_every=100", "train.max_consecutive_skips=0"),
               _run_dir(tmp_path))
     assert "gradient norm non-finite for 1 consecutive steps" in str(err.value)
-    assert not (tmp_path / "run" / "checkpoints").exists() or not ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not checkpoints.exists() or not ckpt.list_checkpoints(checkpoints)
 
 
 def test_weights_that_became_nonfinite_are_never_checkpointed(tmp_path, monkeypatch):

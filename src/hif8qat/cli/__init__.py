@@ -1,6 +1,6 @@
 """``python run.py``, the pipeline's entry point: ``hydra_config`` (conf/ composed by Hydra into the typed, validated
-RunConfig), ``command_line`` (the command line checked before Hydra reads it), ``stages`` (train, eval, report, all on one
-process or under torchrun) and ``main`` (the Hydra job and run.py's own ``--estimate`` and ``--baseline``).
+RunConfig), ``command_line`` (the command line checked before Hydra reads it), ``stages`` (train, eval, report, all on
+one process or under torchrun) and ``main`` (the Hydra job and run.py's own ``--estimate`` and ``--baseline``).
 run.py itself only declares the Hydra entry point; everything it does is here, under the layout rules.
 The top layer: it may import every other part of the package, and nothing imports it.
 """

@@ -35,7 +35,13 @@ _DICT_OVERRIDE = re.compile(r"^\+{0,2}(?!hydra[./])([A-Za-z_][\w.]*)=(\{.*)$", r
 
 def force_add_dict_overrides(argv: list[str]) -> list[str]:
     """Rewrite ``key={...}`` as ``++key={...}``: Hydra refuses a plain override that adds a key to a dict
-    (``eval.local_datasets={mmlu: ...}`` would need ``+``); ``++`` always applies. See replace_typed_dicts."""
+    (``eval.local_datasets={mmlu: ...}`` would need ``+``); ``++`` always applies. See replace_typed_dicts.
+
+    Args:
+        argv: the command line, program first.
+
+    Returns:
+        The rewritten command line."""
     out = list(argv[:1])
     for arg in argv[1:]:
         match = _DICT_OVERRIDE.match(arg)
@@ -75,7 +81,8 @@ def _hydra_error_message(err: Exception, combo: list[str], typed_overrides: list
         group, _, choice = str(err.missing_cfg_file).rpartition("/")
         return f"invalid setting {group}={choice!r}: allowed one of " + ", ".join(sorted(err.options, key=_natural))
     if isinstance(err, OverrideParseException):
-        typed = err.override[2:] if err.override.startswith("++") and err.override[2:] in typed_overrides else err.override
+        typed = (err.override[2:] if err.override.startswith("++") and err.override[2:] in typed_overrides
+                 else err.override)
         return (f"cannot parse the command-line override {typed!r}: {str(err).splitlines()[0]}. "
                 "Lists are written key=[a,b], mappings key={a: 1, b: 2} (quoted for the shell: "
                 "'quant.interval={0: 1, 1000: 10}'), a value with a comma or brace in quotes: key='a,b'")
@@ -93,7 +100,17 @@ def _natural(name: str) -> tuple:
 
 def override_combinations(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The override lists to compose to check a command line: the line itself, and under multirun one list per
-    point of the sweep (every combination of the swept values), so a bad point anywhere is found."""
+    point of the sweep (every combination of the swept values), so a bad point anywhere is found.
+
+    Args:
+        overrides: the line's overrides.
+        multirun: whether the line runs with ``-m``.
+
+    Returns:
+        One override list per point.
+
+    Raises:
+        OverrideParseException: an override Hydra cannot parse."""
     parsed = OverridesParser.create().parse_overrides(overrides)  # raises OverrideParseException
     if not multirun:
         return [list(overrides)]
@@ -122,13 +139,18 @@ class _HydraLineParser(argparse.ArgumentParser):
 
 
 def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
-    """argv (without the program) as Hydra 1.3's @hydra.main reads it: .overrides, .multirun, and .plain (False
-    for a line that runs no job of this config: --help, --info, another config ...); None for a line Hydra
-    refuses with its own usage message.
+    """argv as Hydra 1.3's @hydra.main reads it.
 
     Hydra's own parser is private (hydra._internal.utils.get_args_parser): this one declares the same flags,
-    with the values they take, so that a flag's value is never read as an override. tests/integration/test_user_errors.py
-    holds the two parsers to the same reading of the lines run.py meets."""
+    with the values they take, so that a flag's value is never read as an override.
+    tests/integration/test_user_errors.py holds the two parsers to the same reading of the lines run.py meets.
+
+    Args:
+        argv: the command line without the program.
+
+    Returns:
+        A namespace with .overrides, .multirun and .plain (False for a line that runs no job of this config: --help,
+        --info, another config ...); None for a line Hydra refuses with its own usage message."""
     ap = _HydraLineParser(add_help=False)
     ap.add_argument("overrides", nargs="*")
     for flags in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
@@ -151,9 +173,14 @@ def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
 
 def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str | None:
     """Compose the config as Hydra will, before Hydra does: its own failures (unknown experiment or setting,
-    an override it cannot parse) end its process with exit 1 and a message that names no alternative. Returns
-    the error message, or None when the line composes (or is not a plain run: --help, another config, ...).
-    typed_overrides: the line as the user typed it, before force_add_dict_overrides, for the messages."""
+    an override it cannot parse) end its process with exit 1 and a message that names no alternative.
+
+    Args:
+        argv: the command line without the program.
+        typed_overrides: the line as the user typed it, before force_add_dict_overrides, for the messages.
+
+    Returns:
+        The error message, or None when the line composes (or is not a plain run: --help, another config, ...)."""
     args = hydra_command_line(argv)
     if args is None or not args.plain:
         return None  # Hydra reports its own usage errors and answers --help, --info ... itself
@@ -177,8 +204,16 @@ def check_command_line(argv: list[str], typed_overrides: list[str] = ()) -> str 
 def slurm_launcher_overrides(argv: list[str]) -> list[str]:
     """Under -m with hydra/launcher=slurm or slurm_cpu: the launcher's GPUs, tasks and CPUs per node pinned as
     overrides, read from the partition where the config leaves them to it (hif8qat.launch.slurm), and the
-    sacct-less job watching made quiet. Raises LauncherError (a setting that cannot work) before any job is
-    submitted; returns [] for any other launcher."""
+    sacct-less job watching made quiet.
+
+    Args:
+        argv: the command line without the program.
+
+    Returns:
+        The overrides to add; [] for any other launcher.
+
+    Raises:
+        LauncherError: a setting that cannot work, before any job is submitted."""
     args = hydra_command_line(argv)
     if args is None or not args.multirun or args.config_path or args.config_name or args.config_dir:
         return []
@@ -200,8 +235,15 @@ def slurm_launcher_overrides(argv: list[str]) -> list[str]:
 
 
 def insert_overrides(argv: list[str], extra: list[str]) -> list[str]:
-    """argv with `extra` overrides right after its last override (Hydra's overrides are one positional run: an
-    override after ``--cfg hydra -p x`` would be an unrecognized argument)."""
+    """argv with ``extra`` overrides right after its last override (Hydra's overrides are one positional run: an
+    override after ``--cfg hydra -p x`` would be an unrecognized argument).
+
+    Args:
+        argv: the command line, program first.
+        extra: the overrides to add.
+
+    Returns:
+        The new command line."""
     args = hydra_command_line(argv[1:])
     if not extra or args is None:
         return argv
@@ -210,8 +252,18 @@ def insert_overrides(argv: list[str], extra: list[str]) -> list[str]:
 
 
 def experiment_baseline(experiment: str, overrides: list[str] = ()) -> str | None:
-    """experiment.baseline of the run `python run.py experiment=EXPERIMENT OVERRIDES...` would start (None: it
-    has none). The whole line is checked as that run checks it: a RunError names what is wrong with it."""
+    """experiment.baseline of the run ``python run.py experiment=EXPERIMENT OVERRIDES...`` would start. The whole
+    line is checked as that run checks it.
+
+    Args:
+        experiment: the experiment's name.
+        overrides: the run's other settings.
+
+    Returns:
+        The baseline experiment, or None when it has none.
+
+    Raises:
+        ConfigError: what is wrong with the line."""
     line = [f"experiment={experiment}", *overrides]
     forced = force_add_dict_overrides(["run.py", *line])[1:]
     problem = check_command_line(forced, line)
@@ -225,7 +277,13 @@ def experiment_baseline(experiment: str, overrides: list[str] = ()) -> str | Non
 def baseline_main(argv: list[str]) -> int:
     """``python run.py --baseline EXPERIMENT [OVERRIDES...]`` prints the baseline of that run (nothing when it
     has none). `make expN` starts it before the experiment, under any launcher, so a bad setting in the line is
-    refused here, before the baseline trains."""
+    refused here, before the baseline trains.
+
+    Args:
+        argv: the arguments after ``--baseline``.
+
+    Returns:
+        The exit status (2 with an ``error:`` line for a bad line)."""
     ap = argparse.ArgumentParser(prog="python run.py --baseline", description=baseline_main.__doc__.split("\n")[0])
     ap.add_argument("experiment")
     ap.add_argument("overrides", nargs="*", help="the run's other settings, as on run.py's command line")
@@ -248,7 +306,13 @@ def baseline_main(argv: list[str]) -> int:
 def prepare_argv(argv: list[str]) -> list[str]:
     """``sys.argv`` as Hydra is to read it. ``--baseline`` (for the Makefile) is answered from the composed config
     and exits, never run as a Hydra job; a line Hydra would refuse exits with one ``error:`` line. Nothing of
-    training, evaluation or the report is loaded for these answers."""
+    training, evaluation or the report is loaded for these answers.
+
+    Args:
+        argv: ``sys.argv``.
+
+    Returns:
+        The command line for Hydra (dict overrides forced, SLURM launcher settings pinned)."""
     if argv[1:2] == ["--estimate"]:  # answered by hif8qat.cli.main, which loads what the estimate needs
         return argv
     if argv[1:2] == ["--baseline"]:  # make expN: the run to train first

@@ -21,19 +21,29 @@ CONF_DIR = REPO / "conf"  # run.py's Hydra config, beside it
 
 # Overrides that select or steer a run without changing what it trains: they never enter its folder name.
 # The profile group is in the folder path, but its settings (profile.steps) change the training: tagged.
-_UNTAGGED = ("experiment", "seed", "stage", "force", "trust_unverified", "results_root", "run_tag", "train.resume", "train.resume_allow_mismatch",
-             "train.num_threads", "train.checkpoint_every", "train.keep_checkpoints", "train.keep_checkpoints_when_done", "train.log_every",
-             "train.val_every", "data.eval_windows", "data.cache_dir", "quant.telemetry_dump_every",
-             "quant.telemetry_stats_every", "eval", "logger", "hydra")
+_UNTAGGED = ("experiment", "seed", "stage", "force", "trust_unverified", "results_root", "run_tag", "train.resume",
+             "train.resume_allow_mismatch", "train.num_threads", "train.checkpoint_every", "train.keep_checkpoints",
+             "train.keep_checkpoints_when_done", "train.log_every", "train.val_every", "data.eval_windows",
+             "data.cache_dir", "quant.telemetry_dump_every", "quant.telemetry_stats_every", "eval", "logger", "hydra")
 _IN_PATH = ("profile", "profile.name")
 
 
 def known_experiments() -> list[str]:
+    """The experiments conf/experiment/ defines.
+
+    Returns:
+        Their names, sorted."""
     return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
 def run_tag_from_overrides(overrides: list[str]) -> str:
-    """Training-relevant command-line overrides, so two sweep points never share a run folder."""
+    """Training-relevant command-line overrides, so two sweep points never share a run folder.
+
+    Args:
+        overrides: the line's overrides.
+
+    Returns:
+        The run tag: those overrides, sorted and joined by commas."""
     kept = []
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~")
@@ -46,7 +56,14 @@ def run_tag_from_overrides(overrides: list[str]) -> str:
 
 def replace_typed_dicts(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """A dict typed on the command line replaces the configured one: Hydra would merge them, so exp3's
-    ``quant.interval={0: 1, 1000: 10}`` overridden by ``{0: 5}`` would silently run ``{0: 5, 1000: 10}``."""
+    ``quant.interval={0: 1, 1000: 10}`` overridden by ``{0: 5}`` would silently run ``{0: 5, 1000: 10}``.
+
+    Args:
+        cfg: the composed config (changed in place).
+        overrides: the line's overrides.
+
+    Returns:
+        ``cfg``."""
     for override in OverridesParser.create().parse_overrides(overrides):
         if not override.is_delete() and isinstance(override.value(), dict):
             with open_dict(cfg):
@@ -94,7 +111,13 @@ def _reads_env(raw: dict, value, seen: frozenset = frozenset()) -> bool:
 
 
 def refuse_env_interpolation(cfg: DictConfig) -> None:
-    """ConfigError for a setting outside ENV_SETTINGS whose value comes from an environment variable."""
+    """Refuse a setting outside ENV_SETTINGS whose value comes from an environment variable.
+
+    Args:
+        cfg: the composed config.
+
+    Raises:
+        ConfigError: naming the setting."""
     container = OmegaConf.to_container(cfg, resolve=False)
     container.pop("hydra", None)
     raw = dict(_leaves(container))
@@ -106,6 +129,18 @@ def refuse_env_interpolation(cfg: DictConfig) -> None:
 
 
 def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
+    """The run's RunConfig from the composed config: interpolations resolved, checked, the run tag made from the
+    overrides when not given, the profile applied.
+
+    Args:
+        cfg: the composed config.
+        overrides: the line's overrides.
+
+    Returns:
+        The resolved RunConfig.
+
+    Raises:
+        ConfigError: a setting that is not allowed (the error names it and the allowed values)."""
     data = _resolve(cfg)  # an interpolation that does not resolve is named as such first
     refuse_env_interpolation(cfg)
     data.pop("hydra", None)
@@ -119,7 +154,16 @@ def to_run_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
 
 
 def config_for(profile: str, experiment: str, seed: int, extra: tuple[str, ...] = ()) -> RunConfig:
-    """The RunConfig `python run.py profile=... experiment=... seed=... EXTRA...` would run (for hif8qat.launch.time_estimate)."""
+    """The RunConfig ``python run.py profile=... experiment=... seed=... EXTRA...`` would run (for the time estimate).
+
+    Args:
+        profile: the profile.
+        experiment: the experiment.
+        seed: the seed.
+        extra: further overrides.
+
+    Returns:
+        The resolved RunConfig."""
     overrides = [f"profile={profile}", f"experiment={experiment}", f"seed={seed}", *extra]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=overrides), overrides)

@@ -24,7 +24,14 @@ def run_job(cfg: DictConfig) -> dict[str, str] | None:
     the preflight: inputs, memory, time), then dispatched. A user's error is one ``error:`` line, exit 2.
 
     In a multirun sweep the point's outcome is returned instead (done, already done, failed, busy), so a point
-    that fails never stops the points after it; the launcher summarizes them (hif8qat.launch.sweep)."""
+    that fails never stops the points after it; the launcher summarizes them (hif8qat.launch.sweep).
+
+    Args:
+        cfg: the config Hydra composed.
+
+    Returns:
+        The point's outcome (done, already done, failed, busy) under a multirun sweep; None for a single run, which
+        exits with the error's status when it fails."""
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
 
@@ -43,6 +50,12 @@ def run_job(cfg: DictConfig) -> dict[str, str] | None:
 
 
 def estimate(argv: list[str]) -> int:
-    """``python run.py --estimate ...`` (make all & co.): how long their unfinished runs will take here."""
+    """``python run.py --estimate ...`` (make all & co.): how long their unfinished runs will take here.
+
+    Args:
+        argv: the arguments after ``--estimate``.
+
+    Returns:
+        The exit status."""
     return estimate_main(argv, config_for)
 

@@ -35,7 +35,11 @@ from hif8qat.train.loop import setup_distributed, train
 
 def baseline_note(cfg: RunConfig, run_dir: Path) -> None:
     """stage=all does not start the baseline (`make expN` does, under any launcher): say how, when the one run
-    the report would pair this run with (same seed, same training settings) is missing or unevaluated."""
+    the report would pair this run with (same seed, same training settings) is missing or unevaluated.
+
+    Args:
+        cfg: the run's config.
+        run_dir: the run folder."""
     base = cfg.experiment.baseline
     if not base:
         return
@@ -51,8 +55,14 @@ def baseline_note(cfg: RunConfig, run_dir: Path) -> None:
 
 
 def eval_numerics(cfg: RunConfig) -> tuple[str, str]:
-    """(device, autocast) of the evaluation: eval.device / eval.dtype, auto being the training's device and its
-    (resolved) train.autocast."""
+    """The evaluation's device and autocast: eval.device / eval.dtype, auto being the training's device and its
+    (resolved) train.autocast.
+
+    Args:
+        cfg: the run's config.
+
+    Returns:
+        ``(device, autocast)``."""
     return resolve_numerics(cfg.eval.device, cfg.eval.dtype, train_device=cfg.train.device,
                             train_autocast=cfg.train.autocast)
 
@@ -62,7 +72,14 @@ def evaluate(cfg: RunConfig, run_dir: Path, ctx=None) -> bool:
 
     Under torchrun (ctx of several ranks) every rank evaluates its share of the requests and rank 0, which
     alone checks and locks the folder and chooses the modes, writes the results (hif8qat.evaluate.ranks).
-    Returns whether any mode was evaluated."""
+
+    Args:
+        cfg: the run's config.
+        run_dir: the run folder.
+        ctx: the distributed context (None: one process).
+
+    Returns:
+        Whether any mode was evaluated."""
     main = ctx is None or ctx.is_main
     modes = on_rank0(ctx, lambda: _modes_to_evaluate(cfg, run_dir))
     device, autocast = eval_numerics(cfg)
@@ -116,7 +133,17 @@ def _mode_done(mode_dir: Path) -> bool:
 
 def on_rank0(ctx, decide):
     """decide() on rank 0, its answer (or its RunError) sent to every rank, so no rank waits at a collective
-    for a rank 0 that refused; the other ranks exit quietly (rank 0 reports the error once)."""
+    for a rank 0 that refused; the other ranks exit quietly (rank 0 reports the error once).
+
+    Args:
+        ctx: the distributed context (None: one process).
+        decide: a zero-argument callable.
+
+    Returns:
+        decide()'s answer, on every rank.
+
+    Raises:
+        RunError: decide()'s, on rank 0."""
     if ctx is None or ctx.world_size == 1:
         return decide()
 
@@ -137,7 +164,11 @@ def on_rank0(ctx, decide):
 
 
 def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
-    """Tables and figures for the profile; with only_experiment, print that experiment's rows."""
+    """Tables and figures for the profile; with only_experiment, print that experiment's rows.
+
+    Args:
+        cfg: the run's config.
+        only_experiment: print only this experiment's rows (and draw no figures)."""
     # Tables and figures live in the results root they come from (<results_root>/{tables,figures}/<profile>/):
     # a user's report never rewrites the committed tables of results/reference_runs.
     root = Path(cfg.results_root)
@@ -156,7 +187,8 @@ def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
                   f"({int(rows['n_seeds'].max())} seed(s); difference, 95 % CI, verdict):")
         for row in rows.itertuples():
             where = "training" if row.mode == "train" else f"{row.mode} {row.task}"
-            # one seed with no seed variance to borrow: its interval holds the seed's own noise alone (items, windows or step blocks), so no verdict
+            # one seed with no seed variance to borrow: its interval holds the seed's own noise alone (items, windows
+            # or step blocks), so no verdict
             bare = row.difference == row.equivalence
             verdict = row.difference if bare else f"{row.difference}, {row.equivalence}"
             print(f"  {where:<30} {row.metric:<12} {row.cost:+9.3f} {'within-seed ' if bare else ''}"
@@ -166,15 +198,26 @@ def report(cfg: RunConfig, only_experiment: str | None = None) -> None:
 
 def prepare_shared(cfg: RunConfig, ctx) -> tuple[Path, str]:
     """Rank 0 alone locks the run folder and decides what to do with it; the other ranks follow its decision.
+    Rank 0 holds the folder's lock for the whole job, on behalf of every rank (torchrun stops them all when it
+    exits).
 
-    Rank 0 holds the folder's lock for the whole job, on behalf of every rank (torchrun stops them all when
-    it exits)."""
+    Args:
+        cfg: the run's config.
+        ctx: the distributed context (None: one process).
+
+    Returns:
+        ``(run folder, status)`` as :func:`hif8qat.runs.folders.prepare_run_dir` returns them."""
     return on_rank0(ctx, lambda: prepare_run_dir(cfg))
 
 
 def dispatch(cfg: RunConfig) -> str | None:
-    """Run cfg.stage; SKIPPED when the run was found finished with nothing left to do (a sweep's rerun). Files
-    without an integrity record are refused unless cfg.trust_unverified."""
+    """Run cfg.stage. Files without an integrity record are refused unless cfg.trust_unverified.
+
+    Args:
+        cfg: the run's config.
+
+    Returns:
+        SKIPPED when the run was found finished with nothing left to do (a sweep's rerun), else None."""
     with trusting_unverified(cfg.trust_unverified):
         return _dispatch(cfg)
 

@@ -34,8 +34,16 @@ def _check_some_block_quantized(spec: Any, blocks: set[int], num_blocks: int) ->
 def parse_high_precision_blocks(spec: Any, num_blocks: int | None) -> list[int]:
     """Sorted indices of the high-precision blocks of a model with ``num_blocks`` blocks (module doc).
 
-    ``num_blocks=None``: the depth is unknown; a list is checked for non-negative integers only, and
-    ``first``/``last`` (which need the depth) are refused. Raises ValueError naming the setting.
+    Args:
+        spec: the ``quant.high_precision_blocks`` setting.
+        num_blocks: the model's depth; None when unknown: a list is then checked for non-negative integers
+            only, and ``first``/``last`` (which need the depth) are refused.
+
+    Returns:
+        The indices.
+
+    Raises:
+        ValueError: naming the setting.
     """
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "none")):
         return []

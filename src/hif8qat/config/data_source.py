@@ -15,7 +15,17 @@ LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".tx
 
 
 def local_files(source: str) -> tuple[str, list[str]] | None:
-    """(builder, files) when ``source`` names local data files, else None."""
+    """(builder, files) when ``source`` names local data files, else None.
+
+    Args:
+        source: the ``data.source`` setting.
+
+    Returns:
+        ``(datasets builder, files)``, or None.
+
+    Raises:
+        ValueError: the path exists but holds no data file.
+    """
     p = Path(source).expanduser()
     if p.is_dir():
         files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in LOCAL_BUILDERS)
@@ -35,6 +45,17 @@ def local_files(source: str) -> tuple[str, list[str]] | None:
 
 
 def validate_source(source) -> str:
+    """The ``data.source`` setting, stripped, once it names a known source or existing local data.
+
+    Args:
+        source: the setting.
+
+    Returns:
+        The source.
+
+    Raises:
+        ValueError: naming the setting and what it allows.
+    """
     if not isinstance(source, (str, os.PathLike)) or not str(source).strip():
         raise ValueError(f"data.source must be 'mini', 'fineweb' or a local path, got {source!r}")
     source = str(source).strip()

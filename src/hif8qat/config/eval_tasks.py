@@ -52,7 +52,17 @@ SUITES: dict[str, tuple[str, ...]] = {
 
 
 def resolve_tasks(tasks: str | Iterable[str]) -> list[TaskSpec]:
-    """``"mini"``/``"paper"``/``"paper_full"``, a comma-separated string, or a list of task names."""
+    """The tasks an ``eval.tasks`` setting names.
+
+    Args:
+        tasks: ``"mini"``/``"paper"``/``"paper_full"``, a comma-separated string, or a list of task names.
+
+    Returns:
+        The tasks' specs.
+
+    Raises:
+        ValueError: an unknown task, or none.
+    """
     if isinstance(tasks, str):
         names = list(SUITES[tasks]) if tasks in SUITES else [t.strip() for t in tasks.split(",") if t.strip()]
     else:
@@ -80,7 +90,14 @@ def _read_task_yaml(path: Path) -> dict:
 
 def fewshot_pool(name: str) -> int | None:
     """How many few-shot examples a mini task can draw: the documents of its few-shot split (lm-eval's samplers
-    refuse more, after training). None for a paper task, whose pool is known only once its dataset loads."""
+    refuse more, after training). None for a paper task, whose pool is known only once its dataset loads.
+
+    Args:
+        name: the task's name.
+
+    Returns:
+        The number, or None.
+    """
     spec = TASKS.get(name)
     if spec is None or not spec.mini:
         return None

@@ -1,12 +1,8 @@
 """Typed, validated run configuration.
 
-`run.py` (the only Hydra-aware file) turns the composed DictConfig into a plain dict and calls
-`RunConfig.from_dict`, which checks every setting *before* any model or data is loaded and raises
-`ConfigError` naming the setting and its allowed values. `resolve_profile` then applies the profile:
-step-valued knobs written at paper scale (total steps, LR warmup, BF16 warmup, schedule switch points)
-are scaled by one factor, and "first k, last m" high-precision blocks are mapped to the model's depth.
-The resolved config is what each run saves and what the trainer reads.
-"""
+The command line (:mod:`hif8qat.cli`, where Hydra composes it) hands a plain dict to `RunConfig.from_dict`:
+every setting is checked *before* any model or data loads (`ConfigError` names the setting and its allowed
+values), then `resolve_profile` applies the profile. Runs save and train from the resolved config."""
 
 from __future__ import annotations
 
@@ -40,8 +36,7 @@ TINY_DEFAULT_DEPTH = 4
 
 
 class ConfigError(RunError, ValueError):
-    """An invalid setting; the message names the setting and what is allowed (a ValueError too, for callers
-    that validate values)."""
+    """An invalid setting; the message names it and what is allowed (a ValueError too, for value checks)."""
 
 
 def _fail(setting: str, value: Any, allowed: str) -> None:
@@ -63,7 +58,15 @@ def _check_positive(setting: str, value: Any, *, integer: bool = False, allow_ze
 
 
 def check_path_name(setting: str, value: Any) -> None:
-    """The path rule: ``value`` becomes one folder name under results_root, never a way out of it."""
+    """The path rule: ``value`` becomes one folder name under results_root, never a way out of it.
+
+    Args:
+        setting: the setting's dotted name.
+        value: its value.
+
+    Raises:
+        ConfigError: a value that is not one folder name.
+    """
     if not is_path_name(value):
         _fail(setting, value, PATH_NAME_RULE)
 
@@ -75,7 +78,14 @@ def _check_type(setting: str, annotation: str, value: Any) -> None:
 
 
 def setting_keys(cls) -> list[str]:
-    """The keys of config section `cls` as the YAML and the command line write them (``quant.history_len``)."""
+    """The keys of a config section as the YAML and the command line write them (``quant.history_len``).
+
+    Args:
+        cls: the section's dataclass.
+
+    Returns:
+        Its keys.
+    """
     return list(cls.setting_keys()) if hasattr(cls, "setting_keys") else [f.name for f in fields(cls)]
 
 
@@ -140,18 +150,37 @@ class QuantConfig:
 
     @classmethod
     def setting_keys(cls) -> list[str]:
+        """The section's keys as the YAML and the command line write them.
+
+        Returns:
+            The library config's user-facing fields, then the pipeline's.
+        """
         library = [f.name for f in fields(Hif8TrainingConfig) if f.name not in _NOT_USER_KEYS]
         return [*library, "enabled", "high_precision_blocks", "bf16_warmup_steps"]
 
     @classmethod
     def from_settings(cls, data: dict[str, Any]) -> QuantConfig:
-        """From the flat ``quant:`` section (a :class:`SettingError` naming the field for a bad setting)."""
+        """From the flat ``quant:`` section.
+
+        Args:
+            data: the section's settings.
+
+        Returns:
+            The config.
+
+        Raises:
+            SettingError: a bad library setting, naming the field, the value and what is allowed.
+        """
         own = {f.name for f in fields(cls)} - {"training"}
         library = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k not in own}
         return cls(**{k: v for k, v in data.items() if k in own}, training=Hif8TrainingConfig(**library))
 
     def to_dict(self) -> dict[str, Any]:
-        """The flat form, in the order the saved configs of earlier runs have it (delayed-scaling fields first)."""
+        """The flat form, in the order the saved configs of earlier runs have it (delayed-scaling fields first).
+
+        Returns:
+            Setting -> value.
+        """
         return {**self.training.scaling().to_dict(), "enabled": self.enabled, "scope": self.training.scope,
                 "high_precision_blocks": self.high_precision_blocks, "bf16_warmup_steps": self.bf16_warmup_steps}
 
@@ -250,6 +279,19 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, known_experiments: list[str] | None = None,
                   check_paths: bool = True) -> RunConfig:
+        """The validated configuration of a plain dict (a composed Hydra config, or a run's saved one).
+
+        Args:
+            data: section -> settings.
+            known_experiments: the experiment names a baseline may name (None: not checked).
+            check_paths: check that local paths (model, data, cache, resume folder, eval data) exist.
+
+        Returns:
+            The configuration.
+
+        Raises:
+            ConfigError: an unknown key or an invalid setting.
+        """
         top_level = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
@@ -264,12 +306,26 @@ class RunConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain values (the ``quant`` section flat).
+
+        Returns:
+            Section -> settings.
+        """
         d = dataclasses.asdict(self)
         d["quant"] = self.quant.to_dict()
         return d
 
     # ------------------------------------------------------------------ validation
     def validate(self, *, known_experiments: list[str] | None = None, check_paths: bool = True) -> None:
+        """Check every setting and the relations between them, before any compute.
+
+        Args:
+            known_experiments: the experiment names a baseline may name (None: not checked).
+            check_paths: check that local paths (model, data, cache, resume folder, eval data) exist.
+
+        Raises:
+            ConfigError: naming the first invalid setting and what is allowed.
+        """
         self._validate_booleans()
         self._validate_types()
         self._validate_upper_bounds()  # before the relations between settings, so a huge value is named itself
@@ -407,7 +463,8 @@ class RunConfig:
         _check_choice("eval.dtype", e.dtype, EVAL_DTYPES)
         known = f"task names {', '.join(TASKS)} or suites {', '.join(SUITES)}"
         if not e.tasks or isinstance(e.tasks, str):
-            _fail("eval.tasks", e.tasks, f"a non-empty list (eval.tasks=[mini], eval.tasks=[mmlu,hellaswag]) of {known}")
+            _fail("eval.tasks", e.tasks,
+                  f"a non-empty list (eval.tasks=[mini], eval.tasks=[mmlu,hellaswag]) of {known}")
         try:
             selected = {s.name: s for s in resolve_tasks(list(e.tasks))}
         except ValueError:
@@ -444,7 +501,11 @@ class RunConfig:
 
     # ------------------------------------------------------------------ derived values
     def model_depth(self) -> int | None:
-        """Number of transformer blocks, known without loading weights (None if it cannot be known)."""
+        """Number of transformer blocks, known without loading weights (None if it cannot be known).
+
+        Returns:
+            The number, or None.
+        """
         name = self.model.name
         if name == "tiny":
             return TINY_DEFAULT_DEPTH
@@ -459,12 +520,31 @@ class RunConfig:
         return None
 
     def high_precision_block_list(self) -> list[int]:
+        """The high-precision block indices for this model's depth.
+
+        Returns:
+            The sorted indices.
+
+        Raises:
+            ConfigError: a setting the depth rules out.
+        """
         try:
             return parse_high_precision_blocks(self.quant.high_precision_blocks, self.model_depth())
         except ValueError as err:
             raise ConfigError(f"{err} (model.name={self.model.name})") from None
 
     def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on ``world_size`` ranks.
+
+        Args:
+            world_size: the number of ranks.
+
+        Returns:
+            ``global_batch_size / (micro_batch_size * world_size)``.
+
+        Raises:
+            ConfigError: the global batch is not a multiple of that.
+        """
         per_step = self.train.micro_batch_size * world_size
         if self.train.global_batch_size % per_step:
             raise ConfigError(f"invalid setting train.global_batch_size={self.train.global_batch_size}: allowed a "
@@ -472,6 +552,11 @@ class RunConfig:
         return self.train.global_batch_size // per_step
 
     def step_factor(self) -> float:
+        """The profile's factor on step-valued settings (``profile.steps / train.steps``; 1 without one).
+
+        Returns:
+            The factor.
+        """
         if self.profile.steps is None:
             return 1.0
         return self.profile.steps / self.train.steps
@@ -498,9 +583,14 @@ def _scale_schedule(value: Any, factor: float) -> Any:
 
 
 def resolve_profile(cfg: RunConfig) -> RunConfig:
-    """Apply the profile: scale step-valued settings and expand high-precision blocks for the model depth.
+    """Apply the profile: step-valued settings scaled by one factor, high-precision blocks "first k, last m"
+    mapped to the model's depth. Idempotent: the result has profile.steps == train.steps.
 
-    Idempotent: the returned config has profile.steps == train.steps, so resolving again changes nothing.
+    Args:
+        cfg: the configuration.
+
+    Returns:
+        The resolved configuration.
     """
     factor = cfg.step_factor()
     out = dataclasses.replace(

@@ -17,6 +17,15 @@ MAX_SEED = 2**32 - 1
 
 
 def is_path_name(value: Any) -> bool:
+    """Whether ``value`` may name a folder of a run's path (a letter or digit first, then letters, digits and
+    ``_ . + = -``; at most 100 characters).
+
+    Args:
+        value: the setting's value.
+
+    Returns:
+        True when it may.
+    """
     return isinstance(value, str) and PATH_NAME.fullmatch(value) is not None
 
 
@@ -38,7 +47,15 @@ _TYPE_RULES: dict[str, tuple[Any, str]] = {
 
 
 def type_problem(annotation: str, value: Any) -> str | None:
-    """What a setting annotated ``annotation`` allows, when ``value`` is not of that type (else None)."""
+    """What a setting annotated ``annotation`` allows, when ``value`` is not of that type (else None).
+
+    Args:
+        annotation: the setting's annotation, as text.
+        value: its value.
+
+    Returns:
+        The problem, or None.
+    """
     optional = annotation.endswith(" | None")
     base = annotation[: -len(" | None")] if optional else annotation
     rule = _TYPE_RULES.get(base)
@@ -95,7 +112,14 @@ UPPER_BOUNDS: dict[str, tuple[int, str]] = {
 
 def upper_bound_problems(settings: dict[str, Any]) -> list[tuple[str, Any, str]]:
     """(setting, value, allowed) for each integer above its bound in UPPER_BOUNDS; ``settings`` maps each
-    dotted setting to its value (others, and values that are not integers, are checked elsewhere)."""
+    dotted setting to its value (others, and values that are not integers, are checked elsewhere).
+
+    Args:
+        settings: dotted setting -> value.
+
+    Returns:
+        ``(setting, value, allowed)`` per violation.
+    """
     out = []
     for key, (bound, unit) in UPPER_BOUNDS.items():
         setting, _, part = key.partition("{")

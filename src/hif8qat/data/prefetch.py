@@ -59,7 +59,11 @@ class PrefetchedStream:
 
     def close(self, rewind: bool = True) -> None:
         """Stop reading ahead; with ``rewind`` the stream is set back to its state after the last batch served
-        (the batches read ahead are dropped), as if it had never read ahead."""
+        (the batches read ahead are dropped), as if it had never read ahead.
+
+        Args:
+            rewind: set the stream back to the last batch served.
+        """
         if self._thread is None:
             return
         self._stop.set()
@@ -77,14 +81,33 @@ class PrefetchedStream:
         return self._served[1] if self._thread is not None and self._served else self._stream.epoch
 
     def state_dict(self) -> dict:
+        """The state after the last batch served (not after the batches read ahead).
+
+        Returns:
+            The wrapped stream's state.
+        """
         return self._served[0] if self._thread is not None and self._served else self._stream.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Stop reading ahead and resume the wrapped stream at ``state``.
+
+        Args:
+            state: a saved state.
+        """
         self.close()
         self._served = None
         self._stream.load_state_dict(state)
 
     def resize(self, states: list[dict]) -> str:
+        """Stop reading ahead and continue saved ranks' epoch on this world size (the wrapped stream's
+        ``resize``).
+
+        Args:
+            states: every saved rank's ``state_dict()``.
+
+        Returns:
+            A note for the log.
+        """
         self.close()
         self._served = None
         return self._stream.resize(states)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from hif8qat.data.corpus import _stream_is_heldout
+from hif8qat.data.corpus import stream_is_heldout
 from hif8qat.data.tokens import DataSourceError, _check_positive, _eos_id, pack_tokens, tokenize_documents
 from hif8qat.errors import concerning
 
@@ -87,12 +87,25 @@ class PackedTokenStream:
         return torch.from_numpy(self.windows[idx].astype(np.int64))
 
     def state_dict(self) -> dict:
+        """The stream's position and the settings it must be resumed with.
+
+        Returns:
+            ``{"kind", "epoch", "position", "base", "seed", ...}``; the same on every rank.
+        """
         return {"kind": self.kind, "epoch": self.epoch, "position": self.position * self.micro_batch_size,
                 "base": self.base, "seed": self.seed, "seq_len": self.seq_len,
                 "micro_batch_size": self.micro_batch_size, "world_size": self.world_size, "rank": self.rank,
                 "num_windows": self.num_windows, "source": self.source}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume where :meth:`state_dict` was taken.
+
+        Args:
+            state: a saved state of a stream with the same settings.
+
+        Raises:
+            ValueError: the state's settings differ from this stream's.
+        """
         _check_state(self, state, ("kind", "seed", "seq_len", "micro_batch_size", "world_size", "num_windows"))
         pos = int(state["position"])
         if pos % self.micro_batch_size:
@@ -105,7 +118,13 @@ class PackedTokenStream:
     def resize(self, states: list[dict]) -> str:
         """Continue the saved ranks' epoch on this world size: the saved ranks read a prefix of the epoch's
         permutation, so this world's ranks share out the rest of it, then epochs run as usual.
-        ``states``: every saved rank's ``state_dict()``. Returns a note for the log."""
+
+        Args:
+            states: every saved rank's ``state_dict()``.
+
+        Returns:
+            A note for the log.
+        """
         saved = states[0]
         _check_state(self, saved, ("kind", "seed", "seq_len", "micro_batch_size", "num_windows"))
         saved_world = int(saved["world_size"])
@@ -135,6 +154,15 @@ class StreamingTokenStream:
     ``make_dataset(epoch)`` returns this rank's (already node-split) ``datasets.IterableDataset`` of records
     with a ``text`` field. Held-out documents (``crc32(text) % 100 == 0``) are skipped. The epoch ends when
     the rank's part is exhausted (the partial window at the end is dropped).
+
+    Ranks: when the number of files (shards) divides by world_size, each rank reads whole files
+    (``datasets.distributed.split_dataset_by_node``). Otherwise the source is resharded into its parquet row
+    groups (``IterableDataset.reshard``) and rank ``r`` reads the ``r``-th of world_size contiguous blocks of
+    them (``IterableDataset.shard``): disjoint parts that differ by at most one row group, each read by one
+    rank only. A source with fewer shards than ranks that cannot be resharded (a single ``.jsonl``) falls back
+    to every world_size-th document, each rank reading the whole source; a warning says so. A rank that
+    reaches the end of its part starts it again in the same order (a new epoch; the trainer logs it) while the
+    others go on. Without the saved iterator state, a resume falls back to skipping ``position`` windows.
     """
 
     kind = "stream"
@@ -183,7 +211,7 @@ class StreamingTokenStream:
                     break
                 self.docs_read += 1
                 text = _text(rec)
-                if text and not _stream_is_heldout(text):
+                if text and not stream_is_heldout(text):
                     fp = _fingerprint(text)
                     if not (self._skip and fp in self._skip):
                         texts.append(text)
@@ -235,6 +263,11 @@ class StreamingTokenStream:
         return torch.from_numpy(batch.copy())
 
     def state_dict(self) -> dict:
+        """This rank's position, the ``datasets`` iterator state and the partly used token buffer.
+
+        Returns:
+            ``{"kind", "epoch", "position", ..., "ds_state", "buffer"}`` (per rank).
+        """
         state = {"kind": self.kind, "epoch": self.epoch, "position": self.position, "seed": self.seed,
                  "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
                  "world_size": self.world_size, "rank": self.rank, "source": self.source,
@@ -246,6 +279,14 @@ class StreamingTokenStream:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume where :meth:`state_dict` was taken (reopening the source at the saved iterator state).
+
+        Args:
+            state: a saved state of this rank's stream.
+
+        Raises:
+            ValueError: the state's settings differ from this stream's.
+        """
         _check_state(self, state, ("kind", "seq_len", "micro_batch_size", "world_size", "rank"))
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
@@ -270,11 +311,19 @@ class StreamingTokenStream:
             skip -= take
 
     def resize(self, states: list[dict]) -> str:
-        """Continue the saved ranks' epoch on this world size (docs/design.md): this rank starts its part of
-        the oldest epoch the saved ranks were in again and skips every document they had trained on in it (the
-        first ``docs_read`` of each saved rank's part, less those still whole in its token buffer; the whole
-        part of a rank already in the next epoch), recognised by a 64-bit fingerprint of its text. ``states``: every saved rank's ``state_dict()``.
-        Costs one read of those documents at each resume until the epoch ends. Returns a note for the log."""
+        """Continue the saved ranks' epoch on this world size (docs/design.md).
+
+        This rank starts its part of the oldest epoch the saved ranks were in again and skips every document
+        they had trained on in it (the first ``docs_read`` of each saved rank's part, less those still whole
+        in its token buffer; the whole part of a rank already in the next epoch), recognised by a 64-bit
+        fingerprint of its text. Costs one read of those documents at each resume until the epoch ends.
+
+        Args:
+            states: every saved rank's ``state_dict()``.
+
+        Returns:
+            A note for the log.
+        """
         for st in states:
             _check_state(self, st, ("kind", "seq_len", "micro_batch_size"))
             if "docs_read" not in st:

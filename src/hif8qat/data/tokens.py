@@ -16,7 +16,14 @@ _FORMAT_VERSION = 1
 
 
 def data_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """``cache_dir`` or ``$HIF8QAT_CACHE/data`` (default ``~/.cache/hif8qat/data``)."""
+    """``cache_dir`` or ``$HIF8QAT_CACHE/data`` (default ``~/.cache/hif8qat/data``).
+
+    Args:
+        cache_dir: an explicit folder, or None.
+
+    Returns:
+        The folder.
+    """
     if cache_dir:
         return Path(cache_dir).expanduser()
     env = os.environ.get("HIF8QAT_CACHE")
@@ -25,7 +32,14 @@ def data_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Stable hash of the tokenizer's vocabulary/rules and EOS id (keys the token caches)."""
+    """Stable hash of the tokenizer's vocabulary/rules and EOS id (keys the token caches).
+
+    Args:
+        tokenizer: a tokenizer.
+
+    Returns:
+        A hex digest.
+    """
     h = hashlib.sha1()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
@@ -52,7 +66,15 @@ def _eos_id(tokenizer) -> int:
 
 
 def tokenize_documents(texts: list[str], tokenizer) -> list[np.ndarray]:
-    """Token ids of each text (no special tokens) followed by EOS, as int64 arrays."""
+    """Token ids of each text (no special tokens) followed by EOS, as int64 arrays.
+
+    Args:
+        texts: the documents.
+        tokenizer: a tokenizer.
+
+    Returns:
+        One array per text.
+    """
     if not texts:
         return []
     eos = _eos_id(tokenizer)
@@ -65,7 +87,15 @@ def tokenize_documents(texts: list[str], tokenizer) -> list[np.ndarray]:
 
 
 def pack_tokens(tokens: np.ndarray, seq_len: int) -> np.ndarray:
-    """View of ``tokens`` as ``[n, seq_len + 1]`` non-overlapping windows (tail dropped)."""
+    """View of ``tokens`` as ``[n, seq_len + 1]`` non-overlapping windows (tail dropped).
+
+    Args:
+        tokens: a 1-d token array.
+        seq_len: tokens per input.
+
+    Returns:
+        ``[n, seq_len + 1]`` windows.
+    """
     width = seq_len + 1
     n = len(tokens) // width
     return tokens[: n * width].reshape(n, width)

@@ -1,7 +1,7 @@
 """Evaluation: lm-eval in process, in two modes (``bf16``: the saved weights; ``hif8``: W8A8 simulated inference in
 the run's 8-bit format with the scales of training frozen), and the held-out token distances against a baseline.
 
-``runner`` (the whole story: modes, device and numerics, cost, tasks, outputs), ``loading`` (an export back
+``runner`` (a model, an export or a run evaluated into its eval folder), ``loading`` (an export back
 into a model, quantized or not), ``prefix_lm`` (each context forwarded once), ``ranks`` (requests shared over
 ranks), ``task_data``, ``offline_benchmarks`` and ``minitasks/`` (the tasks' data), ``outputs``, ``settings``,
 ``subsets``, ``heldout`` (per-token NLL, KL, top-1 against the baseline), ``cli``. The package itself holds no

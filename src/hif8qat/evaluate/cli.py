@@ -25,6 +25,13 @@ def _whole_number(text: str) -> bool:
 
 
 def main(argv=None) -> int:
+    """``python -m hif8qat.evaluate``: lm-eval evaluation of a model, an export folder or a run folder.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status: 2 for a bad setting or missing input."""
     ap = argparse.ArgumentParser(description="lm-eval evaluation of a model, an export folder or a run")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", type=Path, help="a run folder: evaluates export/ into eval/<mode>/")
@@ -42,8 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", default=None, help="the first N docs per task, N a whole number >= 1 (smoke runs)")
     ap.add_argument("--batch-size", type=int, default=None, help="default 16 (or the eval config's)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES,
-                    help="auto (bf16 on CUDA, none on CPU) | bf16 (FP32 weights, bf16 autocast) | bf16_emulated | none (FP32; "
-                         "fp32 is read as none)")
+                    help="auto (bf16 on CUDA, none on CPU) | bf16 (FP32 weights, bf16 autocast) | bf16_emulated | "
+                         "none (FP32; fp32 is read as none)")
     ap.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
     ap.add_argument("--fewshot", action="append", default=[], metavar="TASK=K")
     ap.add_argument("--local-dataset", action="append", default=[], metavar="HUBID_OR_TASK=DIR")
@@ -51,7 +58,8 @@ def main(argv=None) -> int:
                     help="a fixed seeded subset of N documents of TASK (stratified by subtask)")
     ap.add_argument("--subset-seed", type=int, default=None, help="default 0 (or the eval config's)")
     ap.add_argument("--offline-data", action="store_true",
-                    help="paper tasks on the offline benchmark copies (python -m hif8qat.evaluate.offline_benchmarks --install)")
+                    help="paper tasks on the offline benchmark copies "
+                         "(python -m hif8qat.evaluate.offline_benchmarks --install)")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the modeling code a model ships beside its weights (config.json auto_map, as an "
                          "openPangu export has); without it such a model is refused")
@@ -77,7 +85,8 @@ def main(argv=None) -> int:
                            **{k: int(v) for k, v in (x.split("=", 1) for x in args.fewshot)}},
               local_datasets={**(base.get("local_datasets") or {}),
                               **dict(x.split("=", 1) for x in args.local_dataset)},
-              subset=subset or None, subset_seed=args.subset_seed if args.subset_seed is not None else base.get("subset_seed", 0),
+              subset=subset or None,
+              subset_seed=args.subset_seed if args.subset_seed is not None else base.get("subset_seed", 0),
               offline_data=args.offline_data or bool(base.get("offline_data", False)))
     tasks = args.tasks or ",".join(base.get("tasks") or []) or "mini"
     args.tasks = tasks

@@ -2,28 +2,11 @@
 
 Accuracy on a few hundred benchmark items cannot resolve the paper's 0.2-0.6 % effects; quantization studies
 report distances on text beside it (flips and KL, Dutta et al. 2024; llama.cpp's mean / p99 KL and top-1
-agreement). This module computes them on a fixed held-out token set:
+agreement). This module computes them on a fixed held-out token set (:func:`heldout_windows`), for the run's
+BF16 baseline against each evaluation mode of the run and for its quantized mode against its bf16 one, and writes
+them to ``<run>/eval/heldout/`` (:func:`compute_heldout`); :mod:`hif8qat.stats.heldout` holds the statistics.
 
-tokens   The first :func:`heldout_window_count` windows of the corpus' held-out split
-         (:func:`hif8qat.data.loader.build_eval_windows`, never trained on) at the profile's ``train.seq_len``: the
-         same tokens for every run of a profile (their sha256 is recorded). Mini: 32 windows x 128 tokens.
-models   ``baseline``: the run's BF16 baseline export (found by :func:`hif8qat.runs.folders.find_baseline_run`),
-         unquantized; ``bf16`` / ``hif8``: the run's export in the evaluation modes of
-         :func:`hif8qat.evaluate.load_for_eval` (hif8: frozen final scales). All run under the evaluation's
-         numerics (``eval.device`` / ``eval.dtype`` resolved as the eval stage does).
-pairs    ``<mode>_vs_baseline`` for each mode of the run, and ``hif8_vs_bf16`` (the cost of quantized
-         inference alone). Per token: both NLLs of the actual next token, KL(P_reference || P_other) and
-         whether the two top-1 tokens agree. Models are forwarded batch by batch of windows and only these
-         per-token values are kept, never the logits.
-
-Outputs in ``<run>/eval/heldout/``: ``tokens.csv.gz`` (one row per predicted token: window, position, target
-id, ``nll_<model>``, ``kl_<pair>``, ``top1_<pair>``; float32 values) and ``summary.json`` (per pair the
-statistics of :func:`hif8qat.stats.heldout.comparison_summary`, computed from the file as written, so every
-number can be recomputed from it; the windows, numerics, the baseline run paired with, config and provenance).
-A baseline without an export (committed reference runs keep none) is skipped and said so in the summary.
-
-    python -m hif8qat.evaluate.heldout --run results/runs/mini/exp8/seed0 [--baseline results/runs/mini/exp7/seed0]
-"""
+    python -m hif8qat.evaluate.heldout --run results/runs/mini/exp8/seed0 [--baseline results/runs/mini/exp7/seed0]"""
 
 from __future__ import annotations
 
@@ -67,35 +50,84 @@ class HeldoutError(RunError):
 
 
 def heldout_window_count(seq_len: int) -> int:
-    """Windows of ``seq_len`` predicted tokens in the held-out set: TARGET_TOKENS tokens, MIN_WINDOWS at least."""
+    """Windows of ``seq_len`` predicted tokens in the held-out set: TARGET_TOKENS tokens, MIN_WINDOWS at least.
+
+    Args:
+        seq_len: predicted tokens per window.
+
+    Returns:
+        The count.
+
+    Raises:
+        ValueError: seq_len is not positive."""
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     return max(MIN_WINDOWS, -(-TARGET_TOKENS // int(seq_len)))
 
 
 def heldout_windows(source: str, tokenizer, seq_len: int, cache_dir=None) -> torch.Tensor:
-    """The fixed held-out token set of a profile: ``LongTensor[n, seq_len + 1]``."""
+    """The fixed held-out token set of a profile: the first :func:`heldout_window_count` windows of the corpus'
+    held-out split (:func:`hif8qat.data.loader.build_eval_windows`, never trained on), the same tokens for every run
+    of a profile. Mini: 32 windows x 128 tokens.
+
+    Args:
+        source: data.source.
+        tokenizer: the model's tokenizer.
+        seq_len: the profile's train.seq_len.
+        cache_dir: data.cache_dir.
+
+    Returns:
+        ``LongTensor[n, seq_len + 1]``."""
 
     return build_eval_windows(source, tokenizer, seq_len=seq_len, num_windows=heldout_window_count(seq_len),
                               cache_dir=cache_dir)
 
 
 def windows_sha256(windows: torch.Tensor) -> str:
+    """The sha256 of the windows' token ids (as int64), recorded so runs can be shown to share them.
+
+    Args:
+        windows: the token windows.
+
+    Returns:
+        The hex digest."""
     return hashlib.sha256(np.ascontiguousarray(windows.cpu().numpy().astype(np.int64)).tobytes()).hexdigest()
 
 
 def pair_name(reference: str, other: str) -> str:
+    """A comparison's name: ``<other>_vs_<reference>``.
+
+    Args:
+        reference: the reference model's name.
+        other: the other's.
+
+    Returns:
+        The name."""
     return f"{other}_vs_{reference}"
 
 
 def token_nll(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """-log p(target) per position from log-probabilities ``[..., V]``."""
+    """-log p(target) per position.
+
+    Args:
+        logp: log-probabilities ``[..., V]``.
+        targets: token ids ``[...]``.
+
+    Returns:
+        The NLLs ``[...]``."""
     return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def kl_and_top1(logp_ref: torch.Tensor, logp_other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(P_ref || P_other) per position (nats; summed in float64 so a tiny divergence is not lost to rounding)
-    and whether the most likely next tokens agree."""
+    and whether the most likely next tokens agree.
+
+    Args:
+        logp_ref: the reference's log-probabilities ``[..., V]``.
+        logp_other: the other's.
+
+    Returns:
+        ``(KL [...] float64, agreement [...] bool)``."""
     kl = (logp_ref.exp() * (logp_ref - logp_other)).double().sum(-1)
     return kl, logp_ref.argmax(-1) == logp_other.argmax(-1)
 
@@ -104,9 +136,21 @@ def kl_and_top1(logp_ref: torch.Tensor, logp_other: torch.Tensor) -> tuple[torch
 def stream_token_stats(models: Mapping[str, torch.nn.Module], pairs: Sequence[tuple[str, str]],
                        windows: torch.Tensor, *, numerics: str = "none", device: str = "cpu",
                        batch_windows: int = BATCH_WINDOWS) -> dict[str, np.ndarray]:
-    """Per predicted token of ``windows`` (``[n, L + 1]``; inputs ``[:, :-1]``, targets ``[:, 1:]``): its window,
-    position and target, each model's NLL (``nll_<name>``) and per pair ``(reference, other)`` the KL and top-1
-    agreement (``kl_<pair>``, ``top1_<pair>``; :func:`pair_name`). Window-major order; float32 columns."""
+    """Per predicted token of ``windows``: its window, position and target, each model's NLL and per pair the KL
+    and top-1 agreement. Models are forwarded batch by batch of windows and only these per-token values are kept,
+    never the logits.
+
+    Args:
+        models: name -> model.
+        pairs: (reference, other) model names.
+        windows: ``[n, L + 1]`` token ids (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+        numerics: the evaluation's autocast (``none``, ``bf16``, ``bf16_emulated``).
+        device: where to forward.
+        batch_windows: windows per forward.
+
+    Returns:
+        Columns ``window``, ``pos``, ``target``, ``nll_<name>``, ``kl_<pair>``, ``top1_<pair>`` (:func:`pair_name`),
+        window-major, float32 values."""
 
     device_type = torch.device(device).type
     cols: dict[str, list[np.ndarray]] = {"window": [], "pos": [], "target": []}
@@ -135,7 +179,12 @@ def stream_token_stats(models: Mapping[str, torch.nn.Module], pairs: Sequence[tu
 
 # ------------------------------------------------------------------------------------------------ files
 def write_tokens(path: Path, columns: Mapping[str, np.ndarray]) -> None:
-    """The per-token columns as gzipped CSV (float32 values printed with 9 significant digits: exact)."""
+    """The per-token columns as gzipped CSV (float32 values printed with 9 significant digits: exact); the same
+    values give the same bytes.
+
+    Args:
+        path: the file.
+        columns: the columns of :func:`stream_token_stats`."""
     import pandas as pd
 
     df = pd.DataFrame({k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in columns.items()})
@@ -145,7 +194,13 @@ def write_tokens(path: Path, columns: Mapping[str, np.ndarray]) -> None:
 
 
 def read_tokens(path: Path):
-    """The per-token table of :func:`write_tokens` (float columns as float32, as computed)."""
+    """The per-token table of :func:`write_tokens` (float columns as float32, as computed).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The table."""
     import pandas as pd
 
     df = pd.read_csv(path)
@@ -156,7 +211,15 @@ def read_tokens(path: Path):
 
 
 def summarize_tokens(df, pairs: Sequence[tuple[str, str]], tokens_per_window: int) -> dict[str, dict]:
-    """Per pair the statistics of :func:`hif8qat.stats.heldout.comparison_summary` from the token table."""
+    """Per pair the statistics of :func:`hif8qat.stats.heldout.comparison_summary` from the token table.
+
+    Args:
+        df: the token table.
+        pairs: (reference, other) model names.
+        tokens_per_window: tokens per window (the block size).
+
+    Returns:
+        Pair name -> ``{reference, other, kl, summary}``."""
 
     out = {}
     for ref, other in pairs:
@@ -196,9 +259,19 @@ def plan(run_dir: Path, *, baseline: Path | None | bool = None, modes: Sequence[
          results_root: Path | None = None) -> dict[str, Any]:
     """What a held-out comparison of ``run_dir`` would load and pair, and why a part is skipped.
 
-    baseline: a run folder, None (find it), or False (no baseline comparison). modes: the run's modes to
-    compare (default: bf16, and hif8 when the export is quantized). Returns {"models": {name: (export, mode)},
-    "pairs": [(reference, other)], "baseline_run": folder or None, "baseline_skipped": why or None}."""
+    Args:
+        run_dir: the run folder (its export/ is compared).
+        baseline: a run folder, None (find it with :func:`hif8qat.runs.folders.find_baseline_run`), or False (no
+            baseline comparison).
+        modes: the run's modes to compare (default: bf16, and hif8 when the export is quantized).
+        results_root: the folder that holds the runs (default: three folders above the run).
+
+    Returns:
+        ``{models: {name: (export, mode)}, pairs: [(reference, other)], baseline_run, baseline_skipped, config,
+        results_root}``.
+
+    Raises:
+        HeldoutError: the run has no export."""
 
     run_dir = Path(run_dir)
     if not has_export(run_dir):
@@ -232,8 +305,32 @@ def plan(run_dir: Path, *, baseline: Path | None | bool = None, modes: Sequence[
 def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes: Sequence[str] | None = None,
                     results_root: Path | None = None, device: str | None = None, dtype: str | None = None,
                     batch_windows: int = BATCH_WINDOWS) -> dict[str, Any]:
-    """Compute and write ``<run>/eval/heldout/`` (module doc); returns the summary. device / dtype: the
-    evaluation numerics (default: the run's eval.device / eval.dtype resolved as the eval stage does)."""
+    """Compute and write ``<run>/eval/heldout/``.
+
+    Models: ``baseline`` (the run's BF16 baseline export, unquantized) and the run's export in its evaluation modes
+    (:func:`hif8qat.evaluate.loading.load_for_eval`; hif8: frozen final scales), all under the evaluation's numerics.
+    Pairs: ``<mode>_vs_baseline`` for each mode, and ``hif8_vs_bf16`` (the cost of quantized inference alone).
+    Writes ``tokens.csv.gz`` (one row per predicted token: window, position, target id, ``nll_<model>``,
+    ``kl_<pair>``, ``top1_<pair>``) and ``summary.json`` (per pair the statistics of
+    :func:`hif8qat.stats.heldout.comparison_summary`, computed from the file as written; the windows and their
+    sha256, numerics, the baseline run paired with, config and provenance). A baseline without an export
+    (committed reference runs keep none) is skipped and said so in the summary.
+
+    Args:
+        run_dir: the run folder (its export/ is compared).
+        baseline: a run folder, None (find it with :func:`hif8qat.runs.folders.find_baseline_run`), or False (no
+            baseline comparison).
+        modes: the run's modes to compare (default: bf16, and hif8 when the export is quantized).
+        results_root: the folder that holds the runs (default: three folders above the run).
+        device: the evaluation device (default: the run's eval.device resolved as the eval stage does).
+        dtype: the evaluation dtype (default: the run's eval.dtype, likewise).
+        batch_windows: windows per forward.
+
+    Returns:
+        The summary.
+
+    Raises:
+        HeldoutError: the run has no export."""
 
     t0 = time.time()
     run_dir = Path(run_dir)
@@ -295,7 +392,16 @@ def after_eval(cfg, run_dir: Path, *, device: str, dtype: str) -> dict | None:
     """The eval stage's hook: a quantized run's held-out comparison, once (force=true redoes it). A baseline
     without an export, or none at all, is written down in the summary and skipped; never fails the run for it.
     Redone when it lacks a mode now evaluated, or a baseline that has an export since; a redo keeps the modes
-    compared before, so evaluating one mode later never drops another's comparison."""
+    compared before, so evaluating one mode later never drops another's comparison.
+
+    Args:
+        cfg: the run's config.
+        run_dir: the run folder.
+        device: the evaluation's device.
+        dtype: its autocast.
+
+    Returns:
+        The summary, or None for a run without quantization or a comparison already done."""
     if not cfg.quant.enabled:
         return None
     try:
@@ -321,6 +427,13 @@ def after_eval(cfg, run_dir: Path, *, device: str, dtype: str) -> dict | None:
 
 # ------------------------------------------------------------------------------------------------- CLI
 def format_summary(doc: Mapping[str, Any]) -> str:
+    """A summary for the console: the windows, then per pair NLL difference, KL and top-1 agreement.
+
+    Args:
+        doc: the summary.
+
+    Returns:
+        The text."""
     lines = [f"held-out tokens of {doc.get('run_dir')}: baseline {doc.get('baseline_run') or '-'}"
              + (f" (skipped: {doc['baseline_skipped']})" if doc.get("baseline_skipped") else "")]
     w = doc.get("windows")
@@ -341,6 +454,13 @@ def format_summary(doc: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hif8qat.evaluate.heldout --run DIR [--baseline DIR | --no-baseline] [--modes M,...]``.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status: 2 for a user's error."""
     ap = argparse.ArgumentParser(prog="python -m hif8qat.evaluate.heldout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=Path, required=True, help="the run folder (its export/ is compared)")
     g = ap.add_mutually_exclusive_group()

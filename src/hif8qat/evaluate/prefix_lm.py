@@ -1,41 +1,13 @@
 """lm-eval's HF model, with each multiple-choice context forwarded once for all of its continuations.
 
-lm-eval's :class:`~lm_eval.models.huggingface.HFLM` forwards ``context + continuation[:-1]`` once per
-request and shares work only between one-token continuations of one context. A multiple-choice item
-(HellaSwag endings, ARC answers, MMLU cloze answers: several tokens each) thus pays for its shared
-context once per choice. :class:`SharedContextLM` scores the same requests, tokenized exactly as HFLM
-tokenizes them (``context_enc`` and ``continuation_enc`` from lm-eval's ``_encode_pair``), as follows:
-
-* requests are grouped by identical context tokens;
-* a group's context is forwarded once with the KV cache on; the logits of its last token score every
-  continuation's first token;
-* the context's cache row is then copied for each of its continuations and ``continuation[:-1]`` is
-  forwarded from the cached prefix (padding of the batched prefixes masked out, positions continued),
-  scoring the remaining tokens;
-* a request whose context is shared with no other is forwarded whole (``context + continuation[:-1]``),
-  batched with the contexts, as HFLM forwards every request;
-* contexts (and, per batch of contexts, continuations) are sorted by length and cut into batches of at
-  most ``batch_size`` rows in which no row is shorter than ``min_fill`` (0.8) of the longest, so padding
-  stays small; only the scored positions go through the output layer (the model's trunk runs, then its
-  output layer on the scored rows alone: public API that every supported transformers version has);
-* requests that HFLM would truncate to ``max_length`` (and every request when ``batch_size="auto"``)
-  go through HFLM's own path unchanged.
-
-Outputs are HFLM's: ``(sum of the continuation's log-probabilities, whether every continuation token is
-the argmax)``, in the order of the requests. The numbers agree with HFLM's up to float rounding (the
-matmuls have other shapes; see ``tests/evaluate/test_prefix_lm.py`` for the tolerance).
-
-Numerics: every model call (the shared-context path, HFLM's own path, generation) runs inside
-``numerics()``, the zero-argument context-manager factory given at construction: that is the one place
-where the evaluation's compute numerics (e.g. bf16 autocast) are applied.
-
-Ranks: with ``ranks`` (under torchrun) every rank runs lm-eval whole and scores only its share of each call's
-context groups; the answers are all-gathered (:mod:`hif8qat.evaluate.ranks`).
-
-Token counts (this rank's share under ``ranks``): :attr:`SharedContextLM.token_counts` accumulates, over every ``loglikelihood`` call, the
-tokens HFLM would forward (``per_request``: the sum of each request's input length) and the tokens this
-model forwards (``forwarded``: real tokens, padding excluded; ``forwarded_padded``: positions including
-padding; ``forward_calls``: model calls of the shared-context path).
+lm-eval's :class:`~lm_eval.models.huggingface.HFLM` forwards ``context + continuation[:-1]`` once per request
+and shares work only between one-token continuations of one context, so a multiple-choice item (HellaSwag
+endings, ARC answers, MMLU cloze answers: several tokens each) pays for its shared context once per choice.
+:class:`SharedContextLM` scores the same requests, tokenized exactly as HFLM tokenizes them, forwarding each
+distinct context once and every continuation from its cached prefix. Its outputs are HFLM's (the sum of the
+continuation's log-probabilities, whether every token is the argmax), in request order, equal up to float
+rounding (``tests/evaluate/test_prefix_lm.py`` gives the tolerance). Under torchrun every rank scores its share of
+the context groups (:mod:`hif8qat.evaluate.ranks`).
 """
 
 from __future__ import annotations
@@ -56,12 +28,38 @@ Request = tuple[Any, list[int], list[int]]  # (cache key or None, context_enc, c
 
 
 class SharedContextLM(HFLM):
-    """:class:`HFLM` whose ``_loglikelihood_tokens`` forwards each distinct context once (module doc).
+    """:class:`HFLM` whose ``_loglikelihood_tokens`` forwards each distinct context once:
 
-    ``numerics``: a zero-argument callable returning the context manager every forward runs under
-    (default: HFLM's ``mixed_precision_dtype`` autocast, or none). ``ranks``: evaluate data-parallel over
-    these ranks (:mod:`hif8qat.evaluate.ranks`; every rank runs lm-eval whole and makes the same calls, each
-    scores its share of each call's context groups, all get every answer). Other arguments are HFLM's.
+    * requests are grouped by identical context tokens (``context_enc`` and ``continuation_enc`` from lm-eval's
+      ``_encode_pair``);
+    * a group's context is forwarded once with the KV cache on; the logits of its last token score every
+      continuation's first token;
+    * the context's cache row is then copied for each of its continuations and ``continuation[:-1]`` is
+      forwarded from the cached prefix (padding of the batched prefixes masked out, positions continued),
+      scoring the remaining tokens;
+    * a request whose context is shared with no other is forwarded whole (``context + continuation[:-1]``),
+      batched with the contexts, as HFLM forwards every request;
+    * contexts (and, per batch of contexts, continuations) are sorted by length and cut into batches of at
+      most ``batch_size`` rows in which no row is shorter than ``min_fill`` (0.8) of the longest, so padding
+      stays small; only the scored positions go through the output layer (the model's trunk runs, then its
+      output layer on the scored rows alone: public API that every supported transformers version has);
+    * requests that HFLM would truncate to ``max_length`` (and every request when ``batch_size="auto"``)
+      go through HFLM's own path unchanged.
+
+    Every model call (the shared-context path, HFLM's own path, generation) runs inside ``numerics()``: the one
+    place where the evaluation's compute numerics (e.g. bf16 autocast) are applied. ``token_counts`` accumulates,
+    over every ``loglikelihood`` call and for this rank's share under ``ranks``, the tokens HFLM would forward
+    (``per_request``: the sum of each request's input length) and the tokens this model forwards (``forwarded``:
+    real tokens, padding excluded; ``forwarded_padded``: positions including padding; ``forward_calls``: model
+    calls of the shared-context path).
+
+    Args:
+        *args: HFLM's.
+        numerics: a zero-argument callable returning the context manager every forward runs under (default:
+            HFLM's ``mixed_precision_dtype`` autocast, or none).
+        ranks: evaluate data-parallel over these ranks (every rank runs lm-eval whole and makes the same calls,
+            each scores its share of each call's context groups, all get every answer).
+        **kwargs: HFLM's.
     """
 
     def __init__(self, *args, numerics: Callable[[], contextlib.AbstractContextManager] | None = None,

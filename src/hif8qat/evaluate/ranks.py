@@ -1,16 +1,11 @@
 """Data-parallel evaluation: lm-eval's requests shared out over the torchrun ranks, the answers gathered.
 
 lm-eval runs whole on every rank: the same tasks, documents and requests in the same order (the model tells
-lm-eval it is rank 0 of 1, so lm-eval splits nothing itself, pads nothing and post-processes the complete
-answer list exactly as a single process does). Only the model calls are divided: each call's requests are
-grouped by their context tokens, the groups are dealt to the ranks (largest first, each to the rank with the
-fewest tokens so far; ties to the lower rank), every rank scores its groups, and the answers are all-gathered
-back into request order. A context's continuations stay on one rank, so the shared-context saving of
-:class:`hif8qat.evaluate.prefix_lm.SharedContextLM` is kept. Rank 0 alone writes the result files.
-
-The split is a pure function of the requests and the world size, so every rank computes the same one without
-communicating; it works over any process group that can all-gather Python objects (gloo on CPU, NCCL).
-"""
+lm-eval it is rank 0 of 1, so lm-eval splits and pads nothing and post-processes the complete answer list as a
+single process does). Only the model calls are divided: each call's context groups are dealt to the ranks
+(:func:`deal`), every rank scores its groups and the answers are all-gathered back into request order. A
+context's continuations stay on one rank, so the saving of :class:`hif8qat.evaluate.prefix_lm.SharedContextLM`
+is kept. Rank 0 alone writes the result files."""
 
 from __future__ import annotations
 
@@ -33,7 +28,10 @@ class Ranks:
 
     @classmethod
     def current(cls) -> Ranks | None:
-        """The initialised torch.distributed group, or None (single process: nothing to share)."""
+        """The initialised torch.distributed group, or None (single process: nothing to share).
+
+        Returns:
+            The initialised torch.distributed group of two ranks or more, or None (single process: nothing to share)."""
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
@@ -41,6 +39,13 @@ class Ranks:
 
     def all_gather(self, obj: Any) -> list[Any]:
 
+        """Every rank's ``obj``, in rank order.
+
+        Args:
+            obj: a picklable object.
+
+        Returns:
+            One object per rank."""
         return all_gather_objects(obj, self.world_size)
 
 
@@ -48,8 +53,16 @@ def deal(keys: Sequence[Hashable], costs: Sequence[int], world_size: int) -> lis
     """Indices of ``keys`` per rank: equal keys together, balanced by the summed cost of their groups.
 
     Groups are taken largest first (then in order of first appearance) and each goes to the rank with the
-    smallest total so far (ties: lowest rank): the classic longest-processing-time rule, deterministic.
-    """
+    smallest total so far (ties: lowest rank): the classic longest-processing-time rule, a pure function of its
+    arguments, so every rank computes the same split without communicating.
+
+    Args:
+        keys: per request, its group key (its context tokens).
+        costs: per request, its tokens.
+        world_size: ranks.
+
+    Returns:
+        Per rank, its request indices, sorted."""
     groups: dict[Hashable, list[int]] = {}
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
@@ -64,7 +77,19 @@ def deal(keys: Sequence[Hashable], costs: Sequence[int], world_size: int) -> lis
 
 
 def gather_answers(ranks: Ranks, n: int, mine: Sequence[int], answers: Sequence[Any]) -> list[Any]:
-    """Every rank's answers, all-gathered into the order of the ``n`` requests they came from."""
+    """Every rank's answers, all-gathered into the order of the ``n`` requests they came from.
+
+    Args:
+        ranks: the ranks.
+        n: requests in the call.
+        mine: this rank's request indices.
+        answers: its answers, in that order.
+
+    Returns:
+        The ``n`` answers in request order.
+
+    Raises:
+        RuntimeError: the ranks disagree on the requests (not every request was answered once)."""
     out: list[Any] = [None] * n
     filled = 0
     for indices, values in ranks.all_gather((list(mine), list(answers))):
@@ -77,6 +102,13 @@ def gather_answers(ranks: Ranks, n: int, mine: Sequence[int], answers: Sequence[
 
 
 def summed(ranks: Ranks | None, counts: dict[str, int]) -> tuple[dict[str, int], list[dict[str, int]]]:
-    """(the counters summed over the ranks, each rank's own), e.g. the tokens each rank forwarded."""
+    """Counters summed over the ranks, e.g. the tokens each rank forwarded.
+
+    Args:
+        ranks: the ranks (None: one process).
+        counts: this rank's counters.
+
+    Returns:
+        ``(the counters summed over the ranks, each rank's own)``."""
     per_rank = ranks.all_gather(dict(counts)) if ranks is not None else [dict(counts)]
     return {k: sum(c.get(k, 0) for c in per_rank) for k in counts}, per_rank

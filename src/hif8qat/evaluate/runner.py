@@ -1,80 +1,12 @@
 """The lm-eval runner: an in-memory model, an export folder or a run folder evaluated into its eval folder.
 
-Evaluation with lm-eval, in process, in two modes.
-
-Modes
------
-``bf16``  the saved weights without quantization, as the authors evaluated (their vLLM run used BF16).
-``hif8``  W8A8 simulated inference in the run's 8-bit format: the plain model is re-converted from
-          ``hif8qat_quant.json`` by :func:`hif8qat.quant.linear.load_quant_export`, which restores the scalers'
-          final state, and the scales are frozen (:func:`hif8qat.quant.linear.freeze_scales`): every quantized
-          linear uses the last scales of training, with no history update during evaluation. The mode keeps
-          its name for every format: an FP8 run (``quant.format`` e4m3 / e5m2 / hybrid) is evaluated in FP8
-          (exports written before FP8 are HiF8). A run whose final algorithm is ``current`` keeps
-          just-in-time scaling: each tensor is scaled from its own amax, as in training. ``results.json``
-          records what ran under ``_meta.quant`` (format, element format per role, algo, scales).
-
-Device and numerics
--------------------
-Weights are always loaded in FP32, the trainer's master weights. ``dtype="bf16"`` runs the forward under
-bf16 autocast, exactly as a ``train.autocast=bf16`` training step: in ``hif8`` mode the FP32 weight is
-quantized and the matmul runs in bf16 (casting the weights to bf16 first would round them twice before
-quantization). ``dtype="none"`` (``"fp32"``, its old name): no autocast. :func:`resolve_numerics` turns ``auto`` into the training
-device and numerics (run.py's ``eval.device`` / ``eval.dtype``); without a training config, ``auto`` is
-CUDA when available and bf16 there, none (FP32) on CPU. ``results.json`` records ``device``, ``dtype`` (of the
-weights) and ``autocast`` (the matmul dtype, or null). The numerics are applied in one place, around each
-model forward of :class:`hif8qat.evaluate.prefix_lm.SharedContextLM` (:func:`hif8qat.compute_dtype.forward_context`).
-
-Cost
-----
-lm-eval's HF model runs each request (context + continuation) as its own forward pass, so a
-multiple-choice item pays for its context once per choice. The evaluation runs
-:class:`hif8qat.evaluate.prefix_lm.SharedContextLM` instead: each distinct context is forwarded once and its
-continuations are scored from the cached prefix (the same log-likelihoods up to float rounding, tested
-against lm-eval's model). ``results.json`` ``_meta.eval_tokens`` records the tokens lm-eval's model
-would forward (``per_request``) and those forwarded (``forwarded``; ``forwarded_padded`` with padding),
-and both are printed per evaluation.
-
-Tasks
------
-Mini tasks (offline, generated from the fact tables in ``minitasks/``; registered with lm-eval's
-``TaskManager(include_path=minitasks/)``): ``mini_mmlu`` (MMLU questions, cloze formulation, 1-shot, acc),
-``mini_hellaswag`` (1-shot, acc_norm), ``mini_arc`` (1-shot, acc_norm); ``mini_mmlu_letters`` (MMLU's
-lettered A-D format, 5-shot, acc) is registered but not in the ``mini`` suite: SmolLM2-135M scores at
-chance on lettered options. Shot counts are small because every item's shots + question are forwarded
-once on CPU (see ``minitasks/README.md`` for the token counts). Paper tasks (lm-eval's own configs): ``mmlu`` 5-shot acc,
-``hellaswag`` 10-shot acc_norm, ``arc_challenge`` 25-shot acc_norm, optional ``arc_easy`` 25-shot acc_norm
-and ``gsm8k`` 5-shot exact_match (flexible-extract); ``mmlu_continuation`` (MMLU's cloze form, acc) for small
-models. The mini profile runs the real ones 0-shot on the offline copies of :mod:`hif8qat.evaluate.offline_benchmarks`
-(``offline_data``) and on fixed seeded subsets (``subset``; :func:`subset_indices`), selected through
-lm-eval's own ``samples`` argument so that per-sample doc ids are the documents' indices in the full split.
-
-Datasets for the paper tasks without internet
----------------------------------------------
-Put a copy of each hub dataset repository on disk (on a machine with access:
-``huggingface-cli download cais/mmlu --repo-type dataset --local-dir /data/lm_eval/cais/mmlu``, likewise
-``Rowan/hellaswag``, ``allenai/ai2_arc``, ``openai/gsm8k``) and either
-
-* set ``HIF8QAT_LM_EVAL_DATA=/data/lm_eval`` (a folder laid out as ``<root>/<hub id>``), or
-* pass ``local_datasets={"cais/mmlu": "/data/mmlu", ...}`` (keys: hub id or task name; CLI:
-  ``--local-dataset cais/mmlu=/data/mmlu``; Hydra: ``eval.local_datasets``).
-
-For every leaf task that reads one of those datasets, a task YAML is generated in a temporary folder
-that ``include``s lm-eval's original YAML and sets ``dataset_path`` to the local folder, under the same
-task name; it is registered after lm-eval's own tasks, so it replaces them (groups such as ``mmlu``
-pick up the overridden subtasks). A populated ``HF_DATASETS_CACHE`` with ``HF_DATASETS_OFFLINE=1`` works
-too. When a dataset is neither local, cached nor reachable on the hub, :class:`DatasetUnavailableError`
-is raised before any model work, naming the dataset and these two options (no retry loop: the check
-probes the hub with one 3-second connection and then loads strictly offline).
-
-Outputs (run-folder layout of docs/design.md), for each mode in ``<run>/eval/<mode>/``:
-``results.json`` ``{task: {metric, value, stderr, n, num_fewshot}, "_meta": {...}}`` (keys starting with
-``_`` are not tasks; :func:`load_eval_results` drops them), ``samples_<task>.csv``
-(``doc_id,correct,gold_ll,gold_margin``: the gold choice's log-likelihood and its lead over the best wrong
-choice, raw and unnormalized, empty where the task has no single gold index),
-``lm_eval_results.json`` (lm-eval's own output without the samples) and ``samples_<task>.jsonl.gz``
-(per sample: doc id, target, per-choice log-likelihoods and metrics; no prompts).
-"""
+lm-eval runs in process, in two modes: ``bf16`` (the saved weights without quantization, as the authors
+evaluated) and ``hif8`` (W8A8 simulated inference in the run's 8-bit format, the scalers restored from the export
+and frozen). Weights load in FP32; the run's numerics (e.g. bf16 autocast) are applied around each forward of
+:class:`hif8qat.evaluate.prefix_lm.SharedContextLM`, which forwards each multiple-choice context once. Each mode
+writes ``<run>/eval/<mode>/``: ``results.json`` (task -> metric, value, stderr, n, num_fewshot; ``_meta`` records
+what ran), per-item ``samples_<task>.csv`` and lm-eval's own output. docs/design.md ("Evaluation") describes the
+modes, numerics, cost, tasks and outputs; the README ("Evaluation data") the datasets without internet."""
 
 from __future__ import annotations
 
@@ -135,15 +67,36 @@ def evaluate_model(
     """Evaluate an in-memory model with lm-eval; write the eval folder when ``out_dir`` is given.
 
     The model is used as it is (the caller puts a QAT model into the wanted mode, e.g. by
-    :func:`hif8qat.quant.linear.freeze_scales`; :func:`evaluate_export` does it from an export folder).
-    ``dtype="bf16"`` runs every forward under bf16 autocast (the training numerics); None, ``"none"`` or ``"fp32"``: none.
-        ``num_fewshot`` overrides the per-task shot counts (a dict task -> k). ``subset``: task -> number of
-    documents, a fixed seeded subset (:func:`subset_indices`, stratified by subtask, e.g. MMLU subject;
-    ``"full"``, None or a missing task = every document); lm-eval's ``samples`` selects them, so per-sample
-    doc ids are the documents' indices in the full split. ``limit``: first N docs per task (smoke runs;
-    with a subset, the first N of each subtask's subset). ``offline_data``: read the paper tasks' datasets
-    from the offline copies of :mod:`hif8qat.evaluate.offline_benchmarks` (installed on first use) unless
-    ``local_datasets`` / ``$HIF8QAT_LM_EVAL_DATA`` name another copy. Returns the ``results.json`` dict.
+    :func:`hif8qat.quant.linear.freeze_scales`; :func:`evaluate_export` does it from an export folder). lm-eval's
+    ``samples`` selects a subset's documents, so per-sample doc ids are the documents' indices in the full split.
+
+    Args:
+        model: the model.
+        tokenizer: its tokenizer.
+        tasks: ``mini``, ``paper``, ``paper_full``, a task name or a list of them.
+        out_dir: where the mode's results go (None: nothing written).
+        mode: ``bf16`` or ``hif8`` (recorded; the model is used as it is).
+        batch_size: requests per forward.
+        limit: first N docs per task (smoke runs; with a subset, the first N of each subtask's subset).
+        num_fewshot: task -> shots, overriding the per-task counts.
+        local_datasets: hub id or task name -> a local copy of the dataset (README, "Evaluation data").
+        device: where the model is (None: where its parameters are).
+        dtype: ``bf16`` runs every forward under bf16 autocast (the training numerics); None, ``none`` or ``fp32``:
+            none.
+        seed: lm-eval's random, numpy, torch and few-shot seeds.
+        subset: task -> number of documents, a fixed seeded subset (:func:`subset_indices`, stratified by subtask, e.g.
+            MMLU subject; ``full``, None or a missing task = every document).
+        subset_seed: the subsets' seed.
+        offline_data: read the paper tasks' datasets from the offline copies of
+            :mod:`hif8qat.evaluate.offline_benchmarks` (installed on first use) unless ``local_datasets`` /
+            ``$HIF8QAT_LM_EVAL_DATA`` name another copy.
+        extra_meta: more entries for ``results.json``'s ``_meta``.
+
+    Returns:
+        The ``results.json`` dict.
+
+    Raises:
+        DatasetUnavailableError: a paper task's dataset has no local copy, no cache and no hub (before any model work).
     """
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -337,6 +290,20 @@ def _merge_lm_eval(a: dict, b: dict) -> dict:
 
 def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=None, dtype="auto",
                     device: str = "auto", trust_remote_code: bool | None = None, **kwargs) -> dict:
+    """Evaluate an export folder in one mode: loaded in FP32 (:func:`load_for_eval`), then :func:`evaluate_model`.
+
+    Args:
+        export_dir: the export folder.
+        mode: ``bf16`` or ``hif8``.
+        tasks: ``mini``, ``paper``, ``paper_full``, a task name or a list of them.
+        out_dir: where the mode's results go (None: nothing written).
+        dtype: ``eval.dtype`` (``auto``: bf16 on CUDA, none on CPU).
+        device: ``eval.device`` (``auto``: CUDA when available).
+        trust_remote_code: the run's model.trust_remote_code.
+        **kwargs: :func:`evaluate_model`'s.
+
+    Returns:
+        The ``results.json`` dict."""
     device, dtype = resolve_numerics(device, dtype)
     model, tok = load_for_eval(export_dir, mode, device=device, trust_remote_code=trust_remote_code)
     meta = {"export_dir": str(Path(export_dir).resolve()), **kwargs.pop("extra_meta", {})}
@@ -348,11 +315,19 @@ def evaluate_export(export_dir: str | Path, mode: str, tasks="mini", *, out_dir=
 
 def evaluate_run(run_dir: str | Path, modes: Iterable[str] = MODES, tasks="mini", *,
                  results_root: str | Path | None = None, **kwargs) -> dict[str, dict]:
-    """Evaluate ``<run>/export`` in each mode into ``<run>/eval/<mode>/``. A run trained without
-    quantization has no ``hif8qat_quant.json``; its ``hif8`` mode is skipped with a log message.
+    """Evaluate ``<run>/export`` in each mode into ``<run>/eval/<mode>/``. A run trained without quantization has no
+    ``hif8qat_quant.json``; its ``hif8`` mode is skipped with a log message.
 
-    ``results.json`` records ``run_dir`` and ``export_dir`` relative to ``results_root`` (default: the folder
-    three levels up, ``<root>/<profile>/<experiment>/<run>``), so result files hold no machine paths."""
+    Args:
+        run_dir: the run folder.
+        modes: the modes.
+        tasks: ``mini``, ``paper``, ``paper_full``, a task name or a list of them.
+        results_root: what ``results.json`` records ``run_dir`` and ``export_dir`` relative to (default: the folder
+            three levels up, ``<root>/<profile>/<experiment>/<run>``), so result files hold no machine paths.
+        **kwargs: :func:`evaluate_export`'s.
+
+    Returns:
+        Mode -> its ``results.json`` dict."""
     run_dir = Path(run_dir)
     export = run_dir / "export"
     root = Path(results_root) if results_root is not None else run_dir.resolve().parents[2]

@@ -18,14 +18,24 @@ class EvalSettingError(RunError):
 
 def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device: str | None = None,
                      train_autocast: str | None = None) -> tuple[str, str]:
-    """Concrete ``(device, autocast)`` for an evaluation (``autocast``: ``bf16``, ``bf16_emulated`` or ``none``,
-    as :mod:`hif8qat.compute_dtype` takes it).
+    """Concrete device and autocast for an evaluation.
 
     ``auto`` follows the training settings when given: device as ``train.device`` resolves (CUDA unless it
     is ``cpu`` or there is no GPU), dtype the run's resolved ``train.autocast``, passed on unchanged. Without
-    them: native bf16 where the device has it (CUDA), else none (FP32). Raises :class:`EvalSettingError` for an
-    unknown value or ``cuda`` on a machine without a GPU.
-    """
+    them: native bf16 where the device has it (CUDA), else none (FP32).
+
+    Args:
+        device: ``eval.device`` (auto, cpu, cuda or cuda:N).
+        dtype: ``eval.dtype`` (one of DTYPES).
+        train_device: the run's ``train.device``, if any.
+        train_autocast: the run's resolved ``train.autocast``, if any.
+
+    Returns:
+        ``(device, autocast)``, autocast ``bf16``, ``bf16_emulated`` or ``none`` as :mod:`hif8qat.compute_dtype` takes
+        it.
+
+    Raises:
+        EvalSettingError: an unknown value, or ``cuda`` on a machine without a GPU."""
 
     for setting, value, allowed in (("eval.device", device, DEVICES), ("eval.dtype", dtype, DTYPES)):
         if value not in allowed and not (setting == "eval.device" and str(value).startswith("cuda:")):
@@ -45,8 +55,16 @@ def resolve_numerics(device: str = "auto", dtype: str = "auto", *, train_device:
 
 
 def eval_autocast(dtype: str | None) -> str:
-    """An evaluation's resolved ``autocast`` value (none | bf16 | bf16_emulated) from a concrete ``dtype``
-    (None and the old name ``fp32`` are ``none``)."""
+    """An evaluation's resolved ``autocast`` value from a concrete ``dtype``.
+
+    Args:
+        dtype: ``bf16``, ``bf16_emulated``, ``none``, or None and the old name ``fp32`` (both ``none``).
+
+    Returns:
+        ``none``, ``bf16`` or ``bf16_emulated``.
+
+    Raises:
+        EvalSettingError: any other value."""
     if dtype in (None, FP32_OLD_NAME):
         return "none"
     if dtype in RESOLVED:

@@ -10,7 +10,17 @@ import numpy as np
 
 
 def check_subset(subset: Mapping[str, int | None] | str | None, tasks: Iterable[str]) -> dict[str, int]:
-    """Validated ``{task: size}`` (tasks evaluated in full left out); raises ValueError naming the setting."""
+    """Validate ``eval.subset``.
+
+    Args:
+        subset: ``full``, None, or task -> number of documents (None: that task in full).
+        tasks: the tasks evaluated.
+
+    Returns:
+        ``{task: size}``, the tasks evaluated in full left out.
+
+    Raises:
+        ValueError: naming the setting."""
     if subset is None or subset == "full":
         return {}
     if not isinstance(subset, Mapping):
@@ -29,14 +39,23 @@ def check_subset(subset: Mapping[str, int | None] | str | None, tasks: Iterable[
 
 
 def subset_indices(sizes: Mapping[str, int], n: int, *, seed: int) -> dict[str, list[int]]:
-    """A fixed, seeded subset of ``n`` documents over subtasks of ``sizes`` (subtask -> documents).
+    """A fixed, seeded subset of ``n`` documents over subtasks.
 
     Stratified: every subtask keeps at least one document and the rest of ``n`` is shared in proportion
     to the subtasks' sizes (largest remainder). Within a subtask the documents are the first ones of a
     permutation seeded by ``(seed, crc32(subtask name))``: independent of the model, the training seed and
     the other subtasks, and nested (a larger subset contains a smaller one where the allocation grows).
-    Returns sorted indices per subtask (lm-eval's ``samples`` needs them sorted); all when ``n`` >= total.
-    """
+
+    Args:
+        sizes: subtask -> its documents.
+        n: documents to keep.
+        seed: the subset's seed.
+
+    Returns:
+        Sorted indices per subtask (lm-eval's ``samples`` needs them sorted); all when ``n`` >= total.
+
+    Raises:
+        ValueError: an empty subtask, or fewer documents than subtasks."""
 
 
     leaves = sorted(sizes)

@@ -25,10 +25,14 @@ class DatasetUnavailableError(RunError):
 
 
 def lm_eval_task_dirs(specs: Iterable[TaskSpec]) -> list[Path] | None:
-    """lm-eval's own YAML folders for the paper tasks (None = index everything: a task without a folder).
+    """lm-eval's own YAML folders for the paper tasks. Indexing only these folders takes a second; lm-eval's full
+    index (~15k YAMLs) takes 10-90 s here.
 
-    Indexing only these folders takes a second; lm-eval's full index (~15k YAMLs) takes 10-90 s here.
-    """
+    Args:
+        specs: the tasks.
+
+    Returns:
+        The folders; None (index everything) when a task has no folder."""
     import lm_eval.tasks
 
     root = Path(lm_eval.tasks.__file__).resolve().parent
@@ -44,21 +48,37 @@ def lm_eval_task_dirs(specs: Iterable[TaskSpec]) -> list[Path] | None:
     return dirs
 
 
-def task_index_for(specs: Iterable[TaskSpec]) -> Mapping[str, Any]:
-    from lm_eval.tasks._index import TaskIndex
+def _lm_eval_task_index():
+    """Adapter: lm-eval's task index module (``TaskIndex`` builds the index of chosen task folders; ``Kind`` tells a
+    task from a group or a tag). lm-eval keeps it private (``lm_eval.tasks._index``); its public ``TaskManager``
+    indexes every task it ships (seconds), where the paper's tasks need their own folders only.
 
+    Returns:
+        The ``lm_eval.tasks._index`` module."""
+    from lm_eval.tasks import _index
+
+    return _index
+
+
+def task_index_for(specs: Iterable[TaskSpec]) -> Mapping[str, Any]:
+    """lm-eval's task index over the folders of :func:`lm_eval_task_dirs` (the full index when it gives none).
+
+    Args:
+        specs: the tasks.
+
+    Returns:
+        Task name -> its index entry."""
     dirs = lm_eval_task_dirs(specs)
     if dirs is None:
         from lm_eval.tasks import TaskManager
 
         return TaskManager().task_index
-    return TaskIndex.build(dirs)
+    return _lm_eval_task_index().TaskIndex.build(dirs)
 
 
 def _leaf_tasks(name: str, index: Mapping[str, Any], _seen: set[str] | None = None) -> list[str]:
     """Leaf task names under a task/group/tag name in lm-eval's task index."""
-    from lm_eval.tasks._index import Kind
-
+    Kind = _lm_eval_task_index().Kind  # noqa: N806 - lm-eval's enum, under its own name
     _seen = set() if _seen is None else _seen
     if name in _seen:
         return []
@@ -127,7 +147,14 @@ def _forced_offline():
 
 
 def local_splits(folder: Path, config_name: str | None) -> set[str] | None:
-    """Splits a hub-style local copy declares for a config (its README ``configs:`` block); None = unknown."""
+    """Splits a hub-style local copy declares for a config (its README ``configs:`` block).
+
+    Args:
+        folder: the local copy.
+        config_name: the config (None: the default).
+
+    Returns:
+        The split names; None when unknown."""
 
     readme = Path(folder) / "README.md"
     if not readme.is_file():
@@ -159,15 +186,24 @@ def prepare_paper_tasks(
     """Write override YAMLs for paper tasks with a local dataset copy and check the rest can be loaded.
 
     A dataset is looked up in ``local_datasets`` (hub id or task name), then under ``$HIF8QAT_LM_EVAL_DATA``,
-    then under ``data_root`` (the offline benchmark copies of :mod:`hif8qat.evaluate.offline_benchmarks`). When the local copy
-    has no train split and the task takes its few-shot examples from it (HellaSwag, ARC; the offline copies
-    ship none), the override also sets ``training_split: null``, so lm-eval's own fallback picks the
-    few-shot source: the validation split (ARC: disjoint from test; HellaSwag: the evaluated split, with
-    the evaluated document excluded from its own context by lm-eval's sampler).
+    then under ``data_root``. When the local copy has no train split and the task takes its few-shot examples from it
+    (HellaSwag, ARC; the offline copies ship none), the override also sets ``training_split: null``, so lm-eval's own
+    fallback picks the few-shot source: the validation split (ARC: disjoint from test; HellaSwag: the evaluated
+    split, with the evaluated document excluded from its own context by lm-eval's sampler).
 
-    Returns (extra include paths, whether evaluation must run with the hub forced offline).
-    Raises :class:`DatasetUnavailableError` for a dataset with no local copy, no cache and no hub.
-    """
+    Args:
+        specs: the tasks (mini tasks are skipped).
+        local_datasets: hub id or task name -> local copy.
+        workdir: where the override YAMLs go.
+        index: lm-eval's task index (None: built here).
+        check: whether to check that every other dataset can be loaded.
+        data_root: the offline benchmark copies of :mod:`hif8qat.evaluate.offline_benchmarks`.
+
+    Returns:
+        ``(extra include paths, whether evaluation must run with the hub forced offline)``.
+
+    Raises:
+        DatasetUnavailableError: a dataset with no local copy, no cache and no hub."""
     paper = [s for s in specs if not s.mini]
     if not paper:
         return [], False

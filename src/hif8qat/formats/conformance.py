@@ -1,18 +1,11 @@
 """HiF8 conformance vectors, and a checker any HiF8 implementation can be pointed at.
 
 Two CSV tables ship with the package (``vectors/``): ``hif8_decode.csv`` holds all 256 byte codes with the
-float32 value of each, ``hif8_encode.csv`` float32 inputs at every rounding edge with the code each must become
-(every HiF8 value, every midpoint between neighbouring magnitudes with the float32 just below and above it, the
-overflow edge, zeros, float32 denormals, infinities, NaNs; both signs). They are generated from this package's
-codec, which is bit-exact with ``en_dtypes.hifloat8`` on every float32 input.
-
-    python -m hif8qat.formats.conformance --write DIR            # the two CSV files, into DIR
-    python -m hif8qat.formats.conformance --decode mylib:decode  # check a decoder (uint8 codes -> values)
-    python -m hif8qat.formats.conformance --encode mylib:encode  # check an encoder (float32 -> uint8 codes)
-    python -m hif8qat.formats.conformance                        # check this package's own codec
-
-The callable gets the whole table as one numpy array (uint8 codes, or float32 inputs), or as a torch tensor
-where it refuses numpy. Exit status: 0 every row matches, 1 a row differs, 2 the check could not run.
+float32 value of each, ``hif8_encode.csv`` float32 inputs at every rounding edge with the code each must
+become (every HiF8 value, every midpoint between neighbouring magnitudes with the float32 just below and above
+it, the overflow edge, zeros, float32 denormals, infinities, NaNs; both signs). They are generated from this
+package's codec, which is bit-exact with ``en_dtypes.hifloat8`` on every float32 input. The command line
+(``python -m hif8qat.formats.conformance --help``, see :func:`main`) writes them or checks a decoder/encoder.
 """
 
 from __future__ import annotations
@@ -127,7 +120,11 @@ def _render(header: list[str], columns: list[str], rows: list[list[str]]) -> str
 
 
 def generate_vectors() -> dict[str, str]:
-    """File name -> text of the two tables, computed with this package's codec."""
+    """File name -> text of the two tables, computed with this package's codec.
+
+    Returns:
+        File name -> CSV text, for both tables.
+    """
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     with _eager_codec():
         values = hif8_decode(codes).numpy()
@@ -143,7 +140,18 @@ def generate_vectors() -> dict[str, str]:
 
 
 def write_vectors(folder: Path, force: bool = False) -> list[Path]:
-    """Write both tables into ``folder`` (made if missing); existing files only with ``force``."""
+    """Write both tables into ``folder`` (made if missing); existing files only with ``force``.
+
+    Args:
+        folder: where the two files go.
+        force: overwrite files already there.
+
+    Returns:
+        The paths written.
+
+    Raises:
+        RunError: a file exists and ``force`` is False.
+    """
     texts = generate_vectors()
     targets = [folder / name for name in texts]
     existing = [str(t) for t in targets if t.exists()]
@@ -178,7 +186,14 @@ def _data_rows(text: str) -> list[dict[str, str]]:
 
 
 def load_table(direction: str) -> VectorTable:
-    """The packaged table of ``direction`` ("decode" or "encode")."""
+    """The packaged table of ``direction`` ("decode" or "encode").
+
+    Args:
+        direction: "decode" or "encode".
+
+    Returns:
+        The table's inputs, expected outputs and edge labels.
+    """
     name = DECODE_FILE if direction == "decode" else ENCODE_FILE
     rows = _data_rows((resources.files("hif8qat.formats") / "vectors" / name).read_text())
     if direction == "decode":
@@ -195,7 +210,18 @@ def load_table(direction: str) -> VectorTable:
 
 
 def resolve(spec: str, option: str):
-    """The callable named ``MODULE:FUNC``; a RunError when it does not import or is not callable."""
+    """The callable named ``MODULE:FUNC``.
+
+    Args:
+        spec: ``MODULE:FUNC``, e.g. ``mylib.hif8:decode``.
+        option: the command-line option that named it (for the error).
+
+    Returns:
+        The callable.
+
+    Raises:
+        RunError: ``spec`` is malformed, does not import, or is not callable.
+    """
     if spec.count(":") != 1 or not all(spec.split(":")):
         raise RunError(f"{option} takes MODULE:FUNC (for example mylib.hif8:decode); got {spec!r}")
     try:
@@ -296,7 +322,17 @@ def _code_text(code: int, decode_table: VectorTable) -> str:
 
 
 def check(direction: str, func, spec: str) -> tuple[int, list[str]]:
-    """Mismatch count and the report lines for one table."""
+    """Compare one implementation with one packaged table.
+
+    Args:
+        direction: "decode" (``func`` maps uint8 codes to values) or "encode" (float32 inputs to uint8 codes).
+        func: the implementation; gets the whole table as one numpy array (or a torch tensor where it refuses
+            numpy).
+        spec: how the user named ``func`` (for the report).
+
+    Returns:
+        The number of mismatching rows and the report lines (a head line, then the first mismatches).
+    """
     table = load_table(direction)
     file_name = DECODE_FILE if direction == "decode" else ENCODE_FILE
     got = _outputs(func, table, spec, file_name)
@@ -334,6 +370,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line: write the vectors or check an implementation against them.
+
+    ``--write DIR`` writes the two CSV files into DIR (``--force`` overwrites); ``--decode MODULE:FUNC``
+    checks a decoder (uint8 codes -> values), ``--encode MODULE:FUNC`` an encoder (float32 -> uint8 codes);
+    with neither, this package's own codec is checked.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        Exit status: 0 every row matches, 1 a row differs, 2 the check could not run.
+    """
     args = _parser().parse_args(argv)
     try:
         if args.write is not None:

@@ -1,30 +1,15 @@
 """HiF8 (HiFloat8, arXiv 2409.16626) numerics: the rounding rule on float32 bit patterns and the byte codes.
 
-HiF8 is an 8-bit float with a prefix-coded "dot" field that trades mantissa bits for exponent range:
-normal exponents -15..15 carry 3 mantissa bits for |e| <= 3, 2 bits for 4..7 and 1 bit for 8..15; the
-denormals are the powers of two 2^-22..2^-16; there is one zero, max finite 32768, |x| >= 40960 becomes
-+-inf and the code 0x80 is NaN. ``en_dtypes.hifloat8`` is the ground truth: ``rounding="ta"`` (round half
-away from zero) matches it bit for bit on every float32, bfloat16 and float16 input (NaN payloads aside:
-a NaN stays a NaN, en_dtypes returns its one canonical NaN).
+HiF8 is an 8-bit float with a prefix-coded "dot" field that trades mantissa bits for exponent range: normal
+exponents -15..15 carry 3 mantissa bits for |e| <= 3, 2 bits for 4..7 and 1 bit for 8..15; the denormals are
+the powers of two 2^-22..2^-16; there is one zero, max finite 32768, |x| >= 40960 becomes +-inf and the code
+0x80 is NaN. ``en_dtypes.hifloat8`` is the ground truth: ``rounding="ta"`` (round half away from zero) matches
+it bit for bit on every float32, bfloat16 and float16 input.
 
-Why bit arithmetic: for every float32 input the result is "add a rounding bias to the bit pattern, then
-clear the dropped mantissa bits", where the number of dropped bits depends only on the exponent field.
-Rounding on the sign-magnitude bit pattern is round-half-away by construction, a carry out of the
-mantissa lands on the next power of two (always representable, except above 32768 where it means
-overflow), and nothing needs log2 (which gets inputs near 2^-22 wrong).
-
-Two implementations of the same rule:
-
-* ``_qdq_bits_arith``: branch-free integer arithmetic written with torch ops; it is what
-  ``torch.compile`` fuses into one loop (CPU and CUDA alike) and the reference for the other path.
-* ``_qdq_bits_lut`` (eager fallback): the bias and the mask depend only on the top 11 bits of the float
-  (sign, exponent, two mantissa bits: enough to see the 40960 overflow threshold), so two 2048-entry
-  tables turn the rule into five tensor passes. bfloat16/float16 inputs have only 65,536 patterns and
-  use one full table of results.
-
-These functions are not differentiable (inputs are detached); straight-through gradients are the
-caller's business (see ``quant/linear.py``). The kernels built on them (compiled and eager, with scaling and
-amax) are in :mod:`hif8qat.formats.kernels`; the public API is :mod:`hif8qat.formats.qdq`.
+The rule, "add a rounding bias to the bit pattern, then clear the dropped mantissa bits", is written as
+branch-free arithmetic (``_qdq_bits_arith``, what ``torch.compile`` fuses) and as lookup tables (the eager
+fallback). Nothing here is differentiable; the kernels are in :mod:`hif8qat.formats.kernels`, the public API
+in :mod:`hif8qat.formats.qdq`.
 """
 
 from __future__ import annotations
@@ -113,6 +98,12 @@ def _qdq_bits_arith(bits: torch.Tensor, rand: torch.Tensor | None = None) -> tor
     distance from the lower neighbour over the spacing. Below 2^-22 (neighbours 0 and 2^-22) the same
     probability is obtained by comparing the magnitude with a random threshold. At and above 32768
     there is no finite upper neighbour, so stochastic rounding falls back to "ta" there.
+
+    Why bit arithmetic: rounding on the sign-magnitude bit pattern is round-half-away by construction, a carry
+    out of the mantissa lands on the next power of two (always representable, except above 32768 where it
+    means overflow), and nothing needs log2 (which gets inputs near 2^-22 wrong). Written with torch ops, it
+    is what ``torch.compile`` fuses into one loop (CPU and CUDA alike) and the reference for the lookup-table
+    path.
     """
     a = bits & _ABS
     sign = bits & _SIGN
@@ -193,6 +184,10 @@ def _qdq_fp32_lut_(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     index = top 11 bits, gather the bias (into ``out``), add the bits, gather the mask, and.
     ``index_select`` is used for the gathers because it is several times faster than advanced
     indexing on CPU; it needs non-negative indices, hence the extra ``& 2047``.
+
+    The bias and the mask depend only on the top 11 bits of the float (sign, exponent, two mantissa bits:
+    enough to see the 40960 overflow threshold), so two 2048-entry tables turn the rule into these passes.
+    bfloat16 and float16 inputs have only 65,536 patterns and use one full table of results instead.
     """
     bits = x.view(torch.int32)
     ob = out.view(torch.int32)
@@ -251,7 +246,11 @@ def _code_value(code: int) -> float:
 
 
 def hif8_values() -> torch.Tensor:
-    """float32 value of each of the 256 codes (index = code); code 0x80 is NaN, 0x6F/0xEF are +-inf."""
+    """float32 value of each of the 256 codes (index = code); code 0x80 is NaN, 0x6F/0xEF are +-inf.
+
+    Returns:
+        A (256,) float32 tensor indexed by code.
+    """
     return torch.tensor([_code_value(c) for c in range(256)], dtype=torch.float32)
 
 

@@ -141,11 +141,15 @@ def _compile_enabled() -> bool:
 
 def compile_status() -> dict[str, object]:
     """Whether the compiled path is enabled, why compilation failed if it did, and the variants that disagreed with
-    the eager path at their first call (``rejected``: "<variant> on <device>" -> first difference; run eagerly)."""
+    the eager path at their first call (``rejected``: "<variant> on <device>" -> first difference; run eagerly).
+
+    Returns:
+        ``{"enabled": bool, "failed": the compile error or None, "rejected": {variant: first difference}}``.
+    """
     return {"enabled": _compile_enabled(), "failed": _compile_failed, "rejected": dict(_rejected.values())}
 
 
-def _variant_name(prefix: str, key: tuple) -> str:  # for people: "hif8 kernel (scaled=True, ..., torch.float32, cpu, none)"
+def _variant_name(prefix: str, key: tuple) -> str:  # "hif8 kernel (scaled=True, ..., torch.float32, cpu, none)"
     return f"{prefix} kernel (" + ", ".join(f"{k[0]}={k[1]}" if isinstance(k, tuple) else str(k) for k in key) + ")"
 
 

@@ -9,7 +9,8 @@ E5M2) uses torch's native casts under the same scaled fake quantization. The cod
   and dispatch, and the qdq call counter;
 * this module: the public functions, FP8 format specs and the per-format scale conventions.
 
-The private kernel helpers live in :mod:`hif8qat.formats.kernels` and :mod:`hif8qat.formats.hif8_codec`; import them from there.
+The private kernel helpers live in :mod:`hif8qat.formats.kernels` and :mod:`hif8qat.formats.hif8_codec`; import them
+from there.
 
 These functions are not differentiable (inputs are detached); straight-through gradients are the
 caller's business (see ``quant/linear.py``).
@@ -88,9 +89,19 @@ def hif8_qdq(
 ) -> torch.Tensor:
     """Fake-quantize ``x`` to HiF8: the nearest HiF8 value, returned in x's dtype, shape and device.
 
-    rounding: "ta" (half away from zero; bit-exact with en_dtypes), "stochastic" (unbiased; draws
-    from ``generator``), "hr" (not available, raises NotImplementedError). ``out``: optional
-    preallocated result (same dtype/shape/device as x; may be x itself), which saves an allocation.
+    Args:
+        x: a float32, bfloat16 or float16 tensor.
+        rounding: "ta" (half away from zero; bit-exact with en_dtypes), "stochastic" (unbiased; draws from
+            ``generator``) or "hr" (not available).
+        generator: the random source of stochastic rounding (None: torch's default).
+        out: optional preallocated result (same dtype/shape/device as x; may be x itself), which saves an
+            allocation.
+
+    Returns:
+        The quantized tensor (``out`` when given).
+
+    Raises:
+        NotImplementedError: ``rounding="hr"``.
     """
     x, rounding, out, _ = _check_args(x, rounding, out)
     return _dispatch(x, None, rounding, generator, out, scaled=False, saturate=False, want_amax=False)[0]
@@ -107,9 +118,17 @@ def hif8_qdq_scaled(
 ) -> torch.Tensor:
     """``qdq(x * scale) / scale`` computed in float32 and cast back to x's dtype.
 
-    scale: a positive finite python number or a 1-element float tensor. A CPU tensor is validated; a
-    tensor on an accelerator is not (validating it would force a host sync on every call).
-    saturate=True clamps results to +-HIF8_MAX instead of +-inf (infinite inputs too); NaN propagates.
+    Args:
+        x: a float32, bfloat16 or float16 tensor.
+        scale: a positive finite python number or a 1-element float tensor. A CPU tensor is validated; a
+            tensor on an accelerator is not (validating it would force a host sync on every call).
+        rounding: as in :func:`hif8_qdq`.
+        saturate: clamp results to +-HIF8_MAX instead of +-inf (infinite inputs too); NaN propagates.
+        generator: the random source of stochastic rounding.
+        out: optional preallocated result, as in :func:`hif8_qdq`.
+
+    Returns:
+        The fake-quantized tensor in x's dtype.
     """
     x, rounding, out, scale = _check_args(x, rounding, out, scale)
     return _dispatch(x, scale, rounding, generator, out, scaled=True, saturate=saturate, want_amax=False)[0]
@@ -125,12 +144,24 @@ def hif8_qdq_scaled_amax(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hif8_qdq_scaled`` plus ``amax = max|x|`` (unscaled x, 0-d float32 on x's device).
+    """``hif8_qdq_scaled`` plus ``amax = max|x|``.
 
-    The delayed scaler needs the amax of every quantized tensor; the compiled path computes it in the
-    same kernel as the quantization, so x is read once. NaN/inf in x propagate into amax; an empty x
-    gives amax 0. ``out_dtype``: the result's dtype (default x's; ``out`` must have it), bit for bit
-    ``hif8_qdq_scaled_amax(x, ...)[0].to(out_dtype)`` without the separate cast pass.
+    The delayed scaler needs the amax of every quantized tensor; the compiled path computes it in the same
+    kernel as the quantization, so x is read once.
+
+    Args:
+        x: a float32, bfloat16 or float16 tensor.
+        scale: as in :func:`hif8_qdq_scaled`.
+        rounding: as in :func:`hif8_qdq`.
+        saturate: as in :func:`hif8_qdq_scaled`.
+        generator: the random source of stochastic rounding.
+        out: optional preallocated result (in ``out_dtype``).
+        out_dtype: the result's dtype (default x's), bit for bit ``hif8_qdq_scaled_amax(x,
+            ...)[0].to(out_dtype)`` without the separate cast pass.
+
+    Returns:
+        ``(y, amax)``: the fake-quantized tensor and max|x| of the unscaled x (0-d float32 on x's device;
+        NaN/inf in x propagate into it, an empty x gives 0).
     """
     x, rounding, out, scale = _check_args(x, rounding, out, scale, out_dtype)
     return _dispatch(x, scale, rounding, generator, out, scaled=True, saturate=saturate, want_amax=True,
@@ -138,7 +169,14 @@ def hif8_qdq_scaled_amax(
 
 
 def hif8_encode(x: torch.Tensor) -> torch.Tensor:
-    """HiF8 byte codes (en_dtypes layout, uint8) of x rounded with "ta". NaN -> 0x80, one zero 0x00."""
+    """HiF8 byte codes (en_dtypes layout) of x rounded with "ta". NaN -> 0x80, one zero 0x00.
+
+    Args:
+        x: a float tensor.
+
+    Returns:
+        A uint8 tensor of x's shape.
+    """
     x = _check_x(x)
     y = hif8_qdq(x).float()  # exact: every HiF8 value is a bf16/fp16 value too
     top = torch.bitwise_right_shift(y.view(torch.int32), 20) & 0xFFF
@@ -147,7 +185,15 @@ def hif8_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def hif8_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Values of HiF8 byte codes (uint8, en_dtypes layout) in ``dtype`` (float32, bfloat16 or float16)."""
+    """Values of HiF8 byte codes (en_dtypes layout).
+
+    Args:
+        codes: a uint8 tensor.
+        dtype: float32, bfloat16 or float16.
+
+    Returns:
+        The values, of codes' shape, in ``dtype``.
+    """
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         got = codes.dtype if isinstance(codes, torch.Tensor) else type(codes)
         raise ValueError(f"codes must be a torch.uint8 tensor; got {got}")
@@ -196,7 +242,14 @@ class FormatSpec:
         return self.dtype is not None
 
     def target(self, margin: int = 0) -> float:
-        """Scale target: amax maps to ``max / 2^margin`` (FP8, TE's rule) or to 15 (HiF8, margin 0 only)."""
+        """Scale target: amax maps to ``max / 2^margin`` (FP8, TE's rule) or to 15 (HiF8, margin 0 only).
+
+        Args:
+            margin: FP8's power-of-two headroom below the format max.
+
+        Returns:
+            The value amax is scaled to.
+        """
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ValueError(f"margin must be an integer >= 0; got {margin!r}")
         if not self.is_fp8 and margin:
@@ -204,7 +257,14 @@ class FormatSpec:
         return self.default_target / 2.0**margin
 
     def clipped(self, scaled_abs: torch.Tensor) -> torch.Tensor:
-        """Number of clipped (FP8) or overflowing (HiF8) elements given ``|x * scale|`` (0-d int64)."""
+        """Number of clipped (FP8) or overflowing (HiF8) elements given ``|x * scale|`` (0-d int64).
+
+        Args:
+            scaled_abs: ``|x * scale|``.
+
+        Returns:
+            The count as a 0-d int64 tensor.
+        """
         t = self.clip_threshold
         return (scaled_abs >= t if self.clip_inclusive else scaled_abs > t).sum()
 
@@ -221,7 +281,17 @@ _HYBRID_ROLES = {"A": "e4m3", "W": "e4m3", "G": "e5m2"}
 
 
 def format_spec(fmt: str) -> FormatSpec:
-    """The spec of an element format ("hif8", "e4m3", "e5m2"); ValueError naming the allowed values."""
+    """The spec of an element format.
+
+    Args:
+        fmt: "hif8", "e4m3" or "e5m2".
+
+    Returns:
+        The format's :class:`FormatSpec`.
+
+    Raises:
+        ValueError: an unknown format, naming the allowed values.
+    """
     spec = FORMATS.get(fmt) if isinstance(fmt, str) else None
     if spec is None:
         raise ValueError(f"format must be one of {tuple(FORMATS)}; got {fmt!r}")
@@ -229,8 +299,16 @@ def format_spec(fmt: str) -> FormatSpec:
 
 
 def element_format(setting: str, role: str) -> str:
-    """Element format of tensor role "A", "W" or "G" under a ``format`` setting (``hybrid``: E4M3 for A and
-    W, E5M2 for G, as TE's HYBRID recipe)."""
+    """Element format of a tensor role under a ``format`` setting (``hybrid``: E4M3 for A and W, E5M2 for G,
+    as TE's HYBRID recipe).
+
+    Args:
+        setting: the ``format`` setting ("hif8", "e4m3", "e5m2" or "hybrid").
+        role: "A" (activations), "W" (weights) or "G" (gradients).
+
+    Returns:
+        The element format's name.
+    """
     if role not in _HYBRID_ROLES:
         raise ValueError(f"role must be one of {tuple(_HYBRID_ROLES)}; got {role!r}")
     if setting == "hybrid":
@@ -239,12 +317,19 @@ def element_format(setting: str, role: str) -> str:
 
 
 def target_for(config, role: str) -> float:
-    """Scale target of ``role`` under a scaling config (any object with ``format``, ``margin``,
-    ``target_fwd`` and ``target_bwd``, e.g. ``scaling.ScalingConfig``).
+    """Scale target of ``role`` under a scaling config.
 
-    HiF8: ``target_bwd`` for G, ``target_fwd`` for A and W (the paper's 15 by default), unless the config has a
-    ``target`` (one number for every role, or a mapping role -> number) naming this role. FP8: the format max
-    of the role's element format over ``2^margin`` (TE ``DelayedScaling``).
+    HiF8: ``target_bwd`` for G, ``target_fwd`` for A and W (the paper's 15 by default), unless the config has
+    a ``target`` (one number for every role, or a mapping role -> number) naming this role. FP8: the format
+    max of the role's element format over ``2^margin`` (TE ``DelayedScaling``).
+
+    Args:
+        config: any object with ``format``, ``margin``, ``target_fwd`` and ``target_bwd`` (e.g.
+            ``scaling.ScalingConfig``).
+        role: "A", "W" or "G".
+
+    Returns:
+        The value amax maps to.
     """
     fmt = element_format(getattr(config, "format", "hif8"), role)
     if fmt == "hif8":
@@ -276,15 +361,33 @@ def _fp8_dispatch(x, scale, fmt, out, *, scaled: bool, want_amax: bool, site: st
 
 
 def fp8_qdq(x: torch.Tensor, fmt: str = "e4m3", *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Fake-quantize ``x`` to FP8 ``fmt`` ("e4m3" or "e5m2"): nearest value, ties to even, saturating at
-    +-max (inf too; NaN stays NaN); returned in x's dtype, shape and device. ``out`` as in ``hif8_qdq``."""
+    """Fake-quantize ``x`` to FP8: nearest value, ties to even, saturating at +-max (inf too; NaN stays NaN).
+
+    Args:
+        x: a float tensor.
+        fmt: "e4m3" or "e5m2".
+        out: optional preallocated result, as in ``hif8_qdq``.
+
+    Returns:
+        The quantized tensor in x's dtype, shape and device.
+    """
     x = _check_x(x)
     return _fp8_dispatch(x, None, fmt, _check_out(out, x), scaled=False, want_amax=False)[0]
 
 
 def fp8_qdq_scaled(x: torch.Tensor, scale, fmt: str = "e4m3", *,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """``qdq(x * scale) / scale`` in float32, cast back to x's dtype (the convention of ``hif8_qdq_scaled``)."""
+    """``qdq(x * scale) / scale`` in float32, cast back to x's dtype (the convention of ``hif8_qdq_scaled``).
+
+    Args:
+        x: a float tensor.
+        scale: a positive finite number or 1-element float tensor.
+        fmt: "e4m3" or "e5m2".
+        out: optional preallocated result.
+
+    Returns:
+        The fake-quantized tensor in x's dtype.
+    """
     x = _check_x(x)
     out, scale = _check_out(out, x), _check_scale(scale, x)
     return _fp8_dispatch(x, scale, fmt, out, scaled=True, want_amax=False)[0]
@@ -292,8 +395,18 @@ def fp8_qdq_scaled(x: torch.Tensor, scale, fmt: str = "e4m3", *,
 
 def fp8_qdq_scaled_amax(x: torch.Tensor, scale, fmt: str = "e4m3", *, out: torch.Tensor | None = None,
                         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_qdq_scaled`` plus ``amax = max|x|`` (unscaled x, 0-d float32), as ``hif8_qdq_scaled_amax``
-    (``out_dtype`` too)."""
+    """``fp8_qdq_scaled`` plus ``amax = max|x|``, as ``hif8_qdq_scaled_amax``.
+
+    Args:
+        x: a float tensor.
+        scale: a positive finite number or 1-element float tensor.
+        fmt: "e4m3" or "e5m2".
+        out: optional preallocated result.
+        out_dtype: the result's dtype (default x's).
+
+    Returns:
+        ``(y, amax)``, amax a 0-d float32 of the unscaled x.
+    """
     x = _check_x(x)
     out, scale = _check_out(out, x, _check_out_dtype(out_dtype)), _check_scale(scale, x)
     return _fp8_dispatch(x, scale, fmt, out, scaled=True, want_amax=True, out_dtype=out_dtype)
@@ -304,9 +417,18 @@ def qdq_scaled_amax(x: torch.Tensor, scale, fmt: str, rounding: str = "ta", *, s
                     out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled qdq + amax in any element format: the one entry point a format-pluggable quantizer needs.
 
-    HiF8 honours ``rounding`` and ``saturate``. FP8 always rounds to nearest even and saturates (TE's
-    casts); there ``rounding`` must be "ta" (the deterministic rounding of the format) and ``saturate``
-    is ignored. ``out_dtype`` as in ``hif8_qdq_scaled_amax``.
+    Args:
+        x: a float tensor.
+        scale: a positive finite number or 1-element float tensor.
+        fmt: "hif8", "e4m3" or "e5m2".
+        rounding: HiF8's rounding; FP8 always rounds to nearest even, so there it must be "ta".
+        saturate: HiF8 only (FP8 always saturates, TE's casts).
+        generator: the random source of stochastic rounding.
+        out: optional preallocated result.
+        out_dtype: as in ``hif8_qdq_scaled_amax``.
+
+    Returns:
+        ``(y, amax)`` as ``hif8_qdq_scaled_amax``.
     """
     if format_spec(fmt).is_fp8:
         if rounding != "ta":
@@ -317,16 +439,22 @@ def qdq_scaled_amax(x: torch.Tensor, scale, fmt: str, rounding: str = "ta", *, s
 
 
 def scaled_qdq_kernel(fmt: str, site: str = ""):
-    """The fused scaled qdq (+ amax) of element format ``fmt`` without per-call checks, for a caller that
-    quantizes on every call of a hot path with arguments it made itself (the scaler bank):
-    ``kernel(x, scale, rounding, saturate, want_amax, out_dtype=None, generator=None) -> (y, amax or None)``
-    (``generator``: where stochastic rounding draws its random bits; None: torch's default generator).
+    """The fused scaled qdq (+ amax) of an element format without per-call checks, for a caller that quantizes
+    on every call of a hot path with arguments it made itself (the scaler bank).
 
     The caller guarantees what the public functions check: ``x`` a float32 / bfloat16 / float16 tensor,
     ``scale`` a positive finite 0-d float32 tensor on x's device, ``rounding`` one of ``ROUNDINGS`` (FP8
-    ignores ``rounding`` and ``saturate``: nearest even, always saturating). ``y`` is in ``out_dtype``
-    (default x's), bit for bit the cast of the x-dtype result. ``site`` names the calling context: a caller
-    in another dispatch context (the body of a custom op) gets compiled variants of its own.
+    ignores ``rounding`` and ``saturate``: nearest even, always saturating).
+
+    Args:
+        fmt: "hif8", "e4m3" or "e5m2".
+        site: the calling context; a caller in another dispatch context (the body of a custom op) gets
+            compiled variants of its own.
+
+    Returns:
+        ``kernel(x, scale, rounding, saturate, want_amax, out_dtype=None, generator=None) -> (y, amax or
+        None)``: ``y`` in ``out_dtype`` (default x's), bit for bit the cast of the x-dtype result;
+        ``generator`` is where stochastic rounding draws its random bits (None: torch's default).
     """
     if format_spec(fmt).is_fp8:
         def kernel(x, scale, rounding, saturate, want_amax, out_dtype=None, generator=None):
@@ -340,11 +468,19 @@ def scaled_qdq_kernel(fmt: str, site: str = ""):
 
 
 def clipped_count(x: torch.Tensor, scale, fmt: str) -> torch.Tensor:
-    """Number of elements of ``x * scale`` beyond the format's range (0-d int64, on x's device, no sync).
+    """Number of elements of ``x * scale`` beyond the format's range, on x's device without a sync.
 
-    FP8: ``|x * scale| > max`` (what the saturating cast clips). HiF8: ``|x * scale| >= 40960`` (the
-    overflow: inf, or HIF8_MAX when saturating). NaN is not counted. One extra pass over x, so telemetry
-    computes it on statistics calls only.
+    FP8: ``|x * scale| > max`` (what the saturating cast clips). HiF8: ``|x * scale| >= 40960`` (the overflow:
+    inf, or HIF8_MAX when saturating). NaN is not counted. One extra pass over x, so telemetry computes it on
+    statistics calls only.
+
+    Args:
+        x: a float tensor.
+        scale: a positive finite number or 1-element float tensor.
+        fmt: "hif8", "e4m3" or "e5m2".
+
+    Returns:
+        The count as a 0-d int64 tensor.
     """
     spec = format_spec(fmt)
     x = _check_x(x)

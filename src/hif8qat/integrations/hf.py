@@ -19,6 +19,18 @@ class StepCallback(TrainerCallback):
     schedules ``interval`` / ``algo``, ``history_unit="step"`` and telemetry dump steps follow)."""
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
+        """Tell the model's quantizers the optimizer step that begins.
+
+        Args:
+            args: the trainer's arguments.
+            state: the trainer's state (its ``global_step``).
+            control: the trainer's control flags.
+            model: the model being trained.
+            **kwargs: the rest of the trainer's callback arguments.
+
+        Returns:
+            ``control``, unchanged.
+        """
         set_step(model, state.global_step)  # an unconverted model is refused there, with what to do
         return control
 

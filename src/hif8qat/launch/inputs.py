@@ -18,11 +18,11 @@ from huggingface_hub import try_to_load_from_cache
 
 from hif8qat.config.data_source import local_files
 from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.models.hub import looks_like_path
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
     PANGU_MODEL_TYPES,
-    _decide_remote_code,
-    _looks_like_path,
+    decide_remote_code,
     hub_offline,
     model_config_facts,
 )
@@ -101,7 +101,13 @@ def _parquet_problem(path: str) -> tuple[str | None, bool]:
 
 def check_corpus(cfg: RunConfig) -> None:
     """A local data.source: every file opens as its kind, the first lines of JSON files parse as records, and
-    the corpus holds some text (an empty .txt or JSON lines without a "text" field train on nothing)."""
+    the corpus holds some text (an empty .txt or JSON lines without a "text" field train on nothing).
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: naming the setting and the allowed forms."""
     source = cfg.data.source.strip()
     if source in ("mini", "fineweb"):
         return
@@ -142,7 +148,7 @@ def _model_folder(cfg: RunConfig) -> Path | None:
     local = Path(name).expanduser()
     if local.is_dir():
         return local
-    if local.exists() or _looks_like_path(name) or not hub_offline():
+    if local.exists() or looks_like_path(name) or not hub_offline():
         return None
     hub_id = OPENPANGU_EMBEDDED_1B["hub_id"] if name == "openpangu_embedded_1b" else name
     try:
@@ -155,7 +161,13 @@ def _model_folder(cfg: RunConfig) -> Path | None:
 def safetensors_problem(path: Path) -> str | None:
     """Why a .safetensors file cannot load (None when its header parses and the file is as long as the header
     says), read from its first bytes and its size: the format is an 8-byte little-endian header length, a JSON
-    header giving each tensor's [begin, end) in the data that follows, then the data."""
+    header giving each tensor's [begin, end) in the data that follows, then the data.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The reason, or None when the header parses and the file is as long as the header says."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
@@ -187,7 +199,13 @@ def safetensors_problem(path: Path) -> str | None:
 
 
 def check_model_files(cfg: RunConfig) -> None:
-    """A model folder holds files a tokenizer is built from and weight files whose headers and sizes agree."""
+    """A model folder holds files a tokenizer is built from and weight files whose headers and sizes agree.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: naming the setting and the allowed forms."""
     folder = _model_folder(cfg)
     if folder is None:
         return
@@ -220,14 +238,23 @@ def check_model_files(cfg: RunConfig) -> None:
 
 def check_remote_code(cfg: RunConfig) -> None:
     """A config.json that declares its own code (auto_map) loads only with model.trust_remote_code=true: refused
-    here, as models.loading would refuse it, before any folder exists."""
+    here, as models.loading would refuse it, before any folder exists.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: the model declares its own code and model.trust_remote_code is not true."""
     config = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if isinstance(config, dict) and config.get("model_type") not in PANGU_MODEL_TYPES:  # openPangu: never its code
-        _decide_remote_code(cfg.model.name, config, cfg.model.trust_remote_code)
+        decide_remote_code(cfg.model.name, config, cfg.model.trust_remote_code)
 
 
 def wandb_modes() -> tuple[str, ...] | None:
-    """The modes wandb.init accepts, read from wandb's own settings schema (None when it cannot tell)."""
+    """The modes wandb.init accepts, read from wandb's own settings schema (None when it cannot tell).
+
+    Returns:
+        The modes, or None when it cannot tell."""
     try:
         from wandb.sdk.wandb_settings import Settings
 
@@ -237,7 +264,13 @@ def wandb_modes() -> tuple[str, ...] | None:
 
 
 def check_wandb(cfg: RunConfig) -> None:
-    """logger.wandb_mode among wandb's modes, when wandb is used (logger.wandb=true)."""
+    """logger.wandb_mode among wandb's modes, when wandb is used (logger.wandb=true).
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: wandb is not installed, or the mode is not one of its own."""
     if not cfg.logger.wandb:
         return
     try:
@@ -252,7 +285,13 @@ def check_wandb(cfg: RunConfig) -> None:
 
 
 def check_inputs(cfg: RunConfig) -> None:
-    """Every check of this module that applies to a training stage."""
+    """Every check of this module that applies to a training stage.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: naming the setting and the allowed forms."""
     check_corpus(cfg)
     check_remote_code(cfg)
     check_model_files(cfg)

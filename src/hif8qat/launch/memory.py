@@ -1,28 +1,15 @@
 """The memory one training step needs, by simulating the step: no hand formula.
 
 :func:`step_memory` builds the run's model from its ``config.json`` (no weights) under torch's ``FakeTensorMode``,
-prepares it as the trainer does (:func:`hif8qat.train.loop.prepare_model`: BF16-parameter quirk, quantized
-linears switched on, the chunked loss head, activation checkpointing), makes the trainer's AdamW
-(:func:`~hif8qat.train.loop.build_optimizer`) and runs a step of it (forward and backward under the run's numerics
-with the previous micro-batch's gradients held when the step accumulates, gradient clipping, the AdamW update with
-its moments already made) while torch's own ``MemTracker`` follows every tensor storage that is alive. Fake
-tensors have shapes and no data, so a 1B model's step at the paper's batch takes seconds and no memory. The
-peak it reports is what the step's tensors occupy at the worst moment, by kind (weights, gradients, AdamW
-state, activations, backward temporaries), which is what ``torch.cuda.max_memory_allocated`` counts on a GPU.
-
-Simulated on the CPU (fake CPU tensors: the CPU-only torch has no CUDA autocast to simulate with), for the device
-the run trains on: AdamW runs the implementation ``train.optimizer_impl`` names for that device (``fused``; or
-torch's default, on CUDA the multi-tensor path, ``foreach``, one temporary the size of the parameters in its
-update), which is asked for explicitly. What a one-process fake step cannot see is added:
-DDP's gradient buckets (``DistributedDataParallel`` as the trainer builds it keeps ``gradient_as_bucket_view``
-at its default, False: a second copy of every gradient, allocated when DDP wraps the model); under FSDP the
-weights and AdamW state are shared out over the ranks while the gradients accumulate unsharded between
-micro-batches (an approximation, not measured). What no tensor count sees is left out and needs the headroom:
-the CUDA context, cuBLAS/attention workspaces, the allocator's fragmentation.
+prepares it and runs one step of it as the trainer does while torch's own ``MemTracker`` follows every tensor
+storage that is alive (:func:`simulate_step`), then adds what a one-process fake step cannot see (DDP's
+gradient buckets, FSDP's sharding). Fake tensors have shapes and no data, so a 1B model's step at the paper's
+batch takes seconds and no memory. The peak is what the step's tensors occupy at the worst moment, by kind,
+which is what ``torch.cuda.max_memory_allocated`` counts on a GPU; what no tensor count sees (the CUDA context,
+cuBLAS/attention workspaces, the allocator's fragmentation) needs the headroom.
 
 ``python run.py --estimate --profile paper --experiments exp8 --world-size 8 --device cuda`` prints the figure
-(`make expN` prints it for the run it starts).
-"""
+(`make expN` prints it for the run it starts)."""
 
 from __future__ import annotations
 
@@ -31,17 +18,14 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from transformers import masking_utils
 
 from hif8qat import compute_dtype as numerics
 from hif8qat.config.run_config import RunConfig
 from hif8qat.models.loading import PANGU_MODEL_TYPES, transformer_blocks
 from hif8qat.models.pangu import pangu_llama_config
-from hif8qat.quant import gemm
+from hif8qat.quant.gemm import keep_weights_under_fake_tensors
 from hif8qat.quant.linear import set_quantization
-from hif8qat.scaling.bank import RECORD, _in_backward
 from hif8qat.train.chunked_loss import lm_loss
 from hif8qat.train.loop import build_optimizer, prepare_model
 
@@ -52,8 +36,14 @@ PARTS = ("weights", "gradients", "AdamW state", "activations", "backward tempora
 
 
 def model_config(facts: dict):
-    """The transformers config a run's model is built from: its config.json as read by `model_config_facts`
-    (openPangu's mapped to Llama, as `load_causal_lm` loads it)."""
+    """The transformers config a run's model is built from: its config.json as read by ``model_config_facts``
+    (openPangu's mapped to Llama, as ``load_causal_lm`` loads it).
+
+    Args:
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+
+    Returns:
+        The config."""
     from transformers import AutoConfig, LlamaConfig
 
     facts = dict(facts)
@@ -65,8 +55,15 @@ def model_config(facts: dict):
         config = AutoConfig.for_model(**facts)
     else:  # the tiny model's facts: a Llama config's own keys
         config = LlamaConfig(**facts)
-    config._attn_implementation = attn
+    _set_attention_implementation(config, attn)
     return config
+
+
+def _set_attention_implementation(config, attn: str) -> None:
+    """Adapter: which attention a config's model is built with. transformers takes it as ``from_pretrained``'s
+    ``attn_implementation``; on a config already made (here from a config.json's facts, by three constructors)
+    its one setter is the private ``_attn_implementation``."""
+    config._attn_implementation = attn
 
 
 @contextlib.contextmanager
@@ -84,51 +81,42 @@ def _one_sequence_per_row() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = old
 
 
-@contextlib.contextmanager
-def _kept_weight_results() -> Iterator[None]:
-    """Under fake tensors the quantizer's op runs its shape-only implementation, which keeps nothing; the real
-    op (eager) keeps each quantized weight from its forward call until the layer's backward, so that an
-    activation-checkpointing recompute gets it back instead of quantizing again. Mirrored here, so the
-    simulation holds those weights exactly as long as the real step does (it matters only with checkpointing:
-    without it the forward saves the same tensor for backward anyway)."""
-    op, release = gemm.bank_qdq, gemm.release_kept
-    kept: dict[tuple[int, int], torch.Tensor] = {}
-
-    def bank_qdq(x, bank_id, row, mode, out_dtype=None, keep=False):
-        if mode == RECORD and _in_backward() and (bank_id, row) in kept:  # the recompute: a copy of the kept one
-            return kept.pop((bank_id, row)).clone()
-        y = op(x, bank_id, row, mode, out_dtype, keep)
-        if keep and mode == RECORD and not _in_backward():
-            kept[(bank_id, row)] = y
-        return y
-
-    def release_kept(bank_id, row):
-        kept.pop((bank_id, row), None)
-        release(bank_id, row)
-
-    gemm.bank_qdq, gemm.release_kept = bank_qdq, release_kept
-    try:
-        yield
-    finally:
-        gemm.bank_qdq, gemm.release_kept = op, release
-
-
 def _unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list({id(p): p for p in model.parameters() if p.requires_grad}.values())
 
 
-def _peak_tracker_class():
-    class PeakTracker(MemTracker):
-        """torch's MemTracker keeping the whole step's peak only: its per-module peaks walk every module at
-        every op (80 % of a 1B model's simulation), and nothing here reads them."""
+def _fake_tensor_mode():
+    """Adapter: torch's ``FakeTensorMode`` (tensors with shapes and no data), which torch exports only from the
+    private ``torch._subclasses``. ``allow_non_fake_inputs``: the scaler banks build their tables from numpy
+    arrays."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _peak_tracker():
+    """Adapter: torch's ``MemTracker`` (the private ``torch.distributed._tools``), the one tool that counts every
+    live tensor storage by kind, keeping the whole step's peak only (its per-module peaks walk every module at
+    every op, 80 % of a 1B model's simulation, and nothing here reads them). Its kinds and its peak bookkeeping
+    are private names too: all of them stay in here."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    class PeakTracker(MemTracker):
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
 
-    return PeakTracker
+        def peak_parts(self) -> dict[str, int]:
+            """The bytes alive at the step's peak by part (:data:`PARTS` but the DDP buckets)."""
+            peak = next(iter(self.get_tracker_snapshot("peak").values()))
+            kinds = {"weights": (_MemRefType.PARAM, _MemRefType.BUFFER), "gradients": (_MemRefType.GRAD,),
+                     "AdamW state": (_MemRefType.OPT,), "activations": (_MemRefType.ACT,),
+                     "backward temporaries": (_MemRefType.TEMP, _MemRefType.OTH)}
+            return {name: sum(peak.get(k, 0) for k in refs) for name, refs in kinds.items()}
+
+    return PeakTracker()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +131,25 @@ class Simulated:
 
 
 def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micro_batches: int = 2) -> Simulated:
-    """One optimizer step of one process under fake tensors (see the module doc). ``micro_batches`` > 1: the
-    measured micro-batch runs with the previous one's gradients held, as every micro-batch after the first of an
-    accumulating step does."""
+    """One optimizer step of one process under fake tensors.
+
+    The model is prepared as the trainer does (:func:`hif8qat.train.loop.prepare_model`: BF16-parameter quirk,
+    quantized linears switched on, the chunked loss head, activation checkpointing), with the trainer's AdamW
+    (:func:`~hif8qat.train.loop.build_optimizer`) in the implementation ``train.optimizer_impl`` names for the device
+    (``fused``; or torch's default, on CUDA ``foreach``, one temporary the size of the parameters), asked for
+    explicitly. The step runs forward and backward under the run's numerics, gradient clipping and the AdamW update
+    with its moments already made. Simulated on the CPU (the CPU-only torch has no CUDA autocast to simulate with),
+    for the device the run trains on.
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        device_type: the device the run trains on (``cpu`` or ``cuda``).
+        micro_batches: above 1, the measured micro-batch runs with the previous one's gradients held, as every
+            micro-batch after the first of an accumulating step does.
+
+    Returns:
+        A :class:`Simulated`."""
     from transformers import AutoModelForCausalLM
 
     t = cfg.train
@@ -154,8 +158,7 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
     autocast = numerics.resolve(t.autocast, device_type)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, autocast=autocast))
     config = model_config(facts)
-    # allow_non_fake_inputs: the scaler banks build their tables from numpy arrays
-    with FakeTensorMode(allow_non_fake_inputs=True), _kept_weight_results(), _one_sequence_per_row():
+    with _fake_tensor_mode(), keep_weights_under_fake_tensors(), _one_sequence_per_row():
         # built in the dtype and on the device the run trains it in: a module of fake tensors cannot move
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.bfloat16 if cfg.quirks.bf16_params else torch.float32)
@@ -170,7 +173,7 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
         optimizer.step()
         if micro_batches < 2:
             optimizer.zero_grad(set_to_none=True)
-        tracker = _peak_tracker_class()()
+        tracker = _peak_tracker()
         tracker.track_external(model, optimizer)
         tokens = torch.zeros(t.micro_batch_size, t.seq_len + 1, dtype=torch.long)
         with tracker:
@@ -178,14 +181,10 @@ def simulate_step(cfg: RunConfig, facts: dict, *, device_type: str = "cpu", micr
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        parts = tracker.peak_parts()
         params = _unique_parameters(model)
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
         blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in transformer_blocks(model)]
-    kinds = {"weights": (_MemRefType.PARAM, _MemRefType.BUFFER), "gradients": (_MemRefType.GRAD,),
-             "AdamW state": (_MemRefType.OPT,), "activations": (_MemRefType.ACT,),
-             "backward temporaries": (_MemRefType.TEMP, _MemRefType.OTH)}
-    parts = {name: sum(peak.get(k, 0) for k in refs) for name, refs in kinds.items()}
     return Simulated(parts, grad_bytes, max(blocks, default=0), grad_bytes - sum(blocks))
 
 
@@ -199,8 +198,20 @@ def _micro_batch(model, cfg: RunConfig, autocast: str, tokens: torch.Tensor, tra
 
 
 def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1, device_type: str | None = None) -> dict[str, int]:
-    """Bytes one training process holds at the peak of a step, by part (:data:`PARTS`; the sum is the
-    estimate). ``device_type``: where the run trains (default: where ``train.device`` puts it on this machine)."""
+    """Bytes one training process holds at the peak of a step, by part (:data:`PARTS`; the sum is the estimate).
+    Added to the simulated step: DDP's gradient buckets (``DistributedDataParallel`` as the trainer builds it keeps
+    ``gradient_as_bucket_view`` False: a second copy of every gradient); under FSDP the weights and AdamW state
+    shared out over the ranks while the gradients accumulate unsharded between micro-batches (an approximation,
+    not measured).
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        world_size: processes the run trains on.
+        device_type: where the run trains (default: where ``train.device`` puts it on this machine).
+
+    Returns:
+        Part -> bytes."""
     device_type = device_type or numerics.training_device_type(cfg.train.device)
     t = cfg.train
     accumulates = t.global_batch_size > t.micro_batch_size * world_size
@@ -218,7 +229,15 @@ def step_memory(cfg: RunConfig, facts: dict, world_size: int = 1, device_type: s
 def far_below(cfg: RunConfig, facts: dict, limit: int) -> bool:
     """Whether a step cannot come near ``limit`` bytes, so preflight need not simulate it (seconds per run): a
     hundred times a generous count (16 bytes per parameter, and per token and block 4 bytes per hidden, MLP and
-    attention-score element) still fits. Not an estimate: a screen for the small models of tests and rehearsals."""
+    attention-score element) still fits. Not an estimate: a screen for the small models of tests and rehearsals.
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        limit: the machine's memory, bytes.
+
+    Returns:
+        True when a step cannot come near ``limit``."""
     h, layers = facts.get("hidden_size"), facts.get("num_hidden_layers")
     if not (isinstance(h, int) and isinstance(layers, int)):
         return False
@@ -232,7 +251,16 @@ def far_below(cfg: RunConfig, facts: dict, limit: int) -> bool:
 
 
 def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, device_type: str) -> str:
-    """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight)."""
+    """The estimate, its parts and the settings it is for, in one line (`run.py --estimate`, preflight).
+
+    Args:
+        cfg: the run's config.
+        parts: the estimate by part (:func:`step_memory`).
+        world_size: processes.
+        device_type: where the run trains.
+
+    Returns:
+        The line."""
     t = cfg.train
     per = "GPU" if device_type == "cuda" else "process"
     layout = f"{t.distributed.upper()} over {world_size} processes" if world_size > 1 else "one process"
@@ -245,7 +273,15 @@ def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, device_type
 
 def ratio_verdict(measured: int, estimate: int, tolerance: float = 0.1) -> tuple[bool, str]:
     """Whether a measured peak agrees with the estimate (measured / estimated within 1 -/+ tolerance), and the
-    line that says so (`make gpu-check`'s memory stage)."""
+    line that says so (`make gpu-check`'s memory stage).
+
+    Args:
+        measured: the measured peak, bytes.
+        estimate: the estimate, bytes.
+        tolerance: how far the ratio may be from 1.
+
+    Returns:
+        ``(whether it agrees, the line)``."""
     ratio = measured / estimate if estimate else float("inf")
     ok = 1 - tolerance <= ratio <= 1 + tolerance
     return ok, (f"peak {measured / GIB:.2f} GiB, estimate {estimate / GIB:.2f} GiB, measured/estimated "

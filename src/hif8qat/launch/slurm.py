@@ -1,23 +1,11 @@
 """The SLURM launcher's resources, resolved before anything is submitted, and a quiet job watcher.
 
-`hydra/launcher=slurm` leaves ``gpus_per_node``, ``tasks_per_node`` and ``cpus_per_task`` at ``auto``:
-`resolve_resources` fills them from the partition (``sinfo``: GPUs in the nodes' gres, CPUs per node), so a
-CPU partition or a 4-GPU node needs no override and no silent default asks for GPUs a partition does not
-have. An explicit setting is kept, and checked against the partition: ``cpus_per_task`` x ``tasks_per_node``
-may not exceed a node's CPUs, nor ``gpus_per_node`` its GPUs. What cannot be had raises LauncherError naming
-the setting and the fix; run.py prints it as ``error: ...`` before any job is submitted.
-
-`quiet_sacct()`: submitit follows its jobs with ``sacct``; on a cluster without accounting storage every poll
-printed an error three times. After the first failure the watcher says so once and asks ``squeue`` instead.
-``HIF8QAT_SLURM_POLL_S`` caps the time between polls (submitit's own cap is 10 minutes).
-
-`ReportFailedJobs`: hydra-submitit-launcher's sweep raised the first failed job's exception (submitit's
-UncompletedJobError, printed as a traceback holding the job's whole error stream) while the other jobs still
-ran. Mixed into its launchers (hydra_plugins.hif8qat_launcher, the ``_target_`` of conf/hydra/launcher/slurm.yaml
-and local.yaml: Hydra takes launchers from the ``hydra_plugins`` package only), a sweep waits for every job
-and reports each failed one as one ``error:`` line naming the job, its sweep point, why (the job's own last
-``error:`` line, or its state) and its log, then exits 1.
-"""
+:func:`resolve_resources` fills the ``auto`` resources of `hydra/launcher=slurm` from the partition and checks
+explicit ones against it, so what cannot be had is one ``error: ...`` line before any job is submitted;
+:func:`quiet_sacct` makes submitit's job watcher fall back to ``squeue`` on a cluster without accounting; and
+:class:`ReportFailedJobs`, mixed into hydra-submitit-launcher's launchers (hydra_plugins.hif8qat_launcher, the
+``_target_`` of conf/hydra/launcher/slurm.yaml and local.yaml), waits for every job of a sweep and reports each
+failed one as one ``error:`` line."""
 
 from __future__ import annotations
 
@@ -41,9 +29,14 @@ class LauncherError(ValueError):
 
 
 def parse_sinfo(text: str) -> dict[str, dict[str, Any]]:
-    """``sinfo -h -o '%P|%c|%G'`` output -> {partition: {"cpus": int, "gpus": int, "default": bool}}.
+    """Partitions from ``sinfo -h -o '%P|%c|%G'`` output. A partition with several node kinds keeps the smallest CPU
+    and GPU counts (what every node has).
 
-    A partition with several node kinds keeps the smallest CPU and GPU counts (what every node has)."""
+    Args:
+        text: sinfo's output.
+
+    Returns:
+        ``{partition: {"cpus": int, "gpus": int, "default": bool}}``."""
     parts: dict[str, dict[str, Any]] = {}
     for line in text.splitlines():
         if line.count("|") != 2:
@@ -61,7 +54,13 @@ def parse_sinfo(text: str) -> dict[str, dict[str, Any]]:
 
 
 def read_partitions() -> dict[str, dict[str, Any]]:
-    """The cluster's partitions, from sinfo; LauncherError when sinfo cannot be asked."""
+    """The cluster's partitions, from sinfo.
+
+    Returns:
+        What :func:`parse_sinfo` reads.
+
+    Raises:
+        LauncherError: sinfo cannot be run or fails."""
     try:
         out = subprocess.run(["sinfo", "-h", "-o", "%P|%c|%G"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -75,8 +74,20 @@ def read_partitions() -> dict[str, dict[str, Any]]:
 def resolve_resources(launcher: Mapping[str, Any], partitions: Mapping[str, dict] | Exception) -> dict[str, Any]:
     """The values of gpus_per_node / tasks_per_node / cpus_per_task to submit with.
 
-    launcher: the launcher config, ``auto`` for a setting left to the partition;
-    partitions: parse_sinfo's answer, or the exception that kept it from being read. Raises LauncherError."""
+    A setting left at ``auto`` is filled from the partition (GPUs in the nodes' gres, CPUs per node), so a CPU
+    partition or a 4-GPU node needs no override and no silent default asks for GPUs a partition does not have. An
+    explicit setting is kept and checked: ``cpus_per_task`` x ``tasks_per_node`` may not exceed a node's CPUs, nor
+    ``gpus_per_node`` its GPUs.
+
+    Args:
+        launcher: the launcher config, ``auto`` for a setting left to the partition.
+        partitions: parse_sinfo's answer, or the exception that kept it from being read.
+
+    Returns:
+        ``{gpus_per_node, tasks_per_node, cpus_per_task}``.
+
+    Raises:
+        LauncherError: a resource that cannot be had (it names the setting and the fix)."""
     # "auto" (or a missing key): left to the partition; gpus_per_node=null is an answer (no GPUs), the others'
     # null means the same as auto
     unset = [k for k in RESOURCE_KEYS
@@ -130,8 +141,17 @@ def resolve_resources(launcher: Mapping[str, Any], partitions: Mapping[str, dict
 
 
 def launcher_overrides(launcher: Mapping[str, Any], explicit: set[str]) -> tuple[list[str], str]:
-    """Command-line overrides that pin the launcher's resources, and a one-line note saying where they came
-    from. launcher: the composed (resolved) launcher config; explicit: resource keys set on the command line."""
+    """Command-line overrides that pin the launcher's resources, and where they came from.
+
+    Args:
+        launcher: the composed (resolved) launcher config.
+        explicit: resource keys set on the command line.
+
+    Returns:
+        ``(overrides, a one-line note)``.
+
+    Raises:
+        LauncherError: as :func:`resolve_resources`."""
     partitions: Mapping[str, dict] | Exception
     try:
         partitions = read_partitions()
@@ -150,12 +170,28 @@ def launcher_overrides(launcher: Mapping[str, Any], explicit: set[str]) -> tuple
 def gone_as_completed(listed: Mapping[str, Any], pending: set[str]) -> dict[str, dict[str, str]]:
     """A COMPLETED record for each job submitit still waits for that squeue no longer lists (slurmctld forgets
     a finished job after MinJobAge): submitit then reads the job's result file, or reports that it left none,
-    instead of waiting for ever."""
+    instead of waiting for ever.
+
+    Args:
+        listed: squeue's records by job id.
+        pending: the job ids submitit waits for.
+
+    Returns:
+        Job id -> its COMPLETED record."""
     return {job: {"JobID": job, "State": "COMPLETED", "NodeList": ""} for job in sorted(pending - set(listed))}
 
 
 def quiet_sacct(note=print) -> None:
-    """Make submitit's SLURM watcher fall back to squeue, with one note, once sacct fails."""
+    """Make submitit's SLURM watcher fall back to squeue, with one note, once sacct fails (on a cluster without
+    accounting storage every poll printed an error three times). ``HIF8QAT_SLURM_POLL_S`` caps the time between
+    polls (submitit's own cap is 10 minutes). Idempotent.
+
+    Adapter: submitit has no setting for this, so its watcher's update is replaced here, and with it the private
+    state the watcher keeps (its jobs, their states, its clock and its poll delay): the one place that touches
+    them.
+
+    Args:
+        note: where the one note goes."""
     from submitit.core import core
     from submitit.slurm import slurm
 
@@ -240,6 +276,12 @@ def _outcomes():
         Executor.map_array = plain
 
 
+def _task_exception(ret):
+    """Adapter: the exception a failed sweep task raised, from hydra's ``JobReturn``. Its public ``return_value``
+    raises that exception instead of returning it; the value sits in the private ``_return_value``."""
+    return ret._return_value
+
+
 def _job_log(job) -> Path:
     """Task 0's error stream (rank 0 prints the `error:` lines), or its output when stderr goes there."""
     from submitit.core.utils import JobPaths
@@ -249,8 +291,15 @@ def _job_log(job) -> Path:
 
 
 def failure_line(job, overrides: list[str], failure) -> str:
-    """One `error:` line for a sweep job that failed: `failure` is its exception (submitit's, when it left no
-    result, or the task's own, when the task raised)."""
+    """One ``error:`` line for a sweep job that failed: the job's own last ``error:`` line, or its state, and its log.
+
+    Args:
+        job: the submitit job.
+        overrides: its sweep point.
+        failure: its exception (submitit's, when it left no result, or the task's own, when the task raised).
+
+    Returns:
+        The line."""
     log = _job_log(job)
     said = []
     for path in (log, log.with_suffix(".out")):
@@ -274,13 +323,25 @@ class ReportFailedJobs:
     launcher writes too), and exits with status 1 when a point failed or was busy."""
 
     def launch(self, job_overrides, initial_job_idx):
+        """Launch the sweep's jobs and wait for every one (hydra-submitit-launcher raised the first failure while the
+        others still ran); print one ``error:`` line per failed job and the summary.
+
+        Args:
+            job_overrides: each job's overrides.
+            initial_job_idx: the first job's number.
+
+        Returns:
+            The jobs' returns, as the launcher's own launch().
+
+        Raises:
+            SystemExit: status 1 when a point failed or was busy."""
         with _outcomes() as jobs:
             returns = super().launch(job_overrides, initial_job_idx)
         lines, points = [], []
         for num, (overrides, job, ret) in enumerate(zip(job_overrides, jobs, returns), start=initial_job_idx):
             failure = ret if isinstance(ret, BaseException) else None
             if failure is None and getattr(ret.status, "name", "") == "FAILED":
-                failure = ret._return_value  # the task's exception (reading ret.return_value raises it)
+                failure = _task_exception(ret)
             if failure is not None:
                 lines.append(failure_line(job, list(overrides), failure))
                 result = outcome(FAILED, lines[-1])

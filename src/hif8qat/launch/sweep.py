@@ -29,16 +29,30 @@ FAILURE_STATUS = 1  # a point failed or was busy; 2 stays the status of a refuse
 
 
 def outcome(state: str, error: str = "") -> dict[str, str]:
-    """A point's outcome as the launcher receives it (a plain dict: submitit pickles it across processes)."""
+    """A point's outcome as the launcher receives it (a plain dict: submitit pickles it across processes).
+
+    Args:
+        state: one of STATES.
+        error: the point's ``error:`` line, if any.
+
+    Returns:
+        ``{state, error}``."""
     return {"state": state, "error": error}
 
 
 def run_point(job: Callable[[], str | None], *, stream=None) -> dict[str, str]:
-    """Run one sweep point; its outcome, never an exception.
+    """Run one sweep point; its outcome, never an exception. A user's error is printed as the one ``error:`` line a
+    single run prints; anything else also prints its traceback (a bug to report), then the sweep goes on.
 
-    job returns SKIPPED when it found its work already done. A user's error is printed as the one ``error:``
-    line a single run prints; anything else also prints its traceback (a bug to report), then the sweep goes on.
-    Ctrl-C stops the whole sweep: one ``interrupted`` line, status 130."""
+    Args:
+        job: the point's work; it returns SKIPPED when it found its work already done.
+        stream: where the lines go (default sys.stderr).
+
+    Returns:
+        The point's :func:`outcome`.
+
+    Raises:
+        SystemExit: status 130 on Ctrl-C, which stops the whole sweep with one ``interrupted`` line."""
     stream = stream or sys.stderr
     try:
         return outcome(SKIPPED if job() == SKIPPED else DONE)
@@ -65,12 +79,24 @@ def _interrupted() -> None:
 
 
 def point_label(overrides: Sequence[str]) -> str:
-    """The point as its command-line overrides say it (Hydra's own settings left out)."""
+    """The point as its command-line overrides say it (Hydra's own settings left out).
+
+    Args:
+        overrides: the point's overrides.
+
+    Returns:
+        The overrides joined, or ``(no overrides)``."""
     return " ".join(o for o in overrides if not o.lstrip("+~").startswith("hydra.")) or "(no overrides)"
 
 
 def summary_text(points: Sequence[tuple[int, Sequence[str], dict[str, str]]]) -> str:
-    """The summary of a sweep: points are (job number, overrides, outcome)."""
+    """The summary of a sweep: a count per state, then one line per point (and its error).
+
+    Args:
+        points: (job number, overrides, outcome) per point.
+
+    Returns:
+        The text."""
     counts = {state: sum(1 for _, _, o in points if o["state"] == state) for state in STATES}
     head = ", ".join(f"{counts[s]} {s}" for s in STATES)
     lines = [f"sweep summary: {len(points)} point(s): {head}"]
@@ -86,8 +112,15 @@ def summary_text(points: Sequence[tuple[int, Sequence[str], dict[str, str]]]) ->
 
 
 def finish_sweep(sweep_dir: str | Path, points: Sequence[tuple[int, Sequence[str], dict[str, str]]]) -> None:
-    """Print the summary, write it beside the sweep's job folders, and exit with status 1 when a point failed
-    or was busy (the shell, make and CI then see that the sweep is not complete)."""
+    """Print the summary and write it beside the sweep's job folders.
+
+    Args:
+        sweep_dir: the sweep's folder.
+        points: (job number, overrides, outcome) per point.
+
+    Raises:
+        SystemExit: status 1 when a point failed or was busy (the shell, make and CI then see that the sweep is not
+            complete)."""
     text = summary_text(points)
     path = Path(sweep_dir) / SUMMARY_FILE
     try:

@@ -1,16 +1,11 @@
 """How long a batch of runs will take on this machine, from a short measured training step.
 
-    python run.py --estimate --profile mini --experiments exp1 exp2 ... --seeds 0 [--label "make all"]
-        [--baseline exp1 --baseline-overrides K=V ...] [--overrides K=V ...]
-
 Loads the profile's model (timed), times a few training steps at the profile's batch, sequence length and
-numerics (``train.autocast`` as the run's config resolved it) and an evaluation-sized forward pass, plain and quantized;
-then adds up, for every run that is not finished yet, its plain and quantized steps, the forwards and setup
-of each of its evaluation modes, and its model loads. Printed before ``make all`` and the other
-long targets, so a user on a slower machine knows what they started. The mini profile is measured here (its
-runs take minutes to an hour on a CPU); the one-GPU profile (gpu1) is estimated from FLOPs at a stated
-throughput, not measured (:func:`flop_costs`), labelled so; elsewhere it says nothing.
-"""
+numerics and an evaluation-sized forward pass, plain and quantized (:func:`measure`); then adds up, for every
+run that is not finished yet, its steps, evaluation forwards and model loads (:func:`run_seconds`). Printed before
+``make all`` and the other long targets, so a user on a slower machine knows what they started. The mini profile
+is measured here; the one-GPU profile (gpu1) is estimated from FLOPs at a stated throughput (:func:`flop_costs`),
+labelled so; elsewhere it says nothing."""
 
 from __future__ import annotations
 
@@ -54,7 +49,14 @@ GPU1_LOAD_S = 30.0
 
 
 def eval_tokens(results_root: Path, profile: str) -> int:
-    """Tokens one run's evaluation forwards: from the newest recorded evaluation of the profile, else a fallback."""
+    """Tokens one run's evaluation forwards: from the newest recorded evaluation of the profile, else a fallback.
+
+    Args:
+        results_root: the folder that holds the runs.
+        profile: the profile.
+
+    Returns:
+        The tokens; a per-profile fallback when no evaluation is recorded."""
     counts = []
     for path in sorted((results_root / profile).glob("*/seed*/eval/bf16/results.json")):
         tokens = (json.loads(path.read_text()).get("_meta") or {}).get("eval_tokens") or {}
@@ -83,7 +85,15 @@ class Costs:
 def run_seconds(cfg, costs: Costs, eval_tokens_per_mode: int) -> float:
     """Seconds one run takes: its plain and quantized steps, each evaluation mode's forwards and setup, and
     one model load per process that needs the model (training, then each evaluation mode); for a quantized run
-    also the held-out distances computed after its evaluation."""
+    also the held-out distances computed after its evaluation.
+
+    Args:
+        cfg: the run's resolved config.
+        costs: what each piece costs (:func:`measure` or :func:`flop_costs`).
+        eval_tokens_per_mode: tokens one evaluation mode forwards.
+
+    Returns:
+        The seconds."""
 
     modes = list(cfg.eval.modes)
     qat_steps = max(cfg.train.steps - cfg.quant.bf16_warmup_steps, 0) if cfg.quant.enabled else 0
@@ -101,7 +111,14 @@ def run_seconds(cfg, costs: Costs, eval_tokens_per_mode: int) -> float:
 def flops_per_token(facts: dict, seq_len: int) -> tuple[float, float]:
     """(training, forward) FLOPs per token: 6 N and 2 N over the parameters that multiply (the blocks and the head,
     which a tied embedding still computes; not the embedding lookup), plus attention's scores and values,
-    12 L d T and 4 L d T (counted without the causal half, the usual convention)."""
+    12 L d T and 4 L d T (counted without the causal half, the usual convention).
+
+    Args:
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        seq_len: the sequence length.
+
+    Returns:
+        ``(training, forward)`` FLOPs per token."""
     h, layers, vocab = facts["hidden_size"], facts["num_hidden_layers"], facts["vocab_size"]
     inter = facts["intermediate_size"]
     heads = facts["num_attention_heads"]
@@ -113,7 +130,15 @@ def flops_per_token(facts: dict, seq_len: int) -> tuple[float, float]:
 
 
 def flop_costs(cfg, facts: dict, tflops: float = GPU1_TFLOPS) -> Costs:
-    """What a run's pieces cost from FLOPs at ``tflops`` (BF16 training), not measured: see GPU1_* above."""
+    """What a run's pieces cost from FLOPs at ``tflops`` (BF16 training), not measured: see GPU1_* above.
+
+    Args:
+        cfg: the run's resolved config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        tflops: the assumed BF16 throughput, TFLOP/s.
+
+    Returns:
+        The costs, labelled ``bf16 (assumed)``."""
     train_flops, forward_flops = flops_per_token(facts, cfg.train.seq_len)
     step = cfg.train.global_batch_size * cfg.train.seq_len * train_flops / (tflops * 1e12)
     token = forward_flops / (tflops * 1e12 * GPU1_EVAL_EFFICIENCY)
@@ -130,7 +155,14 @@ def _gpu1_facts(cfg) -> tuple[dict, str]:
 
 
 def measure(cfg, repeats: int = 2) -> Costs:
-    """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant)."""
+    """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant).
+
+    Args:
+        cfg: the run's resolved config.
+        repeats: timings per piece (the fastest is kept).
+
+    Returns:
+        The measured costs."""
 
 
     t0 = time.perf_counter()
@@ -176,7 +208,12 @@ def measure(cfg, repeats: int = 2) -> Costs:
 
 def print_memory(cfg, world_size: int | None, device: str | None) -> None:
     """The simulated memory of one training step of the run (:mod:`hif8qat.launch.memory`), when its model's
-    config.json is at hand."""
+    config.json is at hand.
+
+    Args:
+        cfg: the run's resolved config.
+        world_size: processes (None: every local GPU for the paper profile, else one).
+        device: where the run trains (None: where ``train.device`` puts it here)."""
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts:
         return
@@ -189,8 +226,17 @@ def print_memory(cfg, world_size: int | None, device: str | None) -> None:
 
 
 def main(argv, config_for: Callable[..., Any]) -> int:
-    """``config_for(profile, experiment, seed, overrides)``: the resolved RunConfig run.py would build (run.py
-    composes it)."""
+    """``python run.py --estimate --profile P --experiments E... [--seeds S...] [--label L] [--baseline E
+    --baseline-overrides K=V...] [--overrides K=V...]``: the time (and memory) the runs that are not finished yet
+    will take here.
+
+    Args:
+        argv: the arguments after ``--estimate``.
+        config_for: ``config_for(profile, experiment, seed, overrides)``: the resolved RunConfig run.py would build
+            (run.py composes it).
+
+    Returns:
+        The exit status."""
     ap = argparse.ArgumentParser(prog="run.py --estimate", description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="mini")
     ap.add_argument("--experiments", nargs="+", required=True)

@@ -1,19 +1,10 @@
 """The installed libraries against the supported ranges, checked before any work.
 
 The ranges have one source: ``pyproject.toml``'s ``dependencies`` and ``pipeline`` extra, read from the checkout
-when this code runs from one, else from the installed package's metadata (the same list, copied there by
-``pip install``). A library outside its range is ``error: <name> <found> is not supported (supported: <range>)``
-and exit status 2, before anything else of the project's is imported (run.py calls :func:`exit_if_unsupported`
-first): a GPU node's own torch or transformers that is too old is named as the cause, instead of a traceback
-deep in a model's forward.
-
-    python -m hif8qat.launch.versions                          # check this environment (exit 2 when unsupported)
-    python -m hif8qat.launch.versions --lowest torch transformers --requirements requirements.txt
-        # requirements.txt with those packages at their lowest supported version (what make test-compat installs)
-
-Standard library and ``packaging`` only (it comes with pip's installs of transformers and every build tool): a
-broken torch or transformers must not stop the check that names it.
-"""
+when this code runs from one, else from the installed package's metadata. A library outside its range is
+``error: <name> <found> is not supported (supported: <range>)`` and exit status 2, before anything else of the
+project's is imported (run.py calls :func:`exit_if_unsupported` first). Standard library and ``packaging`` only:
+a broken torch or transformers must not stop the check that names it."""
 
 from __future__ import annotations
 
@@ -50,8 +41,15 @@ def _pyproject_requirements(path: Path) -> list[str] | None:
 
 
 def declared(extras: tuple[str, ...] = CHECKED_EXTRAS, pyproject: Path = PYPROJECT) -> dict[str, Requirement]:
-    """The supported range of each package the core and ``extras`` need, by canonical name ({} when the ranges
-    cannot be found: an unpacked copy without metadata checks nothing)."""
+    """The supported range of each package the core and ``extras`` need.
+
+    Args:
+        extras: the optional-dependency groups to include.
+        pyproject: the checkout's pyproject.toml.
+
+    Returns:
+        Canonical name -> requirement; {} when the ranges cannot be found (an unpacked copy without metadata checks
+        nothing)."""
     strings = _pyproject_requirements(pyproject)
     if strings is None:
         try:
@@ -75,13 +73,25 @@ def _installed(name: str) -> str | None:
 
 
 def supported(req: Requirement) -> str:
-    """The range as a reader writes it: lower bound first (``>=5.17,<6``)."""
+    """The range as a reader writes it: lower bound first (``>=5.17,<6``).
+
+    Args:
+        req: the requirement.
+
+    Returns:
+        The range, e.g. ``>=5.17,<6``; ``any version`` when unbounded."""
     specs = sorted(req.specifier, key=lambda s: (not s.operator.startswith((">", "=", "~")), s.version))
     return ",".join(str(s) for s in specs) or "any version"
 
 
 def problems(wanted: dict[str, Requirement] | None = None) -> list[str]:
-    """One message per declared package that is missing or outside its range (empty when all are supported)."""
+    """One message per declared package that is missing or outside its range.
+
+    Args:
+        wanted: the ranges (None: :func:`declared`).
+
+    Returns:
+        The messages; empty when all are supported."""
     wanted = declared() if wanted is None else wanted
     found = []
     for _, req in sorted(wanted.items()):
@@ -105,7 +115,18 @@ def exit_if_unsupported() -> None:
 
 
 def lowest(name: str, wanted: dict[str, Requirement] | None = None) -> str:
-    """The lowest version ``name``'s declared range allows, from its ``>=`` or ``==`` bound."""
+    """The lowest version ``name``'s declared range allows, from its ``>=`` or ``==`` bound.
+
+    Args:
+        name: the package.
+        wanted: the ranges (None: :func:`declared`).
+
+    Returns:
+        The version.
+
+    Raises:
+        KeyError: not a declared dependency.
+        ValueError: the range has no single lower bound."""
     wanted = declared() if wanted is None else wanted
     req = wanted.get(canonicalize_name(name))
     if req is None:
@@ -117,8 +138,15 @@ def lowest(name: str, wanted: dict[str, Requirement] | None = None) -> str:
 
 
 def lowest_requirements(requirements: str, names: list[str]) -> str:
-    """``requirements`` (a pip requirements file's text) with each of ``names`` pinned to its lowest supported
-    version instead of its line there (order kept: torch stays first)."""
+    """A requirements file with some packages pinned to their lowest supported version instead of their line there
+    (order kept: torch stays first).
+
+    Args:
+        requirements: the file's text.
+        names: the packages to pin.
+
+    Returns:
+        The new text."""
     wanted = declared()
     pins = {canonicalize_name(n): f"{n}=={lowest(n, wanted)}" for n in names}
     out = []
@@ -131,6 +159,15 @@ def lowest_requirements(requirements: str, names: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hif8qat.launch.versions``: check this environment (exit 2 when unsupported);
+    ``--lowest torch transformers --requirements requirements.txt`` prints requirements.txt with those packages at
+    their lowest supported version (what make test-compat installs).
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status."""
     ap = argparse.ArgumentParser(prog="python -m hif8qat.launch.versions", description=__doc__.split("\n\n")[0])
     ap.add_argument("--lowest", nargs="+", metavar="PACKAGE",
                     help="print the requirements file with these packages at their lowest supported version")

@@ -47,11 +47,20 @@ def _load_hif8_mode(export_dir: Path, trust_remote_code: bool | None):
 def write_8bit_export(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       rest_dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool | None = None,
                       meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Write the 8-bit export of the save_pretrained folder ``export_dir`` (with its ``hif8qat_quant.json``) into
-    ``out_dir`` (replaced as a whole, atomically) with :func:`hif8qat.export_8bit`. ``rest_dtype``: the dtype of
-    every tensor that is not a quantized weight (BF16 for deployment; the export's own float32 keeps them
-    exactly). Returns sizes and the layer count (``bytes``, ``bf16_bytes``: the same tensors all in BF16,
-    ``source_bytes``, ``layers``)."""
+    """Write the 8-bit export of a save_pretrained folder with :func:`hif8qat.export_8bit`.
+
+    Args:
+        export_dir: the save_pretrained folder (with its ``hif8qat_quant.json``).
+        out_dir: where the 8-bit export goes (replaced as a whole, atomically).
+        rest_dtype: the dtype of every tensor that is not a quantized weight (BF16 for deployment; the
+            export's own float32 keeps them exactly).
+        trust_remote_code: allow the model's own code (where its config declares some).
+        meta: extra entries for ``hif8qat_8bit.json``.
+
+    Returns:
+        Sizes and the layer count: ``bytes``, ``bf16_bytes`` (the same tensors all in BF16), ``source_bytes``,
+        ``layers``.
+    """
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     if not (export_dir / QUANT_JSON).exists():
         raise FileNotFoundError(f"{export_dir} has no {QUANT_JSON}: only a quantized run has an 8-bit export")
@@ -71,7 +80,14 @@ def write_8bit_export(export_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
 
 def read_8bit_export(directory: str | os.PathLike) -> dict[str, Any]:
-    """``hif8qat_8bit.json`` of an 8-bit export (its files verified against the folder's manifest first)."""
+    """``hif8qat_8bit.json`` of an 8-bit export (its files verified against the folder's manifest first).
+
+    Args:
+        directory: the 8-bit export.
+
+    Returns:
+        The file's contents.
+    """
     directory = Path(directory)
     verify_folder_manifest(directory, REDO)
     return read_json(directory / EIGHT_BIT_JSON, REDO)
@@ -79,20 +95,45 @@ def read_8bit_export(directory: str | os.PathLike) -> dict[str, Any]:
 
 def decoded_state_dict(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor of the model in ``dtype`` (:func:`hif8qat.quant.export.decoded_state_dict`), the folder
-    verified against its manifest first."""
+    verified against its manifest first.
+
+    Args:
+        directory: the 8-bit export.
+        dtype: the tensors' dtype.
+
+    Returns:
+        Name -> tensor.
+    """
     read_8bit_export(directory)
     return library.decoded_state_dict(directory, dtype)
 
 
 def load_8bit_export(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                      trust_remote_code: bool | None = None, quantize: bool = True):
-    """:func:`hif8qat.load_8bit_export`, the folder verified against its manifest first (where it has one)."""
+    """:func:`hif8qat.load_8bit_export`, the folder verified against its manifest first (where it has one).
+
+    Args:
+        directory: the 8-bit export.
+        dtype: the decoded weights' dtype.
+        trust_remote_code: allow the model's own code.
+        quantize: convert the layers as recorded, their final scales frozen.
+
+    Returns:
+        ``(model, tokenizer)``, the tokenizer None where none was saved.
+    """
     read_8bit_export(directory)
     return library.load_8bit_export(directory, dtype=dtype, trust_remote_code=trust_remote_code, quantize=quantize)
 
 
 def size_line(sizes: Mapping[str, Any]) -> str:
-    """``8-bit export: X MiB (BF16: Y MiB, ratio Z)``."""
+    """``8-bit export: X MiB (BF16: Y MiB, ratio Z)``.
+
+    Args:
+        sizes: what :func:`write_8bit_export` returned.
+
+    Returns:
+        The line.
+    """
     mib = 2.0 ** 20
     ratio = sizes["bytes"] / sizes["bf16_bytes"] if sizes["bf16_bytes"] else math.nan
     return (f"8-bit export: {sizes['bytes'] / mib:.2f} MiB (BF16: {sizes['bf16_bytes'] / mib:.2f} MiB, "

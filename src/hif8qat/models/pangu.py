@@ -54,7 +54,14 @@ OPENPANGU_SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "[unused10]", "pad_
 
 
 def pangu_parameter_count(config: dict) -> int:
-    """Parameters of an openPangu config (a tied head counted once), from its sizes alone."""
+    """Parameters of an openPangu config (a tied head counted once), from its sizes alone.
+
+    Args:
+        config: the config.json as a dict.
+
+    Returns:
+        The count.
+    """
     c = {**_PANGU_DEFAULTS, **config}
     h, inter, heads, kv = (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
                            c["num_key_value_heads"])
@@ -72,7 +79,14 @@ _PANGU_DROPPED = ("auto_map", "architectures", "model_type", "transformers_versi
 
 def pangu_llama_config(pangu: dict):
     """The ``LlamaConfig`` of an openPangu config.json: ``bias`` becomes ``attention_bias`` (all four attention
-    projections), the MLP has no bias, every other key is kept; the remote-code keys are dropped."""
+    projections), the MLP has no bias, every other key is kept; the remote-code keys are dropped.
+
+    Args:
+        pangu: the config.json as a dict.
+
+    Returns:
+        The ``LlamaConfig``.
+    """
     from transformers import LlamaConfig
 
     missing = [k for k in _PANGU_REQUIRED if k not in pangu]
@@ -88,7 +102,17 @@ def pangu_llama_config(pangu: dict):
 
 def load_pangu_as_llama(source: str, config: dict, *, dtype: torch.dtype, revision: str | None = None):
     """``LlamaForCausalLM`` with the checkpoint's own safetensors; every tensor must land on a parameter and every
-    parameter must come from the checkpoint."""
+    parameter must come from the checkpoint.
+
+    Args:
+        source: the checkpoint's folder or hub id.
+        config: its config.json as a dict.
+        dtype: the parameters' dtype.
+        revision: the hub revision.
+
+    Returns:
+        The model.
+    """
     from transformers import LlamaForCausalLM
 
     model, info = LlamaForCausalLM.from_pretrained(source, config=pangu_llama_config(config), dtype=dtype,
@@ -125,6 +149,12 @@ def sentencepiece_pipeline(model_file: Path):
     piece's score, as SentencePiece picks the best-scored pair first; user-defined pieces are emitted whole. The
     rules are those of transformers 5.24's ``build_tokenizer_from_spm_proto``, written here so that every supported
     transformers version gives the same ids.
+
+    Args:
+        model_file: the ``tokenizer.model``.
+
+    Returns:
+        The tokenizer.
     """
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(Path(model_file).read_bytes())
@@ -173,6 +203,13 @@ def pangu_tokenizer(source: str, *, revision: str | None = None):
     the SentencePiece model (:func:`sentencepiece_pipeline`), so ids are SentencePiece's (BOS first) whatever
     transformers version converts it: transformers 5.17's own conversion ignores the model's normalizer spec (no
     dummy prefix, no whitespace removal) and gives other ids. Tested on a SentencePiece model built in the tests.
+
+    Args:
+        source: the checkpoint's folder or hub id.
+        revision: the hub revision.
+
+    Returns:
+        The fast tokenizer.
     """
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 

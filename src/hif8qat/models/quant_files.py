@@ -44,6 +44,14 @@ def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | Non
 
     Call it before :func:`step_telemetry` in a step to get that step's per-layer aggregates.
     Returns the number of lines written.
+
+    Args:
+        model: a converted model.
+        path: the JSON-lines file.
+        step: the step the lines belong to.
+
+    Returns:
+        The number of lines written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +69,13 @@ def dump_telemetry(model: nn.Module, path: str | os.PathLike, *, step: int | Non
 
 
 def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapping[str, Any] | None = None) -> None:
-    """Write hif8qat_quant.json and hif8qat_scalers.safetensors into ``directory`` (beside save_pretrained)."""
+    """Write hif8qat_quant.json and hif8qat_scalers.safetensors into ``directory`` (beside save_pretrained).
+
+    Args:
+        model: a converted model.
+        directory: the export folder.
+        meta: what :func:`load_quant_export` gives back (e.g. the step).
+    """
 
     if getattr(model, "_hif8qat_conversion", None) is None:
         raise ValueError("save_quant_export: the model was not converted (hif8qat.convert_to_hif8_training)")
@@ -78,7 +92,14 @@ def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapp
 def read_quant_export(directory: str | os.PathLike) -> dict[str, Any]:
     """``hif8qat_quant.json`` of an export, with its scaling config completed: an export written before FP8
     (no ``format`` in its config) is HiF8, and ``element_formats`` and ``targets`` (each role's scale target)
-    are filled in when absent."""
+    are filled in when absent.
+
+    Args:
+        directory: the export folder.
+
+    Returns:
+        The file's contents.
+    """
     return complete_quant_document(json.loads((Path(directory) / QUANT_JSON).read_text(encoding="utf-8")))
 
 
@@ -87,6 +108,13 @@ def load_quant_export(model: nn.Module, directory: str | os.PathLike) -> dict[st
 
     The model quantizes in the export's format (HiF8 for exports written before FP8). Returns the ``meta``
     dict given to :func:`save_quant_export`.
+
+    Args:
+        model: a plain or already converted model.
+        directory: the export folder.
+
+    Returns:
+        The ``meta`` dict.
     """
 
     directory = Path(directory)

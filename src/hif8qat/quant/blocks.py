@@ -1,19 +1,11 @@
 """Which GEMM weights of a model a conversion quantizes, and why each other one is left out.
 
-Model-agnostic: a model's decoder blocks are found by shape (a ``ModuleList`` whose entries have an attention or
-feed-forward submodule). Inside a block, a weight that a GEMM uses is an ``nn.Linear``, a GPT-2 style ``Conv1D``
-(weight stored ``[in, out]``), or one expert's slice of a 3-D expert parameter (transformers 5 MoE layers); its
-role is decided by where it sits, not by its name:
-
-* attention: inside the block's attention submodule (``self_attn``, ``attention``, ``attn``, ... or a class
-  named ``*Attention*``);
-* MLP: inside the feed-forward or MoE submodule (``mlp``, ``ffn``, ``feed_forward``, ... or a class named
-  ``*MLP*`` / ``*MoE*`` / ``*FeedForward*``), or directly in the block beside its attention (OPT's ``fc1``/``fc2``);
-* router: an MoE's routing gate, kept in high precision by design.
-
-A weight whose role cannot be decided is an error (never a silent skip): ``role_map`` maps block-relative names
-to ``attn`` / ``mlp`` / ``none``, or ``module_filter_fn`` leaves them out. The pipeline's model loader uses the
-same block finder, so a run and a foreign trainer convert the same layers.
+Model-agnostic: a model's decoder blocks are found by shape (a ``ModuleList`` whose entries have an attention
+or feed-forward submodule). Inside a block, a weight that a GEMM uses is an ``nn.Linear``, a GPT-2 style
+``Conv1D`` or one expert's slice of a 3-D expert parameter, and its role (attention, MLP, router) is decided
+by where it sits, not by its name (:func:`block_gemms` lists the rules). A weight whose role cannot be decided
+is an error, never a silent skip. The pipeline's model loader uses the same block finder, so a run and a
+foreign trainer convert the same layers.
 """
 
 from __future__ import annotations
@@ -54,14 +46,28 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """GPT-2's ``Conv1D`` (transformers.pytorch_utils), known by shape: a ``[nx, nf]`` weight, ``y = x W + b``."""
+    """GPT-2's ``Conv1D`` (transformers.pytorch_utils), known by shape: a ``[nx, nf]`` weight, ``y = x W + b``.
+
+    Args:
+        module: a module.
+
+    Returns:
+        True for a ``Conv1D``.
+    """
     w = getattr(module, "weight", None)
     return (type(module).__name__ == "Conv1D" and isinstance(w, nn.Parameter) and w.dim() == 2
             and tuple(w.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
 
 
 def expert_params(module: nn.Module) -> list[str]:
-    """Names of the module's own 3-D parameters (each one GEMM weight per expert), in registration order."""
+    """Names of the module's own 3-D parameters (each one GEMM weight per expert), in registration order.
+
+    Args:
+        module: a module.
+
+    Returns:
+        The names.
+    """
     return [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
 
 
@@ -92,7 +98,17 @@ class GemmModule:
 
 def find_transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """``(name, ModuleList)`` of the decoder layers: the longest ModuleList whose entries all have an MLP or
-    attention submodule; for a model without such names, the longest non-empty ModuleList."""
+    attention submodule; for a model without such names, the longest non-empty ModuleList.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``(name, ModuleList)``.
+
+    Raises:
+        ValueError: the model has no ModuleList.
+    """
     decoder, largest = None, None
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
@@ -141,7 +157,26 @@ def _gemm_kind(name: str, module: nn.Module, block: nn.Module) -> str | None:
 
 
 def block_gemms(model: nn.Module, role_map: Mapping[str, str] | None = None) -> tuple[str, int, list[GemmModule]]:
-    """``(blocks' name, number of blocks, [GemmModule])`` in module order, each with its role by structure."""
+    """``(blocks' name, number of blocks, [GemmModule])`` in module order, each with its role by structure.
+
+    Roles: attention, inside the block's attention submodule (``self_attn``, ``attention``, ``attn``, ... or a
+    class named ``*Attention*``); MLP, inside the feed-forward or MoE submodule (``mlp``, ``ffn``,
+    ``feed_forward``, ... or a class named ``*MLP*`` / ``*MoE*`` / ``*FeedForward*``), or directly in the
+    block beside its attention (OPT's ``fc1``/``fc2``); router, an MoE's routing gate, kept in high precision
+    by design. A GPT-2 ``Conv1D`` stores its weight ``[in, out]``; a 3-D expert parameter (transformers 5 MoE
+    layers) is one GEMM weight per expert.
+
+    Args:
+        model: the model.
+        role_map: block-relative name -> ``attn`` / ``mlp`` / ``none``, for weights whose role cannot be
+            decided.
+
+    Returns:
+        ``(blocks' name, number of blocks, GEMM modules)``.
+
+    Raises:
+        ValueError: a weight whose role cannot be decided and that ``role_map`` does not name.
+    """
     role_map = dict(role_map or {})
     bad = {k: v for k, v in role_map.items() if v not in ROLE_MAP_VALUES}
     if bad:
@@ -177,7 +212,18 @@ def block_gemms(model: nn.Module, role_map: Mapping[str, str] | None = None) -> 
 
 
 def check_block_indices(indices: Collection[int], num_blocks: int) -> list[int]:
-    """Sorted high-precision block indices, each in ``0..num_blocks-1`` (ValueError naming the bad one)."""
+    """Sorted high-precision block indices, each in ``0..num_blocks-1`` (ValueError naming the bad one).
+
+    Args:
+        indices: the high-precision block indices.
+        num_blocks: the model's number of blocks.
+
+    Returns:
+        The indices, sorted.
+
+    Raises:
+        ValueError: an index out of range.
+    """
     out = set()
     for i in indices:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_blocks:
@@ -200,7 +246,18 @@ def select_gemms(model: nn.Module, scope: str, high_precision_blocks: Collection
                  module_filter_fn: ModuleFilter | None = None,
                  role_map: Mapping[str, str] | None = None) -> Selection:
     """The GEMM modules to convert: the scope's, outside the high-precision blocks, accepted by
-    ``module_filter_fn(module, fqn)``; routers and ``role_map`` ``none`` entries stay in high precision."""
+    ``module_filter_fn(module, fqn)``; routers and ``role_map`` ``none`` entries stay in high precision.
+
+    Args:
+        model: the model.
+        scope: "mlp" or "attn_mlp".
+        high_precision_blocks: block indices kept in high precision.
+        module_filter_fn: ``fn(module, fqn) -> bool``, False leaves a GEMM out.
+        role_map: as in :func:`block_gemms`.
+
+    Returns:
+        The selection: the GEMMs to convert and, for every GEMM weight, why it is or is not converted.
+    """
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r} is invalid; allowed: {SCOPES}")
     prefix, n_blocks, gemms = block_gemms(model, role_map)
@@ -241,7 +298,14 @@ def select_gemms(model: nn.Module, scope: str, high_precision_blocks: Collection
 
 
 def coverage_summary(coverage: Mapping[str, str]) -> str:
-    """``N of M GEMM weights quantized`` and the count for each reason the others are left out."""
+    """``N of M GEMM weights quantized`` and the count for each reason the others are left out.
+
+    Args:
+        coverage: GEMM weight name -> reason.
+
+    Returns:
+        The summary line.
+    """
     counts = Counter(coverage.values())
     n = counts.pop(QUANTIZED, 0)
     rest = "; left out: " + ", ".join(f"{reason} {c}" for reason, c in sorted(counts.items())) if counts else ""

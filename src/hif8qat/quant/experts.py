@@ -21,7 +21,15 @@ EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 def check_experts_layout(experts: nn.Module, name: str) -> None:
     """ValueError unless ``experts`` has the layout this module computes: concatenated gate/up, not transposed,
-    no biases, the default ``act(gate) * up``, no norm after an expert."""
+    no biases, the default ``act(gate) * up``, no norm after an expert.
+
+    Args:
+        experts: an MoE layer's experts module.
+        name: its name (for the error).
+
+    Raises:
+        ValueError: another layout.
+    """
     own = {n: p for n, p in experts.named_parameters(recurse=False)}
     why = None
     if tuple(own) != EXPERT_PARAMS or any(p.dim() != 3 for p in own.values()):
@@ -30,7 +38,7 @@ def check_experts_layout(experts: nn.Module, name: str) -> None:
           or not getattr(experts, "has_gate", True) or getattr(experts, "has_bias", False)
           or getattr(experts, "has_post_expert_norm", False)):
         why = "a transposed, interleaved, gateless, biased or post-normed layout"
-    elif getattr(getattr(experts, "_apply_gate", None), "__name__", "_default_apply_gate") != "_default_apply_gate":
+    elif not _gates_by_default(experts):
         why = "its own gating function"
     elif not hasattr(experts, "act_fn"):
         why = "no act_fn"
@@ -41,6 +49,14 @@ def check_experts_layout(experts: nn.Module, name: str) -> None:
     if why is not None:
         raise ValueError(f"{name}: an experts module with {why} has no per-expert quantization here; leave it out "
                          "with module_filter_fn or role_map={'<its name in the block>': 'none'}")
+
+
+def _gates_by_default(experts: nn.Module) -> bool:
+    """Whether a transformers experts module gates with its default ``act(gate) * up``.
+
+    Adapter: transformers keeps the gate function in the private ``_apply_gate``; a model that brings its own
+    names it otherwise."""
+    return getattr(getattr(experts, "_apply_gate", None), "__name__", "_default_apply_gate") == "_default_apply_gate"
 
 
 class QuantExperts(QuantState, nn.Module):
@@ -63,6 +79,11 @@ class QuantExperts(QuantState, nn.Module):
         self.train(experts.training)
 
     def site_names(self) -> list[str]:
+        """The names of the quantization sites, one per expert and parameter (``gate_up_proj.3``).
+
+        Returns:
+            The names.
+        """
         return [f"{p}.{e}" for p in EXPERT_PARAMS for e in range(self.gate_up_proj.shape[0])]
 
     def _gemm(self, x: torch.Tensor, param: int, expert: int) -> torch.Tensor:
@@ -73,6 +94,17 @@ class QuantExperts(QuantState, nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Route each token to its top-k experts, each expert's two GEMMs quantized, and sum the weighted
+        outputs.
+
+        Args:
+            hidden_states: ``[tokens, hidden]``.
+            top_k_index: ``[tokens, k]`` expert indices (-1: padding).
+            top_k_weights: ``[tokens, k]`` routing weights.
+
+        Returns:
+            ``[tokens, hidden]``.
+        """
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # [expert, top-k slot, token]; the extra class catches padded (-1 -> E) routes
@@ -88,6 +120,11 @@ class QuantExperts(QuantState, nn.Module):
         return out
 
     def extra_repr(self) -> str:
+        """The expert count, whether quantization is on and the format, for ``repr``.
+
+        Returns:
+            The text.
+        """
         return f"experts={self.num_experts}, quant={'on' if self.quant_enabled else 'off'}, format={self.config.format}"
 
 

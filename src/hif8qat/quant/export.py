@@ -2,19 +2,10 @@
 
 The quantized linears are stored as real 8-bit codes with their per-tensor scales, every other tensor in
 ``rest_dtype`` (BF16 for deployment), in one ``model.safetensors`` beside the model's ``config.json`` (with a
-``quantization_config``), the tokenizer when one is given, and the quantizers' state (``hif8qat_quant.json``,
-``hif8qat_scalers.safetensors``). Layout (the reference a loader is written from: docs/8bit_export.md):
-
-* each quantized linear ``L``: ``L.weight`` (uint8 HiF8 byte codes, or ``float8_e4m3fn``), ``L.weight_scale``
-  (float32, shape [1]: the dequantization multiplier ``1 / s`` for the quantization scale ``s`` with which
-  training quantized ``W * s``), and ``L.input_scale`` (likewise for the activations) where the activations
-  have a fixed scale at inference; just-in-time scaling has none (scale each input from its amax);
-* ``hif8qat_8bit.json``: the format, each role's element format, each layer's exact scales ``s`` (float32
-  values) and the conversion record (the converted layers by name, whatever rule chose them).
-
-The codes are those of the model's evaluation mode (its scalers frozen as they stand), with the scale that
-mode's weight quantizer uses, so that ``decode(code) / s`` in float32 is bit for bit the fake-quantized weight.
-:func:`convert_as_recorded` converts a plain model exactly as a record names (a ``module_filter_fn`` included).
+``quantization_config``), the tokenizer when one is given, and the quantizers' state. This module owns the
+layout (:func:`export_8bit` lists it; docs/8bit_export.md is the reference a loader is written from), the
+encoding and decoding of the weights, and the conversion record: :func:`convert_as_recorded` converts a plain
+model exactly as a record names (a ``module_filter_fn`` included).
 """
 
 from __future__ import annotations
@@ -59,7 +50,14 @@ class UnstorableFormat(ValueError):
 # the conversion record
 # --------------------------------------------------------------------------------------------------
 def conversion_record(model: nn.Module) -> dict[str, Any]:
-    """What the conversion of ``model`` did: scope, high-precision blocks, scaling config, converted layer names."""
+    """What the conversion of ``model`` did: scope, high-precision blocks, scaling config, converted layer names.
+
+    Args:
+        model: a converted model.
+
+    Returns:
+        The record.
+    """
     record = getattr(model, "_hif8qat_conversion", None)
     if record is None:
         raise ValueError(f"{type(model).__name__} is not converted; convert it first with "
@@ -68,12 +66,27 @@ def conversion_record(model: nn.Module) -> dict[str, Any]:
 
 
 def element_formats(config: ScalingConfig) -> dict[str, str]:
-    """Element format per role under ``config`` (what an export records and an evaluation quantizes to)."""
+    """Element format per role under ``config`` (what an export records and an evaluation quantizes to).
+
+    Args:
+        config: the scaling settings.
+
+    Returns:
+        Role -> element format.
+    """
     return {r: element_format(config.format, r) for r in ROLES}
 
 
 def quant_document(model: nn.Module, meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``hif8qat_quant.json`` of a converted model: its conversion record, element formats and targets."""
+    """``hif8qat_quant.json`` of a converted model: its conversion record, element formats and targets.
+
+    Args:
+        model: a converted model.
+        meta: recorded under ``meta``.
+
+    Returns:
+        The document.
+    """
     record = conversion_record(model)
     config = ScalingConfig.from_dict(record["config"])
     return {"format": "hif8qat-quant", "version": 1, **record, "meta": dict(meta or {}),
@@ -82,7 +95,14 @@ def quant_document(model: nn.Module, meta: Mapping[str, Any] | None = None) -> d
 
 def complete_quant_document(doc: dict[str, Any]) -> dict[str, Any]:
     """A read ``hif8qat_quant.json`` with its scaling config completed: an export written before FP8 (no
-    ``format``) is HiF8; ``element_formats`` and ``targets`` are filled in when absent."""
+    ``format``) is HiF8; ``element_formats`` and ``targets`` are filled in when absent.
+
+    Args:
+        doc: the document as read.
+
+    Returns:
+        The completed document.
+    """
     config = ScalingConfig.from_dict(doc["config"])
     doc["config"] = config.to_dict()
     doc.setdefault("element_formats", element_formats(config))
@@ -91,15 +111,31 @@ def complete_quant_document(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def scaler_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The quantizers' state as ``hif8qat_scalers.safetensors`` stores it (CPU, contiguous)."""
+    """The quantizers' state as ``hif8qat_scalers.safetensors`` stores it (CPU, contiguous).
+
+    Args:
+        model: a converted model.
+
+    Returns:
+        Name -> tensor.
+    """
     return {k: v.detach().to("cpu").contiguous() for k, v in quant_state_dict(model).items()}
 
 
 def convert_as_recorded(model: nn.Module, doc: Mapping[str, Any]) -> list[str]:
     """Convert a plain model exactly as ``doc`` (a conversion record) says: its scope, its high-precision blocks
-    and its converted layers by name, so that a ``module_filter_fn`` of the original conversion is honoured."""
+    and its converted layers by name, so that a ``module_filter_fn`` of the original conversion is honoured.
+
+    Args:
+        model: a plain model.
+        doc: the conversion record.
+
+    Returns:
+        The converted layers' names.
+    """
     wanted = set(doc["converted"])
-    converted = _convert_model(model, doc["scope"], doc["high_precision_blocks"], ScalingConfig.from_dict(doc["config"]),
+    config = ScalingConfig.from_dict(doc["config"])
+    converted = _convert_model(model, doc["scope"], doc["high_precision_blocks"], config,
                                module_filter_fn=lambda _mod, fqn: fqn in wanted, role_map=doc.get("role_map"))
     if set(converted) != wanted:
         missing = sorted(wanted - set(converted))
@@ -113,7 +149,17 @@ def convert_as_recorded(model: nn.Module, doc: Mapping[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 def encode_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: str, *, saturate: bool = False) -> torch.Tensor:
     """8-bit codes of ``weight * scale`` (the product in float32, as the quantizer forms it): HiF8 byte codes
-    (round half away, saturating at +-HIF8_MAX when ``saturate``) or saturating E4M3."""
+    (round half away, saturating at +-HIF8_MAX when ``saturate``) or saturating E4M3.
+
+    Args:
+        weight: the weight.
+        scale: its quantization scale ``s``.
+        fmt: "hif8" or "e4m3".
+        saturate: HiF8 saturates instead of overflowing to inf.
+
+    Returns:
+        uint8 codes (HiF8) or a ``float8_e4m3fn`` tensor.
+    """
     x = weight.detach().float() * scale.to(torch.float32)
     if fmt == "hif8":
         return hif8_encode(x.clamp(-HIF8_MAX, HIF8_MAX) if saturate else x)
@@ -124,7 +170,16 @@ def encode_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: str, *, satura
 
 
 def decode_weight(codes: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight that codes stored with quantization scale ``s`` stand for: ``value(code) / s`` in float32."""
+    """The weight that codes stored with quantization scale ``s`` stand for: ``value(code) / s`` in float32.
+
+    Args:
+        codes: the stored codes.
+        scale: the quantization scale ``s``.
+        dtype: the result's dtype.
+
+    Returns:
+        The weight.
+    """
     s = torch.as_tensor(scale, dtype=torch.float32)
     values = hif8_decode(codes) if codes.dtype == torch.uint8 else codes.to(torch.float32)
     return (values / s).to(dtype)
@@ -200,7 +255,18 @@ def _checkpoint_state(model: nn.Module, scales: Mapping[str, Mapping[str, Any]])
 def quantization_config(fmt: str, act_fmt: str, quantized: list[str], ignored: list[str], dynamic_inputs: bool,
                         ) -> dict[str, Any]:
     """``config.json``'s ``quantization_config``: compressed-tensors' float-quantized scheme (FP8), or the same
-    fields naming HiF8 (``quant_method`` ``hif8``)."""
+    fields naming HiF8 (``quant_method`` ``hif8``).
+
+    Args:
+        fmt: the weights' element format.
+        act_fmt: the activations' element format.
+        quantized: the quantized layers' names.
+        ignored: the layers left in high precision.
+        dynamic_inputs: the activations are scaled just in time (no stored input scale).
+
+    Returns:
+        The ``quantization_config`` dict.
+    """
     def args(kind: str, dynamic: bool) -> dict[str, Any]:
         return {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "tensor", "dynamic": dynamic,
                 "group_size": None, "block_structure": None, "actorder": None, "observer": None,
@@ -220,7 +286,14 @@ def quantization_config(fmt: str, act_fmt: str, quantized: list[str], ignored: l
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights as ``save_pretrained`` writes them: no scaler entries, and a tensor shared by several
-    names (a tied head) once, under its first name."""
+    names (a tied head) once, under its first name.
+
+    Args:
+        model: the model.
+
+    Returns:
+        Name -> tensor.
+    """
     seen, out = set(), {}
     for key, t in model.state_dict().items():
         if is_scaler_key(key):
@@ -245,18 +318,37 @@ def export_8bit(model: nn.Module, out_dir: str | os.PathLike, *, rest_dtype: tor
                 tokenizer: Any = None, meta: Mapping[str, Any] | None = None,
                 source_dir: str | os.PathLike | None = None, record_extra: Mapping[str, Any] | None = None,
                 finish: Callable[[Path], None] | None = None, skip_files: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Write the deployable 8-bit export of ``model`` (converted by ``convert_to_hif8_training``) into ``out_dir``
-    (replaced as a whole, atomically); :func:`hif8qat.load_8bit_export` reads it back. Returns ``bytes`` (the
-    weights file), ``bf16_bytes`` (the same tensors all in BF16), ``source_bytes``, ``layers``, ``format``.
+    """Write the deployable 8-bit export of ``model`` (converted by ``convert_to_hif8_training``) into
+    ``out_dir``; :func:`hif8qat.load_8bit_export` reads it back. The model is left as it was (its scalers are
+    read, not frozen).
 
-    ``rest_dtype``: every tensor that is not a quantized weight (BF16 to deploy; ``torch.float32`` keeps them
-    exactly, and the reloaded model then computes bit for bit as this one with its scales frozen).
-    ``tokenizer``: saved beside it when given. ``meta``: recorded in the export. The model is left as it was
-    (its scalers are read, not frozen). A transformers model: its ``config`` is written with a
-    ``quantization_config``. ``source_dir`` (the pipeline's export folder the model was loaded from): its other
-    files (config, tokenizer, modeling code, the scalers' files) are copied instead of written from the model;
-    ``record_extra`` goes into ``hif8qat_8bit.json``; ``finish(folder)`` runs last on the finished folder before
-    it replaces ``out_dir`` (the pipeline writes its manifest there); ``skip_files``: names not copied.
+    Layout: each quantized linear ``L`` has ``L.weight`` (uint8 HiF8 byte codes, or ``float8_e4m3fn``),
+    ``L.weight_scale`` (float32, shape [1]: the dequantization multiplier ``1 / s`` for the quantization scale
+    ``s`` with which training quantized ``W * s``), and ``L.input_scale`` (likewise for the activations) where
+    the activations have a fixed scale at inference (just-in-time scaling has none: scale each input from its
+    amax). ``hif8qat_8bit.json`` holds the format, each role's element format, each layer's exact scales ``s``
+    (float32 values) and the conversion record; ``hif8qat_quant.json`` and ``hif8qat_scalers.safetensors`` the
+    quantizers' state. The codes are those of the model's evaluation mode (its scalers frozen as they stand),
+    with the scale that mode's weight quantizer uses, so that ``decode(code) / s`` in float32 is bit for bit
+    the fake-quantized weight. A transformers model's ``config`` is written with a ``quantization_config``.
+
+    Args:
+        model: the converted model.
+        out_dir: the export folder (replaced as a whole, atomically).
+        rest_dtype: every tensor that is not a quantized weight (BF16 to deploy; ``torch.float32`` keeps them
+            exactly, and the reloaded model then computes bit for bit as this one with its scales frozen).
+        tokenizer: saved beside it when given.
+        meta: recorded in the export.
+        source_dir: the pipeline's export folder the model was loaded from: its other files (config,
+            tokenizer, modeling code, the scalers' files) are copied instead of written from the model.
+        record_extra: goes into ``hif8qat_8bit.json``.
+        finish: ``finish(folder)`` runs last on the finished folder before it replaces ``out_dir`` (the
+            pipeline writes its manifest there).
+        skip_files: names in ``source_dir`` not copied.
+
+    Returns:
+        ``bytes`` (the weights file), ``bf16_bytes`` (the same tensors all in BF16), ``source_bytes``,
+        ``layers``, ``format``.
     """
     from safetensors.torch import save_file  # a core dependency, imported where the export needs it
 
@@ -339,7 +431,8 @@ def export_8bit(model: nn.Module, out_dir: str | os.PathLike, *, rest_dtype: tor
             "format": "hif8qat-8bit", "version": 1,
             "weight_format": fmt, "weight_dtype": str(STORABLE[fmt]).replace("torch.", ""),
             "element_formats": doc["element_formats"], "rest_dtype": str(rest_dtype).replace("torch.", ""),
-            "scale_convention": "value = code_value / quant_scale (float32); weight_scale = input_scale = 1 / quant_scale",
+            "scale_convention": "value = code_value / quant_scale (float32); "
+                                "weight_scale = input_scale = 1 / quant_scale",
             "activations": "dynamic" if dynamic else "static",
             "layers": layers, "ignored_linears": ignored, "quant": doc,
             "bytes": size, "bf16_bytes": bf16_file, "source_bytes": source_bytes,
@@ -360,7 +453,15 @@ def export_8bit(model: nn.Module, out_dir: str | os.PathLike, *, rest_dtype: tor
 
 def decoded_state_dict(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor of an 8-bit export in ``dtype``: the quantized weights decoded with their exact scales
-    (``value(code) / s``), the scale tensors left out."""
+    (``value(code) / s``), the scale tensors left out.
+
+    Args:
+        directory: the 8-bit export.
+        dtype: the tensors' dtype.
+
+    Returns:
+        Name -> tensor.
+    """
     from safetensors import safe_open  # a core dependency, imported where the loader needs it
 
     directory = Path(directory)
@@ -381,7 +482,15 @@ def decoded_state_dict(directory: str | os.PathLike, dtype: torch.dtype = torch.
 
 def restore_quantizers(model: nn.Module, directory: str | os.PathLike) -> dict[str, Any]:
     """Convert a plain model as the export in ``directory`` records (unless converted), restore its scalers;
-    returns the export's ``meta``."""
+    returns the export's ``meta``.
+
+    Args:
+        model: a plain or converted model.
+        directory: the export folder.
+
+    Returns:
+        The ``meta`` dict.
+    """
     from safetensors.torch import load_file  # a core dependency, imported where the loader needs it
 
     directory = Path(directory)
@@ -396,7 +505,20 @@ def load_8bit_export(directory: str | os.PathLike, *, dtype: torch.dtype = torch
                      trust_remote_code: bool | None = None, quantize: bool = True):
     """``(model, tokenizer)`` from an 8-bit export (``tokenizer`` None where none was saved): the decoded weights in
     ``dtype`` and, with ``quantize``, the converted layers as recorded, their final scales frozen (the weights
-    are already on the 8-bit grid, which the weight quantizer maps to themselves). Needs ``transformers``."""
+    are already on the 8-bit grid, which the weight quantizer maps to themselves). Needs ``transformers``.
+
+    Args:
+        directory: the 8-bit export.
+        dtype: the decoded weights' dtype.
+        trust_remote_code: allow the model's own code.
+        quantize: convert the layers as recorded, scales frozen.
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        ValueError: the tensors do not match the model.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     directory = Path(directory)

@@ -5,6 +5,7 @@ scalers in the module's ``state_dict``). :mod:`hif8qat.quant.linear` builds its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hif8qat import compute_dtype as numerics
+from hif8qat.scaling.autograd_engine import in_backward
 from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
 from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ROLES, ScalingConfig
@@ -88,7 +90,11 @@ class QuantState:
         self._rows = tuple(range(3 * len(self.site_names())))
 
     def site_names(self) -> list[str]:
-        """The GEMM sites' names relative to the module ("" for the module itself)."""
+        """The GEMM sites' names relative to the module ("" for the module itself).
+
+        Returns:
+            The names.
+        """
         return [""]
 
     def _own_bank(self, device) -> None:
@@ -101,14 +107,19 @@ class QuantState:
     def _attach(self, bank: ScalerBank, rows: tuple[int, ...]) -> None:
         object.__setattr__(self, "_bank", bank)  # not a submodule: the model's bank is registered once
         self._rows = tuple(rows)
-        if "hif8_bank" in self._modules and self._modules["hif8_bank"] is not bank:
-            del self._modules["hif8_bank"]
+        if getattr(self, "hif8_bank", bank) is not bank:  # a bank registered before: the shared one replaces it
+            delattr(self, "hif8_bank")
 
     @property
     def bank(self) -> ScalerBank:
         return self._bank
 
     def scalers(self) -> Iterator[tuple[str, BankedScaler]]:
+        """Each role's scaler of this module's (first) GEMM site, as a one-row view of the bank.
+
+        Yields:
+            ``(role, scaler)`` for A, W and G.
+        """
         for role, row in zip(ROLES, self._rows):
             yield role, BankedScaler(self._bank, row)
 
@@ -133,7 +144,14 @@ class QuantState:
     # -- the scalers in the module's own state dict (opt-in: set_state_in_state_dict) -------------------------
     def scaler_state(self, host: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """This module's scalers: ``[{site}.]{A|W|G}.{key}`` (CPU tensors of :mod:`hif8qat.scaling.bank_state`)
-        and ``enabled``."""
+        and ``enabled``.
+
+        Args:
+            host: the bank's tables already copied to the host (one copy for many modules), or None.
+
+        Returns:
+            Key -> CPU tensor.
+        """
         bank = self._bank
         bank.update()
         host = host if host is not None else bank._host()
@@ -145,6 +163,15 @@ class QuantState:
         return sd
 
     def load_scaler_state(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Restore what :meth:`scaler_state` saved.
+
+        Args:
+            sd: the saved state.
+            strict: every site and role must be there.
+
+        Raises:
+            KeyError: an unexpected key, or (strict) a missing row.
+        """
         sites = {s: i for i, s in enumerate(self.site_names())}
         states: dict[int, dict[str, torch.Tensor]] = {}
         for key, v in sd.items():
@@ -204,6 +231,39 @@ class QuantState:
                                     RECORD if grad else RECORD_NO_GRAD, not self.recompute_weight, self.emulate_bf16)
 
 
+@contextlib.contextmanager
+def keep_weights_under_fake_tensors() -> Iterator[None]:
+    """Within it, a quantized GEMM run on fake tensors keeps its quantized weight as the real one does.
+
+    Under torch's ``FakeTensorMode`` the bank op runs its shape-only implementation, which keeps nothing; the real
+    op (eager, ``keep``) keeps each quantized weight from its forward call until the layer's backward, so that an
+    activation-checkpointing recompute gets it back instead of quantizing again. Here that keeping is done around
+    the op, so a fake-tensor simulation of a step (the memory estimate) holds those weights exactly as long as the
+    real step does (it matters only with checkpointing: without it the forward saves the same tensor for backward
+    anyway). Not reentrant; not for real tensors, whose op keeps them itself."""
+    global bank_qdq, release_kept
+    op, release = bank_qdq, release_kept
+    kept: dict[tuple[int, int], torch.Tensor] = {}
+
+    def keeping_qdq(x, bank_id, row, mode, out_dtype=None, keep=False):
+        if mode == RECORD and in_backward() and (bank_id, row) in kept:  # the recompute: a copy of the kept one
+            return kept.pop((bank_id, row)).clone()
+        y = op(x, bank_id, row, mode, out_dtype, keep)
+        if keep and mode == RECORD and not in_backward():
+            kept[(bank_id, row)] = y
+        return y
+
+    def keeping_release(bank_id, row):
+        kept.pop((bank_id, row), None)
+        release(bank_id, row)
+
+    bank_qdq, release_kept = keeping_qdq, keeping_release
+    try:
+        yield
+    finally:
+        bank_qdq, release_kept = op, release
+
+
 def _settings(config: ScalingConfig) -> dict:
     d = ScalingConfig.to_dict(config)
     return json.loads(json.dumps({k: d[k] for k in RECORDED_SETTINGS}))  # schedule keys as JSON gives them back
@@ -225,4 +285,4 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-__all__ = ["SETTINGS_KEY", "STATE_KEY", "QuantState"]
+__all__ = ["SETTINGS_KEY", "STATE_KEY", "QuantState", "keep_weights_under_fake_tensors"]

@@ -13,7 +13,6 @@ import collections
 import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hif8qat.compute_dtype import backward_context, describe, forward_context, resolve, training_device_type
 from hif8qat.quant.linear import _convert_model, set_quantization
@@ -23,7 +22,16 @@ _GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "mv
              "convolution", "convolution_backward"}
 
 
-class GemmOperandCount(TorchDispatchMode):
+def _torch_dispatch_mode() -> type:
+    """Adapter: torch's base class of a mode that sees every ATen call below autograd and autocast (what reaches
+    the kernels). Torch exports it only from the private ``torch.utils._python_dispatch``; the public
+    ``torch.overrides.TorchFunctionMode`` sees Python-level calls, before autocast picks the dtypes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+class GemmOperandCount(_torch_dispatch_mode()):
     """Counts the GEMM-class ATen calls (matrix products, convolutions, fused attention) by operand dtype: what
     reaches torch's kernels, whatever the Python above them does."""
 
@@ -41,6 +49,11 @@ class GemmOperandCount(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def bf16_calls(self) -> int:
+        """How many of the counted GEMMs had a BF16 operand.
+
+        Returns:
+            The count.
+        """
         return sum(n for dtypes, n in self.counts.items() if "bfloat16" in dtypes)
 
 
@@ -56,7 +69,15 @@ def _tiny_llama() -> torch.nn.Module:
 
 
 def count_step_gemms(numerics: str, device_type: str = "cpu") -> GemmOperandCount:
-    """One training step (forward and backward) of a tiny quantized Llama under ``numerics``, its GEMMs counted."""
+    """One training step (forward and backward) of a tiny quantized Llama under ``numerics``, its GEMMs counted.
+
+    Args:
+        numerics: a resolved ``train.autocast`` value.
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        The GEMMs counted by operand dtypes.
+    """
     model = _tiny_llama()
     _convert_model(model, "attn_mlp", None, ScalingConfig(), emulate_bf16=numerics == "bf16_emulated")
     set_quantization(model, True)
@@ -71,7 +92,11 @@ def count_step_gemms(numerics: str, device_type: str = "cpu") -> GemmOperandCoun
 
 def main() -> int:
     """``python -m hif8qat.quant.gemm_check``: what ``train.autocast=auto`` means on this machine (stdout: the numerics
-    alone, for scripts), and on stderr the GEMMs one quantized training step sends to torch, by operand dtype."""
+    alone, for scripts), and on stderr the GEMMs one quantized training step sends to torch, by operand dtype.
+
+    Returns:
+        Exit status.
+    """
     device_type = training_device_type("auto")
     info = describe(resolve("auto", device_type), device_type)
     print(info["numerics"])

@@ -1,51 +1,14 @@
 """The 8-bit (HiF8 or FP8) quantized linear layer and model conversion (contract: docs/design.md).
 
-``QuantLinear`` is an ``nn.Linear`` (same parameters ``weight`` / ``bias``, so ``state_dict()`` keys and
-``save_pretrained`` folders are those of the plain model) with three quantizers A, W, G, which are rows of a
-:class:`~hif8qat.scaling.bank.ScalerBank`: one bank per converted model, built once after the swap (a layer
-built on its own has a private one). The scaler state is kept out of the model's state dict (see
-:func:`quant_state_dict`) unless :func:`set_state_in_state_dict` puts it there, as the public
-``convert_to_hif8_training`` does: then ``{layer}.hif8_scaler.{A|W|G}.{key}`` entries travel with any trainer's
-checkpoint of ``model.state_dict()``. ``QuantConv1D`` is the same for GPT-2's ``Conv1D`` (weight ``[in, out]``,
-its parameter names and shapes kept), :class:`~hif8qat.quant.experts.QuantExperts` for MoE experts (one GEMM site
-per expert slice); all three share the autograd function and scaler plumbing of :mod:`hif8qat.quant.gemm`.
-
-With quantization on, a custom autograd function computes::
-
-    forward   y  = Q_A(x) Q_W(W)^T + b            (bias added in high precision, not quantized)
-    backward  dX = Q_G(g) Q_W(W)
-              dW = Q_G(g)^T Q_A(x)                 (the forward's quantized A and W are saved: W is quantized
-              db = sum Q_G(g)                       once per micro-batch; eager activation checkpointing
-                                                     included, see :mod:`hif8qat.scaling.bank`: under torch.compile
-                                                     its recompute quantizes W again)
-
-Under FSDP (:func:`set_weight_recompute`, called by ``distributed.apply_fsdp``) the backward recomputes Q_W(W)
-from the re-gathered W with the forward's scale instead, as the authors' HiF8GemmFunction does: bit-identical,
-and no full quantized weight lives from forward to backward.
-
-Each Q is one call of the custom op ``hif8qat::bank_qdq`` (traceable: a whole-model ``torch.compile`` has
-no graph break from these layers). Q_A / Q_W use round-half-away (``ta``), Q_G uses ``grad_rounding``;
-each maps the amax estimate to its role's target (``ScalingConfig.targets``: ``target`` per role, else
-``target_fwd`` for A and W, ``target_bwd`` for G). With ``ScalingConfig.format`` an FP8 format (``e4m3``, ``e5m2``, or
-``hybrid``: E4M3 for A and W, E5M2 for G) the same layer quantizes with saturating FP8 casts and the FP8
-targets instead (see :mod:`hif8qat.scaling.bank`). With quantization off the forward is exactly ``F.linear`` (identical
-outputs and gradients to ``nn.Linear``).
-
-Micro-batches: every quantizer runs once per forward/backward; the bank records the amaxes when the
-backward ends (or at the next call of a forward-only pass, or :func:`update_scales`). Activation
-checkpointing is safe: the recomputed forward reuses the forward's scales and records nothing; any other
-second call of a layer in one micro-batch raises :class:`~hif8qat.scaling.bank.QuantizerCalledTwice`.
-
-BF16 emulation is a value of the layer (``emulate_bf16``, set at conversion or by :func:`set_bf16_emulation`):
-a BF16 GEMM of the layer then runs as FP32 on BF16 values (:mod:`hif8qat.compute_dtype`), in forward and backward.
-
-Autocast: under ``torch.autocast`` the quantizers see the incoming tensors as they are (the HiF8
-arithmetic is done in fp32 inside ``formats``) and write the quantized A and W in the autocast dtype
-(bit for bit the cast of the result in the input's dtype, without a separate cast pass); the bias is cast
-and the matmul runs in that dtype with autocast disabled, i.e. exactly what autocast's own ``linear``
-would do with the quantized operands. The backward quantizes G into the dtype of the saved Q_W(W), runs
-its matmuls in that dtype and returns gradients in the dtypes of x, W and b.
-Without autocast everything runs in the input dtype.
+This module owns :class:`QuantLinear` (an ``nn.Linear`` with quantizers A, W, G, rows of one
+:class:`~hif8qat.scaling.bank.ScalerBank` per converted model; its docstring gives the arithmetic),
+``QuantConv1D`` (the same for GPT-2's ``Conv1D``), the conversion that swaps a model's GEMM modules for them
+(``_convert_model``, private to :mod:`hif8qat.quant`: the public way in is
+:func:`~hif8qat.quant.training.convert_to_hif8_training`; :func:`coverage` says what was left out and why), and
+the model-wide switches and state: quantization on/off, frozen scales, BF16 emulation, weight recompute under
+FSDP, the scaler state in or out of ``model.state_dict()``, the optimizer step and the per-step telemetry. MoE experts are in
+:mod:`hif8qat.quant.experts`; all share the autograd function and scaler plumbing of
+:mod:`hif8qat.quant.gemm`.
 """
 
 from __future__ import annotations
@@ -83,7 +46,52 @@ BANK_ATTR = "hif8qat_bank"  # the model-level bank's attribute on a converted mo
 # autograd function and module
 # --------------------------------------------------------------------------------------------------
 class QuantLinear(QuantState, nn.Linear):
-    """Drop-in ``nn.Linear`` with 8-bit (HiF8 or FP8) fake quantization of A, W (forward) and G (backward)."""
+    """Drop-in ``nn.Linear`` with 8-bit (HiF8 or FP8) fake quantization of A, W (forward) and G (backward).
+
+    It keeps the parameters ``weight`` / ``bias``, so ``state_dict()`` keys and ``save_pretrained`` folders
+    are those of the plain model. The scaler state is kept out of the model's state dict (see
+    :func:`quant_state_dict`) unless :func:`set_state_in_state_dict` puts it there, as the public
+    ``convert_to_hif8_training`` does: then ``{layer}.hif8_scaler.{A|W|G}.{key}`` entries travel with any
+    trainer's checkpoint of ``model.state_dict()``. A layer built on its own has a private bank. With
+    quantization on, a custom autograd function computes::
+
+        forward   y  = Q_A(x) Q_W(W)^T + b     (bias added in high precision, not quantized)
+        backward  dX = Q_G(g) Q_W(W)
+                  dW = Q_G(g)^T Q_A(x)
+                  db = sum Q_G(g)
+
+    The forward's quantized A and W are saved, so W is quantized once per micro-batch, eager activation
+    checkpointing included (see :mod:`hif8qat.scaling.bank`); under torch.compile its recompute quantizes W
+    again.
+
+    Under FSDP (:func:`set_weight_recompute`, called by ``distributed.apply_fsdp``) the backward recomputes
+    Q_W(W) from the re-gathered W with the forward's scale instead, as the authors' HiF8GemmFunction does:
+    bit-identical, and no full quantized weight lives from forward to backward.
+
+    Each Q is one call of the custom op ``hif8qat::bank_qdq`` (traceable: a whole-model ``torch.compile`` has
+    no graph break from these layers). Q_A / Q_W use round-half-away (``ta``), Q_G uses ``grad_rounding``;
+    each maps the amax estimate to its role's target (``ScalingConfig.targets``). With
+    ``ScalingConfig.format`` an FP8 format (``e4m3``, ``e5m2``, or ``hybrid``: E4M3 for A and W, E5M2 for G)
+    the same layer quantizes with saturating FP8 casts and the FP8 targets instead. With quantization off the
+    forward is exactly ``F.linear`` (identical outputs and gradients to ``nn.Linear``).
+
+    Micro-batches: every quantizer runs once per forward/backward; the bank records the amaxes when the
+    backward ends (or at the next call of a forward-only pass, or :func:`update_scales`). Activation
+    checkpointing is safe: the recomputed forward reuses the forward's scales and records nothing; any other
+    second call of a layer in one micro-batch raises :class:`~hif8qat.scaling.bank.QuantizerCalledTwice`.
+
+    BF16 emulation is a value of the layer (``emulate_bf16``, set at conversion or by
+    :func:`set_bf16_emulation`): a BF16 GEMM of the layer then runs as FP32 on BF16 values
+    (:mod:`hif8qat.compute_dtype`), in forward and backward.
+
+    Autocast: under ``torch.autocast`` the quantizers see the incoming tensors as they are (the HiF8
+    arithmetic is done in fp32 inside ``formats``) and write the quantized A and W in the autocast dtype (bit
+    for bit the cast of the result in the input's dtype, without a separate cast pass); the bias is cast and
+    the matmul runs in that dtype with autocast disabled, i.e. exactly what autocast's own ``linear`` would do
+    with the quantized operands. The backward quantizes G into the dtype of the saved Q_W(W), runs its matmuls
+    in that dtype and returns gradients in the dtypes of x, W and b. Without autocast everything runs in the
+    input dtype.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  config: ScalingConfig | None = None, name: str = "", enabled: bool = True,
@@ -97,7 +105,18 @@ class QuantLinear(QuantState, nn.Linear):
     def from_linear(cls, linear: nn.Linear, config: ScalingConfig | None = None, name: str = "",
                     enabled: bool = True, *, emulate_bf16: bool = False, own_bank: bool = True) -> QuantLinear:
         """Wrap an existing ``nn.Linear``, sharing its Parameter objects (optimizer state stays valid).
-        ``own_bank=False``: no scaler bank yet (a conversion attaches the model's one)."""
+
+        Args:
+            linear: the layer.
+            config: the scaling settings (default ``ScalingConfig()``).
+            name: the layer's name in the model (for messages and telemetry).
+            enabled: quantization on.
+            emulate_bf16: run BF16 GEMMs as FP32 on BF16 values.
+            own_bank: build a private scaler bank (False: a conversion attaches the model's one).
+
+        Returns:
+            The quantized layer.
+        """
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
                   config=config, name=name, enabled=enabled, emulate_bf16=emulate_bf16, own_bank=False)
         new.weight = linear.weight
@@ -108,11 +127,24 @@ class QuantLinear(QuantState, nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear`` with quantized operands (or exactly ``F.linear`` when quantization is off).
+
+        Args:
+            x: the input.
+
+        Returns:
+            The output.
+        """
         if not self.quant_enabled:
             return F.linear(x, self.weight, self.bias)
         return self._quant_gemm(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
+        """The linear's sizes, whether quantization is on and the format, for ``repr``.
+
+        Returns:
+            The text.
+        """
         return (f"{super().extra_repr()}, quant={'on' if self.quant_enabled else 'off'}, "
                 f"format={self.config.format}")
 
@@ -134,12 +166,25 @@ class QuantConv1D(QuantState, nn.Module):
         self.train(conv.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W + b`` with quantized operands (or exactly Conv1D's arithmetic when quantization is off).
+
+        Args:
+            x: the input.
+
+        Returns:
+            The output.
+        """
         if not self.quant_enabled:  # Conv1D's own arithmetic
             return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
         # Q(W^T) = Q(W)^T: a per-tensor scale does not see the layout
         return self._quant_gemm(x, self.weight.t(), self.bias)
 
     def extra_repr(self) -> str:
+        """The Conv1D's sizes, whether quantization is on and the format, for ``repr``.
+
+        Returns:
+            The text.
+        """
         return f"nf={self.nf}, nx={self.nx}, quant={'on' if self.quant_enabled else 'off'}, format={self.config.format}"
 
 
@@ -151,13 +196,23 @@ def _convert_model(model: nn.Module, scope: str = DEFAULT_SCOPE, high_precision_
                    module_filter_fn: ModuleFilter | None = None, emulate_bf16: bool = False,
                    role_map: Mapping[str, str] | None = None) -> list[str]:
     """Quantize the scope's GEMM modules (``nn.Linear``, ``Conv1D``, MoE experts) of every block not listed in
-    ``high_precision_blocks`` (block indices) and accepted by ``module_filter_fn(module, fqn)``; all share one
-    scaler bank. Roles come from the block's structure (:mod:`hif8qat.quant.blocks`); ``role_map`` maps names
-    inside a block that structure cannot place to ``attn`` / ``mlp`` / ``none``.
+    ``high_precision_blocks``; all share one scaler bank. Routers, embeddings, lm_head, norms and everything
+    outside the decoder blocks stay untouched; roles come from the block's structure
+    (:mod:`hif8qat.quant.blocks`).
 
-    scope ``mlp``: the feed-forward / MoE GEMMs; ``attn_mlp``: also attention's. Routers, embeddings, lm_head,
-    norms and everything outside the decoder blocks stay untouched. Returns the converted module names;
-    :func:`coverage` says, for every GEMM weight of the blocks, whether it is quantized or why not.
+    Args:
+        model: the model, converted in place.
+        scope: ``mlp`` (the feed-forward / MoE GEMMs) or ``attn_mlp`` (also attention's).
+        high_precision_blocks: block indices left in high precision.
+        config: the scaling settings (default ``ScalingConfig()``).
+        enabled: quantization on from the start.
+        module_filter_fn: ``fn(module, fqn) -> bool``; False leaves a GEMM out.
+        emulate_bf16: the layers run BF16 GEMMs as FP32 on BF16 values.
+        role_map: block-relative name -> ``attn`` / ``mlp`` / ``none``, for names the structure cannot place.
+
+    Returns:
+        The converted module names (:func:`coverage` says, for every GEMM weight of the blocks, whether it is
+        quantized or why not).
     """
     config = config if config is not None else ScalingConfig()
     try:
@@ -197,7 +252,14 @@ def _convert_model(model: nn.Module, scope: str = DEFAULT_SCOPE, high_precision_
 def coverage(model: nn.Module) -> dict[str, str]:
     """For every GEMM weight of the model's decoder blocks (its name in the model; an expert's slice is
     ``{experts}.{param}.{index}``): ``"quantized"``, or why it is not (the scope, a high-precision block,
-    ``module_filter_fn``, a router, ``role_map``, quantization switched off, or the model not converted)."""
+    ``module_filter_fn``, a router, ``role_map``, quantization switched off, or the model not converted).
+
+    Args:
+        model: the model.
+
+    Returns:
+        Weight name -> ``"quantized"`` or the reason.
+    """
     recorded = getattr(model, "_hif8qat_coverage", {})
     roles = getattr(model, "_hif8qat_conversion", {}).get("role_map")
     out = {}
@@ -227,21 +289,42 @@ def _build_bank(model: nn.Module, config: ScalingConfig) -> ScalerBank:
 
 
 def quant_modules(model: nn.Module) -> Iterator[tuple[str, QuantState]]:
-    """Every quantized module (linears, Conv1Ds, MoE experts), in module order."""
+    """Every quantized module (linears, Conv1Ds, MoE experts), in module order.
+
+    Args:
+        model: the model.
+
+    Yields:
+        ``(name, module)``.
+    """
     for name, mod in model.named_modules():
         if isinstance(mod, QuantState):
             yield name, mod
 
 
 def quant_linears(model: nn.Module) -> Iterator[tuple[str, QuantLinear | QuantConv1D]]:
-    """The quantized modules with one GEMM site (linears and Conv1Ds)."""
+    """The quantized modules with one GEMM site (linears and Conv1Ds).
+
+    Args:
+        model: the model.
+
+    Yields:
+        ``(name, module)``.
+    """
     for name, mod in quant_modules(model):
         if isinstance(mod, (QuantLinear, QuantConv1D)):
             yield name, mod
 
 
 def quant_sites(model: nn.Module) -> Iterator[tuple[str, QuantState, tuple[int, int, int]]]:
-    """``(site name, module, its A/W/G rows)`` for every GEMM site (one per linear, two per expert)."""
+    """``(site name, module, its A/W/G rows)`` for every GEMM site (one per linear, two per expert).
+
+    Args:
+        model: the model.
+
+    Yields:
+        ``(site name, module, rows)``.
+    """
     for name, mod in quant_modules(model):
         for i, site in enumerate(mod.site_names()):
             yield _join(name, site), mod, mod._rows[3 * i: 3 * i + 3]
@@ -255,12 +338,24 @@ def _banks(model: nn.Module) -> list[ScalerBank]:
 
 
 def scaler_banks(model: nn.Module) -> list[ScalerBank]:
-    """The distinct scaler banks of a model's quantized layers (one after a conversion)."""
+    """The distinct scaler banks of a model's quantized layers (one after a conversion).
+
+    Args:
+        model: the model.
+
+    Returns:
+        The banks.
+    """
     return _banks(model)
 
 
 def set_quantization(model: nn.Module, enabled: bool) -> None:
-    """Switch quantization on/off; a layer switched from off to on resets its scalers (cold start)."""
+    """Switch quantization on/off; a layer switched from off to on resets its scalers (cold start).
+
+    Args:
+        model: the model.
+        enabled: quantization on.
+    """
     resets: dict[int, tuple[ScalerBank, list[int]]] = {}
     for _, mod in quant_modules(model):
         if enabled and not mod.quant_enabled:
@@ -273,21 +368,36 @@ def set_quantization(model: nn.Module, enabled: bool) -> None:
 def set_weight_recompute(model: nn.Module, recompute: bool = True) -> None:
     """Recompute Q_W(W) in the backward instead of keeping it from the forward (FSDP: the full weight is
     re-gathered for the backward, and a kept quantized copy would hold a whole unsharded weight per layer
-    from forward to backward). Bit-identical either way; off by default, on from ``distributed.apply_fsdp``."""
+    from forward to backward). Bit-identical either way; off by default, on from ``distributed.apply_fsdp``.
+
+    Args:
+        model: the model.
+        recompute: recompute instead of keeping.
+    """
     for _, mod in quant_modules(model):
         mod.recompute_weight = bool(recompute)
 
 
 def set_bf16_emulation(model: nn.Module, emulate: bool = True) -> None:
     """Whether the quantized layers run their BF16 GEMMs as FP32 GEMMs on BF16 values (see
-    :mod:`hif8qat.compute_dtype`); the numerics of a run decide it, the layers never guess it."""
+    :mod:`hif8qat.compute_dtype`); the numerics of a run decide it, the layers never guess it.
+
+    Args:
+        model: the model.
+        emulate: emulate BF16 GEMMs.
+    """
     for _, mod in quant_modules(model):
         mod.emulate_bf16 = bool(emulate)
 
 
 def set_state_in_state_dict(model: nn.Module, on: bool = True) -> None:
     """Put each quantized layer's scaler state (amax histories, scales, step, counters) into
-    ``model.state_dict()`` and read it back in ``load_state_dict``, so any trainer's checkpoint carries it."""
+    ``model.state_dict()`` and read it back in ``load_state_dict``, so any trainer's checkpoint carries it.
+
+    Args:
+        model: the model.
+        on: carry the scaler state in the state dict.
+    """
     for _, mod in quant_modules(model):
         mod.state_in_state_dict = bool(on)
     for bank in _banks(model):
@@ -295,13 +405,27 @@ def set_state_in_state_dict(model: nn.Module, on: bool = True) -> None:
 
 
 def is_scaler_key(key: str) -> bool:
-    """Whether a ``model.state_dict()`` key is a scaler entry (:func:`set_state_in_state_dict`), not a weight."""
+    """Whether a ``model.state_dict()`` key is a scaler entry (:func:`set_state_in_state_dict`), not a weight.
+
+    Args:
+        key: a state-dict key.
+
+    Returns:
+        True for a layer's scaler entry or the bank's generator state.
+    """
     return f".{STATE_KEY}." in f".{key}" or f".{BANK_ATTR}." in f".{key}"
 
 
 def scaler_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The scaler entries of ``model.state_dict()`` alone: what a data-parallel rank keeps of its own (its
-    scalers are its own unless ``amax_reduce`` makes them common), beside the weights every rank shares."""
+    scalers are its own unless ``amax_reduce`` makes them common), beside the weights every rank shares.
+
+    Args:
+        model: a model whose scalers are in its state dict (:func:`set_state_in_state_dict`).
+
+    Returns:
+        Key -> tensor, the keys as ``model.state_dict()`` has them.
+    """
     return {k: v for k, v in model.state_dict().items() if is_scaler_key(k)}
 
 
@@ -312,8 +436,16 @@ def _scaler_owner(key: str) -> str | None:
 
 
 def load_scaler_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
-    """Restore :func:`scaler_state_dict`'s entries, every one of them: KeyError naming what is missing or
-    unexpected, RuntimeError for scalers recorded under other settings (``format``, ``algo``, ...)."""
+    """Restore :func:`scaler_state_dict`'s entries, every one of them.
+
+    Args:
+        model: the model, converted as the one that saved them, its scalers in its state dict.
+        sd: the saved entries.
+
+    Raises:
+        KeyError: entries missing, or entries of layers the model does not have.
+        RuntimeError: scalers recorded under other settings (``format``, ``algo``, ...).
+    """
     expected = set(scaler_state_dict(model))
     owners = {_scaler_owner(k) for k in expected}
     missing = sorted(expected - set(sd))
@@ -329,7 +461,14 @@ def load_scaler_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> 
 def scalers_left_out(model: nn.Module) -> Iterator[None]:
     """Inside, ``model.state_dict()`` and ``load_state_dict`` hold the weights only: for files of the weights,
     which every rank shares and plain ``transformers`` reads (the scalers travel per rank, or in an export's
-    own file)."""
+    own file).
+
+    Args:
+        model: the model.
+
+    Yields:
+        Nothing; the scalers are back in the state dict as before on leaving.
+    """
     modules, banks = [mod for _, mod in quant_modules(model)], _banks(model)
     kept = [mod.state_in_state_dict for mod in modules], [bank.rng_in_state_dict for bank in banks]
     set_state_in_state_dict(model, False)
@@ -345,7 +484,12 @@ def scalers_left_out(model: nn.Module) -> Iterator[None]:
 def set_step(model: nn.Module, step: int) -> None:
     """Current optimizer step (drives schedules, history_unit=step and telemetry dump steps): an integer >= 0
     that never goes back (a loaded scaler state brings its own step back with it). Call it before each
-    optimizer step; with ``transformers.Trainer``, :class:`hif8qat.integrations.hf.StepCallback` does."""
+    optimizer step; with ``transformers.Trainer``, :class:`hif8qat.integrations.hf.StepCallback` does.
+
+    Args:
+        model: the model.
+        step: the optimizer step.
+    """
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(f"set_step: step={step!r} ({type(step).__name__}) is invalid; allowed: an int >= 0, the "
                         "number of optimizer steps taken (e.g. transformers' state.global_step)")
@@ -365,7 +509,12 @@ def set_step(model: nn.Module, step: int) -> None:
 
 
 def freeze_scales(model: nn.Module, frozen: bool = True) -> None:
-    """Frozen: quantize with the current scales, record nothing and never communicate (evaluation)."""
+    """Frozen: quantize with the current scales, record nothing and never communicate (evaluation).
+
+    Args:
+        model: the model.
+        frozen: True to freeze, False to resume recording.
+    """
     for bank in _banks(model):
         bank.freeze(frozen)
 
@@ -374,6 +523,9 @@ def update_scales(model: nn.Module) -> None:
     """End the current micro-batch now: record the amaxes of the quantizers that ran since the last update.
 
     A backward pass does this by itself when it ends; call it after a forward whose backward never runs.
+
+    Args:
+        model: the model.
     """
     for bank in _banks(model):
         bank.update()
@@ -386,7 +538,14 @@ def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Everything needed to resume the quantizers exactly: ``{site}.{A|W|G}.{key}`` per GEMM site and
     ``{module}.enabled``.
 
-    Per-quantizer tensors in the format of :mod:`hif8qat.scaling.bank_state` (exports written before the bank load as is).
+    Per-quantizer tensors in the format of :mod:`hif8qat.scaling.bank_state` (exports written before the bank load
+    as is).
+
+    Args:
+        model: the model.
+
+    Returns:
+        Key -> CPU tensor.
     """
     sd: dict[str, torch.Tensor] = {}
     hosts: dict[int, dict[str, torch.Tensor]] = {}
@@ -403,6 +562,16 @@ def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_quant_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Restore what :func:`quant_state_dict` saved.
+
+    Args:
+        model: the converted model.
+        sd: the saved state.
+        strict: refuse missing scalers and unexpected keys.
+
+    Raises:
+        KeyError: naming the missing scalers and unexpected keys.
+    """
     modules = dict(quant_modules(model))
     sites = {site: (mod, rows) for site, mod, rows in quant_sites(model)}
     grouped: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
@@ -449,6 +618,13 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
     |x*s| >= 40960, for FP8 |x*s| > max; logs written before FP8 call it overflow_count), nonfinite_count
     (calls with a non-finite amax), amax_max, calls, stats_calls, and target (the scale target the role's
     quantizers map the amax estimate to: the run's per-role target, FP8's format max / 2^margin).
+
+    Args:
+        model: the model.
+        reset: start the next aggregation afresh.
+
+    Returns:
+        Key -> value.
     """
     banks = _banks(model)
     if not banks:

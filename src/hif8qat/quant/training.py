@@ -4,11 +4,12 @@
     config = Hif8TrainingConfig(algo="most_recent", history_len=30, interval={0: 1, 1000: 10}, scope="attn_mlp")
     convert_to_hif8_training(model, config=config, module_filter_fn=lambda mod, fqn: "layers.0." not in fqn)
 
-The conversion swaps the chosen ``nn.Linear`` layers of the decoder blocks for :class:`~hif8qat.quant.linear.QuantLinear`
-in place (parameters shared, so an optimizer built before or after stays valid), builds one scaler bank for all of
-them, and puts the scalers' state into ``model.state_dict()``, so the trainer's own checkpointing saves and restores
-the delayed-scaling history bit for bit. Call :func:`~hif8qat.quant.linear.set_step` with the optimizer step before
-each step when the config has step schedules (``interval``, ``algo``) or ``history_unit="step"``.
+The conversion swaps the chosen ``nn.Linear`` layers of the decoder blocks for
+:class:`~hif8qat.quant.linear.QuantLinear` in place (parameters shared, so an optimizer built before or after stays
+valid), builds one scaler bank for all of them, and puts the scalers' state into ``model.state_dict()``, so the
+trainer's own checkpointing saves and restores the delayed-scaling history bit for bit. Call
+:func:`~hif8qat.quant.linear.set_step` with the optimizer step before each step when the config has step schedules
+(``interval``, ``algo``) or ``history_unit="step"``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ class Hif8TrainingConfig(ScalingConfig):
         super().__post_init__()  # normalises the schedules, then validate(): the one check
 
     def validate(self) -> Hif8TrainingConfig:
+        """Check every field, the delayed-scaling ones and those of the conversion.
+
+        Returns:
+            This config.
+
+        Raises:
+            ValueError: naming the first invalid field and its allowed values.
+        """
         super().validate()
         if self.scope not in SCOPES:
             _fail("scope", self.scope, "one of " + ", ".join(SCOPES))
@@ -78,13 +87,22 @@ class Hif8TrainingConfig(ScalingConfig):
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values (``high_precision_blocks`` a list).
+
+        Returns:
+            Field name -> value.
+        """
         d = super().to_dict()
         d.update(scope=self.scope, high_precision_blocks=list(self.high_precision_blocks),
                  emulate_bf16=self.emulate_bf16)
         return d
 
     def scaling(self) -> ScalingConfig:
-        """The delayed-scaling part alone (what a scaler bank reads)."""
+        """The delayed-scaling part alone (what a scaler bank reads).
+
+        Returns:
+            The ``ScalingConfig``.
+        """
         return ScalingConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ScalingConfig)})
 
 
@@ -120,7 +138,11 @@ def _field_rules() -> dict[str, tuple[str, str]]:
 
 
 def config_table() -> str:
-    """The markdown table of every :class:`Hif8TrainingConfig` field: default, allowed values, meaning."""
+    """The markdown table of every :class:`Hif8TrainingConfig` field: default, allowed values, meaning.
+
+    Returns:
+        The table.
+    """
     rules = _field_rules()
     rows = ["| field | default | allowed | meaning |", "| --- | --- | --- | --- |"]
     for f in dataclasses.fields(Hif8TrainingConfig):
@@ -132,15 +154,21 @@ def config_table() -> str:
 def convert_to_hif8_training(model: nn.Module, *, config: Hif8TrainingConfig | None = None,
                              module_filter_fn: ModuleFilter | None = None,
                              role_map: Mapping[str, str] | None = None) -> nn.Module:
-    """Quantize ``model``'s decoder-block GEMMs (``nn.Linear``, GPT-2's ``Conv1D``, MoE experts per expert) for
-    HiF8 (or FP8) training, in place; returns ``model``. Logs one line: how many of the blocks' GEMM weights are
-    quantized, and why the others are not (:func:`~hif8qat.quant.linear.coverage` lists them).
+    """Quantize ``model``'s decoder-block GEMMs (``nn.Linear``, GPT-2's ``Conv1D``, MoE experts per expert)
+    for HiF8 (or FP8) training, in place. Logs one line: how many of the blocks' GEMM weights are quantized,
+    and why the others are not (:func:`~hif8qat.quant.linear.coverage` lists them). The quantizers are on and
+    their state is part of ``model.state_dict()`` from here on.
 
-    ``module_filter_fn(module, fqn)``: called for each GEMM module the scope selects outside the high-precision
-    blocks (``fqn`` is its name in ``model``); False leaves it alone. ``role_map``: ``{name inside a block:
-    "attn" | "mlp" | "none"}`` for a layout whose roles the block's structure does not tell (e.g.
-    ``{"mixer": "attn", "channel": "mlp"}``). The quantizers are on and their state is part of
-    ``model.state_dict()`` from here on.
+    Args:
+        model: the model.
+        config: the settings (default ``Hif8TrainingConfig()``).
+        module_filter_fn: ``fn(module, fqn) -> bool``, called for each GEMM module the scope selects outside
+            the high-precision blocks (``fqn`` is its name in ``model``); False leaves it alone.
+        role_map: ``{name inside a block: "attn" | "mlp" | "none"}`` for a layout whose roles the block's
+            structure does not tell (e.g. ``{"mixer": "attn", "channel": "mlp"}``).
+
+    Returns:
+        ``model``.
     """
     if config is None:
         config = Hif8TrainingConfig()

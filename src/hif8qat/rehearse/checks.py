@@ -14,7 +14,11 @@ from pathlib import Path
 
 
 def run_check(checks: dict[str, str | None], fn: Callable[[], None]) -> None:
-    """Run one check (named by its function), print ok / FAIL, and record None or the failure in ``checks``."""
+    """Run one check (named by its function), print ok / FAIL, and record None or the failure.
+
+    Args:
+        checks: check name -> None if it passed, else why it failed.
+        fn: the check; it raises on failure."""
     name = fn.__name__
     try:
         fn()
@@ -26,8 +30,17 @@ def run_check(checks: dict[str, str | None], fn: Callable[[], None]) -> None:
 
 
 def parse_work_args(prog: str, description: str, prefix: str, argv: list[str] | None):
-    """A rehearsal's command line (``--work``, ``--repo``): (args, work folder), or exit status 2 when --work is a
-    folder that is not empty (a rehearsal never writes into earlier files)."""
+    """A rehearsal's command line (``--work``, ``--repo``).
+
+    Args:
+        prog: the program name for the usage line.
+        description: the help text.
+        prefix: prefix of the temporary work folder.
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        ``(args, work folder)``, or exit status 2 when --work is a folder that is not empty (a rehearsal never writes
+        into earlier files)."""
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--work", help="folder for the rehearsal's files (default: a new temporary folder, removed "
                                    "when every check passed)")
@@ -42,7 +55,16 @@ def parse_work_args(prog: str, description: str, prefix: str, argv: list[str] | 
 
 
 def finish(checks: dict[str, str | None], work: Path, t0: float, keep: bool) -> int:
-    """Print and record (``checks.json``) a rehearsal's checks; remove its folder when all passed and not kept."""
+    """Print and record (``checks.json``) a rehearsal's checks; remove its folder when all passed and not kept.
+
+    Args:
+        checks: check name -> None if it passed, else why it failed.
+        work: the rehearsal's folder.
+        t0: its start time (time.time()).
+        keep: keep the folder even when every check passed.
+
+    Returns:
+        The exit status: 1 when a check failed, else 0."""
     failed = [name for name, why in checks.items() if why]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {time.time() - t0:.0f} s"
           + (f"; failed: {', '.join(failed)} (files kept in {work})" if failed else ""))

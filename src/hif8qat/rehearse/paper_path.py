@@ -1,24 +1,11 @@
 """A CPU rehearsal of the paper profile's code path, with only the sizes and the device changed.
 
-`make rehearse` (``python -m hif8qat.rehearse.paper_path``) generates its inputs, runs the paper profile's exp8 under
-``torchrun --nproc_per_node 2`` (gloo) and checks what a user of a paper run would check:
-
-- the model is a tiny, randomly initialised Llama behind its own modeling file and ``auto_map`` (as
-  openPangu-Embedded-1B is), loaded with ``trust_remote_code`` from a local folder;
-- the data are FineWeb-format parquet shards read through ``FINEWEB_PATH`` and the same streaming code, with a
-  shard count that does not divide by the world size and fewer tokens than the run consumes (it wraps);
-- FSDP2, gradient accumulation, activation checkpointing, amax all-reduce, bf16 autocast, telemetry dumps;
-- a kill mid-run and a resume on 2 ranks (bit for bit) and, from a copy of the same 2-rank checkpoint, on
-  1 rank (resharded: step, parameters, optimizer and scalers as saved, no document read twice in the epoch);
-- evaluation on both ranks in bf16 and hif8 modes, equal to a single-process evaluation of the same export;
-  the report.
-
-What the checks hold the runs against (step 0's unsharded gradient norm, each rank's documents, the 2-rank
-checkpoint loaded on one process, a one-process evaluation) is measured by :mod:`hif8qat.rehearse.probes`.
-
-Deviations from the paper profile besides sizes and device: the evaluation runs the smoke profile's offline
-mini tasks (the paper's MMLU/HellaSwag/ARC need their datasets).
-"""
+`make rehearse` (``python -m hif8qat.rehearse.paper_path``) generates its inputs (a tiny remote-code Llama,
+FineWeb-format shards), runs the paper profile's exp8 under ``torchrun --nproc_per_node 2`` (gloo) with FSDP2,
+gradient accumulation, activation checkpointing and amax all-reduce, kills and resumes it on 2 ranks and on 1,
+evaluates it on both ranks and builds the report, checking each step against what
+:mod:`hif8qat.rehearse.probes` measures. docs/running_at_scale.md ("Rehearsal without a GPU") lists the checks.
+The evaluation runs the smoke profile's offline mini tasks (the paper's need their datasets)."""
 
 from __future__ import annotations
 
@@ -54,12 +41,22 @@ HELDOUT = 2  # held-out documents, for the validation loss
 
 
 def run_args(work: Path, model_dir: Path, results: Path, stage: str) -> list[str]:
-    """The paper profile's exp8 with only sizes and device changed (and the offline mini evaluation)."""
+    """The paper profile's exp8 with only sizes and device changed (and the offline mini evaluation).
+
+    Args:
+        work: the rehearsal's folder.
+        model_dir: the tiny model's folder.
+        results: the results root.
+        stage: the stage to run.
+
+    Returns:
+        run.py's overrides."""
     return ["experiment=exp8", "profile=paper", f"profile.steps={STEPS}", f"stage={stage}",
             f"model.name={model_dir}", f"results_root={results}", "train.device=cpu",
             "train.distributed=fsdp", "train.activation_checkpointing=true", "quant.amax_reduce=max",
             f"train.global_batch_size={MICRO_BATCH * WORLD * ACCUM}", f"train.micro_batch_size={MICRO_BATCH}",
-            f"train.seq_len={SEQ_LEN}", "train.checkpoint_every=4", "train.num_threads=1", f"quant.telemetry_dump_every={DUMP_EVERY}",
+            f"train.seq_len={SEQ_LEN}", "train.checkpoint_every=4", "train.num_threads=1",
+            f"quant.telemetry_dump_every={DUMP_EVERY}",
             "data.eval_windows=4", "eval=smoke", "eval.limit=4", "logger.progress_bar=false",
             f"hydra.run.dir={work / 'hydra' / stage}"]
 
@@ -114,7 +111,14 @@ def _csv_rows(path: Path) -> list[list[str]]:
 
 
 def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
-    """Run the rehearsal in `work`; return {check: None if it passed, else why it failed}."""
+    """Run the rehearsal in ``work``.
+
+    Args:
+        work: the rehearsal's folder.
+        repo: the checkout whose run.py and src/ are rehearsed.
+
+    Returns:
+        Check name -> None if it passed, else why it failed."""
     work.mkdir(parents=True, exist_ok=True)
     model_dir = write_remote_code_model(work / f"tiny_pangu_{os.getpid()}_{int(time.time())}", num_layers=8)
     fineweb = work / "fineweb"
@@ -287,7 +291,15 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parsed = parse_work_args("python -m hif8qat.rehearse.paper_path", __doc__.split("\n")[0], "hif8qat-rehearsal-", argv)
+    """``python -m hif8qat.rehearse.paper_path [--work DIR] [--repo DIR]``: the rehearsal, its checks printed.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status: 0 when every check passed."""
+    parsed = parse_work_args("python -m hif8qat.rehearse.paper_path", __doc__.split("\n")[0], "hif8qat-rehearsal-",
+                             argv)
     if isinstance(parsed, int):
         return parsed
     args, work = parsed

@@ -53,7 +53,10 @@ def _stream(fineweb: str, tok, sizes: argparse.Namespace, rank: int, world: int)
 
 @contextmanager
 def _counting_parquet_rows(decoded: list[int]) -> Iterator[None]:
-    """Inside, every row the parquet reader decodes (whichever rank keeps it) is added to decoded[-1]."""
+    """Inside, every row the parquet reader decodes (whichever rank keeps it) is added to decoded[-1].
+
+    Adapter: datasets reports no count of the rows its parquet reader decodes; its private ``_generate_tables``
+    is wrapped here, the one place that touches it."""
     real = Parquet._generate_tables
 
     def counting(self, *args, **kwargs):
@@ -72,7 +75,15 @@ def replay(model_dir: str, fineweb: str, sizes: argparse.Namespace) -> dict:
     """{"docs": each rank's document ids in an epoch, "decoded": the rows each rank's reader decodes (kept or
     not), "grad_norm": step 0's gradient norm}. The norm is a plain Llama's with the model folder's weights
     (its remote code set aside), over each rank's first micro-batches under bf16 autocast, averaged as the
-    trainer averages: what the sharded, accumulated step 0 must log."""
+    trainer averages: what the sharded, accumulated step 0 must log.
+
+    Args:
+        model_dir: the tiny model's folder.
+        fineweb: the FineWeb-format shards.
+        sizes: the rehearsal's sizes (world, micro-batch, sequence length ...), as the probe's command line gives them.
+
+    Returns:
+        ``{docs, decoded, grad_norm}``."""
     tok = build_tiny_tokenizer()
     docs, decoded = [], []
     with _counting_parquet_rows(decoded):
@@ -103,7 +114,18 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
     conversion of its shards to one file (parameters, optimizer state, scalers); then the documents the saved
     ranks read (fresh streams replayed to the saved step), those a 1-rank stream resized from the saved data
     states reads until its epoch ends, and that stream's data state where the 1-rank run saved its last
-    checkpoint, beside the one that run saved."""
+    checkpoint, beside the one that run saved.
+
+    Args:
+        saved: the multi-rank checkpoint folder.
+        model_dir: the tiny model's folder.
+        fineweb: the FineWeb-format shards.
+        resized_run: the 1-rank run's folder.
+        sizes: the rehearsal's sizes (world, micro-batch, sequence length ...), as the probe's command line gives them.
+
+    Returns:
+        The comparisons (``step``, ``params_equal``, ``optimizer_equal``, ``scalers_equal``, ...) and the documents
+        read."""
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(f"{saved}/dcp", f"{tmp}/full.pt")
         full = torch.load(f"{tmp}/full.pt", weights_only=True)
@@ -112,10 +134,12 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     step, state = load_checkpoint(Path(saved), model=model, optimizer=opt, scheduler=sched, rank=0, world_size=1)
     loaded = model.state_dict()
-    params_equal = set(full["model"]) <= set(loaded) and all(torch.equal(loaded[k], v) for k, v in full["model"].items())
+    params_equal = set(full["model"]) <= set(loaded) and all(
+        torch.equal(loaded[k], v) for k, v in full["model"].items())
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer_equal = len(opt.state) == len(full["optimizer"]["state"]) > 0 and all(
-        torch.equal(v, full["optimizer"]["state"][names[id(p)]][k]) for p, st in opt.state.items() for k, v in st.items())
+        torch.equal(v, full["optimizer"]["state"][names[id(p)]][k])
+        for p, st in opt.state.items() for k, v in st.items())
     rank0 = torch.load(f"{saved}/rank000.pt", weights_only=True)
     scalers_equal = all(torch.equal(state[SCALERS_KEY][k], v) for k, v in rank0[SCALERS_KEY].items())
 
@@ -149,7 +173,14 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
 
 def evaluate_in_one_process(run_dir: str, out: str) -> dict:
     """The run's export evaluated in one process in every mode, with the evaluation settings and numerics the
-    run recorded (its config_resolved.yaml), as run.py evaluates a run; results under out/<mode>/."""
+    run recorded (its config_resolved.yaml), as run.py evaluates a run; results under out/<mode>/.
+
+    Args:
+        run_dir: the run folder.
+        out: where the results go.
+
+    Returns:
+        ``{modes}``: the modes evaluated."""
     cfg = yaml.safe_load((Path(run_dir) / "config_resolved.yaml").read_text())
     ev = cfg["eval"]
     device, dtype = resolve_numerics(ev["device"], ev["dtype"], train_device=cfg["train"]["device"],
@@ -179,6 +210,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hif8qat.rehearse.probes {replay,resized-load,evaluate} ...``: one probe, its answer printed as JSON.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status."""
     args = _parser().parse_args(argv)
     if args.probe == "replay":
         result = replay(args.model_dir, args.fineweb, args)

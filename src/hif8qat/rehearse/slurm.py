@@ -1,32 +1,12 @@
 """`make slurm-rehearse`: the SLURM launcher for real, on a one-node cluster started on 127.0.0.1.
 
-``python -m hif8qat.rehearse.slurm`` installs ``slurm-wlm`` and ``munge`` when missing (root, apt-get),
-starts munged, slurmctld and slurmd in a temporary folder (hif8qat.rehearse.slurm_cluster) and drives the project's
-own Hydra launcher config (``hydra/launcher=slurm_cpu``, 2 tasks per job over gloo; no hand-written sbatch)
-at the smoke profile:
-
-- a sweep of 2 seeds x 2 ranks: both runs finish, their losses and exported weights equal a
-  ``torchrun --nproc_per_node 2`` run of the same settings bit for bit, and run_info.json records the world
-  size, ranks per node, launcher and job / array ids; the sweep prints at most one line about sacct;
-- a job whose tasks are SIGKILLed at step 5 (``kill -KILL <pids>``, as by the OOM killer; ``scancel -s KILL``
-  cancels the job, SIGTERM first): the sweep exits non-zero with one ``error:`` line
-  naming the job's log (no traceback), and its rerun resumes from the last verified checkpoint (step 4) and
-  ends with the uninterrupted run's weights;
-- preemption: ``scancel --signal=USR2`` at step 5 of a job whose time limit makes every signal a time-out:
-  the trainer checkpoints step 6 (the end of the step the signal came in), then submitit checkpoints the job's
-  submission and requeues it (``max_num_timeout``: 1 left, so 0 after it); the requeued job resumes from that
-  step-6 checkpoint, not the periodic step 4, and ends with the uninterrupted run's weights;
-- an administrator's ``scontrol requeue`` at step 5: SLURM sends SIGTERM (``KillWait`` before SIGKILL), the
-  trainer checkpoints step 6 and exits, SLURM starts the job again (same job id, restart count 1), and it
-  resumes from step 6 and ends with the uninterrupted run's weights;
-- a sweep with a point that fails inside its job (``results_root`` a file): the other point finishes, the bad
-  one's log holds one ``error:`` line, and the sweep exits non-zero with one ``error:`` line naming that job's
-  log and no traceback;
-- ``stage=eval`` on 2 ranks under SLURM: the answers equal a one-process evaluation of the same run.
-
-When the daemons cannot be started here (no root to install, no munge, ...) it prints ``skipped: <why>`` and
-exits 0; it stops every daemon it started, by PID, whatever happens.
-"""
+``python -m hif8qat.rehearse.slurm`` starts munged, slurmctld and slurmd in a temporary folder
+(:mod:`hif8qat.rehearse.slurm_cluster`, installing ``slurm-wlm`` and ``munge`` when missing) and drives the
+project's own Hydra launcher config (``hydra/launcher=slurm_cpu``, 2 tasks per job over gloo) at the smoke
+profile: a 2-seed sweep equal to torchrun bit for bit, a SIGKILLed job and its resume, preemption by
+``scancel --signal=USR2`` and by ``scontrol requeue``, a failing sweep point, and a 2-rank evaluation.
+docs/running_at_scale.md ("Rehearsed on a local SLURM cluster") lists the checks. When the daemons cannot be
+started here it prints ``skipped: <why>`` and exits 0; it stops every daemon it started, by PID."""
 
 from __future__ import annotations
 
@@ -144,7 +124,14 @@ def _signal_when_paused(marker: Path, sweep, command: list[str], timeout: float 
 
 
 def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
-    """Run the rehearsal (the cluster must be up); return {check: None if it passed, else why it failed}."""
+    """Run the rehearsal (the cluster must be up).
+
+    Args:
+        work: the rehearsal's folder.
+        repo: the checkout whose run.py and src/ are rehearsed.
+
+    Returns:
+        Check name -> None if it passed, else why it failed."""
     env = {**os.environ, "PYTHONPATH": str(repo / "src"), "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1",
            "HIF8QAT_SLURM_POLL_S": "5",  # a sweep notices a job that ended without a result within seconds
            "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
@@ -265,7 +252,8 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
         assert rc_preempted == 0, f"exit {rc_preempted}: {log_preempted[-2000:]}"
         folder, logs = requeued_once_as_the_same_job("preempted")
         for words in (f"SIGUSR2: checkpointed at step {SIGNAL_AT}", "this job is timed-out",
-                      "Calling checkpoint method", "(0 remaining timeouts)", f"step_{SIGNAL_AT:07d} at step {SIGNAL_AT}"):
+                      "Calling checkpoint method", "(0 remaining timeouts)",
+                      f"step_{SIGNAL_AT:07d} at step {SIGNAL_AT}"):
             assert words in logs, f"{words!r} not in the job's logs"
         assert f"at step {RESUME_AT}" not in logs, "resumed from the periodic checkpoint, not the signal's"
         assert _metrics(folder) == _metrics(_folder(R["slurm"], 0)), "losses differ from the uninterrupted run"
@@ -320,6 +308,13 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hif8qat.rehearse.slurm [--work DIR] [--repo DIR]``: the cluster up, the rehearsal, the cluster down.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status: 0 when every check passed."""
     parsed = parse_work_args("python -m hif8qat.rehearse.slurm", __doc__.split("\n")[0], "hif8qat-slurm-", argv)
     if isinstance(parsed, int):
         return parsed

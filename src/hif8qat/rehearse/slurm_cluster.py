@@ -2,9 +2,9 @@
 
 `LocalCluster(work).start()` writes a munge key and a ``slurm.conf`` for this machine's cores and memory
 (``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``, ``SelectType=select/cons_tres``, one
-partition ``debug`` whose CPUs up to 4 jobs share), starts munged, slurmctld and slurmd as the current user, each bound to 127.0.0.1 only
-(``CommunicationParameters=NoInAddrAny,NoCtldInAddrAny``), on ports found free, and waits for the node to be idle;
-`stop()` ends exactly the daemons it started, by their PIDs. Every file stays under ``work``; the SLURM
+partition ``debug`` whose CPUs up to 4 jobs share), starts munged, slurmctld and slurmd as the current user, each bound
+to 127.0.0.1 only (``CommunicationParameters=NoInAddrAny,NoCtldInAddrAny``), on ports found free, and waits for the node
+to be idle; `stop()` ends exactly the daemons it started, by their PIDs. Every file stays under ``work``; the SLURM
 commands find the cluster through ``env()`` (``SLURM_CONF`` and the munge socket).
 
 `ensure_installed()` installs Debian's ``slurm-wlm`` and ``munge`` with apt-get when they are missing (root
@@ -41,11 +41,21 @@ def _sbin(name: str) -> str | None:
 
 
 def missing_programs() -> list[str]:
+    """The SLURM and munge programs this machine lacks.
+
+    Returns:
+        Their names."""
     return [n for n in (*DAEMONS, "sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel") if not _sbin(n)]
 
 
 def ensure_installed(log=print) -> None:
-    """apt-get install slurm-wlm munge when a program of theirs is missing; ClusterUnavailable if that cannot be."""
+    """apt-get install slurm-wlm munge when a program of theirs is missing.
+
+    Args:
+        log: where progress lines go.
+
+    Raises:
+        ClusterUnavailable: they are missing and cannot be installed."""
     missing = missing_programs()
     if not missing:
         return
@@ -66,13 +76,20 @@ def ensure_installed(log=print) -> None:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the time of asking.
+
+    Returns:
+        The port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def node_resources() -> tuple[int, int]:
-    """(CPUs, MB of memory) this machine gives the node: every core, 90 % of the memory."""
+    """What this machine gives the node: every core, 90 % of the memory.
+
+    Returns:
+        ``(CPUs, MB of memory)``."""
     mem_kb = 0
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -81,7 +98,17 @@ def node_resources() -> tuple[int, int]:
 
 
 def slurm_conf(work: Path, user: str, ports: tuple[int, int], cpus: int, mem_mb: int) -> str:
-    """The one-node configuration (a pure function of its arguments)."""
+    """The one-node configuration (a pure function of its arguments).
+
+    Args:
+        work: the cluster's folder.
+        user: the user the daemons run as.
+        ports: (slurmctld port, slurmd port).
+        cpus: the node's CPUs.
+        mem_mb: the node's memory in MB.
+
+    Returns:
+        The text of slurm.conf."""
     ctl, slurmd = ports
     return "\n".join([
         "ClusterName=hif8rehearse",
@@ -133,7 +160,10 @@ class LocalCluster:
         self.pids: dict[str, int] = {}
 
     def env(self) -> dict[str, str]:
-        """Variables the SLURM commands need to find this cluster (added to os.environ by start())."""
+        """Variables the SLURM commands need to find this cluster (added to os.environ by start()).
+
+        Returns:
+            ``{SLURM_CONF: path}``."""
         return {"SLURM_CONF": str(self.work / "slurm.conf")}
 
     def _munge(self) -> None:
@@ -159,6 +189,16 @@ class LocalCluster:
         raise ClusterUnavailable(f"{name} wrote no PID file ({path}); see {self.work / 'log'}")
 
     def start(self, timeout: float = 120) -> LocalCluster:
+        """Install what is missing, write the configuration and start the daemons; wait for the node to be idle.
+
+        Args:
+            timeout: seconds to wait for the node.
+
+        Returns:
+            The cluster itself.
+
+        Raises:
+            ClusterUnavailable: the daemons cannot be installed or started here."""
         ensure_installed(self.log)
         t0 = time.time()
         for sub in ("state", "spool", "run", "log"):
@@ -284,9 +324,16 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hif8qat.rehearse.slurm_cluster [--work DIR] -- COMMAND...``: COMMAND with the cluster up, then down."""
+    """``python -m hif8qat.rehearse.slurm_cluster [--work DIR] -- COMMAND...``: COMMAND with the cluster up, then
+    down.
 
-    ap = argparse.ArgumentParser(prog="python -m hif8qat.rehearse.slurm_cluster", description=main.__doc__)
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        COMMAND's exit status (``sinfo`` when none is given); 0 when the cluster cannot start here."""
+    ap = argparse.ArgumentParser(prog="python -m hif8qat.rehearse.slurm_cluster",
+                                 description=main.__doc__.split("\n\n")[0])
     ap.add_argument("--work", help="folder for the cluster's files (default: a new temporary folder)")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)

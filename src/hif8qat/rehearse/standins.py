@@ -10,7 +10,7 @@ import random
 import shutil
 from pathlib import Path
 
-from hif8qat.data.loader import _stream_is_heldout
+from hif8qat.data.corpus import stream_is_heldout
 from hif8qat.models.loading import build_tiny_llama
 
 REMOTE_MODEL_TYPE = "tiny_pangu"
@@ -38,7 +38,15 @@ _WORDS = ("the model reads tokens from shards while ranks train in step and the 
 
 def write_remote_code_model(folder: str | os.PathLike, *, num_layers: int = 6, seed: int = 0) -> Path:
     """A tiny random Llama saved as a remote-code model: config.json with ``auto_map``, its own
-    configuration/modeling files, safetensors weights and the tiny byte tokenizer. Returns the folder."""
+    configuration/modeling files, safetensors weights and the tiny byte tokenizer.
+
+    Args:
+        folder: where to write it.
+        num_layers: decoder blocks.
+        seed: random seed of the weights.
+
+    Returns:
+        The folder."""
 
     folder = Path(folder)
     model, tok = build_tiny_llama(num_layers=num_layers, seed=seed)
@@ -63,8 +71,17 @@ def write_fineweb_shards(folder: str | os.PathLike, *, shards: int = 3, docs_per
     """FineWeb-format parquet shards (``000_00000.parquet`` ...) of short random documents, each document's
     text tagged with its id (``<doc:shard-row>``) so a reader can tell which documents a rank saw.
 
-    heldout_docs: that many documents more (the first shards' last rows) that the data module holds out for
-    evaluation, so a small source still has held-out windows."""
+    Args:
+        folder: where to write them.
+        shards: files.
+        docs_per_shard: documents per file.
+        row_group_size: rows per parquet row group.
+        seed: random seed of the texts.
+        heldout_docs: that many documents more (the first shards' last rows) that the data module holds out for
+            evaluation, so a small source still has held-out windows.
+
+    Returns:
+        The shard paths."""
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -93,4 +110,4 @@ def write_fineweb_shards(folder: str | os.PathLike, *, shards: int = 3, docs_per
 
 def _heldout(text: str) -> bool:
 
-    return _stream_is_heldout(text)
+    return stream_is_heldout(text)

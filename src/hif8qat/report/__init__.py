@@ -1,37 +1,15 @@
-"""Tables and figures: accuracy drops with paired confidence intervals, training-loss APE, scaling telemetry.
+"""Tables and figures: accuracy drops with paired confidence intervals, training-loss APE, claims with their
+intervals and verdicts, scaling telemetry.
 
-Definitions (the paper's, as in the authors' log_visualizer and evaluation summary):
-
-* relative drop per task  ``(base - quant) / base * 100`` (percent of the baseline score; positive = worse);
-* per seed, the drop's paired 95 % interval: exact (conditional McNemar) when few items differ, else a paired
-  percentile bootstrap (the same resampled doc ids for baseline and run, ``n_boot`` times, fixed seed);
-* training-loss APE: for every step logged by both runs, ``|L_q - L_b| / |L_b| * 100``; plain mean over all
-  common steps, over the last ``last_frac`` of them (the paper: last 1,000 of 10,000 = 10 %) and over the QAT
-  phase (the steps after the BF16 warmup, where the quantized run's log says ``quant``); no smoothing. APE is
-  unsigned: it measures noise and a systematic gap alike, so the claims use the signed difference instead;
-* claims: every run against its same-seed baseline and the experiment it derives from (one pairing rule,
-  :func:`hif8qat.runs.folders.find_baseline_run`), pooled over seeds per mode, task and metric (accuracy, the per-item
-  gold log-likelihood and margin when recorded, the signed training-loss difference, the held-out NLL), with
-  an interval from the design's own units (training loss: t on the per-seed means; items and held-out windows:
-  crossed with the seeds, since every seed scores the same ones), an equivalence verdict against a stated
-  margin, one test per row with the seeds pooled (accuracy: exact permutation test over items), Holm within the
-  claim, and the minimum detectable cost of that test (``hif8qat.stats.paired``);
-* seeds: the spread (mean, sd) of each score and drop over seeds and a descriptive seed null (a BF16
-  experiment against itself at another seed).
-
-``build_report(runs_root, profile, out_tables, out_figures)`` reads the run folders of docs/design.md
-(``results/runs/<profile>/<experiment>/seed<k>/``) and writes ``results/tables/*.csv|md`` and
-``results/figures/*.png``; ``python -m hif8qat.report --paper`` (``make paper-tables``) builds the same tables
-from the authors' published logs and scores in ``results/paper/`` and prints them.
-
-Every table is written with a sidecar ``<table>.sources.json`` (and a header comment in the ``.md``) naming
-the files that produced it and, for run folders, the git commit recorded in their ``run_info.json``.
+``build_report`` reads a profile's run folders (``results/runs/<profile>/<experiment>/seed<k>/``) and writes
+``results/tables/*.csv|md`` and ``results/figures/*.png``; ``python -m hif8qat.report --paper`` builds the same
+tables from the authors' published logs. Every table has a sidecar ``<table>.sources.json`` naming the files
+that produced it and their commits. docs/design.md ("What the report measures") gives the definitions.
 
 Modules: ``sources`` (run folders and their files), ``pairing``, ``items`` (two evaluations compared per seed),
 ``tables`` (the per-run tables), ``telemetry``, ``replay``, ``seeds``, ``claims`` and ``readme`` (the claims
 and their section in words), ``sweeps``, ``anchor``, ``paper`` (the authors' data), ``notes``, ``table_files``,
-``figures``, ``build`` (``build_report``), ``cli``. The measures themselves are in :mod:`hif8qat.stats.paired`.
-"""
+``figures``, ``build`` (``build_report``), ``cli``. The measures themselves are in :mod:`hif8qat.stats`."""
 
 from hif8qat.errors import require_pipeline_extra
 

@@ -12,10 +12,17 @@ from hif8qat.report.paths import ANCHOR_DIR, ANCHOR_PUBLISHED
 
 
 def anchor_table(anchor_dir: Path = ANCHOR_DIR, published: Path = ANCHOR_PUBLISHED) -> pd.DataFrame:
-    """Our evaluations of the base model on the full real sets (``<anchor_dir>/<model>/<shots>/results.json``,
-    ``make anchor``) next to the scores HuggingFace published for SmolLM2-135M and -Instruct (the CSV, with
-    its source). ``arc_average`` is the mean of arc_easy and arc_challenge, as the model card's "ARC
-    (Average)". Rows without our evaluation show the published score alone."""
+    """Our evaluations of the base model on the full real sets (``make anchor``) next to the scores HuggingFace
+    published for SmolLM2-135M and -Instruct (the CSV, with its source). ``arc_average`` is the mean of arc_easy
+    and arc_challenge, as the model card's "ARC (Average)". Rows without our evaluation show the published score
+    alone.
+
+    Args:
+        anchor_dir: the folder of our evaluations, ``<anchor_dir>/<model>/<shots>/results.json``.
+        published: the CSV of published scores.
+
+    Returns:
+        The table; empty when the published CSV is missing."""
     if not published.exists():
         return pd.DataFrame()
     pub = pd.read_csv(published)
@@ -39,7 +46,13 @@ def anchor_table(anchor_dir: Path = ANCHOR_DIR, published: Path = ANCHOR_PUBLISH
 
 
 def anchor_beside(runs_root: Path) -> pd.DataFrame:
-    """The anchor table from the ``anchor`` folder next to ``runs_root``; else from this repository's."""
+    """The anchor table from the ``anchor`` folder next to ``runs_root``; else from this repository's.
+
+    Args:
+        runs_root: the folder that holds the runs.
+
+    Returns:
+        The table (empty when neither has one)."""
     anchor_df = anchor_table(runs_root.parent / "anchor", runs_root.parent / "anchor" / ANCHOR_PUBLISHED.name)
     if anchor_df.empty and ANCHOR_PUBLISHED.exists():
         anchor_df = anchor_table()

@@ -27,9 +27,23 @@ from hif8qat.report.tables import ablations_table, drops_table, telemetry_table,
 def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: Path, *, n_boot: int = 10000,
                  seed: int = 0, last_frac: float = 0.1, figures: bool = True, replay: bool | None = None,
                  margins: Mapping[str, float] | None = None) -> dict:
-    """Tables and figures for all runs of ``profile``. Returns ``{"tables": {name: DataFrame}, "files": [...],
-    "message": str, "claims_section": markdown}``; with no runs, writes nothing and says so in ``message``.
-    ``margins``: equivalence margins per metric (default DEFAULT_MARGINS)."""
+    """Tables and figures for all runs of ``profile``; with no runs, writes nothing and says so.
+
+    Args:
+        runs_root: the folder that holds the runs.
+        profile: the profile's name.
+        out_tables: where the tables go.
+        out_figures: where the figures go.
+        n_boot: bootstrap draws of the paired drop intervals.
+        seed: random seed of the draws.
+        last_frac: share of the common steps in the APE's "last" window.
+        figures: whether to draw figures.
+        replay: whether to replay the estimators on the recorded traces (None: as ``figures``).
+        margins: equivalence margins per metric (default DEFAULT_MARGINS).
+
+    Returns:
+        ``{"tables": {name: DataFrame}, "files": [...], "message": str, "claims_section": markdown}`` (no
+        ``claims_section`` when there are no runs)."""
     runs_root, out_tables, out_figures = Path(runs_root), Path(out_tables), Path(out_figures)
     skipped: list[dict] = []  # runs (or parts of them) the tables could not use, and why
     runs = discover_runs(runs_root, profile, skipped)
@@ -62,7 +76,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
               f"claims_{profile}": claims_df, f"mde_{profile}": mde_table(claims_df),
               f"reach_{profile}": reach_table(claims_df),
               "anchor": anchor_beside(runs_root),
-              f"pairing_{profile}": parts.pairing_df, f"paired_{profile}": parts.contrasts_df.drop(columns=UNIT_COLUMNS, errors="ignore"),
+              f"pairing_{profile}": parts.pairing_df,
+              f"paired_{profile}": parts.contrasts_df.drop(columns=UNIT_COLUMNS, errors="ignore"),
               f"sweeps_{profile}": sweeps_df, f"heldout_{profile}": heldout_df}
     unverified = accepted_unverified()  # trust_unverified=true: files read without an integrity record
     if unverified:
@@ -100,9 +115,17 @@ UNVERIFIED_COLUMN = "unverified"
 
 
 def mark_unverified(df: pd.DataFrame, runs: Sequence[RunInfo], unverified: Mapping[str, str]) -> pd.DataFrame:
-    """``df`` with a column naming, on each row, the files used without an integrity record by the runs the row
-    comes from (its experiment and the ones it is compared with, at its seed when it has one); "" on the other
-    rows. A table with no column naming runs gets the column on every row: it may come from any of them."""
+    """Mark, on each row, the files used without an integrity record by the runs the row comes from (its
+    experiment and the ones it is compared with, at its seed when it has one). A table with no column naming runs
+    gets the column on every row: it may come from any of them.
+
+    Args:
+        df: the table.
+        runs: the runs read.
+        unverified: path -> why, for the files read unverified.
+
+    Returns:
+        ``df`` with the column added ("" on the other rows); ``df`` itself when empty."""
     if df is None or not len(df):
         return df
     by_run: dict[tuple[str, Any], list[str]] = {}
@@ -130,7 +153,16 @@ def mark_unverified(df: pd.DataFrame, runs: Sequence[RunInfo], unverified: Mappi
 
 def write_tables(tables: Mapping[str, pd.DataFrame], notes: Mapping[str, str], sources: Mapping[str, Any],
                  out_tables: Path) -> list[str]:
-    """Every table's csv, md and sources.json, each with its note; the paths written."""
+    """Every table's csv, md and sources.json, each with its note.
+
+    Args:
+        tables: name -> table.
+        notes: name -> its note.
+        sources: what every sidecar records.
+        out_tables: the folder to write into.
+
+    Returns:
+        The paths written."""
     files = []
     for name, df in tables.items():
         files += list(write_table(df, out_tables, name, title=name.replace("_", " "),
@@ -140,8 +172,18 @@ def write_tables(tables: Mapping[str, pd.DataFrame], notes: Mapping[str, str], s
 
 def report_message(runs: list[RunInfo], tables: Mapping[str, pd.DataFrame], profile: str, unpaired: Sequence[str],
                    skipped: Sequence[Mapping[str, str]], multiple: str) -> str:
-    """What was built; runs made from a dirty tree, runs without a pair, runs not used (and why); ``multiple``:
-    the multiple-comparisons note when the claims hold any test."""
+    """What was built; runs made from a dirty tree, runs without a pair, runs not used (and why).
+
+    Args:
+        runs: the runs read.
+        tables: name -> table.
+        profile: the profile's name.
+        unpaired: the runs without a pair, with why.
+        skipped: the runs (or parts) not used, with why.
+        multiple: the multiple-comparisons note, when the claims hold any test.
+
+    Returns:
+        The message, several lines."""
     runs_df = tables[f"runs_{profile}"]
     msg = f"{len(runs)} runs, {len(tables[f'drops_{profile}'])} drop rows, {len(tables[f'ape_{profile}'])} APE rows"
     n_dirty = int(runs_df["dirty"].fillna(False).astype(bool).sum())

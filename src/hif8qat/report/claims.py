@@ -1,12 +1,12 @@
-"""Claims: every run against its baseline, the experiment it derives from and its own bf16 evaluation, as
-same-seed paired contrasts pooled over seeds, with an interval, an equivalence verdict, one Holm-adjusted test
-per row and the minimum detectable cost of that test.
+"""Claims: every run against its baseline, the experiment it derives from and its own bf16 evaluation, as same-seed
+paired contrasts pooled over seeds, with an interval, an equivalence verdict, one Holm-adjusted test per row and the
+minimum detectable cost of that test.
 
-One model per paired metric, fixed by its design before any data are seen: the training loss has seeds as its
-only unit (t on the per-seed means, k - 1 df); the per-item metrics and the held-out ones score the same items
-or windows in every seed, so seeds and items (windows) are crossed random effects
-(:func:`hif8qat.stats.paired.crossed_mean`); accuracy is tested by an exact permutation test over items of their net flips,
-and where few items change its interval includes the one that inverts that test, so that the two cannot disagree."""
+One model per paired metric, fixed by its design before any data are seen: the training loss has seeds as its only unit
+(t on the per-seed means, k - 1 df); the per-item metrics and the held-out ones score the same items or windows in every
+seed, so seeds and items (windows) are crossed random effects (:func:`hif8qat.stats.crossed.crossed_mean`); accuracy is
+tested by an exact permutation test over items of their net flips, and where few items change its interval includes the
+one that inverts that test, so that the two cannot disagree."""
 
 from __future__ import annotations
 
@@ -20,12 +20,21 @@ import pandas as pd
 from hif8qat.report.sources import (
     FilesUsed,
     RunInfo,
-    _dirty_of,
-    _eval_results,
-    _qat_start,
-    _read_samples,
-    _run_label,
-    _tag,
+    dirty_of,
+    eval_results,
+    label_of,
+    qat_start,
+    read_samples,
+    tag_of,
+)
+from hif8qat.stats.crossed import (
+    Contrast,
+    crossed_mean,
+    hierarchical_bootstrap,
+    make_contrast,
+    pool_seed_variance,
+    seeds_t,
+    with_seed_variance,
 )
 from hif8qat.stats.heldout import (
     HELDOUT_MARGIN_PCT,
@@ -43,20 +52,13 @@ from hif8qat.stats.item_flips import (
     mde_item_flips,
 )
 from hif8qat.stats.paired import (
-    Contrast,
     benjamini_hochberg,
     block_variance_of_mean,
-    crossed_mean,
     equivalence_verdict,
-    hierarchical_bootstrap,
     holm,
     item_pair,
-    make_contrast,
     mde_from_se,
     mean_variance,
-    pool_seed_variance,
-    seeds_t,
-    with_seed_variance,
 )
 
 # Equivalence margins (two one-sided tests), in the unit of each metric's cost; positive cost = the run is worse.
@@ -119,20 +121,26 @@ def _signed_loss_difference(mq: pd.DataFrame, mb: pd.DataFrame, from_step: int |
 
 def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Mapping[str, pd.DataFrame],
                    used: FilesUsed | None = None) -> list[dict[str, Any]]:
-    """One seed's paired contrasts of ``run`` against ``other``: per evaluation mode and task the accuracy
-    (points, run minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), and
-    the signed training-loss difference (% of other's loss, from the run's QAT phase). ``used`` records the
-    samples files read.
+    """One seed's paired contrasts of ``run`` against ``other``: per evaluation mode and task the accuracy (points, run
+    minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), and the signed
+    training-loss difference (% of other's loss, from the run's QAT phase).
 
-    ``against``: "baseline" (every mode of the run against the baseline's bf16 evaluation), "derived_from"
-    (bf16 against bf16, and the quantized mode against the other's when both are quantized) or "bf16_mode"
-    (``other`` is ``run``: its quantized evaluation against its own bf16 one, the cost of quantized inference;
-    no training-loss row)."""
+    Args:
+        run: the run.
+        other: its counterpart at the same seed.
+        against: "baseline" (every mode of the run against the baseline's bf16 evaluation), "derived_from" (bf16
+            against bf16, the quantized mode against the other's when both are quantized) or "bf16_mode" (``other`` is
+            ``run``: its quantized evaluation against its bf16 one, the cost of quantized inference; no loss row).
+        metrics_cache: run folder -> its metrics table.
+        used: collects the samples files read (None: not recorded).
+
+    Returns:
+        One dict per contrast row."""
     head = _contrast_head(run, other, against)
     rows = []
     if against != "bf16_mode":
         mq, mb = metrics_cache[str(run.path)], metrics_cache[str(other.path)]
-        d, v, n = _signed_loss_difference(mq, mb, _qat_start(run, mq) if run.quant else None)
+        d, v, n = _signed_loss_difference(mq, mb, qat_start(run, mq) if run.quant else None)
         rows.append({**head, "mode": "train", "task": "loss", "metric": "train_loss", "n": n, "recorded": n > 0,
                      "diff": d, "var": v, "within_df": n // LOSS_BLOCK - 1, "base": float("nan"), "lost": 0,
                      "gained": 0})
@@ -142,12 +150,12 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
     for mode, other_mode in modes:
         if mode == "hif8" and not (run.quant and (against != "derived_from" or other.quant)):
             continue
-        base_res = _eval_results(other, other_mode)
-        for task in _eval_results(run, mode):
+        base_res = eval_results(other, other_mode)
+        for task in eval_results(run, mode):
             if task not in base_res:
                 continue
-            bs = _read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")
-            qs = _read_samples(run.path / "eval" / mode / f"samples_{task}.csv")
+            bs = read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")
+            qs = read_samples(run.path / "eval" / mode / f"samples_{task}.csv")
             if bs is None or qs is None:
                 continue
             if used is not None:
@@ -176,20 +184,27 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
 
 
 def _contrast_head(run: RunInfo, other: RunInfo, against: str) -> dict[str, Any]:
-    return {"experiment": run.experiment, "run_tag": _tag(run), "against": against, "counterpart": other.experiment,
-            "seed": run.seed, "run": _run_label(run), "counterpart_run": _run_label(other),
-            "dirty": bool(_dirty_of(run) or _dirty_of(other))}
+    return {"experiment": run.experiment, "run_tag": tag_of(run), "against": against, "counterpart": other.experiment,
+            "seed": run.seed, "run": label_of(run), "counterpart_run": label_of(other),
+            "dirty": bool(dirty_of(run) or dirty_of(other))}
 
 
-def heldout_contrasts(run: RunInfo, baseline: RunInfo | None, used: FilesUsed | None = None
-                      ) -> list[dict[str, Any]]:
+def heldout_contrasts(run: RunInfo, baseline: RunInfo | None, used: FilesUsed | None = None ) -> list[dict[str, Any]]:
     """One seed's held-out-text contrasts (``<run>/eval/heldout/summary.json``, :mod:`hif8qat.evaluate.heldout`): each
     evaluation mode against the baseline, and the quantized mode against the bf16 one, as ``heldout_nll`` rows
     (cost: the paired per-token NLL difference in % of the reference's held-out NLL, variance from window
     means), with the seed's mean / p99 KL and top-1 agreement beside, and each window's cost (``units``, read
     from the per-token file, which ``used`` records with the summary). A comparison against a baseline counts
     only when it was computed against the run the report pairs it with (the summary names it), so pairings never
-    mix."""
+    mix.
+
+    Args:
+        run: the run.
+        baseline: the run the report pairs it with (None: none).
+        used: collects the files read (None: not recorded).
+
+    Returns:
+        One dict per ``heldout_nll`` row; empty when the run has no held-out summary."""
     doc = read_summary(run.path)
     if doc is None:
         return []
@@ -200,7 +215,7 @@ def heldout_contrasts(run: RunInfo, baseline: RunInfo | None, used: FilesUsed | 
         used.add(run, heldout_dir(run.path) / "summary.json", *([tokens] if table is not None else []))
     for cmp in (doc.get("comparisons") or {}).values():
         if cmp["reference"] == "baseline":
-            if baseline is None or doc.get("baseline_run") != _run_label(baseline):
+            if baseline is None or doc.get("baseline_run") != label_of(baseline):
                 continue
             head = _contrast_head(run, baseline, "baseline")
         else:
@@ -240,9 +255,14 @@ def _loss_contrast(g: pd.DataFrame) -> Contrast:
 
 def seed_variance_donors(contrasts: Mapping[tuple, Contrast]) -> dict[tuple, tuple[float, float, int]]:
     """Per (against, mode, task, metric): the seed variance of the multi-seed claims of that kind pooled
-    (:func:`hif8qat.stats.paired.pool_seed_variance`), its df and the number of claims pooled. ``contrasts``: a
-    claim row's key (CLAIM_KEYS + mode, task, metric) -> its contrast. The training loss's seed variance is the
-    variance over seeds of the per-seed differences; the other metrics' is the crossed model's seed component."""
+    (:func:`hif8qat.stats.crossed.pool_seed_variance`). The training loss's seed variance is the variance over seeds
+    of the per-seed differences; the other metrics' is the crossed model's seed component.
+
+    Args:
+        contrasts: a claim row's key (CLAIM_KEYS + mode, task, metric) -> its contrast.
+
+    Returns:
+        kind -> ``(pooled variance, df, number of claims pooled)``."""
     by_kind: dict[tuple, list[tuple[float, float]]] = {}
     for key, c in contrasts.items():
         if c.k >= 2 and np.isfinite(c.seed_var):
@@ -263,7 +283,7 @@ def _kind(key: tuple) -> tuple:
 def accuracy_interval_and_test(c: Contrast, net: np.ndarray, n_units: int, k: int, homog_p: float, *,
                                alpha: float = 0.05) -> tuple[float, float, float, float, float, str]:
     """An accuracy row's interval (95 % and 90 %, in points) and its test of a zero difference, so that the two
-    cannot disagree: ``(lo95, hi95, lo90, hi90, p, method)``.
+    cannot disagree.
 
     Two models answer it: the crossed seeds x items t interval (``c``; valid whatever the seeds share, but its
     normal theory is rough for a handful of 0/1 flips) and the exact item test with the interval that inverts it
@@ -272,7 +292,18 @@ def accuracy_interval_and_test(c: Contrast, net: np.ndarray, n_units: int, k: in
     rejects only where both do (p the larger of the two: valid when either model is), so the hull excludes 0
     exactly when the test rejects. Where the homogeneity check (``homog_p``) finds the seeds' shares of gains
     differing, the item test's assumption is refuted: the crossed t interval and test alone. No flip in any
-    seed: +-1 item beside the t interval, whose width would be zero."""
+    seed: +-1 item beside the t interval, whose width would be zero.
+
+    Args:
+        c: the crossed seeds x items contrast.
+        net: per item, its net change over the seeds.
+        n_units: items per seed.
+        k: seeds.
+        homog_p: p of the gain-share homogeneity check.
+        alpha: the tests' two-sided level.
+
+    Returns:
+        ``(lo95, hi95, lo90, hi90, p, method)``."""
     p_item = item_permutation_test(net)[2]
     t95, t90 = (c.lo, c.hi), (c.lo90, c.hi90)
     if not (net != 0).any():
@@ -296,22 +327,31 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
     """Per claim (a run against its baseline or the experiment it derives from), mode, task and metric: the
     mean over seeds of the same-seed paired cost with a 95 % interval from the design's own units (training
     loss: t on the per-seed means, k - 1 df; per-item and held-out metrics: seeds x items or windows as crossed
-    random effects, Satterthwaite df, :func:`hif8qat.stats.paired.crossed_mean`), the equivalence verdict against
+    random effects, Satterthwaite df, :func:`hif8qat.stats.crossed.crossed_mean`), the equivalence verdict against
     the metric's margin (two one-sided tests on the 90 % interval), one test of a difference per row (accuracy:
     :func:`accuracy_interval_and_test`; else the t test of the same model), the minimum detectable cost of that
     test and, where the seeds and units allow, a hierarchical bootstrap interval beside (``boot_lo`` / ``boot_hi``).
 
-    One seed cannot show its own seed's shift: its variance borrows the seed variance of the multi-seed claims
-    of the same kind (:func:`seed_variance_donors`; ``seed_var_source`` says which), and where there are none
-    both verdicts read ONE_SEED. Error control over the whole table: ``p_bh``, Benjamini-Hochberg over every
-    row (false discovery rate); ``p_holm_headline``, Holm over the rows of the ``headline`` claims ((experiment,
-    against, counterpart) keys, HEADLINE_CLAIMS by default: family-wise); ``family`` / ``p_adj``: the one a
-    row's difference verdict uses (headline rows Holm, the others BH); ``p_holm``: Holm within the claim, for
-    reference.
+    One seed cannot show its own seed's shift: its variance borrows the seed variance of the multi-seed claims of the
+    same kind (:func:`seed_variance_donors`; ``seed_var_source`` says which), and where there are none both verdicts
+    read ONE_SEED. Error control over the whole table: ``p_bh``, Benjamini-Hochberg over every row (false discovery
+    rate); ``p_holm_headline``, Holm over the rows of the ``headline`` claims ((experiment, against, counterpart) keys,
+    HEADLINE_CLAIMS by default: family-wise); ``family`` / ``p_adj``: the one a row's difference verdict uses (headline
+    rows Holm, the others BH); ``p_holm``: Holm within the claim, for reference.
 
-    cost > 0: the run is worse (accuracy: relative drop, % of the baseline score; train_loss: relative loss
-    increase, % of the baseline loss; gold_ll / gold_margin: nats lost per item).
-    """
+    Args:
+        contrasts: the per-seed contrasts of :func:`all_contrasts`.
+        margins: equivalence margins per metric (None: DEFAULT_MARGINS).
+        alpha: the tests' two-sided level.
+        power: power of the minimum detectable cost.
+        n_boot: hierarchical bootstrap draws.
+        seed: random seed of the draws.
+        headline: the headline claims' keys (None: HEADLINE_CLAIMS).
+
+    Returns:
+        One row per claim, mode, task and metric; empty without contrasts. cost > 0: the run is worse (accuracy:
+        relative drop, % of the baseline score; train_loss: relative loss increase, % of the baseline loss;
+        gold_ll / gold_margin: nats lost per item)."""
     margins = {**DEFAULT_MARGINS, **(margins or {})}
     headline = set(HEADLINE_CLAIMS if headline is None else headline)
     if contrasts.empty:
@@ -375,7 +415,8 @@ def claims_table(contrasts: pd.DataFrame, margins: Mapping[str, float] | None = 
                        ci90_hi=rel(lo90), diff_points=c.mean, lost=int(g["lost"].sum()), gained=int(g["gained"].sum()),
                        flip_items=int((y != 0).any(0).sum()), items_lost=items_lost, items_gained=items_gained,
                        item_change_ms=float(np.mean((net / len(g)) ** 2)),
-                       p=p, p_item=p_item, p_t=c.p, test="exact permutation test over items (net flips over seeds) and the crossed t test: "
+                       p=p, p_item=p_item, p_t=c.p,
+                       test="exact permutation test over items (net flips over seeds) and the crossed t test: "
                        "both must reject" if "alone" not in method else "the crossed t test", ci_method=method,
                        mde=mde_pts / base * 100.0 if base > 0 else float("nan"), mde_points=mde_pts,
                        boot_lo=rel(boot[1]), boot_hi=rel(boot[0]), homog_chi2=homog[0], homog_df=homog[1],
@@ -431,7 +472,13 @@ def _error_control(df: pd.DataFrame, headline: set, alpha: float) -> pd.DataFram
 
 def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
     """What each claim's own test can detect: its minimum detectable cost next to the paper's effect sizes.
-    Depends only on the claim's own runs, never on others in the folder."""
+    Depends only on the claim's own runs, never on others in the folder.
+
+    Args:
+        claims: the claims table.
+
+    Returns:
+        The recorded claims' rows with their MDE columns; empty without claims."""
     if claims.empty or "mde" not in claims:
         return pd.DataFrame()
     cols = [c for c in ["experiment", "run_tag", "against", "counterpart", "mode", "task", "metric", "unit",
@@ -442,9 +489,18 @@ def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
 def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
                   metrics_cache: Mapping[str, pd.DataFrame], used: FilesUsed | None = None) -> pd.DataFrame:
     """Every finished run's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the
-    same; a counterpart that is not finished counts as absent), and its held-out-text ones
-    (:func:`heldout_contrasts`; ``used`` records the held-out files read). Column ``units``: each seed's cost per
-    item or window (None for the training loss), what the claims' crossed model pools; not a table column."""
+    same; a counterpart that is not finished counts as absent), and its held-out-text ones (:func:`heldout_contrasts`).
+
+    Args:
+        runs: the runs read.
+        baseline_of: run folder -> its baseline run (or None).
+        parent_of: run folder -> the run it derives from (or None).
+        metrics_cache: run folder -> its metrics table.
+        used: collects the files read (None: not recorded).
+
+    Returns:
+        One row per contrast. Column ``units``: each seed's cost per item or window (None for the training loss), what
+        the claims' crossed model pools; not a table column."""
     rows = []
     for r in runs:
         if not r.done:  # a run still training (or killed) would pool a partial loss curve
@@ -465,10 +521,16 @@ UNIT_COLUMNS = ["units", "kl_units", "top1_units"]  # per-unit values the claims
 
 
 def heldout_table(claims: pd.DataFrame, contrasts: pd.DataFrame) -> pd.DataFrame:
-    """The held-out-text claims (``heldout_nll`` rows of the claims table: pooled NLL difference, its test,
-    MDE and equivalence verdict) with the distances beside them, each the mean over the claim's seeds, and for
-    the mean KL and the top-1 agreement a 95 % interval from the same crossed seeds x windows model
-    (``kl_ci_lo`` / ``kl_ci_hi``, ``top1_ci_lo`` / ``top1_ci_hi``; descriptive, no test)."""
+    """The held-out-text claims (``heldout_nll`` rows of the claims table: pooled NLL difference, test, MDE,
+    equivalence verdict) with the distances beside them, each the mean over the claim's seeds, and for the mean KL
+    and the top-1 agreement a 95 % interval from the crossed seeds x windows model (``kl_ci_*``, ``top1_ci_*``).
+
+    Args:
+        claims: the claims table.
+        contrasts: the per-seed contrasts.
+
+    Returns:
+        The table; empty without held-out claims."""
     if claims.empty or contrasts.empty or HELDOUT_METRIC not in set(claims["metric"]):
         return pd.DataFrame()
     keys = CLAIM_KEYS + ["mode"]

@@ -27,6 +27,13 @@ MARGIN_METRICS = list(DEFAULT_MARGINS)
 
 
 def format_report(rep: dict) -> str:
+    """The report's message and each table (but the runs table) as markdown, for the console.
+
+    Args:
+        rep: what :func:`hif8qat.report.build.build_report` returned.
+
+    Returns:
+        The text."""
     out = [rep.get("message", "")]
     for name, df in rep.get("tables", {}).items():
         if name.startswith("runs_"):
@@ -37,7 +44,13 @@ def format_report(rep: dict) -> str:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """The report's command line, behind the boundary every entry point has: a corrupt result file, a disk
-    that refuses a write or Ctrl-C is one line, not a traceback."""
+    that refuses a write or Ctrl-C is one line, not a traceback.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status."""
     code: list[int] = []
     status = guarded(lambda: code.append(_main(argv)))
     return status or code[0]

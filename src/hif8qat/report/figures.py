@@ -23,12 +23,30 @@ def _plt():
 
 def legend(ax, **kwargs) -> None:
     """A legend when the panel has labelled artists: matplotlib warns on the console for an empty one (a run
-    whose metrics hold ratios but no amax columns, or the reverse)."""
+    whose metrics hold ratios but no amax columns, or the reverse).
+
+    Args:
+        ax: the panel.
+        **kwargs: matplotlib's legend arguments."""
     if ax.get_legend_handles_labels()[0]:
         ax.legend(**kwargs)
 
 
 def plot_loss_pair(steps_q, loss_q, steps_b, loss_b, *, label_q: str, label_b: str, path: Path, title: str = ""):
+    """A run's loss curve over its baseline's, with the running APE beside them, saved as a PNG.
+
+    Args:
+        steps_q: the run's logged steps.
+        loss_q: its losses.
+        steps_b: the baseline's logged steps.
+        loss_b: its losses.
+        label_q: the run's legend label.
+        label_b: the baseline's.
+        path: the file to write.
+        title: the figure's title.
+
+    Returns:
+        ``path``."""
     plt = _plt()
     ra = running_ape(steps_q, loss_q, steps_b, loss_b)
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -51,6 +69,19 @@ def plot_loss_pair(steps_q, loss_q, steps_b, loss_b, *, label_q: str, label_b: s
 
 
 def make_figures(curves, runs, metrics_cache, tel_df, out: Path, profile: str) -> list[str]:
+    """The report's figures: each paired loss curve, each run's amax and amax / estimate per step, and the
+    share of quantizer calls that outgrew their estimate per estimator.
+
+    Args:
+        curves: (run, baseline, run metrics, baseline metrics) per paired loss curve.
+        runs: the runs read.
+        metrics_cache: run folder -> its metrics table.
+        tel_df: the telemetry table.
+        out: the figures folder.
+        profile: the profile's name (in the file names).
+
+    Returns:
+        The paths written."""
     plt = _plt()
     files = []
     out.mkdir(parents=True, exist_ok=True)

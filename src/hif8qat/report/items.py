@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from hif8qat.report.sources import _read_json, _read_samples
+from hif8qat.report.sources import read_report_json, read_samples
 from hif8qat.stats.paired import (
     exact_difference_ci,
     exact_mcnemar_p,
@@ -23,7 +23,14 @@ EXACT_BELOW_DISCORDANT = 25
 
 
 def align_samples(base: pd.DataFrame, quant: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Inner-join two ``doc_id,correct`` frames on doc_id (as strings), in the baseline's order."""
+    """Inner-join two ``doc_id,correct`` frames on doc_id (as strings), in the baseline's order.
+
+    Args:
+        base: the baseline's per-item frame.
+        quant: the run's.
+
+    Returns:
+        ``(baseline correct, run correct)`` as float arrays over the common items."""
     b = base.assign(doc_id=base["doc_id"].astype(str)).drop_duplicates("doc_id")
     q = quant.assign(doc_id=quant["doc_id"].astype(str)).drop_duplicates("doc_id")
     m = b.merge(q, on="doc_id", suffixes=("_b", "_q"), how="inner")
@@ -35,10 +42,20 @@ def _discordant(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean((np.asarray(a) > 0.5) != (np.asarray(b) > 0.5))) if len(a) else float("nan")
 
 
-def _item_stats(xb: np.ndarray, xq: np.ndarray, n_boot: int, seed: int) -> dict[str, Any]:
+def item_stats(xb: np.ndarray, xq: np.ndarray, n_boot: int, seed: int) -> dict[str, Any]:
     """One seed's paired 0/1 items: the relative drop's 95 % interval and significance, from the exact
     conditional McNemar interval and test when fewer than EXACT_BELOW_DISCORDANT items differ, else from the
-    paired percentile bootstrap; flips both ways and the exact p-value in every case."""
+    paired percentile bootstrap; flips both ways and the exact p-value in every case.
+
+    Args:
+        xb: the baseline's per-item scores (0/1).
+        xq: the run's, aligned with ``xb`` (:func:`align_samples`).
+        n_boot: the bootstrap's resamples (used when it decides).
+        seed: the bootstrap's seed.
+
+    Returns:
+        ``n_paired``, ``n_lost``, ``n_gained``, ``discordant``, ``p_mcnemar``, ``ci_lo``, ``ci_hi`` (percent),
+        ``ci_method`` (``exact`` or ``bootstrap``) and ``significant``."""
     ip = item_pair(xb, xq)
     p = exact_mcnemar_p(ip.lost, ip.gained)
     row = {"n_paired": ip.n, "n_lost": ip.lost, "n_gained": ip.gained, "discordant": _discordant(xb, xq),
@@ -54,13 +71,24 @@ def _item_stats(xb: np.ndarray, xq: np.ndarray, n_boot: int, seed: int) -> dict[
     return row
 
 
-def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int) -> list[dict]:
-    """Per task: both scores, the relative drop and its paired bootstrap CI, from two eval folders."""
+def paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int) -> list[dict]:
+    """Per task: both scores, the relative drop and its paired interval (:func:`item_stats`), from two eval
+    folders.
+
+    Args:
+        base_eval: the baseline's eval folder (``results.json``, ``samples_<task>.csv``).
+        other_eval: the run's eval folder.
+        n_boot: the bootstrap's resamples.
+        seed: the bootstrap's seed.
+
+    Returns:
+        One row per task in both ``results.json`` files: ``task``, ``base_pct``, ``run_pct``, ``drop_pct``, and
+        the :func:`item_stats` columns where both folders hold the task's samples."""
     def scores(folder: Path) -> dict:
         path = folder / "results.json"
         if not path.exists():
             return {}
-        return {k: v for k, v in _read_json(path).items() if not k.startswith("_")}
+        return {k: v for k, v in read_report_json(path).items() if not k.startswith("_")}
 
     base, other = scores(base_eval), scores(other_eval)
     rows = []
@@ -69,10 +97,10 @@ def _paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int
             continue
         row = {"task": task, "base_pct": base[task]["value"] * 100.0, "run_pct": res["value"] * 100.0,
                "drop_pct": relative_drop(base[task]["value"], res["value"])}
-        bs, rs = _read_samples(base_eval / f"samples_{task}.csv"), _read_samples(other_eval / f"samples_{task}.csv")
+        bs, rs = read_samples(base_eval / f"samples_{task}.csv"), read_samples(other_eval / f"samples_{task}.csv")
         if bs is not None and rs is not None:
             xb, xr = align_samples(bs, rs)
-            row.update(_item_stats(xb, xr, n_boot, seed))
+            row.update(item_stats(xb, xr, n_boot, seed))
         rows.append(row)
     return rows
 

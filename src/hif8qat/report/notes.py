@@ -11,7 +11,14 @@ from hif8qat.report.items import EXACT_BELOW_DISCORDANT
 
 
 def multiple_comparisons(claims_df: pd.DataFrame, profile: str) -> tuple[str, int]:
-    """How many claims and tests the claims table holds and how they are adjusted, and the number of tests."""
+    """How many claims and tests the claims table holds and how they are adjusted.
+
+    Args:
+        claims_df: the claims table.
+        profile: the profile's name.
+
+    Returns:
+        ``(the note's text, the number of tests)``."""
     n_tests = int(claims_df["p"].notna().sum()) if "p" in claims_df else 0
     n_claims = int(claims_df.groupby(CLAIM_KEYS).ngroups) if len(claims_df) else 0
     n_head = int(claims_df["p_holm_headline"].notna().sum()) if "p_holm_headline" in claims_df else 0
@@ -27,7 +34,18 @@ def multiple_comparisons(claims_df: pd.DataFrame, profile: str) -> tuple[str, in
 
 def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margins: Mapping[str, float] | None,
                 multiple: str) -> dict[str, str]:
-    """Every table's note, keyed by table name; ``multiple``: the text of :func:`multiple_comparisons`."""
+    """Every table's note.
+
+    Args:
+        profile: the profile's name.
+        n_boot: bootstrap draws of the drop intervals.
+        seed: random seed of the draws.
+        last_frac: share of the common steps in the APE's "last" window.
+        margins: equivalence margins per metric (None: DEFAULT_MARGINS).
+        multiple: the text of :func:`multiple_comparisons`.
+
+    Returns:
+        Table name -> note."""
     margins_text = ", ".join(f"{k} {v:g} {METRIC_UNITS[k]}" for k, v in {**DEFAULT_MARGINS, **(margins or {})}.items())
     return {
         f"runs_{profile}": "One row per run; eval columns are <mode>:<task> scores in %. dirty: made from a tree "
@@ -68,7 +86,8 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                               "the profile: the run's NLL of the actual next token against its baseline's, or its "
                               "quantized mode against its own bf16 mode; cost in % of the reference's held-out "
                               "NLL, seeds crossed with the windows, same Holm family, MDE and equivalence verdict as "
-                              "the other claim metrics), with beside them, as means over the seeds: nll_diff_nats (the cost "
+                              "the other claim metrics), with beside them, as means over the seeds: "
+                              "nll_diff_nats (the cost "
                               "in nats per token), kl_mean / kl_p99 (each seed's mean and 99th percentile over "
                               "tokens of KL(P_reference || P_run), nats) and top1_agreement (share of tokens whose "
                               "most likely next token is the same); kl_ci_lo / kl_ci_hi and top1_ci_lo / top1_ci_hi: "
@@ -80,7 +99,8 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                                 "these drops are the noise floor of any claim.",
         f"claims_{profile}": "Each run against its baseline and against the experiment it derives from, pooled "
                              "over same-seed pairs, and a quantized run's quantized evaluation against its own "
-                             "bf16 one (against = bf16_mode): cost (positive = the run is worse; accuracy: relative drop, % "
+                             "bf16 one (against = bf16_mode): cost (positive = the run is worse; "
+                             "accuracy: relative drop, % "
                              "of the baseline score; train_loss: signed per-step loss difference over the QAT "
                              "phase, % of the baseline loss; gold_ll / gold_margin: nats per item; heldout_nll: "
                              "paired per-token NLL difference on the held-out text, % of the counterpart's "
@@ -90,7 +110,8 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "every seed scores the same items and windows (method of moments, components not "
                              "above 0 within 1e-9 of the mean squares' scale set to 0, Satterthwaite df; ci_method "
                              "names it, df gives it; seed_var / unit_var / resid_var: the components). One seed: "
-                             "no seed variance of its own: it borrows the seed variance of the multi-seed claims of the same "
+                             "no seed variance of its own: it borrows the seed variance of the multi-seed claims "
+                             "of the same "
                              "comparison (against), mode, task and metric (their components averaged with weights "
                              "k - 1, df the largest claim's, since claims share runs; train_loss: their variance "
                              "over seeds of the per-seed differences, which replaces the seed's own step-block "
@@ -108,10 +129,12 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "conditional on its margins (9,999 draws); claim_homog_*: the same summed over the "
                              "claim's accuracy rows, p from their joint conditional null (9,999 draws; not summed "
                              "across claims, which share runs). changed_by_size: items by the size of their "
-                             "net change over the seeds (size:count). boot_lo / boot_hi: hierarchical bootstrap 95 % interval (seeds and units "
+                             "net change over the seeds (size:count). "
+                             "boot_lo / boot_hi: hierarchical bootstrap 95 % interval (seeds and units "
                              "resampled, 2000 times, seed 0) where there are at least 5 seeds. equivalence: two "
                              "one-sided tests (90 % CI) against `margin`; difference: one test per row, adjusted "
-                             "in its family (`family`, p_adj; see the multiple-comparisons note) (accuracy: exact permutation test over items of each item's net flips "
+                             "in its family (`family`, p_adj; see the multiple-comparisons note) "
+                             "(accuracy: exact permutation test over items of each item's net flips "
                              "summed over the seeds, so an item flipping in several seeds counts once, with its "
                              "weight; lost / gained: flips summed over seeds; flip_items: distinct items behind "
                              "them; items_lost / items_gained: items whose net change is a loss / a gain; else the "
@@ -165,7 +188,8 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                               f"(results/base_model/{profile}/): relative drop (%) with a paired bootstrap 95 % CI. "
                               "Drops common to quantized and BF16 runs at one learning rate are forgetting, not "
                               "quantization.",
-        f"replay_{profile}": "Each estimator replayed (interval 1) on the same per-call amax traces recorded in a run's "
+        f"replay_{profile}": "Each estimator replayed (interval 1) on the same per-call amax traces "
+                             "recorded in a run's "
                              "final scaler state: share of calls whose amax exceeded the delayed estimate, how far, "
                              "and the share beyond the 2-bit-mantissa tier (ratio > 128/15).",
     }

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from hif8qat.report.sources import RunInfo, _get, _run_label, _tag
+from hif8qat.report.sources import RunInfo, get_dotted, label_of, tag_of
 from hif8qat.runs.folders import find_baseline_run
 
 
@@ -28,17 +28,25 @@ def _pair(run: RunInfo, experiment: str | None, runs: list[RunInfo], runs_root: 
 
 def pair_runs(runs: list[RunInfo], runs_root: Path, profile: str):
     """Each run's BF16 baseline (quant.* may differ) and the run of the experiment it derives from (its declared
-    changes may differ): same seed and training settings, else None. Returns (baseline_of, parent_of, the
-    pairing table, the unpaired runs with their reasons); the dicts are keyed by run folder."""
+    changes may differ): same seed and training settings, else None.
+
+    Args:
+        runs: the runs read.
+        runs_root: the folder that holds the runs.
+        profile: the profile's name.
+
+    Returns:
+        ``(baseline_of, parent_of, pairing table, unpaired runs with their reasons)``; the dicts are keyed by run
+        folder."""
     baseline_of, parent_of, rows, unpaired = {}, {}, [], []
     for r in runs:
         b, why_b = _pair(r, r.baseline, runs, runs_root, profile, ("quant",))
-        parent_name = _get(r.config, "experiment.derived_from")
+        parent_name = get_dotted(r.config, "experiment.derived_from")
         p, why_p = _pair(r, parent_name, runs, runs_root, profile,
-                         list(_get(r.config, "experiment.changes", []) or []))
+                         list(get_dotted(r.config, "experiment.changes", []) or []))
         baseline_of[str(r.path)], parent_of[str(r.path)] = b, p
-        rows.append({"experiment": r.experiment, "run_tag": _tag(r), "seed": r.seed, "run": _run_label(r),
-                     "baseline": r.baseline, "baseline_run": _run_label(b), "baseline_unpaired": why_b,
-                     "derived_from": parent_name, "derived_from_run": _run_label(p), "derived_from_unpaired": why_p})
-        unpaired += [f"{_run_label(r)} vs {why}" for why in (why_b, why_p) if why]
+        rows.append({"experiment": r.experiment, "run_tag": tag_of(r), "seed": r.seed, "run": label_of(r),
+                     "baseline": r.baseline, "baseline_run": label_of(b), "baseline_unpaired": why_b,
+                     "derived_from": parent_name, "derived_from_run": label_of(p), "derived_from_unpaired": why_p})
+        unpaired += [f"{label_of(r)} vs {why}" for why in (why_b, why_p) if why]
     return baseline_of, parent_of, pd.DataFrame(rows), unpaired

@@ -33,7 +33,13 @@ PAPER_TASK_ORDER = ["mmlu", "hellaswag", "arc_challenge", "arc_easy", "gsm8k", "
 
 
 def read_authors_run(path: str | Path) -> tuple[list[str], pd.DataFrame]:
-    """One of the authors' per-step logs: ('#' header lines, DataFrame step, loss, lr, quant, ...)."""
+    """One of the authors' per-step logs (plain or gzipped CSV with ``#`` header lines).
+
+    Args:
+        path: the log file.
+
+    Returns:
+        ``(the header lines, a frame of step, loss, lr, quant, ...)``."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as fh:
@@ -51,6 +57,15 @@ def _sha256(path: Path) -> str:
 
 def paper_ape_table(paper_dir: Path = PAPER_DIR, *, last_n: int = 1000,
                     pairs: Sequence[tuple[str, str]] = PAPER_APE_PAIRS) -> pd.DataFrame:
+    """Training-loss APE of the authors' quantized runs against their baselines, from their logs.
+
+    Args:
+        paper_dir: the folder of the authors' data.
+        last_n: steps in the "last" window.
+        pairs: (quantized, baseline) run keys.
+
+    Returns:
+        One row per pair: n_common, ape_all_pct, ape_last<last_n>_pct, ape_last10pct_pct."""
     runs_dir = paper_dir / "authors_runs"
     cache: dict[str, pd.DataFrame] = {}
 
@@ -77,9 +92,12 @@ _NUM = re.compile(r"(-?\d+(?:\.\d+)?)%|N/A")
 def parse_summary(path: Path, run_order: Sequence[str]) -> pd.DataFrame:
     """Scores and the authors' printed drops (from unrounded scores) of one evaluation summary.
 
-    ``run_order``: the summary's run columns (first = baseline). Returns rows
-    (task, run, score_pct, drop_pct_printed) for every non-baseline run and task.
-    """
+    Args:
+        path: the summary file.
+        run_order: the summary's run columns (first = baseline).
+
+    Returns:
+        Rows (task, run, score_pct, drop_pct_printed) for every non-baseline run and task."""
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         m = re.match(r"^(MMLU|GSM8K|MATH500|HellaSwag|ARC-Easy|ARC-Challenge)\s*\(\s*(\d+)-shot\)", line)
@@ -103,7 +121,13 @@ def _summary_run_order(scores: pd.DataFrame, summary_file: str) -> list[str]:
 
 
 def paper_drop_table(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
-    """Every published comparison: per summary file, each quantized run vs the summary's baseline."""
+    """Every published comparison: per summary file, each quantized run vs the summary's baseline.
+
+    Args:
+        paper_dir: the folder of the authors' data.
+
+    Returns:
+        One row per (summary, run, task), with the printed drop and the drop recomputed from the scores."""
     scores = pd.read_csv(paper_dir / "authors_scores.csv")
     rows = []
     for summary in sorted(scores["summary_file"].unique()):
@@ -122,7 +146,8 @@ def paper_drop_table(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
                     "baseline_exp": AUTHORS_RUN_TO_EXP.get(base_run, ""), "quant_exp": AUTHORS_RUN_TO_EXP.get(run, ""),
                     "task": task, "num_fewshot": int(pq["num_fewshot"].iloc[0]),
                     "base_pct": sb, "quant_pct": sq,
-                    "drop_pct_from_scores": relative_drop(sb, sq) if sb is not None and sq is not None else float("nan"),
+                    "drop_pct_from_scores": (relative_drop(sb, sq) if sb is not None and sq is not None
+                                             else float("nan")),
                     "drop_pct_printed": pq["drop_pct_printed"].iloc[0],
                 })
     df = pd.DataFrame(rows)
@@ -130,7 +155,13 @@ def paper_drop_table(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
 
 
 def paper_headline(drops: pd.DataFrame) -> pd.DataFrame:
-    """exp8 vs exp7 on the paper's three tasks (summary_20260507_102016), both drop computations."""
+    """exp8 vs exp7 on the paper's tasks (summary_20260507_102016), both drop computations.
+
+    Args:
+        drops: the table of :func:`paper_drop_table`.
+
+    Returns:
+        The headline rows."""
     sub = drops[(drops.summary_file == HEADLINE_SUMMARY) & (drops.quantized == "max_quant_lr1e5")
                 & (drops.task.isin(["mmlu", "hellaswag", "arc_challenge", "arc_easy", "gsm8k"]))]
     return sub[["task", "num_fewshot", "base_pct", "quant_pct", "drop_pct_printed", "drop_pct_from_scores"]] \
@@ -139,7 +170,14 @@ def paper_headline(drops: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_paper_tables(paper_dir: Path = PAPER_DIR, out_tables: Path | None = None) -> dict[str, pd.DataFrame]:
-    """The paper's tables from the authors' data; written to ``out_tables`` when given."""
+    """The paper's tables from the authors' data.
+
+    Args:
+        paper_dir: the folder of the authors' data.
+        out_tables: where to write them (None: not written).
+
+    Returns:
+        ``{paper_ape, paper_drops, paper_headline}``."""
     ape = paper_ape_table(paper_dir)
     drops = paper_drop_table(paper_dir)
     head = paper_headline(drops)
@@ -165,6 +203,13 @@ def build_paper_tables(paper_dir: Path = PAPER_DIR, out_tables: Path | None = No
 
 
 def format_paper_tables(tables: Mapping[str, pd.DataFrame]) -> str:
+    """The paper's tables as console text.
+
+    Args:
+        tables: what :func:`build_paper_tables` returned.
+
+    Returns:
+        The text."""
     ape, drops, head = tables["paper_ape"], tables["paper_drops"], tables["paper_headline"]
     out = ["Training-loss APE (authors' logs), % of the baseline loss"]
     out.append(f"  {'quantized':<14}{'baseline':<12}{'steps':>7}{'all':>9}{'last1000':>10}{'last10%':>9}")

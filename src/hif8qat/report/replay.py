@@ -30,11 +30,15 @@ _TWO_BIT_TIER_RATIO = 128.0 / 15.0
 
 
 def recorded_amax_traces(export_dir: Path) -> dict[str, list[float]]:
-    """Per-call amax traces from a run's final scaler state, keyed "<layer>.<role>".
+    """Per-call amax traces from a run's final scaler state. The scalers keep their last history_len amaxes
+    (newest last); a trace is kept only when it is complete, i.e. the scaler was called no more often than its
+    history holds.
 
-    The scalers keep their last history_len amaxes (newest last); a trace is returned only when it is complete,
-    i.e. the scaler was called no more often than its history holds.
-    """
+    Args:
+        export_dir: the run's export folder (verified against its manifest).
+
+    Returns:
+        ``"<layer>.<role>"`` -> trace; empty when the export has no scaler file."""
 
     path = Path(export_dir) / "hif8qat_scalers.safetensors"
     if not path.exists():
@@ -52,14 +56,21 @@ def recorded_amax_traces(export_dir: Path) -> dict[str, list[float]]:
     return traces
 
 
-def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping[str, Mapping[str, Any]] = REPLAY_ESTIMATORS,
-                      ) -> pd.DataFrame:
+def replay_exceedance(traces: Mapping[str, Sequence[float]],
+                      estimators: Mapping[str, Mapping[str, Any]] = REPLAY_ESTIMATORS) -> pd.DataFrame:
     """How often, and by how much, each estimator's delayed estimate is exceeded on the same traces.
 
-    Every trace is replayed call by call through `scaling.replay.replay_rows` (interval 1; the traces of one role and
+    Every trace is replayed call by call through ``scaling.replay.replay_rows`` (interval 1; the traces of one role and
     length in one bank); ratio = amax / estimate, where estimate = target / scale is what the scale was computed
     from before the call's own amax was known.
-    """
+
+    Args:
+        traces: ``"<layer>.<role>"`` -> per-call amax trace.
+        estimators: name -> scaling overrides.
+
+    Returns:
+        One row per (estimator, role): share of calls exceeded, median and high ratios, share beyond the 2-bit-mantissa
+        tier, headroom lost."""
 
 
     rows = []
@@ -82,7 +93,8 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
             exceeded = r > 1 + 1e-6
             rows.append({"estimator": name, "role": role, "traces": len(ratios), "calls": int(r.size),
                          "frac_exceeded": float(exceeded.mean()),
-                         "median_ratio_when_exceeded": float(np.median(r[exceeded])) if exceeded.any() else float("nan"),
+                         "median_ratio_when_exceeded": (float(np.median(r[exceeded])) if exceeded.any()
+                                                        else float("nan")),
                          "p99_ratio": float(np.quantile(r, 0.99)), "max_ratio": float(r.max()),
                          "frac_beyond_2bit_tier": float((r > _TWO_BIT_TIER_RATIO).mean()),
                          "mean_headroom_lost_bits": float(np.log2(np.maximum(r, 1.0)).mean())})
@@ -90,7 +102,14 @@ def replay_exceedance(traces: Mapping[str, Sequence[float]], estimators: Mapping
 
 
 def replay_table(runs: list[RunInfo], used: FilesUsed) -> pd.DataFrame:
-    """Every run's recorded traces replayed (complete traces only; see recorded_amax_traces), one block per run."""
+    """Every run's recorded traces replayed (complete traces only; see recorded_amax_traces), one block per run.
+
+    Args:
+        runs: the runs read.
+        used: collects the files read.
+
+    Returns:
+        The table; empty when no run has traces."""
     replay_frames = []
     for r in runs:
         traces = recorded_amax_traces(r.path / "export")

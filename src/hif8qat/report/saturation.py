@@ -37,7 +37,15 @@ def _mean_sd(x: pd.Series, fmt) -> str:
 
 
 def saturation_section(pairs: pd.DataFrame, replay: pd.DataFrame, profile: str) -> list[str]:
-    """Markdown lines; empty when there is neither a replay nor a scaling pair."""
+    """The saturation telemetry and clipping in words, for the claims section.
+
+    Args:
+        pairs: the scaling-pairs table.
+        replay: the estimator replay table.
+        profile: the profile's name.
+
+    Returns:
+        Markdown lines; empty when there is neither a replay nor a scaling pair."""
     if pairs.empty and replay.empty:
         return []
     lines = ["#### Saturation telemetry (failure mode i) and clipping", ""]

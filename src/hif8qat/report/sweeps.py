@@ -13,7 +13,7 @@ import pandas as pd
 from hif8qat.files import save_figure
 from hif8qat.report.claims import NOT_RECORDED
 from hif8qat.report.figures import _plt
-from hif8qat.report.sources import RunInfo, _get, _tag
+from hif8qat.report.sources import RunInfo, get_dotted, tag_of
 from hif8qat.runs.folders import training_differences
 
 
@@ -25,13 +25,21 @@ def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame
     """Sweeps: for each experiment with runs under more than one run tag, the training settings that differ
     between its tags (the knobs, read from the saved configs) and each claim metric against the knob's value:
     the cost against the baseline with its 95 % CI over seeds (the claims table's rows), beside the baseline's
-    own seed spread (sd over its seeds of the score, or of the final loss, in % of its mean)."""
+    own seed spread (sd over its seeds of the score, or of the final loss, in % of its mean).
+
+    Args:
+        runs: the runs read.
+        claims: the claims table.
+        runs_df: the runs table.
+
+    Returns:
+        One row per (experiment, knob, value, claim metric); empty without claims."""
 
     if claims.empty:
         return pd.DataFrame()
     by_exp: dict[str, dict[str, dict]] = {}
-    for r in sorted(runs, key=lambda r: (r.experiment, _tag(r), r.seed if r.seed is not None else -1)):
-        by_exp.setdefault(r.experiment, {}).setdefault(_tag(r), r.config)
+    for r in sorted(runs, key=lambda r: (r.experiment, tag_of(r), r.seed if r.seed is not None else -1)):
+        by_exp.setdefault(r.experiment, {}).setdefault(tag_of(r), r.config)
     rows = []
     for exp, tags in sorted(by_exp.items()):
         if len(tags) < 2:
@@ -41,7 +49,7 @@ def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame
         if not knobs:
             continue
         for tag, cfg in tags.items():
-            values = [_get(cfg, k) for k in knobs]
+            values = [get_dotted(cfg, k) for k in knobs]
             sub = claims[(claims.experiment == exp) & (claims.run_tag == tag) & (claims.against == "baseline")
                          & (claims.equivalence != NOT_RECORDED)]
             for _, c in sub.iterrows():
@@ -61,7 +69,15 @@ def sweep_table(runs: list[RunInfo], claims: pd.DataFrame, runs_df: pd.DataFrame
 
 def plot_sweeps(sweeps: pd.DataFrame, out: Path, profile: str) -> list[str]:
     """One figure per swept experiment: each metric's cost against the knob's value (95 % CI over seeds), with
-    the baseline's seed spread as a band around 0."""
+    the baseline's seed spread as a band around 0.
+
+    Args:
+        sweeps: the table of :func:`sweep_table`.
+        out: the figures folder.
+        profile: the profile's name.
+
+    Returns:
+        The paths written."""
     if sweeps.empty:
         return []
     plt = _plt()

@@ -25,6 +25,14 @@ def _fmt(v, nd=4):
 
 
 def to_markdown(df: pd.DataFrame, nd: int = 4) -> str:
+    """A table as markdown, floats rounded, NaN blank.
+
+    Args:
+        df: the table.
+        nd: decimal places of floats.
+
+    Returns:
+        The markdown (``_(no rows)_`` for an empty table)."""
     if df.empty:
         return "_(no rows)_\n"
     cols = list(df.columns)
@@ -36,7 +44,18 @@ def to_markdown(df: pd.DataFrame, nd: int = 4) -> str:
 
 def write_table(df: pd.DataFrame, out_dir: Path, name: str, *, title: str, sources: Mapping[str, Any],
                 nd: int = 4) -> dict[str, str]:
-    """``<name>.csv``, ``<name>.md`` (title + source note) and ``<name>.sources.json``."""
+    """Write ``<name>.csv``, ``<name>.md`` (title + source note) and ``<name>.sources.json``, each atomically.
+
+    Args:
+        df: the table.
+        out_dir: the folder.
+        name: the file stem.
+        title: the markdown title.
+        sources: what the sidecar records (``note``, ``files``, ...).
+        nd: decimal places of floats in the markdown.
+
+    Returns:
+        ``{csv, md, sources}`` -> path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_p, md_p, src_p = out_dir / f"{name}.csv", out_dir / f"{name}.md", out_dir / f"{name}.sources.json"
     # each file replaced atomically: a failure (a full disk) leaves every earlier table file whole

@@ -10,21 +10,21 @@ from typing import Any
 
 import pandas as pd
 
-from hif8qat.report.items import _item_stats, _paired_comparison, align_samples
+from hif8qat.report.items import align_samples, item_stats, paired_comparison
 from hif8qat.report.sources import (
     FilesUsed,
     RunInfo,
-    _dirty_of,
-    _eval_results,
-    _format_of,
-    _get,
-    _git_of,
-    _qat_start,
-    _read_json,
-    _read_samples,
-    _tag,
-    _targets_of,
+    dirty_of,
+    eval_results,
+    format_of,
+    get_dotted,
+    git_of,
+    qat_start,
     read_metrics,
+    read_report_json,
+    read_samples,
+    tag_of,
+    targets_of,
 )
 from hif8qat.report.telemetry import scaling_outcome, telemetry_summary
 from hif8qat.stats.heldout import run_label
@@ -36,22 +36,30 @@ LossPair = tuple[RunInfo, RunInfo, pd.DataFrame, pd.DataFrame]
 
 def runs_table(runs: list[RunInfo], skipped: list[dict], used: FilesUsed
                ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    """One row per run (steps, final loss, wall time, provenance, ``<mode>:<task>`` scores) and every run's
-    metrics.jsonl frame keyed by run folder; a run without a loss curve, or unfinished, is noted in ``skipped``."""
+    """One row per run (steps, final loss, wall time, provenance, ``<mode>:<task>`` scores) and every run's metrics.
+
+    Args:
+        runs: the runs read.
+        skipped: collects a run without a loss curve, or unfinished, with why.
+        used: collects the files read.
+
+    Returns:
+        ``(runs table, run folder -> its metrics.jsonl frame)``."""
     run_rows, metrics_cache = [], {}
     for r in runs:
         mp = r.path / "metrics.jsonl"
         m = read_metrics(mp) if mp.exists() else pd.DataFrame()
         metrics_cache[str(r.path)] = m
-        summ = _read_json(r.path / "summary.json") if (r.path / "summary.json").exists() else {}
+        summ = read_report_json(r.path / "summary.json") if (r.path / "summary.json").exists() else {}
         if "loss" not in m or not len(m):
-            skipped.append({"run_dir": str(r.path), "reason": f"{mp.name} {'holds no loss' if mp.exists() else 'is missing'}"
+            skipped.append({"run_dir": str(r.path),
+                            "reason": f"{mp.name} {'holds no loss' if mp.exists() else 'is missing'}"
                             + (" although the run is finished" if r.done else " (unfinished run)")
                             + ": no loss curve, left out of the APE, telemetry and scaling-pair tables"})
         elif not r.done:
             skipped.append({"run_dir": str(r.path), "reason": "unfinished (no DONE marker): its losses so far are "
                             "in the runs table, its curve is partial"})
-        row = {"experiment": r.experiment, "run_tag": _tag(r), "seed": r.seed, "paper_run": r.paper_run,
+        row = {"experiment": r.experiment, "run_tag": tag_of(r), "seed": r.seed, "paper_run": r.paper_run,
                "quant": r.quant,
                "estimator": r.estimator, "baseline": r.baseline, "done": r.done,
                "steps": int(m["step"].max()) + 1 if "step" in m and len(m) else 0,
@@ -59,9 +67,9 @@ def runs_table(runs: list[RunInfo], skipped: list[dict], used: FilesUsed
                "final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else float("nan"),
                "wall_time_s": next((summ[k] for k in ("wall_time_s", "train_wall_s", "train_wall_s_this_session")
                                     if k in summ), float("nan")),
-               "git": _git_of(r), "dirty": _dirty_of(r), "run_dir": str(r.path)}
+               "git": git_of(r), "dirty": dirty_of(r), "run_dir": str(r.path)}
         for mode in ("bf16", "hif8"):
-            for task, res in _eval_results(r, mode).items():
+            for task, res in eval_results(r, mode).items():
                 row[f"{mode}:{task}"] = res.get("value", float("nan")) * 100.0
                 used.add(r, r.path / "eval" / mode / "results.json")
         if mp.exists():
@@ -74,7 +82,14 @@ def runs_table(runs: list[RunInfo], skipped: list[dict], used: FilesUsed
 
 def skipped_updates(summary: Mapping[str, Any], metrics: pd.DataFrame) -> int:
     """Optimizer updates the run skipped for a non-finite gradient norm: summary.json's count when the run
-    finished, else its step log's last (an unfinished run)."""
+    finished, else its step log's last (an unfinished run).
+
+    Args:
+        summary: the run's summary.json content.
+        metrics: its metrics table.
+
+    Returns:
+        The count."""
     if isinstance(summary.get("skipped_steps"), int):
         return int(summary["skipped_steps"])
     if "skipped_steps" in metrics and metrics["skipped_steps"].notna().any():
@@ -83,9 +98,16 @@ def skipped_updates(summary: Mapping[str, Any], metrics: pd.DataFrame) -> int:
 
 
 def mark_skipped_updates(claims: pd.DataFrame, contrasts: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
-    """The claims with a ``skipped_update_runs`` column: the runs each claim pairs that skipped optimizer
-    updates ("exp8/seed2: 1 update"), empty when none did. Such a run trained on fewer updates than its
-    counterpart, so the claim's difference is not quantization's alone."""
+    """Name, on each claim, the runs it pairs that skipped optimizer updates ("exp8/seed2: 1 update"). Such a run
+    trained on fewer updates than its counterpart, so the claim's difference is not quantization's alone.
+
+    Args:
+        claims: the claims table.
+        contrasts: the per-seed contrasts.
+        runs_df: the runs table.
+
+    Returns:
+        The claims with a ``skipped_update_runs`` column ("" where none did)."""
     if claims.empty:
         return claims
     skipped = {run_label(Path(d)): int(n) for d, n in zip(runs_df["run_dir"], runs_df["skipped_updates"]) if n}
@@ -104,7 +126,15 @@ def mark_skipped_updates(claims: pd.DataFrame, contrasts: pd.DataFrame, runs_df:
 
 def loss_pairs(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None],
                metrics_cache: Mapping[str, pd.DataFrame]) -> list[LossPair]:
-    """Every run paired with a baseline where both logged a loss (the APE rows and the loss figures)."""
+    """Every run paired with a baseline where both logged a loss (the APE rows and the loss figures).
+
+    Args:
+        runs: the runs read.
+        baseline_of: run folder -> its baseline run (or None).
+        metrics_cache: run folder -> its metrics table.
+
+    Returns:
+        ``(run, baseline, run metrics, baseline metrics)`` per pair."""
     pairs = []
     for r in runs:
         b = baseline_of[str(r.path)]
@@ -117,14 +147,21 @@ def loss_pairs(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None],
 
 
 def ape_rows(curves: Sequence[LossPair], last_frac: float) -> list[dict[str, Any]]:
-    """Per loss pair: the training-loss APE over all common steps, the last ``last_frac`` and the QAT phase."""
+    """Per loss pair: the training-loss APE over all common steps, the last ``last_frac`` and the QAT phase.
+
+    Args:
+        curves: the pairs of :func:`loss_pairs`.
+        last_frac: share of the common steps in the "last" window.
+
+    Returns:
+        One dict per pair."""
     rows = []
     for r, b, mq, mb in curves:
         a = loss_ape(mq["step"], mq["loss"], mb["step"], mb["loss"], last_frac=last_frac)
-        qat_from = _qat_start(r, mq)
+        qat_from = qat_start(r, mq)
         qat = mq[mq["step"] >= qat_from] if qat_from is not None else mq.iloc[:0]
         aq = loss_ape(qat["step"], qat["loss"], mb["step"], mb["loss"], last_frac=last_frac)
-        rows.append({"experiment": r.experiment, "run_tag": _tag(r), "baseline": b.experiment,
+        rows.append({"experiment": r.experiment, "run_tag": tag_of(r), "baseline": b.experiment,
                      "seed": r.seed,
                      "n_common": a["n_common"], "ape_all_pct": a["ape_all"], "ape_last_pct": a["ape_last"],
                      "last_n": a["last_n"], "last_frac": last_frac, "qat_from_step": qat_from,
@@ -136,21 +173,31 @@ def ape_rows(curves: Sequence[LossPair], last_frac: float) -> list[dict[str, Any
 def drops_table(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None], used: FilesUsed, n_boot: int,
                 seed: int) -> pd.DataFrame:
     """Per run, evaluation mode and task: the relative drop against the baseline's bf16 evaluation, one row per
-    seed, with its paired interval when both evaluations saved their items."""
+    seed, with its paired interval when both evaluations saved their items.
+
+    Args:
+        runs: the runs read.
+        baseline_of: run folder -> its baseline run (or None).
+        used: collects the files read.
+        n_boot: bootstrap draws.
+        seed: random seed of the draws.
+
+    Returns:
+        The table."""
     drop_rows = []
     for r in runs:
         b = baseline_of[str(r.path)]
         if b is None:
             continue
-        base_res = _eval_results(b, "bf16")
+        base_res = eval_results(b, "bf16")
         for qmode in ("bf16", "hif8"):
-            q_res = _eval_results(r, qmode)
+            q_res = eval_results(r, qmode)
             for task, qr in q_res.items():
                 if task not in base_res:
                     continue
-                bs = _read_samples(b.path / "eval" / "bf16" / f"samples_{task}.csv")
-                qs = _read_samples(r.path / "eval" / qmode / f"samples_{task}.csv")
-                row = {"experiment": r.experiment, "run_tag": _tag(r), "baseline": b.experiment, "seed": r.seed,
+                bs = read_samples(b.path / "eval" / "bf16" / f"samples_{task}.csv")
+                qs = read_samples(r.path / "eval" / qmode / f"samples_{task}.csv")
+                row = {"experiment": r.experiment, "run_tag": tag_of(r), "baseline": b.experiment, "seed": r.seed,
                        "quant_mode": qmode,
                        "task": task, "metric": qr.get("metric"), "base_pct": base_res[task]["value"] * 100.0,
                        "quant_pct": qr["value"] * 100.0,
@@ -158,7 +205,7 @@ def drops_table(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None], 
                 if bs is not None and qs is not None:
                     xb, xq = align_samples(bs, qs)
                     row.update(drop_paired_pct=relative_drop(float(xb.mean()), float(xq.mean()))
-                               if len(xb) else float("nan"), **_item_stats(xb, xq, n_boot, seed))
+                               if len(xb) else float("nan"), **item_stats(xb, xq, n_boot, seed))
                     used.add(b, b.path / "eval" / "bf16" / f"samples_{task}.csv")
                     used.add(r, r.path / "eval" / qmode / f"samples_{task}.csv")
                 else:
@@ -170,7 +217,14 @@ def drops_table(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None], 
 
 
 def telemetry_table(runs: list[RunInfo], metrics_cache: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per run and role, the telemetry summary of its metrics.jsonl (:func:`telemetry_summary`)."""
+    """Per run and role, the telemetry summary of its metrics.jsonl (:func:`telemetry_summary`).
+
+    Args:
+        runs: the runs read.
+        metrics_cache: run folder -> its metrics table.
+
+    Returns:
+        The table."""
     tel_rows = []
     for r in runs:
         m = metrics_cache[str(r.path)]
@@ -178,32 +232,41 @@ def telemetry_table(runs: list[RunInfo], metrics_cache: Mapping[str, pd.DataFram
             continue
         ts = telemetry_summary(m)
         for _, t in ts.iterrows():
-            tel_rows.append({"experiment": r.experiment, "seed": r.seed, "format": _format_of(r),
+            tel_rows.append({"experiment": r.experiment, "seed": r.seed, "format": format_of(r),
                              "estimator": r.estimator, **t.to_dict()})
     return pd.DataFrame(tel_rows)
 
 
 def _changes(run: RunInfo) -> list[str]:
     """The settings the run's experiment declares it changes from the one it derives from."""
-    return list(_get(run.config, "experiment.changes", []) or [])
+    return list(get_dotted(run.config, "experiment.changes", []) or [])
 
 
 def ablations_table(runs: list[RunInfo], parent_of: Mapping[str, RunInfo | None], n_boot: int,
                     seed: int) -> pd.DataFrame:
     """One-factor ablations: each run against the experiment it derives from (e.g. exp7 vs exp1 = the learning
     rate alone, both BF16: the forgetting comparison; exp9 vs exp8 = the BF16 warmup alone), in bf16 mode and,
-    when both runs are quantized, in the quantized mode too (exp11 vs exp8: FP8 vs HiF8 inference)."""
+    when both runs are quantized, in the quantized mode too (exp11 vs exp8: FP8 vs HiF8 inference).
+
+    Args:
+        runs: the runs read.
+        parent_of: run folder -> the run it derives from (or None).
+        n_boot: bootstrap draws.
+        seed: random seed of the draws.
+
+    Returns:
+        The table."""
     abl_rows = []
     for r in runs:
         parent = parent_of[str(r.path)]
         if parent is None:
             continue
-        head = {"experiment": r.experiment, "run_tag": _tag(r), "derived_from": parent.experiment,
+        head = {"experiment": r.experiment, "run_tag": tag_of(r), "derived_from": parent.experiment,
                 "changes": ",".join(_changes(r)), "seed": r.seed}
         for mode in ("bf16", "hif8"):
             if mode != "bf16" and not (r.quant and parent.quant):
                 continue
-            abl_rows += [{**head, "mode": mode, **row} for row in _paired_comparison(
+            abl_rows += [{**head, "mode": mode, **row} for row in paired_comparison(
                 parent.path / "eval" / mode, r.path / "eval" / mode, n_boot, seed)]
     return pd.DataFrame(abl_rows)
 
@@ -219,8 +282,8 @@ def _scaling_pair(run: RunInfo, other: RunInfo, changes: Sequence[str], metrics_
                            "changes": ",".join(changes), "seed": run.seed}
     for side, r in (("", run), ("cp_", other)):
         m = metrics_cache[str(r.path)]
-        ape = ape_of.get((r.experiment, _tag(r), r.seed), {})
-        row.update({f"{side}format": _format_of(r), f"{side}algo": r.estimator, f"{side}targets": _targets_of(r),
+        ape = ape_of.get((r.experiment, tag_of(r), r.seed), {})
+        row.update({f"{side}format": format_of(r), f"{side}algo": r.estimator, f"{side}targets": targets_of(r),
                     **{f"{side}{k}": v for k, v in (scaling_outcome(m) if len(m) else {}).items()},
                     # the gradients alone: what a change of G's target moves
                     **{f"{side}G_{k}": v for k, v in (scaling_outcome(m, ("G",)) if len(m) else {}).items()},
@@ -232,7 +295,16 @@ def _scaling_pair(run: RunInfo, other: RunInfo, changes: Sequence[str], metrics_
 def scaling_pairs_table(runs: list[RunInfo], parent_of: Mapping[str, RunInfo | None],
                         metrics_cache: Mapping[str, pd.DataFrame], ape: Sequence[Mapping[str, Any]]
                         ) -> pd.DataFrame:
-    """The one-factor pairs of two quantized runs that change only SCALING_FACTORS, side by side."""
+    """The one-factor pairs of two quantized runs that change only SCALING_FACTORS, side by side.
+
+    Args:
+        runs: the runs read.
+        parent_of: run folder -> the run it derives from (or None).
+        metrics_cache: run folder -> its metrics table.
+        ape: the rows of :func:`ape_rows`.
+
+    Returns:
+        The table."""
     pair_rows = []
     ape_of = {(a["experiment"], a["run_tag"], a["seed"]): a for a in ape}
     for r in runs:
@@ -246,12 +318,23 @@ def scaling_pairs_table(runs: list[RunInfo], parent_of: Mapping[str, RunInfo | N
 
 
 def vs_base_table(runs: list[RunInfo], runs_root: Path, profile: str, n_boot: int, seed: int) -> pd.DataFrame:
-    """Every run against the untrained base model, when its evaluation is on file (forgetting)."""
+    """Every run against the untrained base model, when its evaluation is on file (forgetting).
+
+    Args:
+        runs: the runs read.
+        runs_root: the folder that holds the runs.
+        profile: the profile's name.
+        n_boot: bootstrap draws.
+        seed: random seed of the draws.
+
+    Returns:
+        The table; empty when the base model's evaluation is not on file."""
     base_model_dir = runs_root.parent / "base_model" / profile
     vs_base_rows = []
     if (base_model_dir / "results.json").exists():
         for r in runs:
-            head = {"experiment": r.experiment, "seed": r.seed, "lr": _get(r.config, "train.lr"), "quant": r.quant}
-            vs_base_rows += [{**head, **row} for row in _paired_comparison(base_model_dir, r.path / "eval" / "bf16",
+            head = {"experiment": r.experiment, "seed": r.seed, "lr": get_dotted(r.config, "train.lr"),
+                    "quant": r.quant}
+            vs_base_rows += [{**head, **row} for row in paired_comparison(base_model_dir, r.path / "eval" / "bf16",
                                                                            n_boot, seed)]
     return pd.DataFrame(vs_base_rows)

@@ -23,11 +23,14 @@ def _clipped_column(metrics: pd.DataFrame, role: str) -> pd.Series:
 def telemetry_summary(metrics: pd.DataFrame) -> pd.DataFrame:
     """Per role, from the ``tel/<role>/<stat>`` columns of metrics.jsonl (steps with telemetry only).
 
-    Columns: steps, frac_steps_ratio_gt1 (steps whose max amax/estimate > 1), max_ratio, frac_calls_ratio_gt1
-    (calls with amax > estimate over all calls), clipped_total (values beyond the format's range on statistics
-    calls: HiF8 overflow, FP8 clipping), stats_calls, clipped_per_stats_call, max_exceed_frac, nonfinite_total,
-    max_amax.
-    """
+    Args:
+        metrics: a run's metrics table.
+
+    Returns:
+        One row per role: steps, frac_steps_ratio_gt1 (steps whose max amax/estimate > 1), max_ratio,
+        frac_calls_ratio_gt1 (calls with amax > estimate over all calls), clipped_total (values beyond the format's
+        range on statistics calls: HiF8 overflow, FP8 clipping), stats_calls, clipped_per_stats_call, max_exceed_frac,
+        nonfinite_total, max_amax."""
     roles = sorted({c.split("/")[1] for c in metrics.columns if c.startswith("tel/") and c.count("/") == 2})
     rows = []
     for r in roles:
@@ -58,7 +61,14 @@ def telemetry_summary(metrics: pd.DataFrame) -> pd.DataFrame:
 
 def scaling_outcome(metrics: pd.DataFrame, roles: Sequence[str] | None = None) -> dict[str, float]:
     """All roles pooled (or only ``roles``): share of calls whose amax outgrew the estimate, clipped values per
-    statistics call."""
+    statistics call.
+
+    Args:
+        metrics: a run's metrics table.
+        roles: the roles to pool (None: all logged).
+
+    Returns:
+        ``{calls_exceeded, clipped_per_stats_call}``, NaN where nothing was logged."""
     logged = sorted({c.split("/")[1] for c in metrics.columns if c.startswith("tel/") and c.count("/") == 2})
     roles = [r for r in logged if roles is None or r in roles]
 

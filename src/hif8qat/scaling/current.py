@@ -21,7 +21,14 @@ from hif8qat.scaling.rules import cold_estimate, scale_of
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` as a 0-d float32 tensor in one pass (aminmax: |x| is never materialised); 0 for an empty x.
-    NaN and inf propagate; no host synchronisation."""
+    NaN and inf propagate; no host synchronisation.
+
+    Args:
+        x: a tensor.
+
+    Returns:
+        The amax.
+    """
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     mn, mx = torch.aminmax(x.detach())
@@ -29,11 +36,17 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def current_scale(amax, target: float) -> torch.Tensor:
-    """Just-in-time scale from a tensor's own amax: ``target / (amax + 1e-12)`` (float64, returned as a
-    0-d float32 tensor on amax's device).
+    """Just-in-time scale from a tensor's own amax: ``target / (amax + 1e-12)`` (in float64).
 
-    A non-finite or non-positive amax gives ``scale = target``, the delayed scaler's cold-start fallback,
-    so the two agree on every call. No host synchronisation.
+    A non-finite or non-positive amax gives ``scale = target``, the delayed scaler's cold-start fallback, so
+    the two agree on every call. No host synchronisation.
+
+    Args:
+        amax: the tensor's amax (number or tensor).
+        target: the scale target.
+
+    Returns:
+        The scale as a 0-d float32 tensor on amax's device.
     """
     if not (isinstance(target, (int, float)) and not isinstance(target, bool) and math.isfinite(target)
             and target > 0):
@@ -45,8 +58,20 @@ def current_qdq(x: torch.Tensor, fmt: str, target: float, rounding: str = "ta", 
                 generator: torch.Generator | None = None,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Just-in-time scaled qdq: amax of x itself, ``scale = current_scale(amax, target)``, then
-    :func:`hif8qat.formats.qdq.qdq_scaled_amax` (which checks the arguments). Returns ``(y, amax, scale)``;
-    reads x twice (amax, then cast)."""
+    :func:`hif8qat.formats.qdq.qdq_scaled_amax` (which checks the arguments); reads x twice (amax, then cast).
+
+    Args:
+        x: the tensor to quantize.
+        fmt: the element format.
+        target: the scale target.
+        rounding: as in ``qdq_scaled_amax``.
+        saturate: as in ``qdq_scaled_amax``.
+        generator: the random source of stochastic rounding.
+        out: optional preallocated result.
+
+    Returns:
+        ``(y, amax, scale)``.
+    """
     if not isinstance(x, torch.Tensor):  # before the amax pass; the qdq checks the rest
         raise ValueError(f"x must be a torch.Tensor of dtype float32, bfloat16 or float16; got {type(x)}")
     amax = tensor_amax(x)

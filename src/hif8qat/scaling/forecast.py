@@ -1,23 +1,10 @@
 """The ``exp_smooth`` estimator: a host-side forecaster of the next ``k`` amaxes in log space.
 
 Own version of the authors' ``ExpSmoothPredictor`` (``pangu_hif8_pretrain/hif8.py``); the rules and the
-deliberate differences are listed in docs/design.md (section 2). Used by :mod:`hif8qat.scaling.bank` at each
+deliberate differences are listed in docs/design.md (section 2). This module owns the forecaster
+(:class:`ExpSmoothForecaster`, whose docstring lists its rules) and the turn of forecasts into a block of
+scales (:func:`exp_smooth_block`, :func:`exp_smooth_rows`), used by :mod:`hif8qat.scaling.bank` at each
 exp_smooth refresh (one host copy of the bank's table per refresh round).
-
-* fewer than ``min_obs`` (20) observations: forecast = most recent amax.
-* four candidates on the log series: most recent; damped Holt (level + trend, damping 0.9, fitted over the
-  last 50 points, alpha/beta from the volatility of the last 30 log differences, ``alpha = 0.4 + 0.5 v``,
-  ``beta = 0.05 + 0.15 v``, ``v = clip(std/0.3, 0, 1)``, fast alpha 0.9 for a point whose one-step error
-  exceeds 0.3); trend following (least-squares slope over the last 30, damped 0.9 per step); AR(1) fitted
-  on the last 50 (``|phi| <= 0.999``).
-* rolling-origin cross validation over the last 40 origins (>= 20 points of training prefix), rerun every 5
-  forecasts; candidates kept if their error <= 1.01 x most recent's (at least the best two); softmax
-  weights ``exp(-temp * err / mean(err))`` (temp 5 for A/W, 10 for G).
-* robust clipping: within median +- clip_sigma x 1.4826 x MAD of the last 60 log amaxes; a forecast more
-  than 0.1 above log(median of the scaler history) is pulled 10 % toward it; then bounds in amax space
-  [0.2 min, 3 max] of the scaler history (horizon <= 5) or [0.3 min, 2.5 max]; non-finite -> most recent.
-* :func:`exp_smooth_block` turns the forecasts into one block of scales, clipped to [0.01, 100] x the scale
-  at the history median (upper bound also <= 1e8).
 """
 
 from __future__ import annotations
@@ -114,7 +101,23 @@ _CAND_NAMES = tuple(_CANDIDATES)
 
 
 class ExpSmoothForecaster:
-    """Forecast the next ``horizon`` amaxes from the amaxes observed so far (see the module docstring)."""
+    """Forecast the next ``horizon`` amaxes from the amaxes observed so far.
+
+    * fewer than ``min_obs`` (20) observations: forecast = most recent amax.
+    * four candidates on the log series: most recent; damped Holt (level + trend, damping 0.9, fitted over the
+      last 50 points, alpha/beta from the volatility of the last 30 log differences, ``alpha = 0.4 + 0.5 v``,
+      ``beta = 0.05 + 0.15 v``, ``v = clip(std/0.3, 0, 1)``, fast alpha 0.9 for a point whose one-step error
+      exceeds 0.3); trend following (least-squares slope over the last 30, damped 0.9 per step); AR(1) fitted
+      on the last 50 (``|phi| <= 0.999``).
+    * rolling-origin cross validation over the last 40 origins (>= 20 points of training prefix), rerun every
+      5 forecasts; candidates kept if their error <= 1.01 x most recent's (at least the best two); softmax
+      weights ``exp(-temp * err / mean(err))`` (temp 5 for A/W, 10 for G).
+    * robust clipping: within median +- clip_sigma x 1.4826 x MAD of the last 60 log amaxes; a forecast more
+      than 0.1 above log(median of the scaler history) is pulled 10 % toward it; then bounds in amax space
+      [0.2 min, 3 max] of the scaler history (horizon <= 5) or [0.3 min, 2.5 max]; non-finite -> most recent.
+    * :func:`exp_smooth_block` turns the forecasts into one block of scales, clipped to [0.01, 100] x the
+      scale at the history median (upper bound also <= 1e8).
+    """
 
     def __init__(self, params: ExpSmoothParams | None = None):
         self.p = params or ExpSmoothParams()
@@ -124,6 +127,12 @@ class ExpSmoothForecaster:
         self.scores: dict[str, float] = {}
 
     def observe(self, amaxes: Sequence[float]) -> None:
+        """Add amaxes to the observed series (their logs; non-finite and non-positive ones are dropped, and
+        only the last ``long_len`` are kept).
+
+        Args:
+            amaxes: the new amaxes, oldest first.
+        """
         for a in amaxes:
             a = float(a)
             if math.isfinite(a) and a > 0:
@@ -160,7 +169,15 @@ class ExpSmoothForecaster:
         return out
 
     def forecast(self, window: Sequence[float], horizon: int) -> list[float]:
-        """Amax forecasts for horizons 1..horizon. ``window``: the scaler's history (non-empty)."""
+        """Amax forecasts for horizons 1..horizon.
+
+        Args:
+            window: the scaler's history (non-empty).
+            horizon: how many steps ahead.
+
+        Returns:
+            ``horizon`` amaxes.
+        """
         p = self.p
         last = float(window[-1])
         if len(self.obs) < p.min_obs:
@@ -189,6 +206,12 @@ class ExpSmoothForecaster:
 
     # -- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The forecaster's state as tensors (observations, counters, cross-validation scores), for a saved
+        row.
+
+        Returns:
+            ``{"es_obs", "es_meta", "es_scores"}``.
+        """
         return {
             "es_obs": torch.tensor(self.obs, dtype=torch.float64),
             "es_meta": torch.tensor([self.n_forecasts, self.last_cv_at], dtype=torch.int64),
@@ -197,6 +220,11 @@ class ExpSmoothForecaster:
         }
 
     def load_state_tensors(self, sd: Mapping[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_tensors` saved.
+
+        Args:
+            sd: the saved tensors.
+        """
         self.obs = [float(v) for v in sd["es_obs"].tolist()]
         self.n_forecasts, self.last_cv_at = (int(v) for v in sd["es_meta"].tolist())
         self.scores = {nm: float(v) for nm, v in zip(_CAND_NAMES, sd["es_scores"].tolist())
@@ -204,16 +232,31 @@ class ExpSmoothForecaster:
 
 
 def new_forecaster(role: str) -> ExpSmoothForecaster:
-    """A fresh forecaster with the role's parameters (the authors' "D" set for gradients)."""
+    """A fresh forecaster with the role's parameters (the authors' "D" set for gradients).
+
+    Args:
+        role: "A", "W" or "G".
+
+    Returns:
+        The forecaster.
+    """
     return ExpSmoothForecaster(EXP_SMOOTH_PARAMS.get(role, ExpSmoothParams()))
 
 
 def exp_smooth_block(forecaster: ExpSmoothForecaster, window: list[float], new: int, cur_est: float,
                       target: float, k: int) -> tuple[list[float], list[float]]:
-    """Estimates and scales (python floats) of one exp_smooth refresh of horizon ``k``.
+    """Estimates and scales of one exp_smooth refresh of horizon ``k``.
 
-    ``window``: the scaler's history (oldest first); ``new``: entries appended since the last refresh
-    (fed to the forecaster); ``cur_est``: the current estimate, kept while the history has nothing usable.
+    Args:
+        forecaster: the row's forecaster.
+        window: the scaler's history (oldest first).
+        new: entries appended since the last refresh (fed to the forecaster).
+        cur_est: the current estimate, kept while the history has nothing usable.
+        target: the row's scale target.
+        k: the horizon.
+
+    Returns:
+        ``(estimates, scales)``: ``k`` python floats each.
     """
     new = min(new, len(window))
     if new > 0:
@@ -240,11 +283,22 @@ def exp_smooth_block(forecaster: ExpSmoothForecaster, window: list[float], new: 
 def exp_smooth_rows(forecasters: list[ExpSmoothForecaster | None], roles: Sequence[str], targets: Sequence[float],
                     rows: np.ndarray, hist: np.ndarray, total: np.ndarray, seen_total: np.ndarray, cur: np.ndarray,
                     k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """One exp_smooth refresh of horizon ``k`` for the bank's ``rows``, on host copies of its tables.
+    """One exp_smooth refresh of horizon ``k`` for some of the bank's rows, on host copies of its tables.
 
-    ``hist`` [n, L] (newest last), ``total`` [n] entries ever appended, ``cur`` [n] current estimates;
-    ``forecasters`` (created on first use) and ``seen_total`` (entries already fed to them) are updated in
-    place. Returns estimates and scales ``[len(rows), width]``, the first ``k`` columns filled.
+    Args:
+        forecasters: one per bank row, created on first use (updated in place).
+        roles: each row's role.
+        targets: each row's scale target.
+        rows: the rows to refresh.
+        hist: ``[n, L]`` histories, newest last.
+        total: ``[n]`` entries ever appended.
+        seen_total: ``[n]`` entries already fed to the forecasters (updated in place).
+        cur: ``[n]`` current estimates.
+        k: the horizon.
+        width: the width of the returned blocks.
+
+    Returns:
+        Estimates and scales, each ``[len(rows), width]`` with the first ``k`` columns filled.
     """
     L = hist.shape[1]
     ests = np.zeros((len(rows), width))

@@ -23,9 +23,22 @@ def replay(amax_sequence: Sequence[float] | torch.Tensor, config: ScalingConfig 
            target: float | None = None) -> torch.Tensor:
     """Scales the bank would use for a recorded or synthetic amax trace, one call per amax.
 
-    ``steps[i]`` (optional) is the optimizer step of call i (drives schedules and ``history_unit=step``).
     Runs a one-row bank's own call path without any tensor to quantize, ending the micro-batch after each
-    call. Returns a float32 tensor with one scale per call.
+    call.
+
+    Args:
+        amax_sequence: the amaxes, one per call.
+        config: the scaling settings (default ``ScalingConfig()``).
+        steps: the optimizer step of each call (drives schedules and ``history_unit=step``); None: every call
+            at step 0.
+        role: "A", "W" or "G".
+        target: a scale target overriding the format's.
+
+    Returns:
+        A float32 tensor with one scale per call.
+
+    Raises:
+        ValueError: ``steps`` is not one entry per amax.
     """
     seq = amax_sequence.tolist() if isinstance(amax_sequence, torch.Tensor) else list(amax_sequence)
     if steps is not None and len(steps) != len(seq):
@@ -42,9 +55,18 @@ def replay(amax_sequence: Sequence[float] | torch.Tensor, config: ScalingConfig 
 def replay_rows(amax_rows: Sequence[Sequence[float]] | torch.Tensor, config: ScalingConfig | None = None, *,
                 role: str = "A") -> torch.Tensor:
     """:func:`replay` of many equal-length traces at once (no step schedule given, default target): one bank
-    with a row per trace, each row called once per micro-batch, so the bank's per-micro-batch work runs once
-    per call index instead of once per trace and call. Returns ``[n_traces, n_calls]`` float32 scales, equal
-    to :func:`replay` of each trace on its own (rows of one bank never interact)."""
+    with a row per trace, so the bank's per-micro-batch work runs once per call index instead of once per
+    trace and call.
+
+    Args:
+        amax_rows: ``[n_traces, n_calls]`` amaxes.
+        config: the scaling settings.
+        role: "A", "W" or "G".
+
+    Returns:
+        ``[n_traces, n_calls]`` float32 scales, equal to :func:`replay` of each trace on its own (rows of one
+        bank never interact).
+    """
     a = torch.as_tensor(amax_rows, dtype=torch.float32)
     if a.ndim != 2:
         raise ValueError(f"replay_rows: expected [n_traces, n_calls] amaxes, got shape {tuple(a.shape)}")

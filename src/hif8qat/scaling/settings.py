@@ -116,7 +116,11 @@ class ScalingConfig:
 
     # -- validation ------------------------------------------------------------------------------
     def validate(self) -> ScalingConfig:
-        """Raise ValueError naming the first invalid field and its allowed values (run once, by ``__post_init__``)."""
+        """Raise ValueError naming the first invalid field and its allowed values (run once, by ``__post_init__``).
+
+        Returns:
+            This config.
+        """
         self._validate_schedule("algo", self.algo, lambda v: isinstance(v, str) and v in ALGOS,
                                 f"one of {ALGOS}")
         self._validate_schedule("interval", self.interval, lambda v: _is_int(v) and v >= 1,
@@ -149,7 +153,8 @@ class ScalingConfig:
         t = self.target
         if t is None:
             return
-        allowed = "null, a finite number > 0, or a mapping of roles A, W, G to such numbers (e.g. {A: 15, W: 15, G: 224})"
+        allowed = ("null, a finite number > 0, or a mapping of roles A, W, G to such numbers "
+                   "(e.g. {A: 15, W: 15, G: 224})")
         ok = _positive(t) or (isinstance(t, Mapping) and bool(t) and set(t) <= set(ROLES)
                               and all(_positive(v) for v in t.values()))
         if not ok:
@@ -167,7 +172,11 @@ class ScalingConfig:
 
     def targets(self) -> dict[str, float]:
         """The scale target each role uses (HiF8: ``target`` where it names the role, else target_fwd for A and
-        W, target_bwd for G; FP8: the format max / 2^margin)."""
+        W, target_bwd for G; FP8: the format max / 2^margin).
+
+        Returns:
+            Role -> target.
+        """
         return {r: target_for(self, r) for r in ROLES}
 
     def _validate_format(self) -> None:
@@ -212,19 +221,41 @@ class ScalingConfig:
 
     # -- schedules -------------------------------------------------------------------------------
     def algo_schedule(self) -> list[tuple[int, str]]:
+        """The ``algo`` setting as a sorted schedule.
+
+        Returns:
+            ``[(first step, algorithm)]``.
+        """
         return sorted(self.algo.items()) if isinstance(self.algo, Mapping) else [(0, self.algo)]
 
     def interval_schedule(self) -> list[tuple[int, int]]:
+        """The ``interval`` setting as a sorted schedule.
+
+        Returns:
+            ``[(first step, interval)]``.
+        """
         if isinstance(self.interval, Mapping):
             return [(k, int(v)) for k, v in sorted(self.interval.items())]
         return [(0, int(self.interval))]
 
     def uses(self, algo: str) -> bool:
+        """Whether the schedule uses an algorithm at any step.
+
+        Args:
+            algo: the algorithm's name.
+
+        Returns:
+            True when it does.
+        """
         return any(a == algo for _, a in self.algo_schedule())
 
     # -- (de)serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The delayed-scaling fields only (a subclass adds its own by overriding this)."""
+        """The delayed-scaling fields only (a subclass adds its own by overriding this).
+
+        Returns:
+            Field name -> value.
+        """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(ScalingConfig)}
         d = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}
         if isinstance(d["target"], Mapping):  # in the roles' order, whatever order the config gave
@@ -236,6 +267,17 @@ class ScalingConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ScalingConfig:
+        """The config of a dict of fields (as :meth:`to_dict` gives).
+
+        Args:
+            d: field name -> value.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ValueError: an unknown field, or an invalid value.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -245,7 +287,15 @@ class ScalingConfig:
 
 
 def lookup(schedule: Sequence[tuple[int, Any]], step: int) -> Any:
-    """The value of a sorted ``[(step, value)]`` schedule at ``step``: that of the largest key <= step."""
+    """The value of a sorted ``[(step, value)]`` schedule at ``step``: that of the largest key <= step.
+
+    Args:
+        schedule: ``[(step, value)]`` sorted by step.
+        step: the step.
+
+    Returns:
+        The value.
+    """
     if len(schedule) == 1:
         return schedule[0][1]
     i = bisect.bisect_right(schedule, (int(step), math.inf), key=lambda kv: (kv[0], math.inf)) - 1
@@ -269,7 +319,16 @@ LAST_CALL_FIELDS = ("amax", "estimate", "ratio", "scale", "exceed_frac", "clippe
 
 
 def check_state_keys(state: Mapping, strict: bool, who: str) -> None:
-    """KeyError naming ``who`` when a saved scaler state lacks a key, or (strict) has an unknown one."""
+    """KeyError naming ``who`` when a saved scaler state lacks a key, or (strict) has an unknown one.
+
+    Args:
+        state: the saved state.
+        strict: refuse unknown keys too.
+        who: the scaler's name (for the error).
+
+    Raises:
+        KeyError: a missing or unknown key.
+    """
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise KeyError(f"{who}: state is missing {missing}")

@@ -1,17 +1,12 @@
 """Statistics of held-out per-token distances (pure functions; :mod:`hif8qat.evaluate.heldout` computes the tokens).
 
 One comparison pairs a reference model (a run's BF16 baseline, or the run's own unquantized export) with
-another (the run, or its quantized mode) on the same held-out tokens. Per token it has both models' NLL of the
-actual next token, KL(P_ref || P_other) of the next-token distributions and whether their top-1 tokens agree.
-
-Tokens of one window share their context, so they are not independent: the variance of a token mean is taken
-from the window means (batch means, one block per window; all windows have the same number of tokens, so the
-mean of the window means is the token mean), with ``n_windows - 1`` degrees of freedom
-(:func:`hif8qat.stats.paired.block_variance_of_mean`). Over seeds the windows are the same in every seed, so the report
-crosses seeds with windows (:func:`window_costs`, :func:`hif8qat.stats.paired.crossed_mean`) for one more claim metric
-(``heldout_nll``, :func:`hif8qat.report.claims.claims_table`): same Holm family, MDE and equivalence test as the
-other claim metrics.
-"""
+another (the run, or its quantized mode) on the same held-out tokens: per token, both models' NLL of the actual
+next token, KL(P_ref || P_other) and whether their top-1 tokens agree. Tokens of one window share their context,
+so the variance of a token mean comes from the window means, with ``n_windows - 1`` degrees of freedom
+(:func:`hif8qat.stats.paired.block_variance_of_mean`). The windows are the same in every seed, so the report
+crosses seeds with windows (:func:`window_costs`, :func:`hif8qat.stats.crossed.crossed_mean`) for the
+``heldout_nll`` claim metric."""
 
 from __future__ import annotations
 
@@ -37,7 +32,13 @@ SUMMARY_FILE = "summary.json"
 
 
 def run_label(run_dir) -> str:
-    """How a held-out summary names the baseline it was paired with: ``<experiment>/<seed folder>``."""
+    """How a held-out summary names the baseline it was paired with: ``<experiment>/<seed folder>``.
+
+    Args:
+        run_dir: the baseline's run folder (a Path).
+
+    Returns:
+        ``<experiment>/<seed folder>``."""
     return f"{run_dir.parent.name}/{run_dir.name}"
 
 
@@ -47,8 +48,16 @@ def block_mean(x: Sequence[float], tokens_per_window: int, *, alpha: float = 0.0
     (1 - alpha) t interval on ``n_windows - 1`` degrees of freedom, the 90 % interval, a two-sided p-value for
     a zero mean, and the minimum detectable mean (two-sided ``alpha``, ``power``) of that test.
 
-    ``se_iid`` is the standard error as if tokens were independent: the ratio se / se_iid shows how much the
-    within-window correlation widens the interval."""
+    Args:
+        x: per-token values, window-major.
+        tokens_per_window: tokens in each window (the block size).
+        alpha: two-sided level of the interval and the test.
+        power: power of the minimum detectable mean.
+
+    Returns:
+        A dict with ``mean``, ``se``, ``var``, ``df``, ``n_tokens``, ``n_windows``, ``se_iid`` (as if tokens were
+        independent: se / se_iid shows how much the within-window correlation widens the interval), ``ci_lo``/``ci_hi``,
+        ``ci90_lo``/``ci90_hi``, ``p`` and ``mde``; NaN where fewer than two windows."""
     a = np.asarray(x, float)
     n = int(a.size)
     nb = n // int(tokens_per_window) if tokens_per_window > 0 else 0
@@ -69,7 +78,13 @@ def block_mean(x: Sequence[float], tokens_per_window: int, *, alpha: float = 0.0
 
 def kl_summary(kl: Sequence[float]) -> dict[str, float]:
     """llama.cpp's KL statistics of a quantized model against its reference: mean, median, high percentiles,
-    maximum (nats per token)."""
+    maximum (nats per token).
+
+    Args:
+        kl: per-token KL(P_reference || P_run), nats.
+
+    Returns:
+        ``{mean, max, p<q>...}`` over the percentiles in ``KL_PERCENTILES``; NaN for an empty series."""
     a = np.asarray(kl, float)
     if not a.size:
         return {"mean": float("nan"), "max": float("nan"), **{f"p{p:g}": float("nan") for p in KL_PERCENTILES}}
@@ -82,10 +97,23 @@ def comparison_summary(nll_ref: Sequence[float], nll_other: Sequence[float], kl:
                        power: float = 0.8) -> dict[str, Any]:
     """Everything one comparison reports from its per-token columns (window-major order).
 
-    ``nll_diff``: other minus reference, nats per token (positive: the other model predicts the text worse),
-    with its block interval and minimum detectable difference; ``nll_diff_pct``: the same in % of the
-    reference's mean NLL (the unit of the equivalence margin); ``kl``: mean and percentiles; ``top1``: the share
-    of tokens whose most likely next token is the same under both models, with its block interval."""
+    Args:
+        nll_ref: the reference model's NLL per token.
+        nll_other: the other model's NLL per token.
+        kl: KL(P_ref || P_other) per token.
+        top1_agree: 1 where both models' top-1 tokens agree, else 0.
+        tokens_per_window: tokens per window (the block size).
+        alpha: two-sided level.
+        power: power of the minimum detectable difference.
+
+    Returns:
+        A dict: token count, both mean NLLs and perplexities; ``nll_diff`` (other minus reference, nats per token,
+        positive: the other predicts worse) with its block interval and minimum detectable difference; ``nll_diff_pct``,
+        the same in % of the reference's mean NLL (the unit of the equivalence margin); ``kl``: mean and percentiles;
+        ``top1``: the share of tokens whose top-1 token agrees, with its block interval.
+
+    Raises:
+        ValueError: the paired columns differ in length."""
     ref = np.asarray(nll_ref, float)
     other = np.asarray(nll_other, float)
     if ref.shape != other.shape:
@@ -105,6 +133,13 @@ def comparison_summary(nll_ref: Sequence[float], nll_other: Sequence[float], kl:
 
 # ------------------------------------------------------------------------------------------- files
 def heldout_dir(run_dir) -> Path:
+    """The folder a run's held-out files are written to (``<run>/eval/heldout``).
+
+    Args:
+        run_dir: the run folder.
+
+    Returns:
+        Its held-out folder (which may not exist)."""
     return Path(run_dir) / "eval" / HELDOUT_DIR
 
 
@@ -113,10 +148,17 @@ HELDOUT_REDO = ("Write it again with `python run.py ... stage=eval` (it redoes a
 
 
 def read_summary(run_dir) -> dict | None:
-    """A run's ``eval/heldout/summary.json``, None when there is none (the report reads it without torch).
+    """A run's ``eval/heldout/summary.json`` (the report reads it without torch), through the verified reader.
 
-    Read through the verified reader: a summary that does not parse, or whose token table no longer has the
-    sha256 it recorded, raises artefacts.CorruptArtefact naming the file and what to run."""
+    Args:
+        run_dir: the run folder.
+
+    Returns:
+        The summary as a dict, or None when the run has none.
+
+    Raises:
+        artefacts.CorruptArtefact: the summary does not parse, or its token table no longer has the sha256 it recorded
+            (the error names the file and what to run)."""
 
     path = heldout_dir(run_dir) / SUMMARY_FILE
     if not path.exists():
@@ -134,7 +176,16 @@ def read_summary(run_dir) -> dict | None:
 def window_costs(tokens: pd.DataFrame, reference: str, other: str) -> pd.Series | None:
     """Per held-out window, the paired NLL cost ``other - reference`` in % of the reference's mean NLL over all
     tokens (windows hold equal token counts, so their mean is the comparison's ``nll_diff_pct`` mean): the units
-    the claims cross with seeds, since every seed scores the same windows. None when the columns are absent."""
+    the claims cross with seeds, since every seed scores the same windows.
+
+    Args:
+        tokens: the per-token table (a ``window`` column and ``nll_<model>`` columns).
+        reference: the reference model's column suffix.
+        other: the other model's column suffix.
+
+    Returns:
+        The costs indexed by window (as str), or None when the columns are absent or the reference NLL is not positive.
+    """
     ref, oth = f"nll_{reference}", f"nll_{other}"
     if not {"window", ref, oth} <= set(tokens.columns):
         return None
@@ -148,7 +199,14 @@ def window_costs(tokens: pd.DataFrame, reference: str, other: str) -> pd.Series 
 
 
 def window_means(tokens: pd.DataFrame, column: str) -> pd.Series | None:
-    """Per held-out window, the mean of a per-token column (KL, top-1 agreement); None when it is absent."""
+    """Per held-out window, the mean of a per-token column (KL, top-1 agreement).
+
+    Args:
+        tokens: the per-token table (with a ``window`` column).
+        column: the column to average.
+
+    Returns:
+        The means indexed by window (as str), or None when the column is absent."""
     if not {"window", column} <= set(tokens.columns):
         return None
     out = tokens[column].astype(float).groupby(tokens["window"]).mean()

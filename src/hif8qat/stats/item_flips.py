@@ -34,7 +34,13 @@ def item_permutation_test(net: Sequence[float]) -> tuple[int, int, float]:
     effect each item's net change is as likely negative as positive, so the statistic sum(net) is referred to all
     2^m sign assignments of the m items that changed (their exact distribution, built by convolution). An item
     that flips the same way in every seed counts once, with its weight; at one seed this is the exact McNemar
-    test. Returns ``(items net lost, items net gained, two-sided p)``; p = 1.0 when no item changed."""
+    test.
+
+    Args:
+        net: per item, its net change over the seeds (gains minus losses).
+
+    Returns:
+        ``(items net lost, items net gained, two-sided p)``; p = 1.0 when no item changed."""
     a = np.rint(np.asarray(net, float)).astype(np.int64)
     a = a[a != 0]
     lost, gained = int((a < 0).sum()), int((a > 0).sum())
@@ -52,8 +58,17 @@ def mde_item_flips(n_items: int, net: Sequence[float], k: int, *, alpha: float =
     under a stated flip model: an effect of a items makes a further a items lose in every one of the k seeds
     (net change -k each), on top of the items whose net change here is not zero, which keep their sizes and
     take either sign with probability 1/2. Exact: the test's rejection region for those m + a items, and the
-    probability that the null items' signed sum plus the effect's -a k falls in it. Returns a / n_items for the
-    smallest a that reaches ``power``; NaN when none up to n_items - m does."""
+    probability that the null items' signed sum plus the effect's -a k falls in it.
+
+    Args:
+        n_items: items per seed.
+        net: per item, its net change over the seeds.
+        k: seeds.
+        alpha: the test's two-sided level.
+        power: the power to reach.
+
+    Returns:
+        a / n_items for the smallest a that reaches ``power``; NaN when none up to n_items - m does."""
     a0 = np.rint(np.asarray(net, float)).astype(np.int64)
     null = np.abs(a0[a0 != 0])
     if n_items <= 0 or k <= 0:
@@ -114,7 +129,17 @@ def item_test_interval(net: Sequence[float], n_items: int, k: int, conf: float =
     every theta that the two one-sided tests of the signed sum do not reject at ``(1 - conf) / 2`` each (at
     theta = 1/2 their doubled smaller tail is the test's two-sided p, the null being symmetric), mapped to
     ``(2 theta - 1) * sum(|net|) / (k * n_items)``. At one seed this is the Clopper-Pearson interval of the
-    exact McNemar test. (0, 0) when no item changed; its bounds cannot pass the changed items' total."""
+    exact McNemar test.
+
+    Args:
+        net: per item, its net change over the seeds.
+        n_items: items per seed.
+        k: seeds.
+        conf: confidence level.
+
+    Returns:
+        ``(lo, hi)``; (0, 0) when no item changed, NaN when n_items or k is not positive. Its bounds cannot pass the
+        changed items' total."""
     a = np.rint(np.asarray(net, float)).astype(np.int64)
     a = a[a != 0]
     if n_items <= 0 or k <= 0:
@@ -156,8 +181,16 @@ def gain_share_homogeneity(lost: Sequence[int], gained: Sequence[int], *, n_sim:
 
     The item test is exact only if the items' net flips are independent; a training-noise shift shared by the
     items of one seed would tilt that seed's flips one way and another seed's the other, which this detects.
-    Seeds without a flip carry no share; a row with fewer than two such seeds, or with flips all one way, has
-    nothing to compare: (nan, 0, nan)."""
+
+    Args:
+        lost: per seed, items lost.
+        gained: per seed, items gained.
+        n_sim: Monte Carlo draws.
+        seed: random seed of the draws.
+
+    Returns:
+        ``(chi-square, df, p)``; (nan, 0, nan) when there is nothing to compare (fewer than two seeds with a flip, or
+        flips all one way)."""
     L, G = np.asarray(lost, np.int64), np.asarray(gained, np.int64)
     keep = (L + G) > 0
     L, G = L[keep], G[keep]
@@ -178,8 +211,17 @@ def gain_share_homogeneity(lost: Sequence[int], gained: Sequence[int], *, n_sim:
 
 def item_test_power(null_mags: Sequence[int], effect_items: int, k: int, alpha: float = 0.05) -> float:
     """Power of the item test under the flip model of :func:`mde_item_flips`: ``effect_items`` items lose in
-    every one of the k seeds (net -k each) besides the null items, whose net sizes are ``null_mags`` and whose
-    signs are fair coins. The test refers the signed sum to all sign assignments of every changed item."""
+    every one of the k seeds (net -k each) besides the null items, whose signs are fair coins. The test refers the
+    signed sum to all sign assignments of every changed item.
+
+    Args:
+        null_mags: net sizes of the null items (zeros are ignored).
+        effect_items: items the effect moves.
+        k: seeds.
+        alpha: the test's two-sided level.
+
+    Returns:
+        The probability that the test rejects."""
     null = np.asarray(null_mags, np.int64)
     null = null[null > 0]
     a = int(effect_items)
@@ -204,11 +246,21 @@ def item_test_power(null_mags: Sequence[int], effect_items: int, k: int, alpha: 
 
 def items_needed_flip_model(effect: float, n_items: int, sizes: Mapping[int, int], k: int, *, alpha: float = 0.05,
                             power: float = 0.8, max_items: int = 10_000_000) -> float:
-    """Items the item test needs to detect an accuracy difference ``effect`` (a proportion of the items per
-    seed) with ``power``, under the flip model of :func:`mde_item_flips`: at N items, ``effect * N`` items lose
-    in every one of the k seeds, and the items that change by chance keep the rate and sizes seen here
-    (``sizes``: |net change over the seeds| -> count among ``n_items``), scaled to N. NaN when even
-    ``max_items`` do not reach the power or the effect is 0."""
+    """Items the item test needs to detect an accuracy difference ``effect`` with ``power``, under the flip
+    model of :func:`mde_item_flips`: at N items, ``effect * N`` items lose in every one of the k seeds, and the items
+    that change by chance keep the rate and sizes seen here, scaled to N.
+
+    Args:
+        effect: the difference to detect, a proportion of the items per seed.
+        n_items: items measured here.
+        sizes: |net change over the seeds| -> count among ``n_items``.
+        k: seeds.
+        alpha: the test's two-sided level.
+        power: the power to reach.
+        max_items: the search's upper bound.
+
+    Returns:
+        The number of items (a float); NaN when even ``max_items`` do not reach the power or the effect is 0."""
     if not effect or n_items <= 0 or k <= 0:
         return float("nan")
 
@@ -235,8 +287,15 @@ def joint_gain_share_homogeneity(tables: Sequence[tuple[Sequence[int], Sequence[
     claim), with the sum referred to its own null: each replicate draws every row's table from that row's
     conditional law (fixed margins) and sums the rows' chi-squares, so the p-value is valid however sparse the
     tables are (the chi-square law of the sum is not: a sparse table's statistic has a mean above its df and a
-    variance below twice it). ``tables``: per row, the seeds' (lost, gained) counts. Returns (summed chi-square,
-    summed df, Monte Carlo p, rows that could show it); (nan, 0, nan, 0) when no row can."""
+    variance below twice it).
+
+    Args:
+        tables: per row, the seeds' (lost, gained) counts.
+        n_sim: Monte Carlo draws.
+        seed: random seed of the draws.
+
+    Returns:
+        ``(summed chi-square, summed df, Monte Carlo p, rows that could show it)``; (nan, 0, nan, 0) when no row can."""
     rng = np.random.default_rng(seed)
     obs, dof, used = 0.0, 0, 0
     null = np.zeros(n_sim)

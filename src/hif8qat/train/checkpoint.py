@@ -4,25 +4,11 @@ A checkpoint is a folder `checkpoints/step_<N>/` holding everything a restart ne
 series bit for bit: model weights (safetensors), optimizer and scheduler state, and per rank the RNG states,
 the data position and the quantization scalers (each rank keeps its own amax histories when amax_reduce is
 "none", as the authors did). It is written under a temporary name and renamed when complete, so a crash
-mid-write never leaves a checkpoint that looks valid. Everything loads with `weights_only=True`.
-
-Integrity: the `COMPLETE` marker is a JSON manifest with the size and sha256 of every file, written last;
-`verify_checkpoint` checks it, so truncated, missing or bit-flipped files are caught before loading (sha256:
-~1.2 GB/s on one core here, under the cost of writing the same bytes, and checkable with `sha256sum`).
-`select_checkpoint` resumes from the newest intact checkpoint and renames rejected ones to
-`step_<N>.corrupt-<time>` (never deleted). Re-saving an existing step swaps folders so that one complete
-copy of the step is on disk at every instant: new -> `step_<N>.tmp`, old -> `step_<N>.old`, tmp -> final,
-then delete old; `recover_interrupted` finishes or undoes a swap a kill interrupted.
-
-Under torchrun (world size > 1, DDP or FSDP) model and optimizer go through torch.distributed.checkpoint
-instead (:mod:`hif8qat.train.sharded_checkpoint`): every rank writes its own shards into `dcp/` and hashes the files it
-wrote; rank 0 gathers those entries into the manifest (`"layout": "dcp"`), so no rank gathers 14 GB or hashes
-them alone. trainer.pt then holds the scheduler and step only. Such a checkpoint resumes on any world size
-(DCP reshards; a single process reads it without a process group); the per-rank files are mapped onto the new
-ranks by `rank_state_for` and the data streams' `resize` (docs/design.md, "Resuming on another world size").
-A single process writes the full format (one `model.safetensors`; under FSDP of one rank the weights are
-gathered, tied weights stored once, the optimizer keyed by parameter name, `"optimizer_keys": "name"`), which
-also resumes on any world size.
+mid-write never leaves a checkpoint that looks valid; its `COMPLETE` marker is a manifest of every file's size
+and sha256, written last. Everything loads with `weights_only=True`. This module owns saving
+(:func:`save_checkpoint`, which says how the sharded format is written under torchrun), verifying and choosing
+the checkpoint to resume from (:func:`verify_checkpoint`, :func:`select_checkpoint`), loading, and mapping
+per-rank state onto another world size (:func:`rank_state_for`).
 """
 
 from __future__ import annotations
@@ -91,7 +77,15 @@ class DiskFull(RunError):
 
 def state_bytes(model: torch.nn.Module, optimizer=None) -> int:
     """Bytes of the model's parameters and buffers plus the optimizer's tensors: what a checkpoint stores (an
-    optimizer with no state yet counts as AdamW's two moments per parameter)."""
+    optimizer with no state yet counts as AdamW's two moments per parameter).
+
+    Args:
+        model: the model.
+        optimizer: its optimizer, or None.
+
+    Returns:
+        The byte count.
+    """
     params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     states = [v for st in (optimizer.state.values() if optimizer is not None else []) for v in st.values()
               if torch.is_tensor(v)]
@@ -107,6 +101,14 @@ def _human(n: float) -> str:
 
 
 def free_bytes(path: Path) -> int:
+    """Free bytes on the disk holding ``path`` (its nearest existing parent).
+
+    Args:
+        path: a file or folder, existing or not.
+
+    Returns:
+        The bytes.
+    """
     path = Path(path)
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -115,7 +117,16 @@ def free_bytes(path: Path) -> int:
 
 def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
     """Whether a failed write ran out of disk: ENOSPC/EDQUOT, safetensors' and torch.save's wording of it, or
-    (torch.save's "file write failed" names no cause) less free space left than the write needed."""
+    (torch.save's "file write failed" names no cause) less free space left than the write needed.
+
+    Args:
+        err: the exception the write raised.
+        where: the folder written into.
+        need: the bytes the write needed.
+
+    Returns:
+        True when the disk was full.
+    """
 
     if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # an OSError or files.StorageError
         return True
@@ -131,12 +142,33 @@ def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
 
 
 def disk_full_message(what: str, where: Path, need: int, after: str) -> str:
+    """The message of a save that ran out of disk: what was written where, the free space and a checkpoint's
+    size.
+
+    Args:
+        what: what was being written.
+        where: the folder.
+        need: a checkpoint's size in bytes.
+        after: what the user does next (the message's last sentence).
+
+    Returns:
+        The message.
+    """
     return (f"no space left on the disk holding {where} while writing {what}: {_human(free_bytes(where))} free, "
             f"a checkpoint of this run takes about {_human(need)}. {after}")
 
 
 def check_free_space(root: Path, need: int, keep: int) -> None:
-    """Before the first save: one checkpoint must fit, or the run would train until it fails to save."""
+    """Before the first save: one checkpoint must fit, or the run would train until it fails to save.
+
+    Args:
+        root: the checkpoints folder.
+        need: a checkpoint's size in bytes.
+        keep: ``train.keep_checkpoints``.
+
+    Raises:
+        DiskFull: not even one checkpoint fits (a warning is printed when ``keep + 2`` do not).
+    """
     free = free_bytes(root)
     if free < need:
         raise DiskFull(f"not enough free space for a checkpoint in {root}: {_human(free)} free, a checkpoint of "
@@ -158,7 +190,12 @@ def _remove_tree(path: Path) -> None:
 
 def prune_checkpoints(root: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` complete checkpoints; with none left, the empty folder too.
-    Quarantined (``*.corrupt-*``) folders stay for inspection."""
+    Quarantined (``*.corrupt-*``) folders stay for inspection.
+
+    Args:
+        root: the checkpoints folder.
+        keep: how many to keep.
+    """
     found = list_checkpoints(root)
     for stale in found[:max(len(found) - keep, 0)]:
         trash = stale.with_name(stale.name + _TRASH)  # renamed first: a half-deleted folder never looks complete
@@ -170,7 +207,11 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states. On CUDA only the current device's generator: a rank draws from its own GPU
-    only, and a resume may see another number of GPUs (fewer per node, CUDA_VISIBLE_DEVICES, SLURM binding)."""
+    only, and a resume may see another number of GPUs (fewer per node, CUDA_VISIBLE_DEVICES, SLURM binding).
+
+    Returns:
+        ``{"torch", "python", "cuda_device"?}``.
+    """
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
@@ -178,6 +219,11 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved (older checkpoints' one state per GPU too: this device's).
+
+    Args:
+        state: the saved states.
+    """
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if not torch.cuda.is_available():
@@ -253,10 +299,18 @@ def _read_manifest(path: Path) -> dict:
 
 
 def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> None:
-    """Raise CheckpointError naming the first problem: no marker, missing file, wrong size, wrong checksum.
+    """Check a checkpoint against its manifest before loading, so truncated, missing or bit-flipped files are
+    caught (sha256: ~1.2 GB/s on one core here, under the cost of writing the same bytes; checkable with
+    `sha256sum`).
 
-    share=(rank, world_size): hash only every world_size-th file of the manifest from the rank-th on, so the
-    ranks of a resume check a checkpoint together (`select_checkpoint`)."""
+    Args:
+        path: the checkpoint folder.
+        share: ``(rank, world_size)``: hash only every world_size-th file of the manifest from the rank-th on,
+            so the ranks of a resume check a checkpoint together (`select_checkpoint`).
+
+    Raises:
+        CheckpointError: naming the first problem: no marker, missing file, wrong size, wrong checksum.
+    """
     manifest = _read_manifest(path)
     files = manifest["files"]
     for name in _REQUIRED_SHARDED if manifest.get("layout") == "dcp" else _REQUIRED:
@@ -282,11 +336,19 @@ def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> None:
 
 
 def recover_interrupted(root: Path) -> list[str]:
-    """Finish or undo what a kill interrupted; return one note per action (rank 0, before any load).
+    """Finish or undo what a kill interrupted (rank 0, before any load).
 
-    `step_N.old` means a re-save of step N had begun, and its new copy was complete before the old one was
-    moved: publish the new copy if it is not in place yet, then drop the old. A `.tmp` without an `.old` is
-    a write that never got published: drop it (its steps are redone). `.trash` is an interrupted pruning.
+    Re-saving an existing step swaps folders so that one complete copy of the step is on disk at every
+    instant: new -> `step_<N>.tmp`, old -> `step_<N>.old`, tmp -> final, then delete old. So `step_N.old`
+    means a re-save of step N had begun and its new copy was complete before the old one was moved: publish
+    the new copy if it is not in place yet, then drop the old. A `.tmp` without an `.old` is a write that
+    never got published: drop it (its steps are redone). `.trash` is an interrupted pruning.
+
+    Args:
+        root: the checkpoints folder.
+
+    Returns:
+        One note per action.
     """
     notes: list[str] = []
     if not root.exists():
@@ -311,7 +373,14 @@ def recover_interrupted(root: Path) -> list[str]:
 
 
 def quarantine(path: Path) -> Path:
-    """Move a rejected checkpoint out of the way, keeping it for inspection."""
+    """Move a rejected checkpoint out of the way (to `step_<N>.corrupt-<time>`), keeping it for inspection.
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        Its new path.
+    """
     target = path.with_name(f"{path.name}{_CORRUPT}{time.strftime('%Y%m%d-%H%M%S')}")
     n = 1
     while target.exists():
@@ -324,10 +393,24 @@ def select_checkpoint(root: Path, log: Callable[[str], None] = print, *, rank: i
                       gather=None, barrier=None) -> Path | None:
     """The newest intact checkpoint under root, after recovering interrupted writes.
 
-    Rejected checkpoints are renamed `*.corrupt-<time>` with a printed reason. None when the run never
-    wrote a checkpoint; CheckpointError when it wrote some and none is intact (starting over silently would
-    throw their steps away). Several ranks (every rank calls it; ``gather(obj)`` -> every rank's obj,
-    ``barrier()``) share the hashing, each its share of the files; rank 0 alone repairs, renames and logs.
+    Rejected checkpoints are renamed `*.corrupt-<time>` (never deleted) with a printed reason. Several ranks
+    (every rank calls it) share the hashing, each its share of the files; rank 0 alone repairs, renames and
+    logs.
+
+    Args:
+        root: the checkpoints folder.
+        log: where the notes go.
+        rank: this process's rank.
+        world_size: the number of ranks.
+        gather: ``gather(obj)`` -> every rank's obj (several ranks).
+        barrier: waits for every rank (several ranks).
+
+    Returns:
+        The checkpoint folder, or None when the run never wrote a checkpoint.
+
+    Raises:
+        CheckpointError: it wrote some and none is intact (starting over silently would throw their steps
+            away).
     """
     if rank == 0:
         for note in recover_interrupted(root):
@@ -364,9 +447,36 @@ def select_checkpoint(root: Path, log: Callable[[str], None] = print, *, rank: i
 def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer, scheduler, rank_state: dict,
                     rank: int = 0, world_size: int = 1, barrier=None, keep: int = 2,
                     provenance: dict | None = None) -> Path:
-    """Write checkpoint `step` atomically. Every rank calls this (rank_state is per rank). A full disk is a
-    DiskFull error naming the folder, the free space and the checkpoint's size; earlier checkpoints stay.
-    provenance: the settings that made it (:func:`run_provenance`), checked by :func:`check_provenance`."""
+    """Write checkpoint `step` atomically. Every rank calls this (rank_state is per rank).
+
+    Under torchrun (world size > 1, DDP or FSDP) model and optimizer go through torch.distributed.checkpoint
+    (:mod:`hif8qat.train.sharded_checkpoint`): every rank writes its own shards into `dcp/` and hashes the
+    files it wrote; rank 0 gathers those entries into the manifest (`"layout": "dcp"`), so no rank gathers 14
+    GB or hashes them alone, and trainer.pt holds the scheduler and step only. Such a checkpoint resumes on
+    any world size (DCP reshards; a single process reads it without a process group). A single process writes
+    the full format (one `model.safetensors`; under FSDP of one rank the weights are gathered, tied weights
+    stored once, the optimizer keyed by parameter name, `"optimizer_keys": "name"`), which also resumes on any
+    world size.
+
+    Args:
+        root: the checkpoints folder.
+        step: the optimizer steps done.
+        model: the model.
+        optimizer: its optimizer.
+        scheduler: its learning-rate scheduler.
+        rank_state: this rank's RNG states, data position and scalers.
+        rank: this process's rank.
+        world_size: the number of ranks.
+        barrier: waits for every rank (several ranks).
+        keep: how many complete checkpoints to keep.
+        provenance: the settings that made it (:func:`run_provenance`), checked by :func:`check_provenance`.
+
+    Returns:
+        The checkpoint folder.
+
+    Raises:
+        DiskFull: naming the folder, the free space and the checkpoint's size; earlier checkpoints stay.
+    """
     final = checkpoint_path(root, step)
     tmp, old = final.with_name(final.name + _TMP), final.with_name(final.name + _OLD)
     try:
@@ -440,9 +550,22 @@ def _write(tmp: Path, step: int, *, model, optimizer, scheduler, rank_state: dic
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler, rank: int = 0,
                     world_size: int = 1) -> tuple[int, dict]:
-    """Restore model, optimizer and scheduler; return (step, this rank's state).
+    """Restore model, optimizer and scheduler from a verified checkpoint.
 
-    Library errors from a damaged or mismatched file become a CheckpointError naming the checkpoint."""
+    Args:
+        path: the checkpoint folder.
+        model: the model (built as the one saved).
+        optimizer: its optimizer.
+        scheduler: its scheduler.
+        rank: this process's rank.
+        world_size: the number of ranks.
+
+    Returns:
+        ``(step, this rank's state)``.
+
+    Raises:
+        CheckpointError: a damaged or mismatched file (the library's error, naming the checkpoint).
+    """
     try:
         with scalers_left_out(model):  # the weights; the scalers come back from the rank's state
             return _load(path, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank,
@@ -450,8 +573,8 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler,
     except CheckpointError:
         raise
     except _LOAD_ERRORS as err:
-        raise CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {one_line(str(err), 300)}); it was "
-                              "written by another version or model, or is damaged: resume from another "
+        raise CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {one_line(str(err), 300)}); "
+                              "it was written by another version or model, or is damaged: resume from another "
                               "checkpoint (train.resume=<folder>) or start over with force=true") from None
 
 
@@ -482,11 +605,21 @@ def _load(path: Path, *, model, optimizer, scheduler, rank: int, world_size: int
 
 
 def rank_state_for(path: Path, rank: int, saved_world: int) -> dict:
-    """This rank's state when the checkpoint was written by another number of ranks (``saved_world``).
+    """This rank's state when the checkpoint was written by another number of ranks.
 
     RNG and quantization scalers: those of saved rank ``rank % saved_world`` (with amax_reduce they are the
     same on every rank). Data: every saved rank's position, under ``"data_by_rank"``, for the stream's
-    ``resize`` to place this rank after everything the saved ranks read (docs/design.md)."""
+    ``resize`` to place this rank after everything the saved ranks read (docs/design.md, "Resuming on another
+    world size").
+
+    Args:
+        path: the checkpoint folder.
+        rank: this process's rank.
+        saved_world: the world size that wrote it.
+
+    Returns:
+        The rank state.
+    """
     own = torch.load(path / f"rank{rank % saved_world:03d}.pt", weights_only=True)
     datas = [own["data"] if r == rank % saved_world else
              torch.load(path / f"rank{r:03d}.pt", weights_only=True).get("data")

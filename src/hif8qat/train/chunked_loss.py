@@ -24,7 +24,14 @@ IGNORE = -100
 
 
 def chunk_rows(vocab: int) -> int:
-    """Tokens per chunk for a vocabulary of ``vocab``."""
+    """Tokens per chunk for a vocabulary of ``vocab``.
+
+    Args:
+        vocab: the vocabulary size.
+
+    Returns:
+        The chunk's token count.
+    """
     return max(1, CHUNK_ELEMENTS // vocab)
 
 
@@ -36,9 +43,21 @@ def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           targets: torch.Tensor, rows: int, emulate_bf16: bool = False) -> torch.Tensor:
-    """Mean cross entropy of ``F.linear(hidden, weight, bias)`` (upcast to FP32) against ``targets``
-    (``IGNORE`` positions left out), ``rows`` tokens at a time. ``emulate_bf16``: the forward runs under the BF16
-    emulation (the run's numerics), which each chunk's recompute must enter again."""
+    """Mean cross entropy of ``F.linear(hidden, weight, bias)`` (upcast to FP32) against ``targets``, ``rows``
+    tokens at a time.
+
+    Args:
+        hidden: the last hidden states.
+        weight: the output layer's weight.
+        bias: its bias, or None.
+        targets: the target ids (``IGNORE`` positions left out).
+        rows: tokens per chunk.
+        emulate_bf16: the forward runs under the BF16 emulation (the run's numerics), which each chunk's
+            recompute must enter again.
+
+    Returns:
+        The 0-d loss.
+    """
     h = hidden.reshape(-1, hidden.size(-1))
     t = targets.reshape(-1)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -59,6 +78,14 @@ class LossHead(nn.Linear):
     emulate_bf16 = False  # the run's numerics are bf16_emulated (set by install_loss_head)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The loss when targets are pending (set by the caller for this one forward), else the whole logits.
+
+        Args:
+            hidden: the last hidden states.
+
+        Returns:
+            The loss, or the logits.
+        """
         targets, self.pending_targets = self.pending_targets, None
         if targets is None:
             return super().forward(hidden)
@@ -69,7 +96,15 @@ class LossHead(nn.Linear):
 def install_loss_head(model: nn.Module, emulate_bf16: bool = False) -> LossHead | None:
     """Make the model's output layer a :class:`LossHead` in place (its parameters and names are untouched);
     None for a model whose head is not a plain ``nn.Linear`` (it keeps computing whole logits).
-    ``emulate_bf16``: the forwards run under BF16 emulation (``compute_dtype``'s ``bf16_emulated``)."""
+    ``emulate_bf16``: the forwards run under BF16 emulation (``compute_dtype``'s ``bf16_emulated``).
+
+    Args:
+        model: a causal LM.
+        emulate_bf16: the forwards run under BF16 emulation (``compute_dtype``'s ``bf16_emulated``).
+
+    Returns:
+        The head, or None.
+    """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, LossHead):
         if type(head) is not nn.Linear:
@@ -80,7 +115,14 @@ def install_loss_head(model: nn.Module, emulate_bf16: bool = False) -> LossHead 
 
 
 def loss_head(model: nn.Module) -> LossHead | None:
-    """The LossHead inside ``model`` (also through DDP, FSDP or torch.compile wrappers), or None."""
+    """The LossHead inside ``model`` (also through DDP, FSDP or torch.compile wrappers), or None.
+
+    Args:
+        model: the model, possibly wrapped.
+
+    Returns:
+        The head, or None.
+    """
     return next((m for m in model.modules() if isinstance(m, LossHead)), None)
 
 
@@ -93,6 +135,14 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, *, double_label_shift: bool 
     use_cache=False: a causal LM builds a key/value cache in training too unless told; under transformers 5.17 it
     holds a copy of every block's keys and values until the forward ends (1.2 GiB more per GPU at the paper's
     micro-batch than under 5.24, which keeps the tensors themselves).
+
+    Args:
+        model: the causal LM (possibly wrapped).
+        tokens: ``[batch, seq_len + 1]`` packed windows.
+        double_label_shift: reproduce the authors' label bug.
+
+    Returns:
+        The 0-d mean loss.
     """
     inputs = tokens[:, :-1]
     head = loss_head(model)

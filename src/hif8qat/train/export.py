@@ -33,7 +33,20 @@ from hif8qat.train.distributed import unsharded_class
 def export_or_explain(model, tokenizer, run_dir: Path, cfg: RunConfig, converted: list[str], full_state,
                        optimizer) -> None:
     """export_model, with a full disk reported as what filled and how to finish (the final checkpoint holds
-    every trained step, so a rerun only writes the export)."""
+    every trained step, so a rerun only writes the export).
+
+    Args:
+        model: the trained model.
+        tokenizer: its tokenizer.
+        run_dir: the run folder.
+        cfg: the run's configuration.
+        converted: the names of the quantized layers.
+        full_state: the gathered weights of an FSDP-sharded model, or None.
+        optimizer: the optimizer (its size goes into the message).
+
+    Raises:
+        DiskFull: the disk filled.
+    """
 
     try:
         export_model(model, tokenizer, run_dir / EXPORT_DIR, cfg, converted, state_dict=full_state)
@@ -54,6 +67,14 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
     """A save_pretrained folder that plain transformers and lm-eval load, plus the scalers' final state.
 
     state_dict: the gathered full weights of an FSDP-sharded model (distributed.full_model_state_dict).
+
+    Args:
+        model: the trained model.
+        tokenizer: its tokenizer.
+        directory: the export folder.
+        cfg: the run's configuration.
+        converted: the names of the quantized layers.
+        state_dict: the gathered full weights of an FSDP-sharded model (distributed.full_model_state_dict).
     """
     tmp = directory.with_name(directory.name + ".tmp")
     refuse_staging_links(directory.parent)  # a link made while training ran: never followed nor removed
@@ -79,7 +100,17 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
 
 def export_8bit_stage(cfg: RunConfig) -> Path:
     """stage=export: ``<run>/export_8bit/`` from the run's export/ (the quantized weights as 8-bit codes with their
-    final scales, the rest in BF16), replaced if there; prints its size against the same tensors in BF16."""
+    final scales, the rest in BF16), replaced if there; prints its size against the same tensors in BF16.
+
+    Args:
+        cfg: the run's configuration.
+
+    Returns:
+        The 8-bit export folder.
+
+    Raises:
+        RunError: the run has no export.
+    """
     run_dir = run_dir_for(cfg)
     if not has_export(run_dir):  # checked before the lock, which would create the folder
         raise RunError(f"{run_dir} has no export/ to write the 8-bit export from; train it first "

@@ -9,11 +9,19 @@ import torch.distributed as dist
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
-    """Clip the gradients to a total norm of max_norm (0/None: no clipping); return that norm before clipping.
+    """Clip the gradients to a total norm of ``max_norm``.
 
     Under FSDP2 the norm comes back as a DTensor: `full_tensor()` makes it the whole model's norm, one value
     on every rank, so a non-finite norm makes every rank skip the same step (a rank that alone skipped would
-    leave its shard of the weights behind the others')."""
+    leave its shard of the weights behind the others').
+
+    Args:
+        model: the model.
+        max_norm: the largest total norm (0 or None: no clipping).
+
+    Returns:
+        The total norm before clipping.
+    """
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -26,7 +34,8 @@ def _first_nonfinite(model: torch.nn.Module, optimizer, ctx) -> str | None:
     inf, and read the tensor without allocating a mask (10x faster than isfinite().all() on CPU here)."""
     extremes, owners = [], []
     for name, param in model.named_parameters():
-        for label, t in [(name, param), *((f"{name} (optimizer {k})", v) for k, v in optimizer.state.get(param, {}).items()
+        for label, t in [(name, param), *((f"{name} (optimizer {k})", v)
+                                          for k, v in optimizer.state.get(param, {}).items()
                                           if k != "step" and torch.is_tensor(v))]:
             t = t.to_local() if hasattr(t, "to_local") else t
             if t.is_floating_point():  # an empty local shard still gets an entry: every rank's list aligns

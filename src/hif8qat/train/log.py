@@ -19,7 +19,12 @@ from hif8qat.runs.folders import METRICS_FILE
 
 def truncate_metrics(path: Path, from_step: int) -> None:
     """On resume, drop the log lines of steps that will be redone (no duplicates in the series) and any line
-    that does not parse (the torn last line a crash leaves), saying what was dropped."""
+    that does not parse (the torn last line a crash leaves), saying what was dropped.
+
+    Args:
+        path: metrics.jsonl.
+        from_step: the first step to be redone.
+    """
     if not path.exists():
         return
     kept, redone, broken = [], [], []
@@ -68,6 +73,11 @@ class MetricsSink:
                                         config=cfg.to_dict(), resume="allow", id=_wandb_id(run_dir))
 
     def log(self, record: dict[str, Any]) -> None:
+        """Append one record (a step's metrics) to metrics.jsonl and wandb, on the main rank.
+
+        Args:
+            record: the metrics, with their ``step``.
+        """
         if not self.enabled:
             return
         append_text(self.path, json.dumps(record) + "\n")  # repeated steps of a resume: truncate_metrics
@@ -85,12 +95,35 @@ def _wandb_id(run_dir: Path) -> str:
 
 def progress_bar(cfg: RunConfig, is_main: bool, start_step: int):
 
+    """The run's tqdm bar over its steps (disabled off the main rank or when ``logger.progress_bar`` is off).
+
+    Args:
+        cfg: the run's configuration.
+        is_main: this is the main rank.
+        start_step: the step the run starts at.
+
+    Returns:
+        The bar.
+    """
     return tqdm(total=cfg.train.steps, initial=start_step, desc=f"{cfg.experiment.name} train",
                 disable=not (is_main and cfg.logger.progress_bar), dynamic_ncols=True)
 
 
 def train_summary(metrics_path: Path, step_times: dict[bool, list[float]], val_loss: float,
                    converted: list[str], wall_s: float) -> dict[str, Any]:
+    """What summary.json says about the training: steps, final losses, median step times of the BF16 and QAT
+    phases (their first step left out) and their ratio, the converted layer count.
+
+    Args:
+        metrics_path: metrics.jsonl.
+        step_times: step times in seconds, by whether the step was quantized.
+        val_loss: the held-out loss.
+        converted: the names of the quantized layers.
+        wall_s: this session's training time.
+
+    Returns:
+        The summary fields.
+    """
     records = read_jsonl(metrics_path, "Start the run over with force=true", fields=METRICS_FIELDS)
     losses = [r["loss"] for r in records if "loss" in r]
     tail = losses[-max(1, len(losses) // 10):]

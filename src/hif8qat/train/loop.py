@@ -95,12 +95,27 @@ class DistContext:
 
     def all_gather(self, obj: Any) -> list[Any]:
 
+        """Every rank's ``obj``, in rank order.
+
+        Args:
+            obj: this rank's object (picklable).
+
+        Returns:
+            One object per rank.
+        """
         return all_gather_objects(obj, self.world_size)
 
 
 def setup_distributed(device_pref: str = "auto") -> DistContext:
     """Read torchrun's environment (or srun's, mapped by env_from_slurm); initialise the process group
-    (NCCL on GPU, gloo on CPU)."""
+    (NCCL on GPU, gloo on CPU).
+
+    Args:
+        device_pref: the ``train.device`` setting ("auto", "cpu" or "cuda").
+
+    Returns:
+        This process's rank, world size and device.
+    """
 
     env_from_slurm()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -121,12 +136,25 @@ def setup_distributed(device_pref: str = "auto") -> DistContext:
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's and torch's random generators.
+
+    Args:
+        seed: the seed.
+    """
     random.seed(seed)
     torch.manual_seed(seed)
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: biases and norm gains are not decayed (the usual AdamW practice)."""
+    """Decay matrices only: biases and norm gains are not decayed (the usual AdamW practice).
+
+    Args:
+        model: the model.
+        weight_decay: the decay of the matrices.
+
+    Returns:
+        AdamW's parameter groups.
+    """
     decay, no_decay = [], []
     for _, param in model.named_parameters():
         if not param.requires_grad:
@@ -137,7 +165,18 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
 
 @torch.no_grad()
 def held_out_loss(model, windows: torch.Tensor, cfg: RunConfig, device: torch.device, batch: int = 4) -> float:
-    """Mean loss on held-out windows, with the quantizers' scales frozen so evaluation leaves no trace."""
+    """Mean loss on held-out windows, with the quantizers' scales frozen so evaluation leaves no trace.
+
+    Args:
+        model: the model.
+        windows: ``[n, seq_len + 1]`` held-out windows.
+        cfg: the run's configuration (its numerics).
+        device: where the model runs.
+        batch: windows per forward.
+
+    Returns:
+        The mean loss.
+    """
     was_training = model.training
     model.eval()
     freeze_scales(model, True)
@@ -174,7 +213,16 @@ def _build_model(cfg: RunConfig, ctx: DistContext):
 def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
     """The loaded model made the one the run trains, in place: BF16 parameters (quirk), quantized linears (off
     until the BF16 warmup ends), the chunked loss head, the device, activation checkpointing. Returns the
-    converted layers' names. The memory estimate (`launch.memory`) builds its simulated model through this too."""
+    converted layers' names. The memory estimate (`launch.memory`) builds its simulated model through this too.
+
+    Args:
+        model: the loaded model.
+        cfg: the run's configuration.
+        device: where it trains.
+
+    Returns:
+        The converted layers' names.
+    """
     # (moves only when needed: a model built under FakeTensorMode, as the memory estimate's, cannot move)
     if cfg.quirks.bf16_params and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
@@ -196,7 +244,16 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device) 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str | None = None) -> torch.optim.AdamW:
     """The run's AdamW in its implementation (``train.optimizer_impl``; ``auto`` when the config was not resolved
     is resolved here) for device_type (default: the parameters'; the memory estimate simulates a CUDA run on the
-    CPU). torch's default is asked for explicitly on CUDA, where it is foreach, so that the simulation runs it."""
+    CPU). torch's default is asked for explicitly on CUDA, where it is foreach, so that the simulation runs it.
+
+    Args:
+        model: the prepared model.
+        cfg: the run's configuration.
+        device_type: the device the optimizer runs on (default the parameters').
+
+    Returns:
+        The optimizer.
+    """
     device_type = device_type or next(model.parameters()).device.type
     impl = optimizer_impl_for(cfg.train.optimizer_impl, device_type)
     options = {"fused": True} if impl == "fused" else {"foreach": True} if device_type == "cuda" else {}
@@ -216,7 +273,16 @@ def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) 
 
 
 def train(cfg: RunConfig, run_dir: Path, ctx: DistContext | None = None) -> dict[str, Any]:
-    """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows)."""
+    """Train one run into run_dir (resuming from its latest checkpoint when train.resume allows).
+
+    Args:
+        cfg: the run's resolved configuration.
+        run_dir: the run folder.
+        ctx: the distributed context (default: set up from the environment).
+
+    Returns:
+        The training summary on the main rank (what summary.json records), {} on the others.
+    """
     run = _Run(cfg, run_dir, ctx or setup_distributed(cfg.train.device))
     start_step = run.resume()
     run.open_log(start_step)
@@ -324,7 +390,8 @@ class _Run:
             mark_failed(self.run_dir, reason)
         last = ckpt.latest_checkpoint(self.ckpt_root)
         if last is None:
-            kept = (f"no checkpoint was written before it (the first is due at step {self.cfg.train.checkpoint_every}); "
+            kept = ("no checkpoint was written before it "
+                    f"(the first is due at step {self.cfg.train.checkpoint_every}); "
                     "change the settings that diverged (e.g. a lower train.lr) and run again")
         else:
             kept = (f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}, finite weights); rerunning "
@@ -390,7 +457,8 @@ class _Run:
                 t0 = time.perf_counter()
                 epoch = self.stream.epoch
                 loss_value, flags = _reduce_step(
-                    _forward_backward(self.wrapped, self.stream, self.accum, cfg.train.autocast, cfg, ctx), stop.flags(), ctx)
+                    _forward_backward(self.wrapped, self.stream, self.accum, cfg.train.autocast, cfg, ctx),
+                    stop.flags(), ctx)
                 if self.stream.epoch != epoch:  # each rank's part of a streamed source may end at its own step
                     order = "in a new order" if self.stream.kind == "packed" else "in the same order"
                     print(f"rank {ctx.rank}: step {step}: the training data ran out; data epoch {self.stream.epoch} "

@@ -3,18 +3,10 @@
 A job about to be stopped gets a signal first: SLURM sends ``USR2`` ``signal_delay_s`` before the time limit
 (submitit's preemption signal, ``$SUBMITIT_PREEMPT_SIGNAL`` naming another), and ``SIGTERM`` when the job is
 requeued (``scontrol requeue``, a preempting partition) or cancelled, ``KillWait`` seconds before ``SIGKILL``.
-`StopSignals` replaces the handlers of those two signals (and of Ctrl-C's SIGINT: the user's own stop) while the training loop runs with one that only
-records which signal came (no I/O, no lock: a handler can interrupt anything, the step's own I/O included).
-The trainer sends its record with the step's loss all-reduce (`flags()`), so every rank learns at the same
-step that some rank was signalled, even a rank that never got the signal, and no rank waits at a collective
-the others skip. After saving the checkpoint every rank calls `chain()`: the handlers that were installed
-before, in the order the signals mean it (the preemption signal's first: submitit's requeues the job on rank
-0, checks its ``max_num_timeout`` and exits; its ``SIGTERM`` handler only logs), as if each rank had got the
-signal itself. A handler that was the default (outside submitit: terminate) is not called: the trainer stops
-with a message saying where it checkpointed. A signal whose handler was ``SIG_IGN`` stays ignored.
-
-Also here, because they stop a run the same way from outside: the test hooks that SIGKILL a training process
-(``HIF8QAT_TEST_KILL_AT_STEP``) or pause it (``HIF8QAT_TEST_PAUSE_AT_STEP``) at a known step.
+This module owns :class:`StopSignals`, which records those signals (and Ctrl-C's SIGINT) while the training
+loop runs, lets every rank agree on them at the same step and chains the handlers they replaced (its docstring
+says how). Also here, because they stop a run the same way from outside: the test hooks that SIGKILL a
+training process (``HIF8QAT_TEST_KILL_AT_STEP``) or pause it (``HIF8QAT_TEST_PAUSE_AT_STEP``) at a known step.
 """
 
 from __future__ import annotations
@@ -28,7 +20,11 @@ from pathlib import Path
 
 def watched_signals() -> list[signal.Signals]:
     """The signals the trainer checkpoints on, in the order their handlers are chained: the preemption signal
-    (submitit's ``$SUBMITIT_PREEMPT_SIGNAL``, default USR2), then SIGTERM."""
+    (submitit's ``$SUBMITIT_PREEMPT_SIGNAL``, default USR2), then SIGTERM.
+
+    Returns:
+        The signals.
+    """
     name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
     preempt = getattr(signal, f"SIG{name}", signal.SIGUSR2)
     return [preempt] if preempt == signal.SIGTERM else [preempt, signal.SIGTERM]
@@ -40,7 +36,18 @@ class StopSignals:
     A signal still pending when the loop ends normally (it came during the last step) is raised again once the
     previous handlers are back, so it does what it did before this class existed (submitit's requeue, the
     default termination) instead of being lost. Outside the main thread (signals cannot be handled there)
-    it watches nothing."""
+    it watches nothing.
+
+    The handler only records which signal came (no I/O, no lock: a handler can interrupt anything, the step's
+    own I/O included). The trainer sends the record with the step's loss all-reduce (:meth:`flags`), so every
+    rank learns at the same step that some rank was signalled, even a rank that never got the signal, and no
+    rank waits at a collective the others skip. After saving the checkpoint every rank calls :meth:`chain`:
+    the handlers that were installed before, in the order the signals mean it (the preemption signal's first:
+    submitit's requeues the job on rank 0, checks its ``max_num_timeout`` and exits; its ``SIGTERM`` handler
+    only logs), as if each rank had got the signal itself. A handler that was the default (outside submitit:
+    terminate) is not called: the trainer stops with a message saying where it checkpointed. A signal whose
+    handler was ``SIG_IGN`` stays ignored.
+    """
 
     def __init__(self):
         # Ctrl-C too, last: the user's own stop checkpoints the step as a preemption does; a second Ctrl-C
@@ -78,22 +85,42 @@ class StopSignals:
                     signal.raise_signal(sig)
 
     def pending(self) -> bool:
+        """Whether this rank got a watched signal.
+
+        Returns:
+            True when one came.
+        """
         return any(self.received.values())
 
     def flags(self) -> list[float]:
-        """This rank's record, one number per watched signal, to be summed over the ranks."""
+        """This rank's record, one number per watched signal, to be summed over the ranks.
+
+        Returns:
+            1.0 for each signal received, else 0.0.
+        """
         return [1.0 if self.received[s] else 0.0 for s in self.signals]
 
     def agreed(self, summed: list[float]) -> list[signal.Signals]:
         """The signals some rank got by the all-reduce that summed these flags. Only the summed flags decide:
-        a signal this rank got since then is the next step's business, or every rank would not stop alike."""
+        a signal this rank got since then is the next step's business, or every rank would not stop alike.
+
+        Args:
+            summed: the flags summed over the ranks.
+
+        Returns:
+            The signals to stop for.
+        """
         return [s for s, n in zip(self.signals, summed) if n > 0]
 
     def chain(self, signals: list[signal.Signals]) -> None:
         """Call the handlers installed before ours for `signals` and any this rank got since they were agreed
         (submitit's USR2 just after its SIGTERM), in order, as if this process had got them. submitit's
         preemption handler exits the process (SystemExit) on rank 0 after requeuing the job, or raises its
-        UncompletedJobError when it will not requeue; handlers that return let the caller stop."""
+        UncompletedJobError when it will not requeue; handlers that return let the caller stop.
+
+        Args:
+            signals: the agreed signals.
+        """
         for sig in self.signals:
             previous = self._previous.get(sig)
             if previous is signal.default_int_handler:  # Python's Ctrl-C handler would only raise KeyboardInterrupt
@@ -104,6 +131,14 @@ class StopSignals:
                 previous(int(sig), None)
 
     def names(self, signals: list[signal.Signals]) -> str:
+        """The signals' names for a message (``"USR2 and SIGTERM"``).
+
+        Args:
+            signals: the signals.
+
+        Returns:
+            The text.
+        """
         return " and ".join(s.name for s in signals)
 
 
@@ -157,7 +192,17 @@ class _PausedStream(_KilledStream):
 
 
 def hooked_stream(stream, accum: int, start_step: int, stop: StopSignals):
-    """The training stream, or it wrapped to kill or pause the process at a step the environment names."""
+    """The training stream, or it wrapped to kill or pause the process at a step the environment names.
+
+    Args:
+        stream: the training stream.
+        accum: micro-batches per step.
+        start_step: the step the run starts at.
+        stop: the run's signal record (the pause hook waits on it).
+
+    Returns:
+        The stream, possibly wrapped.
+    """
     kill_at = int(os.environ.get(_KILL_AT_STEP_ENV, "-1"))
     pause_at = int(os.environ.get(_PAUSE_AT_STEP_ENV, "-1"))
     if pause_at >= start_step and os.environ.get(_PAUSE_FILE_ENV) and not Path(os.environ[_PAUSE_FILE_ENV]).exists():

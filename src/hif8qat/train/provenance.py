@@ -27,7 +27,14 @@ ALLOW_MISMATCH_SETTING = "train.resume_allow_mismatch"
 
 
 def run_provenance(cfg) -> dict[str, Any]:
-    """The values of PROVENANCE_SETTINGS in a resolved RunConfig (plain JSON values)."""
+    """The values of PROVENANCE_SETTINGS in a resolved RunConfig (plain JSON values).
+
+    Args:
+        cfg: the resolved RunConfig.
+
+    Returns:
+        Setting -> value.
+    """
     flat = cfg.to_dict()
     out: dict[str, Any] = {}
     for name in PROVENANCE_SETTINGS:
@@ -45,7 +52,15 @@ def _flatten(prefix: str, value: Any) -> dict[str, Any]:
 
 
 def provenance_differences(recorded: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    """'setting: checkpoint X, this run Y' for each setting whose recorded value differs."""
+    """'setting: checkpoint X, this run Y' for each setting whose recorded value differs.
+
+    Args:
+        recorded: the checkpoint's provenance.
+        expected: this run's.
+
+    Returns:
+        One line per differing setting.
+    """
     rec = {k: v for name, value in recorded.items() for k, v in _flatten(name, value).items()}
     exp = {k: v for name, value in expected.items() for k, v in _flatten(name, value).items()}
     return [f"{k}: checkpoint {rec.get(k, '(not recorded)')!r}, this run {exp.get(k, '(not set)')!r}"
@@ -55,11 +70,20 @@ def provenance_differences(recorded: dict[str, Any], expected: dict[str, Any]) -
 
 def check_provenance(path: Path, expected: dict[str, Any], *, allow_mismatch: bool, explicit: bool,
                      log: Callable[[str], None] = print) -> None:
-    """Refuse a verified checkpoint that a run with other settings wrote (CheckpointError naming them).
+    """Refuse a verified checkpoint that a run with other settings wrote.
 
-    explicit: the checkpoint was named by train.resume=<folder>; one that records no settings (written before
-    checkpoints recorded them) is then refused too, as its origin is unknown. A run's own checkpoints
-    (train.resume=auto) without a record are its own. allow_mismatch turns the refusal into a note."""
+    Args:
+        path: the checkpoint folder.
+        expected: this run's provenance.
+        allow_mismatch: turn the refusal into a note (``train.resume_allow_mismatch``).
+        explicit: the checkpoint was named by train.resume=<folder>; one that records no settings (written
+            before checkpoints recorded them) is then refused too, as its origin is unknown. A run's own
+            checkpoints (train.resume=auto) without a record are its own.
+        log: where notes go.
+
+    Raises:
+        CheckpointError: naming the settings that differ.
+    """
     how = (f"{ALLOW_MISMATCH_SETTING}=true resumes it deliberately (its weights, optimizer and LR schedule "
            "position continue under this run's settings)")
     file = path / PROVENANCE_FILE
@@ -95,7 +119,21 @@ def load_saved_scalers(model, path: Path, rank_state: dict, *, start_step: int, 
                        allow_mismatch: bool) -> None:
     """The quantization scalers a checkpoint saved in this rank's state. A checkpoint without them (trained
     unquantized, or before QAT began) starts them cold, as at the first QAT step, but only where quantization had
-    not yet begun at its step or the user resumed it deliberately (train.resume_allow_mismatch)."""
+    not yet begun at its step or the user resumed it deliberately (train.resume_allow_mismatch).
+
+    Args:
+        model: the converted model.
+        path: the checkpoint folder.
+        rank_state: this rank's saved state: its scalers under ``"scalers"`` (``model.state_dict()`` entries), or
+            under ``"quant"`` in ``quant_state_dict``'s form for a checkpoint written before.
+        start_step: the step the checkpoint was written at.
+        quant_on_step: the first quantized step (None: never).
+        allow_mismatch: ``train.resume_allow_mismatch``.
+
+    Raises:
+        CheckpointError: the saved scalers do not match this run's quantized layers, or are missing where
+            quantization had begun (unless allowed).
+    """
     saved, legacy = rank_state.get(SCALERS_KEY) or {}, rank_state.get(LEGACY_SCALERS_KEY) or {}
     if not saved and not legacy and (start_step <= (quant_on_step or 0) or allow_mismatch):
         return

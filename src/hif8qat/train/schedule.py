@@ -15,7 +15,16 @@ import torch
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """The factor on the base learning rate at optimizer step ``step`` (0-based)."""
+    """The factor on the base learning rate at optimizer step ``step`` (0-based).
+
+    Args:
+        step: the optimizer step.
+        warmup_steps: linear warm-up length.
+        total_steps: the run's steps (cosine decay to the end).
+
+    Returns:
+        The factor.
+    """
     if step < warmup_steps:
         return float(step) / float(max(1, warmup_steps))
     progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
@@ -24,5 +33,15 @@ def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int) -> floa
 
 def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,
                            total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The warm-up then cosine learning-rate schedule as a ``LambdaLR`` (of :func:`warmup_cosine_factor`).
+
+    Args:
+        optimizer: the optimizer.
+        warmup_steps: linear warm-up length.
+        total_steps: the run's steps.
+
+    Returns:
+        The scheduler.
+    """
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(warmup_cosine_factor, warmup_steps=warmup_steps, total_steps=total_steps))

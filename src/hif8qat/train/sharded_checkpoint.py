@@ -36,7 +36,16 @@ def _options():
 
 def save(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Write this rank's shards of model and optimizer under ``folder/dcp`` (every rank calls it); return the
-    files this rank wrote, relative to ``folder``."""
+    files this rank wrote, relative to ``folder``.
+
+    Args:
+        folder: the checkpoint folder.
+        model: the (sharded) model.
+        optimizer: its optimizer.
+
+    Returns:
+        The files written.
+    """
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=folder / DCP_DIR)
@@ -48,7 +57,13 @@ def save(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 
 def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load model and optimizer from ``folder/dcp`` on this world size (every rank calls it)."""
+    """Load model and optimizer from ``folder/dcp`` on this world size (every rank calls it).
+
+    Args:
+        folder: the checkpoint folder.
+        model: the (sharded) model.
+        optimizer: its optimizer.
+    """
 
     # get_state_dict creates the optimizer's state tensors (a fresh optimizer has none) for DCP to fill
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
@@ -59,4 +74,12 @@ def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 
 def is_sharded(folder: Path) -> bool:
+    """Whether a checkpoint holds DCP shards.
+
+    Args:
+        folder: the checkpoint folder.
+
+    Returns:
+        True when it does.
+    """
     return (folder / METADATA).is_file()

@@ -1,19 +1,11 @@
 """Generate the offline mini evaluation tasks from the fact tables in ``facts/``.
 
-Three tasks, each in the format of one of the paper's benchmarks, so that the mini profile measures the
-same kind of accuracy drop the paper measures, without any download:
-
-- ``mini_mmlu``       question + four lettered options (MMLU format), scored by ``acc`` on the letter.
-- ``mini_hellaswag``  context + four endings (HellaSwag format), scored by ``acc_norm``.
-- ``mini_arc``        "Question: ... Answer:" with 3-4 answer texts (ARC format), scored by ``acc_norm``.
-
-Every item is built from a shipped fact table (capitals, chemical symbols, animal classes and legs,
-antonyms, colours, sequences, everyday physical commonsense, hand-written science questions, small
-arithmetic); distractors are other entries of the same table. The output is deterministic (fixed seed,
-tables read in file order), the correct answer's position is balanced over the options, and no item
-appears twice. Run ``python -m hif8qat.evaluate.minitasks.generate`` to rewrite ``data/`` and
-``python -m hif8qat.evaluate.minitasks.generate --check`` to verify the committed files are up to date.
-"""
+Three tasks, each in the format of one of the paper's benchmarks, so that the mini profile measures the same
+kind of accuracy drop without any download: ``mini_mmlu`` (four lettered options, ``acc`` on the letter),
+``mini_hellaswag`` (four endings, ``acc_norm``) and ``mini_arc`` ("Question: ... Answer:" with 3-4 answer
+texts, ``acc_norm``). Every item comes from a shipped fact table, its distractors from the same table. The
+output is deterministic (fixed seed, tables in file order), the correct answer's position is balanced over the
+options, and no item appears twice."""
 
 from __future__ import annotations
 
@@ -92,6 +84,13 @@ def _number_words():
 
 # --------------------------------------------------------------------------------------------- mini_mmlu
 def build_mini_mmlu(seed: int = SEED) -> dict[str, list[dict]]:
+    """mini_mmlu's items: question + four lettered options (MMLU format).
+
+    Args:
+        seed: the generator's seed.
+
+    Returns:
+        ``{dev, test}`` -> items."""
     rng = random.Random(seed)
     raw: list[dict] = []
 
@@ -139,6 +138,13 @@ def build_mini_mmlu(seed: int = SEED) -> dict[str, list[dict]]:
 
 # ---------------------------------------------------------------------------------------- mini_hellaswag
 def build_mini_hellaswag(seed: int = SEED) -> dict[str, list[dict]]:
+    """mini_hellaswag's items: context + four endings (HellaSwag format).
+
+    Args:
+        seed: the generator's seed (this task uses seed + 1).
+
+    Returns:
+        ``{train, validation}`` -> items."""
     rng = random.Random(seed + 1)
     raw: list[dict] = []
 
@@ -186,6 +192,13 @@ def build_mini_hellaswag(seed: int = SEED) -> dict[str, list[dict]]:
 
 # ---------------------------------------------------------------------------------------------- mini_arc
 def build_mini_arc(seed: int = SEED) -> dict[str, list[dict]]:
+    """mini_arc's items: a question with 3-4 answer texts (ARC format).
+
+    Args:
+        seed: the generator's seed (this task uses seed + 2).
+
+    Returns:
+        ``{train, test}`` -> items."""
     rng = random.Random(seed + 2)
     raw: list[dict] = []
 
@@ -259,6 +272,13 @@ BUILDERS = {"mini_mmlu": build_mini_mmlu, "mini_hellaswag": build_mini_hellaswag
 
 
 def generate_all(seed: int = SEED) -> dict[str, dict[str, list[dict]]]:
+    """Every mini task's splits.
+
+    Args:
+        seed: the generator's seed.
+
+    Returns:
+        Task -> split -> items."""
     return {name: BUILDERS[name](seed) for name in TASKS}
 
 
@@ -267,10 +287,27 @@ def _dumps(items: list[dict]) -> str:
 
 
 def data_file(task: str, split: str, data_dir: Path = DATA) -> Path:
+    """The file of a task's split (``<task>_<split>.jsonl``).
+
+    Args:
+        task: the task.
+        split: the split.
+        data_dir: the data folder.
+
+    Returns:
+        Its path."""
     return data_dir / f"{task}_{split}.jsonl"
 
 
 def write_all(data_dir: Path = DATA, seed: int = SEED) -> list[Path]:
+    """Write every task's splits as JSON lines.
+
+    Args:
+        data_dir: the data folder.
+        seed: the generator's seed.
+
+    Returns:
+        The files written."""
     data_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for task, splits in generate_all(seed).items():
@@ -282,7 +319,14 @@ def write_all(data_dir: Path = DATA, seed: int = SEED) -> list[Path]:
 
 
 def check(data_dir: Path = DATA, seed: int = SEED) -> list[str]:
-    """Names of data files that differ from what the generator produces now (empty = up to date)."""
+    """Data files that differ from what the generator produces now.
+
+    Args:
+        data_dir: the data folder.
+        seed: the generator's seed.
+
+    Returns:
+        Their names; empty when up to date."""
     stale = []
     for task, splits in generate_all(seed).items():
         for split, items in splits.items():
@@ -293,6 +337,15 @@ def check(data_dir: Path = DATA, seed: int = SEED) -> list[str]:
 
 
 def main(argv=None) -> int:
+    """``python -m hif8qat.evaluate.minitasks.generate`` rewrites ``data/``; ``--check`` verifies the committed files
+    are
+    up to date.
+
+    Args:
+        argv: the arguments (default sys.argv[1:]).
+
+    Returns:
+        The exit status: 1 when ``--check`` finds stale files."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only verify the committed data files")
     ap.add_argument("--out", type=Path, default=DATA)

@@ -16,13 +16,24 @@ HERE = Path(__file__).resolve().parent
 
 
 def resolve_data_files(data_files: dict[str, str]) -> dict[str, str]:
+    """Data file paths relative to this folder made absolute.
+
+    Args:
+        data_files: split -> path (relative to the minitasks folder, or absolute).
+
+    Returns:
+        Split -> absolute path.
+
+    Raises:
+        FileNotFoundError: a missing file (the message says how to regenerate it)."""
     out = {}
     for split, rel in data_files.items():
         p = Path(rel)
         p = p if p.is_absolute() else HERE / p
         if not p.exists():
             raise FileNotFoundError(
-                f"mini-task data file {p} is missing; regenerate it with `python -m hif8qat.evaluate.minitasks.generate`"
+                f"mini-task data file {p} is missing; "
+                "regenerate it with `python -m hif8qat.evaluate.minitasks.generate`"
             )
         out[split] = str(p)
     return out
@@ -33,8 +44,14 @@ REBUILD = ("rebuild the task data with `python -m hif8qat.evaluate.minitasks.gen
 
 
 def check_records(path: Path) -> None:
-    """RunError naming the file and line when a data file holds a line that is not a whole JSON record (a file
-    cut mid-record, or edited by hand): datasets' own error names neither."""
+    """Refuse a data file that holds a line that is not a whole JSON record (a file cut mid-record, or edited by
+    hand): datasets' own error names neither the file nor the line.
+
+    Args:
+        path: the data file.
+
+    Raises:
+        RunError: naming the file and line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
@@ -54,6 +71,17 @@ def check_records(path: Path) -> None:
 
 
 def load_local_json(data_files: dict[str, str] | None = None, **_ignored):
+    """The loader lm-eval's mini-task YAMLs name (``custom_dataset``): the JSON-lines splits, checked.
+
+    Args:
+        data_files: split -> path, from the YAML's ``dataset_kwargs``.
+        **_ignored: lm-eval's other arguments.
+
+    Returns:
+        The datasets.DatasetDict.
+
+    Raises:
+        ValueError: the YAML sets no data_files."""
     import datasets  # lazy: lm-eval calls this only when it builds a mini task
 
     if not data_files:

@@ -6,8 +6,8 @@ This module owns :class:`QuantLinear` (an ``nn.Linear`` with quantizers A, W, G,
 (``_convert_model``, private to :mod:`hif8qat.quant`: the public way in is
 :func:`~hif8qat.quant.training.convert_to_hif8_training`; :func:`coverage` says what was left out and why), and
 the model-wide switches and state: quantization on/off, frozen scales, BF16 emulation, weight recompute under
-FSDP, the scaler state in or out of ``model.state_dict()``, the optimizer step and the per-step telemetry. MoE experts are in
-:mod:`hif8qat.quant.experts`; all share the autograd function and scaler plumbing of
+FSDP, the scaler state in or out of ``model.state_dict()``, the optimizer step and the per-step telemetry. MoE
+experts are in :mod:`hif8qat.quant.experts`; all share the autograd function and scaler plumbing of
 :mod:`hif8qat.quant.gemm`.
 """
 

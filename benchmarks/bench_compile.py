@@ -37,13 +37,13 @@ import json, sys, time
 import torch
 from torch._dynamo.utils import counters
 from hif8qat.models.loading import build_tiny_llama
-from hif8qat.quant.linear import convert_model, set_quantization
+from hif8qat.quant.linear import _convert_model, set_quantization
 from hif8qat.scaling.settings import ScalingConfig
 from hif8qat.train.compiled_blocks import compile_blocks
 depth, mode = int(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(1)
 model, _ = build_tiny_llama(num_layers=depth, hidden_size=64, intermediate_size=128)
-convert_model(model, "attn_mlp", None, ScalingConfig(algo="max", history_len=16))
+_convert_model(model, "attn_mlp", None, ScalingConfig(algo="max", history_len=16))
 set_quantization(model, True)
 model.train()
 run = torch.compile(model) if mode == "model" else model

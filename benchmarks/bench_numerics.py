@@ -56,12 +56,12 @@ def step_times(model_name: str, batch: int, seq: int, repeats: int, numerics_lis
 
     from hif8qat import compute_dtype as numerics
     from hif8qat.quant.gemm_check import GemmOperandCount
-    from hif8qat.quant.linear import convert_model, set_bf16_emulation, set_quantization
+    from hif8qat.quant.linear import _convert_model, set_bf16_emulation, set_quantization
     from hif8qat.scaling.settings import ScalingConfig
 
     model = build_model(model_name).float().train()
     if scope != "none":  # exp3's quantized linears (attn_mlp), or exp6/exp8's (mlp), every block quantized
-        convert_model(model, scope, None, ScalingConfig())
+        _convert_model(model, scope, None, ScalingConfig())
         set_quantization(model, True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     vocab = model.config.vocab_size

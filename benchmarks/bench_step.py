@@ -131,12 +131,12 @@ def main(argv=None) -> dict:
         raise SystemExit("--device cuda: no CUDA device is available")
     dev = torch.device(args.device)
 
-    from hif8qat.quant.linear import convert_model
+    from hif8qat.quant.linear import _convert_model
     from hif8qat.scaling.settings import ScalingConfig
 
     base = build_model(args.model, args.device).float().train().to(dev)
     quant = copy.deepcopy(base)
-    converted = convert_model(quant, args.scope, None,
+    converted = _convert_model(quant, args.scope, None,
                               ScalingConfig(algo=args.algo, history_len=64, format=args.format))
     n_params = sum(p.numel() for p in base.parameters())
     eager = {"plain": base, "qat": quant}

@@ -169,12 +169,12 @@ import json, sys, time
 import torch
 from hif8qat.formats.qdq import compile_status
 from hif8qat.models.loading import build_tiny_llama
-from hif8qat.quant.linear import convert_model, set_quantization
+from hif8qat.quant.linear import _convert_model, set_quantization
 from hif8qat.scaling.settings import ScalingConfig
 t0, dev = time.time(), torch.device(sys.argv[1])
 for rounding in ("ta", "stochastic"):  # the gradient quantizer's two roundings: distinct kernels
     model, _ = build_tiny_llama(num_layers=2, hidden_size=256, intermediate_size=512)
-    convert_model(model, "attn_mlp", None, ScalingConfig(algo="max", history_len=4, grad_rounding=rounding))
+    _convert_model(model, "attn_mlp", None, ScalingConfig(algo="max", history_len=4, grad_rounding=rounding))
     set_quantization(model, True)
     model.to(dev).train()
     for autocast in (False, True):  # FP32 and the training's bf16 autocast

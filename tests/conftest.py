@@ -153,7 +153,7 @@ def write_quantized_export(folder, *, scope: str, seed: int, seq: int = 32):
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=seed)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    qlinear.convert_model(model, scope, None, ScalingConfig(algo="max", history_len=4))
+    qlinear._convert_model(model, scope, None, ScalingConfig(algo="max", history_len=4))
     qlinear.set_quantization(model, True)
     with torch.no_grad():
         model(torch.randint(3, 200, (2, seq)))

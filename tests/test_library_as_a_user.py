@@ -142,7 +142,7 @@ def test_a_step_schedule_without_set_step_warns_once(tmp_path):
 def test_export_of_a_filter_converted_model_loads_back_bit_exact_with_fp32_rest(tmp_path):
     result = run_script('''
         from safetensors.torch import load_file
-        model = convert_to_hif8_training(tiny(0), config=Hif8TrainingConfig(history_len=4),
+        model = convert_to_hif8_training(tiny(0), config=Hif8TrainingConfig(history_len=4, scope="attn_mlp"),
                                          module_filter_fn=lambda mod, fqn: "layers.0.mlp" not in fqn)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step, b in enumerate(batches(3)):

@@ -157,7 +157,7 @@ def test_the_plain_loop_gives_the_pipeline_trainers_losses(tmp_path):
     cfg = resolve_run(resolve_profile(cli_config(["experiment=exp3", "profile=smoke", "stage=train",
                                                   "model.name=tiny:2", "profile.steps=4", "train.autocast=none",
                                                   f"results_root={tmp_path}"])))
-    assert cfg.quant.interval == {0: 1, 1: 10}  # exp3's switch, scaled: the plain loop must follow it too
+    assert cfg.quant.training.interval == {0: 1, 1: 10}  # exp3's switch, scaled: the plain loop must follow it too
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     train(cfg, run_dir, numerics=train_numerics(cfg))
@@ -170,7 +170,7 @@ def test_the_plain_loop_gives_the_pipeline_trainers_losses(tmp_path):
     data = [next(stream) for _ in range(t.steps * accum)]
     seed_everything(cfg.seed)
     model, _ = build_tiny_llama(num_layers=2)
-    config = Hif8TrainingConfig(**cfg.quant.scaling.to_dict(), scope=cfg.quant.scope,
+    config = Hif8TrainingConfig(**cfg.quant.training.scaling().to_dict(), scope=cfg.quant.training.scope,
                                 high_precision_blocks=cfg.quant.high_precision_blocks)
     convert_to_hif8_training(model, config=config)
     model.train()

@@ -88,21 +88,55 @@ def test_experiment_matches_its_baseline_outside_quantization(experiment):
 def test_paper_values_of_the_final_recipe():
     cfg = run_config(["experiment=exp8", "profile=paper"])
     assert cfg.train.lr == 1e-5 and cfg.train.steps == 10_000 and cfg.train.lr_warmup_steps == 300
-    assert cfg.quant.algo == "max" and cfg.quant.history_len == 64 and cfg.quant.bf16_warmup_steps == 500
+    assert cfg.quant.training.algo == "max" and cfg.quant.training.history_len == 64
+    assert cfg.quant.bf16_warmup_steps == 500
     assert cfg.quant.high_precision_blocks == [0, 1, 2, 24, 25]
+    assert cfg.quant.training.high_precision_blocks == (0, 1, 2, 24, 25)  # what the conversion reads
     assert cfg.train.global_batch_size == 1024 and cfg.train.seq_len == 1024
     assert cfg.experiment.baseline == "exp7"
+
+
+def test_one_default_scope_for_the_library_the_pipeline_and_the_yaml():
+    """The quant YAML states every key (so that a command line overrides it without `+`), the scope too: it must
+    be the one default the library and a config without the key use."""
+    import yaml
+
+    from hif8qat import Hif8TrainingConfig
+    from hif8qat.quant.blocks import DEFAULT_SCOPE
+
+    stated = yaml.safe_load((ROOT / "conf" / "quant" / "hif8.yaml").read_text())["scope"]
+    assert stated == DEFAULT_SCOPE == Hif8TrainingConfig().scope
+    assert RunConfig.from_dict({}, check_paths=False).quant.training.scope == DEFAULT_SCOPE
+    assert run_config(["experiment=exp1", "profile=smoke", "quant=hif8"]).quant.training.scope == DEFAULT_SCOPE
+
+
+def test_a_library_config_error_is_structured_and_the_pipeline_words_it_as_the_setting():
+    """The library's config names the field, the value and what is allowed as attributes (no text to parse); the
+    pipeline says quant.<field> as the YAML writes it, in its one error form."""
+    from hif8qat import Hif8TrainingConfig
+    from hif8qat.scaling.settings import SettingError
+
+    with pytest.raises(SettingError) as err:
+        Hif8TrainingConfig(history_len=0)
+    assert (err.value.owner, err.value.field, err.value.value, err.value.allowed) == (
+        "Hif8TrainingConfig", "history_len", 0, "an integer >= 1")
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"quant": {"history_len": 0}}, check_paths=False)
+    assert str(err.value) == "invalid setting quant.history_len=0: allowed an integer >= 1"
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"quant": {"scope": "everything"}}, check_paths=False)
+    assert str(err.value) == "invalid setting quant.scope='everything': allowed one of mlp, attn_mlp"
 
 
 def test_profile_scales_step_valued_settings_and_maps_blocks_to_depth():
     cfg = run_config(["experiment=exp4", "profile=paper", "profile.steps=1000",
                       "quant.high_precision_blocks=first3_last2"])
     assert cfg.train.steps == 1000 and cfg.train.lr_warmup_steps == 30
-    assert cfg.quant.algo == {0: "most_recent", 100: "exp_smooth"}
-    assert cfg.quant.interval == {0: 1, 100: 10}
+    assert cfg.quant.training.algo == {0: "most_recent", 100: "exp_smooth"}
+    assert cfg.quant.training.interval == {0: 1, 100: 10}
     mini = run_config(["experiment=exp8", "profile=mini"])
     assert mini.quant.high_precision_blocks == [0, 1, 2, 28, 29]  # SmolLM2 has 30 blocks
-    assert mini.train.lr == 1e-5 and mini.quant.history_len == 64  # not scaled
+    assert mini.train.lr == 1e-5 and mini.quant.training.history_len == 64  # not scaled
     # Resolving twice changes nothing.
     assert resolve_profile(mini).to_dict() == mini.to_dict()
 

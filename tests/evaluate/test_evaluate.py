@@ -100,7 +100,7 @@ def test_hif8_mode_from_export(tmp_path):
     export = tmp_path / "export"
     model.save_pretrained(export)
     tok.save_pretrained(export)
-    qlinear.convert_model(model, "mlp", None, ScalingConfig(algo="max", history_len=4))
+    qlinear._convert_model(model, "mlp", None, ScalingConfig(algo="max", history_len=4))
     qlinear.set_quantization(model, True)
     with torch.no_grad():
         model(torch.randint(3, 200, (2, 16)))

@@ -34,11 +34,11 @@ def _enospc(path) -> OSError:
 # ------------------------------------------------------------------ per-step telemetry: idempotent
 def _tiny_quantized():
     from hif8qat.models.loading import build_tiny_llama
-    from hif8qat.quant.linear import convert_model
+    from hif8qat.quant.linear import _convert_model
     from hif8qat.scaling.settings import ScalingConfig
 
     model, _ = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=0)
-    names = convert_model(model, "mlp", None, ScalingConfig(telemetry_dump_every=1))
+    names = _convert_model(model, "mlp", None, ScalingConfig(telemetry_dump_every=1))
     model(torch.randint(0, 100, (2, 8))).logits.sum().backward()
     return model, names
 

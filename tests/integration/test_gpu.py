@@ -88,13 +88,13 @@ def qat_step(device: str, autocast: bool, steps: int = 3) -> list[float]:
     """A small Llama with MLP + attention linears in HiF8: forward/backward/AdamW steps; returns the losses."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hif8qat.quant.linear import convert_model, quant_linears, set_quantization, set_step
+    from hif8qat.quant.linear import _convert_model, quant_linears, set_quantization, set_step
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
-    converted = convert_model(model, "attn_mlp", [0], ScalingConfig(algo="max", history_len=16))
+    converted = _convert_model(model, "attn_mlp", [0], ScalingConfig(algo="max", history_len=16))
     assert len(converted) == 3 * 7
     set_quantization(model, True)
     model.to(device).train()
@@ -196,7 +196,7 @@ def test_trainer_two_gpus_nccl(tmp_path, strategy):
     assert (folder / "DONE").exists()
     final = sorted((folder / "checkpoints").glob("step_*"))[-1]
     ranks = [torch.load(final / f"rank{r:03d}.pt", weights_only=True) for r in (0, 1)]
-    a = [{k: v for k, v in r["quant"].items() if ".A." in k} for r in ranks]
+    a = [{k: v for k, v in r["scalers"].items() if ".A." in k} for r in ranks]
     assert a[0] and all(torch.equal(a[0][k], a[1][k]) for k in a[0])
 
 
@@ -247,12 +247,12 @@ def test_evaluation_defaults_to_the_gpu_with_bf16_autocast_over_fp32_weights(tmp
     from hif8qat.evaluate import runner
     from hif8qat.models.loading import build_tiny_llama
     from hif8qat.models.quant_files import save_quant_export
-    from hif8qat.quant.linear import convert_model, set_quantization
+    from hif8qat.quant.linear import _convert_model, set_quantization
 
     model, tok = build_tiny_llama(num_layers=2, hidden_size=64, intermediate_size=128)
     model.save_pretrained(tmp_path / "export")
     tok.save_pretrained(tmp_path / "export")
-    convert_model(model, "mlp", None, ScalingConfig(algo="max", history_len=4))
+    _convert_model(model, "mlp", None, ScalingConfig(algo="max", history_len=4))
     set_quantization(model, True)
     with torch.no_grad():
         model(torch.randint(3, 200, (2, 16)))

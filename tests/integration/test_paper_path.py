@@ -104,7 +104,8 @@ def test_telemetry_dumps_hold_the_counts_of_their_own_steps(tmp_path, monkeypatc
     dumps = sorted((run_dir / "telemetry").glob("*.jsonl"))
     assert [p.name for p in dumps] == [f"step{s:07d}_rank0.jsonl" for s in (0, 3, 6)]
     initial, _ = load_causal_lm(cfg.model.name)  # the same seeded weights the run starts from
-    target = {"A": cfg.quant.target_fwd, "W": cfg.quant.target_fwd, "G": cfg.quant.target_bwd}
+    training = cfg.quant.training
+    target = {"A": training.target_fwd, "W": training.target_fwd, "G": training.target_bwd}
     below = beyond = 0
     for path in dumps:
         step = int(path.name[4:11])

@@ -86,11 +86,11 @@ def test_cuda_device_without_a_gpu_is_rejected_early(tmp_path):
 def test_typed_dict_replaces_the_experiments_dict_instead_of_merging():
     # exp3 sets quant.interval={0: 1, 1000: 10}; Hydra alone would give {0: 5, 1000: 10}.
     cfg = cli_config(["experiment=exp3", "profile=paper", "quant.interval={0:5}"])
-    assert cfg.quant.interval == {0: 5}
+    assert cfg.quant.training.interval == {0: 5}
     cfg = cli_config(["experiment=exp3", "profile=paper", "quant.interval={0:1,500:10}"])  # a new key: no '+'
-    assert cfg.quant.interval == {0: 1, 500: 10}
+    assert cfg.quant.training.interval == {0: 1, 500: 10}
     cfg = cli_config(["experiment=exp4", "profile=paper", "quant.algo={0:max}"])
-    assert cfg.quant.algo == {0: "max"}
+    assert cfg.quant.training.algo == {0: "max"}
     assert command_line.force_add_dict_overrides(["run.py", "-m", "a.b={0:1}", "+c={x:y}", "d=1", "hydra.x={a:1}"]) \
         == ["run.py", "-m", "++a.b={0:1}", "++c={x:y}", "d=1", "hydra.x={a:1}"]
 

@@ -38,11 +38,11 @@ def test_gpu1_scales_the_paper_schedule_and_keeps_8_calls_per_step():
         assert cfg.eval.num_fewshot == {"mmlu": 5, "hellaswag": 10, "arc_challenge": 25}
     # the paper runs have 8 calls per step too (16 x 8 accumulation on each of 8 ranks)
     assert paper["exp3"].grad_accum_steps(8) == 8
-    assert gpu1["exp3"].quant.interval == {0: 1, round(1000 * factor): 10}
-    assert gpu1["exp4"].quant.algo == {0: "most_recent", round(1000 * factor): "exp_smooth"}
+    assert gpu1["exp3"].quant.training.interval == {0: 1, round(1000 * factor): 10}
+    assert gpu1["exp4"].quant.training.algo == {0: "most_recent", round(1000 * factor): "exp_smooth"}
     assert gpu1["exp6"].quant.bf16_warmup_steps == round(500 * factor)
     for e in ("exp3", "exp4", "exp6"):  # the windows keep the paper's length, so cover the same steps
-        assert gpu1[e].quant.history_len == paper[e].quant.history_len
+        assert gpu1[e].quant.training.history_len == paper[e].quant.training.history_len
         assert gpu1[e].quant.high_precision_blocks == paper[e].quant.high_precision_blocks
 
 
@@ -114,7 +114,7 @@ def test_a_cpu_rehearsal_of_gpu1_runs_its_steps_accumulation_and_calls(tmp_path)
     done = int(ckpt.name.split("_")[1])
     state = torch.load(ckpt / "rank000.pt", weights_only=False)
     assert state["data"]["position"] == 32 * done
-    totals = {k: int(v) for k, v in state["quant"].items() if k.endswith(".total")}
-    histories = {k: v.numel() for k, v in state["quant"].items() if k.endswith(".history")}
+    totals = {k: int(v) for k, v in state["scalers"].items() if k.endswith(".total")}
+    histories = {k: v.numel() for k, v in state["scalers"].items() if k.endswith(".history")}
     assert totals and set(totals.values()) == {8 * done}  # every quantizer: 8 calls per optimizer step
     assert set(histories.values()) == {30}

@@ -32,7 +32,7 @@ def _export(folder, fmt: str, scope: str = "attn_mlp", *, algo: str = "max", voc
                                   intermediate_size=128 if vocab_heavy else 512, seed=5)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    qlinear.convert_model(model, scope, [0] if scope == "mlp" else None,
+    qlinear._convert_model(model, scope, [0] if scope == "mlp" else None,
                           ScalingConfig(algo=algo, history_len=4, format=fmt))
     qlinear.set_quantization(model, True)
     with torch.no_grad():

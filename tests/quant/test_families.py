@@ -20,7 +20,7 @@ from hif8qat import Hif8TrainingConfig, convert_to_hif8_training, coverage
 from hif8qat.artefacts import write_folder_manifest
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG, pangu_llama_config
 from hif8qat.models.quant_files import dump_telemetry
-from hif8qat.quant.linear import convert_model, quant_state_dict, scaler_banks, set_step
+from hif8qat.quant.linear import _convert_model, quant_state_dict, scaler_banks, set_step
 
 V, H, L = 64, 32, 2  # vocab, hidden, blocks
 E = 4  # experts per MoE layer
@@ -181,7 +181,7 @@ def test_llama_family_converts_the_same_layers_in_the_same_order(config, scope, 
     expected = [f"model.layers.{i}.{p}" for i in range(n) if i not in hp
                 for p in ((attn if scope == "attn_mlp" else []) + mlp)]
     skip_down = lambda mod, fqn: not fqn.endswith("layers.2.mlp.down_proj")  # noqa: E731
-    got = convert_model(model, scope, hp, module_filter_fn=skip_down)
+    got = _convert_model(model, scope, hp, module_filter_fn=skip_down)
     assert got == [e for e in expected if not e.endswith("layers.2.mlp.down_proj")]
     assert scaler_banks(model)[0]._row_names == [f"{e}.{r}" for e in got for r in "AWG"]
 
@@ -213,7 +213,7 @@ def _stack(**kw) -> nn.Module:
 
 def test_unfamiliar_names_inside_known_containers_are_covered_fully():
     model = _stack()
-    convert_to_hif8_training(model)
+    convert_to_hif8_training(model, config=Hif8TrainingConfig(scope="attn_mlp"))
     assert list(coverage(model).values()) == ["quantized"] * 14
 
 
@@ -222,7 +222,7 @@ def test_a_dense_mlps_gate_projection_is_no_router():
     model.layers = nn.ModuleList([nn.Module() for _ in range(2)])
     for block in model.layers:
         block.self_attn, block.mlp = _Part("wq", "wo"), _Part("gate", "up", "down")
-    convert_to_hif8_training(model)
+    convert_to_hif8_training(model, config=Hif8TrainingConfig(scope="attn_mlp"))
     assert list(coverage(model).values()) == ["quantized"] * 10
 
 
@@ -298,7 +298,7 @@ def test_the_8bit_export_encodes_each_expert_with_its_own_scale(tmp_path):
     export = tmp_path / "export"
     model.save_pretrained(export)
     tok.save_pretrained(export)
-    convert_model(model, "mlp", None, ScalingConfig(algo="max", history_len=4))
+    _convert_model(model, "mlp", None, ScalingConfig(algo="max", history_len=4))
     with torch.no_grad():
         for seed in range(2):
             model(torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(seed)))

@@ -7,7 +7,7 @@ from torch import nn
 
 from hif8qat.models.loading import build_tiny_llama
 from hif8qat.quant.blocks import select_gemms
-from hif8qat.quant.linear import QuantLinear, convert_model
+from hif8qat.quant.linear import QuantLinear, _convert_model
 from hif8qat.scaling.settings import ScalingConfig
 
 ONE_THREAD = True
@@ -25,8 +25,8 @@ def test_the_filter_sees_the_full_names_of_the_linears_in_scope():
 
 def test_a_filter_on_one_full_name_leaves_exactly_that_linear():
     model, _ = build_tiny_llama(num_layers=3, hidden_size=32, intermediate_size=64)
-    convert_model(model, "mlp", None, ScalingConfig(),
-                  module_filter_fn=lambda mod, fqn: fqn != "model.layers.1.mlp.up_proj")
+    _convert_model(model, "mlp", None, ScalingConfig(),
+                   module_filter_fn=lambda mod, fqn: fqn != "model.layers.1.mlp.up_proj")
     quantized = {name for name, mod in model.named_modules() if isinstance(mod, QuantLinear)}
     assert "model.layers.1.mlp.up_proj" not in quantized
     assert {"model.layers.0.mlp.up_proj", "model.layers.2.mlp.up_proj", "model.layers.1.mlp.gate_proj"} <= quantized

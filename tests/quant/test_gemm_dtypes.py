@@ -63,7 +63,7 @@ class GemmOperandDtypes(TorchDispatchMode):
 def _model(variant: str, *, recompute_w: bool = False, seed: int = 0, emulate: bool = False):
     model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=seed)
     if variant != "plain":  # the layers are told the numerics (the trainer does so from train.autocast)
-        qlinear.convert_model(model, variant, None, ScalingConfig(), emulate_bf16=emulate)
+        qlinear._convert_model(model, variant, None, ScalingConfig(), emulate_bf16=emulate)
         qlinear.set_quantization(model, True)
         if recompute_w:
             qlinear.set_weight_recompute(model, True)

@@ -8,7 +8,7 @@ import torch
 
 from hif8qat.models.loading import build_tiny_llama
 from hif8qat.quant.linear import (
-    convert_model,
+    _convert_model,
     freeze_scales,
     load_quant_state_dict,
     quant_linears,
@@ -23,7 +23,7 @@ CONFIG = ScalingConfig(algo="exp_smooth", history_len=8, interval=4)
 
 def _model(seed: int):
     model, _ = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=seed)
-    convert_model(model, "mlp", None, CONFIG)
+    _convert_model(model, "mlp", None, CONFIG)
     return model
 
 

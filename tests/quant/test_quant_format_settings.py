@@ -58,9 +58,10 @@ def test_hif8_only_settings_are_rejected_with_fp8(override, setting):
 def test_valid_format_settings_compose():
     cfg = compose_run(["experiment=exp8", "profile=paper", "quant.format=e5m2", "quant.margin=3",
                        "quant.algo={0:max,1000:current}"])
-    assert cfg.quant.format == "e5m2" and cfg.quant.margin == 3 and cfg.quant.algo == {0: "max", 1000: "current"}
-    assert [target_for(cfg.quant, r) for r in "AWG"] == [7168.0] * 3
-    assert cfg.quant.scaling.format == "e5m2"  # reaches the scaler's config
+    training = cfg.quant.training
+    assert training.format == "e5m2" and training.margin == 3 and training.algo == {0: "max", 1000: "current"}
+    assert [target_for(training, r) for r in "AWG"] == [7168.0] * 3
+    assert training.scaling().format == "e5m2"  # reaches the scaler's config
 
 
 @pytest.mark.parametrize("exp,parent,baseline,format_,algo", [
@@ -70,12 +71,14 @@ def test_valid_format_settings_compose():
     ("exp13", "exp2", "exp1", "hif8", "current"),
 ])
 def test_beyond_the_paper_experiments(exp, parent, baseline, format_, algo):
-    cfg = compose_run([f"experiment={exp}", "profile=paper"]).quant
-    ref = compose_run([f"experiment={parent}", "profile=paper"]).quant
+    quant = compose_run([f"experiment={exp}", "profile=paper"]).quant
+    ref_quant = compose_run([f"experiment={parent}", "profile=paper"]).quant
+    cfg, ref = quant.training, ref_quant.training
     assert (cfg.format, cfg.algo) == (format_, algo)
     assert compose_run([f"experiment={exp}", "profile=paper"]).experiment.baseline == baseline
     # everything else as the parent (the full one-factor check is test_config's)
-    assert (cfg.scope, cfg.history_len, cfg.bf16_warmup_steps) == (ref.scope, ref.history_len, ref.bf16_warmup_steps)
+    assert (cfg.scope, cfg.history_len, quant.bf16_warmup_steps) == (ref.scope, ref.history_len,
+                                                                     ref_quant.bf16_warmup_steps)
     targets = [target_for(cfg, r) for r in "AWG"]
     assert targets == ([448.0, 448.0, 57344.0] if format_ == "hybrid" else [15.0, 15.0, 15.0])
 

@@ -16,7 +16,7 @@ from hif8qat.formats.qdq import hif8_qdq_scaled
 from hif8qat.models.quant_files import dump_telemetry, load_quant_export, save_quant_export
 from hif8qat.quant.linear import (
     QuantLinear,
-    convert_model,
+    _convert_model,
     freeze_scales,
     load_quant_state_dict,
     quant_state_dict,
@@ -111,7 +111,7 @@ def test_on_under_bf16_autocast_quantizes_then_matmuls_in_bf16():
 def test_convert_26_blocks_hp5_mlp_gives_63_and_keeps_state_dict_keys():
     m = tiny_llama(26)
     keys = list(m.state_dict().keys())
-    names = convert_model(m, "mlp", [0, 1, 2, 24, 25], ScalingConfig())
+    names = _convert_model(m, "mlp", [0, 1, 2, 24, 25], ScalingConfig())
     assert len(names) == 63
     assert names[0] == "model.layers.3.mlp.gate_proj" and names[-1] == "model.layers.23.mlp.down_proj"
     assert list(m.state_dict().keys()) == keys
@@ -123,7 +123,7 @@ def test_convert_26_blocks_hp5_mlp_gives_63_and_keeps_state_dict_keys():
 
 def test_convert_attn_mlp_and_first_last_spec():
     m = tiny_llama(26)
-    names = convert_model(m, "attn_mlp", parse_high_precision_blocks("first3_last2", 26), ScalingConfig())
+    names = _convert_model(m, "attn_mlp", parse_high_precision_blocks("first3_last2", 26), ScalingConfig())
     assert len(names) == 21 * 7
     assert "model.layers.3.self_attn.o_proj" in names and "model.layers.2.self_attn.q_proj" not in names
 
@@ -133,7 +133,7 @@ def test_convert_shares_parameters_and_matches_outputs_when_off():
     ids = torch.randint(0, 96, (2, 12))
     ref = m(ids).logits
     w = m.model.layers[1].mlp.up_proj.weight
-    convert_model(m, "mlp", None, ScalingConfig(), enabled=False)
+    _convert_model(m, "mlp", None, ScalingConfig(), enabled=False)
     assert m.model.layers[1].mlp.up_proj.weight is w
     assert torch.equal(m(ids).logits, ref)
     set_quantization(m, True)
@@ -143,11 +143,11 @@ def test_convert_shares_parameters_and_matches_outputs_when_off():
 def test_convert_errors():
     m = tiny_llama(4)
     with pytest.raises(ValueError, match="scope='mlp_only'.*allowed"):
-        convert_model(m, "mlp_only", None)
+        _convert_model(m, "mlp_only", None)
     with pytest.raises(ValueError, match="block index 4 out of range 0..3"):
-        convert_model(m, "mlp", [0, 4])
+        _convert_model(m, "mlp", [0, 4])
     with pytest.raises(ValueError, match="no ModuleList of decoder layers"):
-        convert_model(nn.Sequential(nn.Linear(4, 4)), "mlp", None)
+        _convert_model(nn.Sequential(nn.Linear(4, 4)), "mlp", None)
 
     class Block(nn.Module):
         def __init__(self):
@@ -155,7 +155,7 @@ def test_convert_errors():
             self.mlp = nn.Sequential(nn.LayerNorm(4))  # an MLP container without any GEMM
 
     with pytest.raises(ValueError, match="no GEMM weight .* in the 2 blocks"):
-        convert_model(nn.ModuleList([Block(), Block()]), "mlp", None)
+        _convert_model(nn.ModuleList([Block(), Block()]), "mlp", None)
 
 
 def test_parse_high_precision_blocks():
@@ -190,13 +190,13 @@ def _train_steps(m, steps, start=0, seed=0):
 def test_quant_state_round_trip_resumes_exactly():
     cfg = ScalingConfig(algo={0: "most_recent", 1: "max"}, history_len=3, interval={0: 1, 2: 3})
     a = tiny_llama(3)
-    convert_model(a, "mlp", [0], cfg)
+    _convert_model(a, "mlp", [0], cfg)
     _train_steps(a, 2)
     weights = {k: v.clone() for k, v in a.state_dict().items()}
     qsd = quant_state_dict(a)
     ref = _train_steps(a, 2, start=2)  # resumes mid-interval (2 calls per step, interval 3)
     b = tiny_llama(3, seed=9)
-    convert_model(b, "mlp", [0], cfg)
+    _convert_model(b, "mlp", [0], cfg)
     b.load_state_dict(weights)
     load_quant_state_dict(b, qsd)
     assert _train_steps(b, 2, start=2) == ref
@@ -206,7 +206,7 @@ def test_quant_state_round_trip_resumes_exactly():
 
 def test_set_quantization_resets_only_on_switch_on():
     m = tiny_llama(2)
-    convert_model(m, "mlp", None, ScalingConfig(), enabled=False)
+    _convert_model(m, "mlp", None, ScalingConfig(), enabled=False)
     layer = m.model.layers[0].mlp.gate_proj
     _train_steps(m, 1)
     assert not layer.scaler_a.initialized  # off: quantizers never ran
@@ -223,7 +223,7 @@ def test_set_quantization_resets_only_on_switch_on():
 
 def test_freeze_scales_keeps_history():
     m = tiny_llama(2)
-    convert_model(m, "mlp", None, ScalingConfig())
+    _convert_model(m, "mlp", None, ScalingConfig())
     _train_steps(m, 1)
     before = quant_state_dict(m)
     freeze_scales(m, True)
@@ -237,7 +237,7 @@ def test_freeze_scales_keeps_history():
 
 def test_step_telemetry_and_dump(tmp_path):
     m = tiny_llama(2)
-    names = convert_model(m, "mlp", None, ScalingConfig(telemetry_dump_every=2))
+    names = _convert_model(m, "mlp", None, ScalingConfig(telemetry_dump_every=2))
     _train_steps(m, 1, start=0)
     n = dump_telemetry(m, tmp_path / "telemetry" / "layers.jsonl")
     tel = step_telemetry(m)
@@ -255,7 +255,7 @@ def test_step_telemetry_and_dump(tmp_path):
 def test_export_round_trip_restores_scales(tmp_path):
     cfg = ScalingConfig(algo="max", history_len=8)
     m = tiny_llama(4)
-    names = convert_model(m, "mlp", parse_high_precision_blocks("first1_last1", len(m.model.layers)), cfg)
+    names = _convert_model(m, "mlp", parse_high_precision_blocks("first1_last1", len(m.model.layers)), cfg)
     _train_steps(m, 2)
     m.save_pretrained(tmp_path)
     save_quant_export(m, tmp_path, {"experiment": "exp8"})
@@ -277,7 +277,7 @@ def test_export_round_trip_restores_scales(tmp_path):
 
 def test_model_dtype_cast_keeps_scaler_state_in_fp32():
     m = tiny_llama(2)
-    convert_model(m, "mlp", None, ScalingConfig())
+    _convert_model(m, "mlp", None, ScalingConfig())
     m.to(torch.bfloat16)  # the authors' BF16 parameters (quirks=authors)
     layer = m.model.layers[1].mlp.up_proj
     assert layer.weight.dtype == torch.bfloat16

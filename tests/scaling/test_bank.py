@@ -18,7 +18,7 @@ from hif8qat.models.loading import enable_activation_checkpointing
 from hif8qat.models.quant_files import load_quant_export
 from hif8qat.quant.linear import (
     QuantLinear,
-    convert_model,
+    _convert_model,
     freeze_scales,
     quant_linears,
     quant_state_dict,
@@ -96,7 +96,7 @@ class RefLinear(nn.Linear):
 
 def reference_model(cfg: ScalingConfig, scope: str, seed: int) -> tuple[nn.Module, dict[str, RefLinear]]:
     ref = tiny_llama(seed=seed)
-    names = convert_model(tiny_llama(seed=seed), scope, None, cfg)  # which linears, by the real rule
+    names = _convert_model(tiny_llama(seed=seed), scope, None, cfg)  # which linears, by the real rule
     layers = {}
     for name in names:
         parent, _, leaf = name.rpartition(".")
@@ -126,7 +126,7 @@ def test_model_training_matches_reference_scalers_bitwise(cfg):
     """Losses, gradients and every scaler's state equal the per-scaler reference, with gradient
     accumulation, a BF16 warmup step (QAT switched on at step 1), schedules and a state round trip."""
     bank_m = tiny_llama(seed=1)
-    names = convert_model(bank_m, "attn_mlp", None, cfg, enabled=False)
+    names = _convert_model(bank_m, "attn_mlp", None, cfg, enabled=False)
     ref_m, ref_layers = reference_model(cfg, "attn_mlp", seed=1)
     gen = torch.Generator().manual_seed(0)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (bank_m, ref_m)]
@@ -234,7 +234,7 @@ def test_exp_smooth_forecasts_match_the_reference_on_long_traces(cfg, role):
                          ids=["hif8", "hybrid", "current"])
 def test_whole_model_compile_has_no_graph_break_from_quantized_linears(cfg):
     m = tiny_llama()
-    convert_model(m, "attn_mlp", None, cfg)
+    _convert_model(m, "attn_mlp", None, cfg)
     ids = torch.randint(0, 96, (2, 8))
 
     def train_forward(ids):
@@ -248,9 +248,9 @@ def test_whole_model_compile_has_no_graph_break_from_quantized_linears(cfg):
 
 def test_compiled_training_step_records_like_eager():
     eager = tiny_llama()
-    convert_model(eager, "mlp", None, ScalingConfig(algo="max", history_len=4))
+    _convert_model(eager, "mlp", None, ScalingConfig(algo="max", history_len=4))
     compiled_src = tiny_llama()
-    convert_model(compiled_src, "mlp", None, ScalingConfig(algo="max", history_len=4))
+    _convert_model(compiled_src, "mlp", None, ScalingConfig(algo="max", history_len=4))
     compiled = torch.compile(compiled_src)
     ids = torch.randint(0, 96, (2, 8))
     for _ in range(3):
@@ -299,7 +299,7 @@ def test_backward_saves_quantized_weight_unless_told_to_recompute_it(recompute):
 # ------------------------------------------------------------------------------------------------ recompute safety
 def _grads_with_checkpointing(use_ckpt: bool, steps: int = 3):
     m = tiny_llama(num_layers=3, seed=2)
-    convert_model(m, "attn_mlp", None, ScalingConfig(algo="max", history_len=4, interval=2))
+    _convert_model(m, "attn_mlp", None, ScalingConfig(algo="max", history_len=4, interval=2))
     if use_ckpt:
         enable_activation_checkpointing(m, {"use_reentrant": False})
     m.train()
@@ -339,7 +339,7 @@ def test_layer_called_twice_in_one_micro_batch_is_refused():
 
 def test_forward_only_passes_record_one_entry_per_call():
     m = tiny_llama()
-    convert_model(m, "mlp", None, ScalingConfig(algo="most_recent", history_len=8))
+    _convert_model(m, "mlp", None, ScalingConfig(algo="most_recent", history_len=8))
     with torch.no_grad():
         for _ in range(3):
             m(torch.randint(0, 96, (2, 8)))
@@ -349,7 +349,7 @@ def test_forward_only_passes_record_one_entry_per_call():
 
 def test_frozen_bank_records_nothing():
     m = tiny_llama()
-    convert_model(m, "mlp", None, ScalingConfig())
+    _convert_model(m, "mlp", None, ScalingConfig())
     m(torch.randint(0, 96, (2, 8)), labels=torch.randint(0, 96, (2, 8))).loss.backward()
     before = quant_state_dict(m)
     freeze_scales(m, True)
@@ -395,7 +395,7 @@ def test_reference_run_export_loads_for_evaluation():
 
 def test_exp_smooth_costs_one_host_copy_per_refresh_round_for_the_whole_model(monkeypatch):
     m = tiny_llama(num_layers=3)
-    convert_model(m, "attn_mlp", None, ScalingConfig(algo="exp_smooth", history_len=8, interval=3))
+    _convert_model(m, "attn_mlp", None, ScalingConfig(algo="exp_smooth", history_len=8, interval=3))
     copies = []
     real_cpu = torch.Tensor.cpu
 

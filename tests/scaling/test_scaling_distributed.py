@@ -70,7 +70,7 @@ def _frozen_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from hif8qat.quant.linear import convert_model, freeze_scales, quant_state_dict
+        from hif8qat.quant.linear import _convert_model, freeze_scales, quant_state_dict
         from hif8qat.scaling.bank_row import BankedScaler
         from hif8qat.scaling.settings import ScalingConfig
 
@@ -78,7 +78,7 @@ def _frozen_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-        convert_model(model, "mlp", None, cfg)
+        _convert_model(model, "mlp", None, cfg)
         alone, fresh = BankedScaler.standalone("A", cfg), BankedScaler.standalone("A", cfg)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(2):  # training: every rank, amaxes all-reduced

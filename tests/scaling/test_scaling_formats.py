@@ -22,7 +22,7 @@ from hif8qat.formats.qdq import (
 )
 from hif8qat.models.quant_files import QUANT_JSON, load_quant_export, save_quant_export
 from hif8qat.quant.linear import (
-    convert_model,
+    _convert_model,
     freeze_scales,
     quant_linears,
     set_step,
@@ -171,7 +171,7 @@ def test_clipped_count_and_exceed_fraction_follow_the_format(setting, fmt, targe
 
 def test_step_telemetry_aggregates_clipped_counts_per_role():
     m = tiny_llama()
-    convert_model(m, "mlp", None, ScalingConfig(format="hybrid", algo="most_recent", telemetry_stats_every=1))
+    _convert_model(m, "mlp", None, ScalingConfig(format="hybrid", algo="most_recent", telemetry_stats_every=1))
     ids = torch.randint(0, 96, (2, 8))
     gen = torch.Generator().manual_seed(3)
     for step in range(3):
@@ -191,7 +191,7 @@ def test_step_telemetry_aggregates_clipped_counts_per_role():
 # ------------------------------------------------------------------------------------------------ exports
 def _trained(cfg: ScalingConfig):
     m = tiny_llama()
-    convert_model(m, "mlp", None, cfg)
+    _convert_model(m, "mlp", None, cfg)
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     for step in range(2):
         set_step(m, step)

@@ -19,7 +19,7 @@ from hif8qat import Hif8TrainingConfig
 from hif8qat.config.numerics import resolve_run
 from hif8qat.config.run_config import ConfigError, RunConfig
 from hif8qat.models.quant_files import QUANT_JSON, dump_telemetry, read_quant_export, save_quant_export
-from hif8qat.quant.linear import convert_model, quant_linears, set_step, step_telemetry
+from hif8qat.quant.linear import _convert_model, quant_linears, set_step, step_telemetry
 from hif8qat.runs.folders import training_differences
 from hif8qat.scaling.settings import ScalingConfig
 
@@ -78,17 +78,17 @@ def test_a_bad_quant_target_names_the_setting(override):
 
 
 def test_the_target_from_the_command_line():
-    assert compose_run(["experiment=exp2", "profile=paper", "quant.target=224"]).quant.scaling.targets() == \
+    assert compose_run(["experiment=exp2", "profile=paper", "quant.target=224"]).quant.training.targets() == \
         {"A": 224.0, "W": 224.0, "G": 224.0}
     cfg = compose_run(["experiment=exp2", "profile=paper", "quant.target={A:15,W:15,G:224}"])
-    assert cfg.quant.target == MINDSPEED and cfg.to_dict()["quant"]["target"] == MINDSPEED
+    assert cfg.quant.training.target == MINDSPEED and cfg.to_dict()["quant"]["target"] == MINDSPEED
 
 
 @pytest.mark.parametrize("exp,parent,baseline", [("exp14", "exp8", "exp7"), ("exp15", "exp2", "exp1")])
 def test_the_gradient_target_experiments(exp, parent, baseline):
     cfg = compose_run([f"experiment={exp}", "profile=mini"])
     ref = compose_run([f"experiment={parent}", "profile=mini"])
-    assert cfg.quant.scaling.targets() == MINDSPEED and ref.quant.scaling.targets() == {r: 15.0 for r in "AWG"}
+    assert cfg.quant.training.targets() == MINDSPEED and ref.quant.training.targets() == {r: 15.0 for r in "AWG"}
     assert (cfg.experiment.derived_from, cfg.experiment.baseline, cfg.experiment.changes) == \
         (parent, baseline, ["quant.target"])
     # a pair for the report: they differ in the declared change only
@@ -107,9 +107,9 @@ def test_committed_configs_load_with_their_targets_and_still_pair(saved):
     cfg = RunConfig.from_dict(old, check_paths=False)
     if "target" in old["quant"]:
         named = old["quant"]["target"]
-        assert cfg.quant.scaling.targets() == (named if isinstance(named, dict) else {r: named for r in "AWG"})
+        assert cfg.quant.training.targets() == (named if isinstance(named, dict) else {r: named for r in "AWG"})
     elif old["quant"].get("format", "hif8") == "hif8":
-        assert cfg.quant.scaling.targets() == {"A": old["quant"]["target_fwd"], "W": old["quant"]["target_fwd"],
+        assert cfg.quant.training.targets() == {"A": old["quant"]["target_fwd"], "W": old["quant"]["target_fwd"],
                                                "G": old["quant"]["target_bwd"]}
     # resumed now: train.optimizer_impl=auto keeps what the run recorded (a run saved before the setting: torch's
     # default AdamW), the rest as saved
@@ -119,7 +119,7 @@ def test_committed_configs_load_with_their_targets_and_still_pair(saved):
 
 def _trained(config: ScalingConfig, steps: int = 2):
     m = tiny_llama()
-    convert_model(m, "mlp", None, config)
+    _convert_model(m, "mlp", None, config)
     gen = torch.Generator().manual_seed(0)
     for step in range(steps):
         set_step(m, step)

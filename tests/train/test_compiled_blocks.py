@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from hif8qat.models.loading import build_tiny_llama
-from hif8qat.quant.linear import convert_model, set_quantization
+from hif8qat.quant.linear import _convert_model, set_quantization
 from hif8qat.scaling.settings import ScalingConfig
 from hif8qat.train.compiled_blocks import compile_blocks
 
@@ -22,7 +22,7 @@ def test_blocks_share_one_graph_without_breaks_and_the_compiled_qat_step_equals_
     torch._dynamo.reset()
     counters.clear()
     eager, _ = build_tiny_llama(num_layers=4, hidden_size=64, intermediate_size=128)
-    convert_model(eager, "attn_mlp", None, ScalingConfig(algo="max", history_len=4))
+    _convert_model(eager, "attn_mlp", None, ScalingConfig(algo="max", history_len=4))
     set_quantization(eager, True)
     compiled = copy.deepcopy(eager)
     assert compile_blocks(compiled) == 4

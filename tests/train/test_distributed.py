@@ -51,7 +51,7 @@ def rank_states(checkpoint: Path, world_size: int = 2) -> list[dict]:
 
 
 def activation_scales(rank_state: dict) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in rank_state["quant"].items() if ".A." in k}
+    return {k: v for k, v in rank_state["scalers"].items() if ".A." in k}
 
 
 def free_port() -> int:

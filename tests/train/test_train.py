@@ -120,7 +120,7 @@ def test_ddp_two_cpu_ranks_see_different_data_and_max_reduce_agrees(tmp_path, re
     assert (folder / "DONE").exists() and len(losses(folder)) == 8
     final = sorted((folder / "checkpoints").glob("step_*"))[-1]
     ranks = [torch.load(final / f"rank{r:03d}.pt", weights_only=True) for r in (0, 1)]
-    activation_scales = [{k: v for k, v in r["quant"].items() if ".A." in k or k.endswith(".A")} for r in ranks]
+    activation_scales = [{k: v for k, v in r["scalers"].items() if ".A." in k or k.endswith(".A")} for r in ranks]
     assert activation_scales[0].keys() == activation_scales[1].keys() and activation_scales[0]
     same = all(torch.equal(activation_scales[0][k], activation_scales[1][k]) for k in activation_scales[0])
     # Different data on each rank gives different activation amax histories unless they are all-reduced.

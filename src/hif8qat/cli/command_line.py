@@ -25,7 +25,7 @@ from hif8qat.cli.hydra_config import (
     replace_typed_dicts,
     to_run_config,
 )
-from hif8qat.config.run_config import ConfigError, RunConfig
+from hif8qat.config.run_config import ConfigError, RunConfig, setting_keys
 from hif8qat.errors import RunError
 from hif8qat.launch.slurm import RESOURCE_KEYS, LauncherError, launcher_overrides, quiet_sacct
 
@@ -54,7 +54,7 @@ def _setting_names() -> list[str]:
     names = []
     for f in fields(RunConfig):
         section = f.default_factory() if callable(f.default_factory) else None
-        keys = getattr(section, "FLAT_KEYS", None) or [g.name for g in fields(section)] if is_dataclass(section) else []
+        keys = setting_keys(type(section)) if is_dataclass(section) else []
         names += [f"{f.name}.{key}" for key in keys] if keys else [f.name]
     return names
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,11 @@ from hif8qat.config.eval_tasks import SUITES, TASKS, fewshot_pool, resolve_tasks
 from hif8qat.config.schema import MAX_SEED, PATH_NAME_RULE, is_path_name, type_problem, upper_bound_problems
 from hif8qat.errors import RunError
 from hif8qat.files import folder_problem
-from hif8qat.scaling.settings import ScalingConfig
+from hif8qat.quant.training import Hif8TrainingConfig
+from hif8qat.scaling.settings import SettingError
 
 PAPER_TOTAL_STEPS = 10_000
 STAGES = ("train", "eval", "report", "all", "export")  # export: the 8-bit export of a trained run
-SCOPES = ("mlp", "attn_mlp")
 NAMED_MODELS = ("tiny", "smollm2_135m", "openpangu_embedded_1b")
 # Depths of the named models, so block indices can be checked before anything is loaded.
 KNOWN_DEPTHS = {"smollm2_135m": 30, "openpangu_embedded_1b": 26, "HuggingFaceTB/SmolLM2-135M": 30}
@@ -78,37 +77,31 @@ def _check_type(setting: str, annotation: str, value: Any) -> None:
         _fail(setting, value, allowed)
 
 
+def setting_keys(cls) -> list[str]:
+    """The keys of a config section as the YAML and the command line write them (``quant.history_len``).
+
+    Args:
+        cls: the section's dataclass.
+
+    Returns:
+        Its keys.
+    """
+    return list(cls.setting_keys()) if hasattr(cls, "setting_keys") else [f.name for f in fields(cls)]
+
+
 def _from_mapping(cls, data: dict[str, Any], prefix: str):
     """Build dataclass `cls` from `data`, rejecting unknown keys (typos) by name."""
     data = dict(data or {})
-    if hasattr(cls, "from_flat"):
-        names = set(cls.FLAT_KEYS)
-        unknown = sorted(set(data) - names)
-        if unknown:
-            _fail(f"{prefix}.{unknown[0]}", data[unknown[0]], "known keys: " + ", ".join(sorted(names)))
-        try:
-            return cls.from_flat(data)
-        except ValueError as err:
-            raise _as_config_error(err, prefix) from None
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - names)
+    names = setting_keys(cls)
+    unknown = sorted(set(data) - set(names))
     if unknown:
         _fail(f"{prefix}.{unknown[0]}", data[unknown[0]], "known keys: " + ", ".join(sorted(names)))
     try:
-        return cls(**data)
+        return cls.from_settings(data) if hasattr(cls, "from_settings") else cls(**data)
+    except SettingError as err:  # a held library config's check: named as the user writes the setting
+        raise ConfigError(f"invalid setting {prefix}.{err.field}={err.value!r}: allowed {err.allowed}") from None
     except ValueError as err:
-        raise _as_config_error(err, prefix) from None
-
-
-_SCALING_ERROR = re.compile(r"ScalingConfig\.(\w+)=(.*) is invalid; allowed: (.*)", re.S)
-
-
-def _as_config_error(err: ValueError, section: str) -> ConfigError:
-    """Re-word a ScalingConfig error so it names the setting as the user writes it (quant.<field>)."""
-    match = _SCALING_ERROR.match(str(err))
-    if match:
-        return ConfigError(f"invalid setting {section}.{match[1]}={match[2]}: allowed {match[3]}")
-    return ConfigError(f"invalid setting in {section}: {err}")
+        raise ConfigError(f"invalid setting in {prefix}: {err}") from None
 
 
 @dataclass
@@ -137,31 +130,36 @@ class DataConfig:
     eval_windows: int = 16
 
 
-SCALING_FIELDS = tuple(f.name for f in fields(ScalingConfig))  # quant.<field>: the core's ScalingConfig
+# Hif8TrainingConfig fields the pipeline sets itself: the numerics decide emulate_bf16, and high_precision_blocks
+# is filled in from the depth-relative spec of QuantConfig.high_precision_blocks once the model's depth is known.
+_NOT_USER_KEYS = ("emulate_bf16", "high_precision_blocks")
 
 
 @dataclass
 class QuantConfig:
-    """Which layers are quantized and from which step, holding the library core's :class:`ScalingConfig`
-    (``scaling``: frozen, checked once when made). The YAML and each run's saved config keep the delayed-scaling
-    settings flat (``quant.history_len``), and ``cfg.quant.history_len`` reads the held config."""
+    """The library's :class:`~hif8qat.quant.training.Hif8TrainingConfig` (``training``: frozen, checked once when
+    made; the conversion reads it) and what the pipeline adds: ``enabled``, ``bf16_warmup_steps``, and
+    ``high_precision_blocks`` written relative to the model's depth (``none``, ``[i, ...]``, ``first<k>_last<m>``),
+    which :func:`resolve_profile` turns into the indices it puts into ``training``. The YAML, the command line and
+    each run's saved config write the section flat (``quant.history_len``, ``quant.scope``)."""
 
     enabled: bool = False
-    scope: str = "mlp"
     high_precision_blocks: Any = "none"
     bf16_warmup_steps: int = 0
-    scaling: ScalingConfig = field(default_factory=ScalingConfig)
-
-    FLAT_KEYS = (*SCALING_FIELDS, "enabled", "scope", "high_precision_blocks", "bf16_warmup_steps")
-
-    def __getattr__(self, name: str) -> Any:
-        scaling = self.__dict__.get("scaling")
-        if scaling is not None and name in SCALING_FIELDS:
-            return getattr(scaling, name)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+    training: Hif8TrainingConfig = field(default_factory=Hif8TrainingConfig)
 
     @classmethod
-    def from_flat(cls, data: dict[str, Any]) -> QuantConfig:
+    def setting_keys(cls) -> list[str]:
+        """The section's keys as the YAML and the command line write them.
+
+        Returns:
+            The library config's user-facing fields, then the pipeline's.
+        """
+        library = [f.name for f in fields(Hif8TrainingConfig) if f.name not in _NOT_USER_KEYS]
+        return [*library, "enabled", "high_precision_blocks", "bf16_warmup_steps"]
+
+    @classmethod
+    def from_settings(cls, data: dict[str, Any]) -> QuantConfig:
         """From the flat ``quant:`` section.
 
         Args:
@@ -171,18 +169,19 @@ class QuantConfig:
             The config.
 
         Raises:
-            ValueError: a bad setting, naming the ScalingConfig field.
+            SettingError: a bad library setting, naming the field, the value and what is allowed.
         """
-        scaling = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k in SCALING_FIELDS}
-        return cls(**{k: v for k, v in data.items() if k not in SCALING_FIELDS}, scaling=ScalingConfig(**scaling))
+        own = {f.name for f in fields(cls)} - {"training"}
+        library = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k not in own}
+        return cls(**{k: v for k, v in data.items() if k in own}, training=Hif8TrainingConfig(**library))
 
     def to_dict(self) -> dict[str, Any]:
-        """The flat form (delayed-scaling fields first, as the saved configs of earlier runs have it).
+        """The flat form, in the order the saved configs of earlier runs have it (delayed-scaling fields first).
 
         Returns:
             Setting -> value.
         """
-        return {**self.scaling.to_dict(), "enabled": self.enabled, "scope": self.scope,
+        return {**self.training.scaling().to_dict(), "enabled": self.enabled, "scope": self.training.scope,
                 "high_precision_blocks": self.high_precision_blocks, "bf16_warmup_steps": self.bf16_warmup_steps}
 
 
@@ -445,12 +444,10 @@ class RunConfig:
     def _validate_quant(self) -> None:
         q = self.quant
         _check_choice("quant.enabled", q.enabled, (True, False))
-        # Checked for a BF16 run too: a bad value is a typo whatever experiment it was typed for.
-        _check_choice("quant.scope", q.scope, SCOPES)
         _check_positive("quant.bf16_warmup_steps", q.bf16_warmup_steps, integer=True, allow_zero=True)
         if q.bf16_warmup_steps >= self.train.steps:
             _fail("quant.bf16_warmup_steps", q.bf16_warmup_steps, f"fewer than train.steps={self.train.steps}")
-        if q.enabled:  # the delayed-scaling settings were checked when q.scaling was made
+        if q.enabled:  # the library's settings (a BF16 run's too: a typo is a typo) were checked when made
             self.high_precision_block_list()  # raises on a bad spec or an index beyond the model's depth
 
     def _validate_eval(self, check_paths: bool) -> None:
@@ -606,11 +603,14 @@ def resolve_profile(cfg: RunConfig) -> RunConfig:
         out.train.steps = cfg.profile.steps
         out.train.lr_warmup_steps = _scale_steps(cfg.train.lr_warmup_steps, factor)
         out.quant.bf16_warmup_steps = _scale_steps(cfg.quant.bf16_warmup_steps, factor)
-        out.quant.scaling = dataclasses.replace(cfg.quant.scaling, algo=_scale_schedule(cfg.quant.algo, factor),
-                                                interval=_scale_schedule(cfg.quant.interval, factor))
+        training = cfg.quant.training
+        out.quant.training = dataclasses.replace(training, algo=_scale_schedule(training.algo, factor),
+                                                 interval=_scale_schedule(training.interval, factor))
     out.profile.steps = out.train.steps
     if out.quant.enabled:
         out.quant.high_precision_blocks = cfg.high_precision_block_list()
+        out.quant.training = dataclasses.replace(out.quant.training,
+                                                 high_precision_blocks=out.quant.high_precision_blocks)
     out.validate()
     return out
 

@@ -288,7 +288,7 @@ def check_export(cfg: RunConfig) -> None:
         raise ConfigError(f"invalid setting stage='export' for experiment {cfg.experiment.name!r}: it trains without "
                           "quantization (quant.enabled=false), and only a quantized run has an 8-bit export; allowed "
                           "train, eval, report or all")
-    if cfg.quant.scaling.format == "e5m2":
+    if cfg.quant.training.format == "e5m2":
         raise ConfigError("invalid setting stage='export' with quant.format='e5m2': the 8-bit export stores weights "
                           "in HiF8 or E4M3 only (quant.format hif8, e4m3 or hybrid); "
                           "allowed train, eval, report or all")

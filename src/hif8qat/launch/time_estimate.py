@@ -25,7 +25,8 @@ from hif8qat.evaluate.heldout import heldout_window_count
 from hif8qat.launch.memory import describe, step_memory
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
-from hif8qat.quant.linear import convert_model, freeze_scales, set_quantization
+from hif8qat.quant.linear import freeze_scales
+from hif8qat.quant.training import convert_to_hif8_training
 from hif8qat.runs.folders import is_done, run_dir_for
 from hif8qat.train.loop import build_optimizer, lm_loss
 
@@ -211,11 +212,10 @@ def measure(cfg, numerics: Numerics, repeats: int = 1, say: Callable[[str], None
     plain_token = token_s()
     qat_step, quant_token = plain_step, plain_token
     if cfg.quant.enabled:
-        say(f"converting to {cfg.quant.scaling.format} ({cfg.quant.scope}), timing {1 + repeats} quantized "
+        training = cfg.quant.training
+        say(f"converting to {training.format} ({training.scope}), timing {1 + repeats} quantized "
             "training steps and a quantized evaluation forward")
-        convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
-                      emulate_bf16=numerics.emulates_bf16)
-        set_quantization(model, True)
+        convert_to_hif8_training(model, config=replace(training, emulate_bf16=numerics.emulates_bf16))
         qat_step = step_s(build_optimizer(model, cfg))
         freeze_scales(model, True)
         quant_token = token_s()

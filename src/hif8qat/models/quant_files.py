@@ -78,7 +78,7 @@ def save_quant_export(model: nn.Module, directory: str | os.PathLike, meta: Mapp
     """
 
     if getattr(model, "_hif8qat_conversion", None) is None:
-        raise ValueError("save_quant_export: the model was not converted with convert_model")
+        raise ValueError("save_quant_export: the model was not converted (hif8qat.convert_to_hif8_training)")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     doc = quant_document(model, meta)

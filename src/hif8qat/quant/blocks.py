@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from torch import nn
 
 SCOPES = ("mlp", "attn_mlp")
+# The scope when none is given, for the library and the pipeline alike: the feed-forward GEMMs, as the paper's
+# max-estimator runs quantize them (the estimator and history defaults are that recipe's too).
+DEFAULT_SCOPE = "mlp"
 ROLE_MAP_VALUES = ("attn", "mlp", "none")
 
 # Submodule names that mark a decoder block's parts (Llama, GPT-2, GPT-NeoX, Falcon, OPT, Mixtral, openPangu ...).
@@ -309,7 +312,7 @@ def coverage_summary(coverage: Mapping[str, str]) -> str:
     return f"{n} of {len(coverage)} GEMM weights in the decoder blocks quantized{rest}"
 
 
-__all__ = ["ATTN_CONTAINERS", "FILTERED", "HIGH_PRECISION_BLOCK", "MAPPED_OUT", "MLP_CONTAINERS", "NOT_CONVERTED",
-           "QUANTIZED", "QUANT_OFF", "ROLE_MAP_VALUES", "ROUTER", "SCOPE", "SCOPES", "GemmModule", "ModuleFilter",
-           "Selection", "block_gemms", "check_block_indices", "coverage_summary", "expert_params",
+__all__ = ["ATTN_CONTAINERS", "DEFAULT_SCOPE", "FILTERED", "HIGH_PRECISION_BLOCK", "MAPPED_OUT", "MLP_CONTAINERS",
+           "NOT_CONVERTED", "QUANTIZED", "QUANT_OFF", "ROLE_MAP_VALUES", "ROUTER", "SCOPE", "SCOPES", "GemmModule",
+           "ModuleFilter", "Selection", "block_gemms", "check_block_indices", "coverage_summary", "expert_params",
            "find_transformer_blocks", "is_conv1d", "select_gemms"]

@@ -23,10 +23,9 @@ from torch import nn
 from hif8qat.formats import HIF8_MAX, format_spec, hif8_decode, hif8_encode
 from hif8qat.formats.qdq import element_format
 from hif8qat.quant.linear import (
-    BANK_ATTR,
-    STATE_KEY,
-    convert_model,
+    _convert_model,
     freeze_scales,
+    is_scaler_key,
     load_quant_state_dict,
     quant_modules,
     quant_state_dict,
@@ -135,8 +134,9 @@ def convert_as_recorded(model: nn.Module, doc: Mapping[str, Any]) -> list[str]:
         The converted layers' names.
     """
     wanted = set(doc["converted"])
-    converted = convert_model(model, doc["scope"], doc["high_precision_blocks"], ScalingConfig.from_dict(doc["config"]),
-                              module_filter_fn=lambda _mod, fqn: fqn in wanted, role_map=doc.get("role_map"))
+    config = ScalingConfig.from_dict(doc["config"])
+    converted = _convert_model(model, doc["scope"], doc["high_precision_blocks"], config,
+                               module_filter_fn=lambda _mod, fqn: fqn in wanted, role_map=doc.get("role_map"))
     if set(converted) != wanted:
         missing = sorted(wanted - set(converted))
         raise ValueError(f"the model has no linear {missing[:4]} that the export converted ({len(converted)} of "
@@ -284,10 +284,6 @@ def quantization_config(fmt: str, act_fmt: str, quantized: list[str], ignored: l
     return {"quant_method": "hif8", "format": "hif8-codes", "config_groups": {"group_0": group}, "ignore": ignored}
 
 
-def _is_scaler_key(key: str) -> bool:
-    return f".{STATE_KEY}." in f".{key}" or key.startswith(f"{BANK_ATTR}.")
-
-
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights as ``save_pretrained`` writes them: no scaler entries, and a tensor shared by several
     names (a tied head) once, under its first name.
@@ -300,7 +296,7 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     seen, out = set(), {}
     for key, t in model.state_dict().items():
-        if _is_scaler_key(key):
+        if is_scaler_key(key):
             continue
         ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
         if t.device.type != "meta" and ident in seen:

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from hif8qat.compute_dtype import backward_context, describe, forward_context, resolve, training_device_type
-from hif8qat.quant.linear import convert_model, set_quantization
+from hif8qat.quant.linear import _convert_model, set_quantization
 from hif8qat.scaling.settings import ScalingConfig
 
 _GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "mv", "addmv", "dot", "vdot",
@@ -79,7 +79,7 @@ def count_step_gemms(numerics: str, device_type: str = "cpu") -> GemmOperandCoun
         The GEMMs counted by operand dtypes.
     """
     model = _tiny_llama()
-    convert_model(model, "attn_mlp", None, ScalingConfig(), emulate_bf16=numerics == "bf16_emulated")
+    _convert_model(model, "attn_mlp", None, ScalingConfig(), emulate_bf16=numerics == "bf16_emulated")
     set_quantization(model, True)
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     counter = GemmOperandCount()

@@ -3,10 +3,11 @@
 This module owns :class:`QuantLinear` (an ``nn.Linear`` with quantizers A, W, G, rows of one
 :class:`~hif8qat.scaling.bank.ScalerBank` per converted model; its docstring gives the arithmetic),
 ``QuantConv1D`` (the same for GPT-2's ``Conv1D``), the conversion that swaps a model's GEMM modules for them
-(:func:`convert_model`, with :func:`coverage` saying what was left out and why), and the model-wide switches
-and state: quantization on/off, frozen scales, BF16 emulation, weight recompute under FSDP, the scaler state
-in or out of ``model.state_dict()``, the optimizer step and the per-step telemetry. MoE experts are in
-:mod:`hif8qat.quant.experts`; all share the autograd function and scaler plumbing of
+(``_convert_model``, private to :mod:`hif8qat.quant`: the public way in is
+:func:`~hif8qat.quant.training.convert_to_hif8_training`; :func:`coverage` says what was left out and why), and
+the model-wide switches and state: quantization on/off, frozen scales, BF16 emulation, weight recompute under
+FSDP, the scaler state in or out of ``model.state_dict()``, the optimizer step and the per-step telemetry. MoE
+experts are in :mod:`hif8qat.quant.experts`; all share the autograd function and scaler plumbing of
 :mod:`hif8qat.quant.gemm`.
 """
 
@@ -16,12 +17,14 @@ import numbers
 import re
 import warnings
 from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hif8qat.quant.blocks import (
+    DEFAULT_SCOPE,
     NOT_CONVERTED,
     QUANT_OFF,
     QUANTIZED,
@@ -188,10 +191,10 @@ class QuantConv1D(QuantState, nn.Module):
 # --------------------------------------------------------------------------------------------------
 # conversion
 # --------------------------------------------------------------------------------------------------
-def convert_model(model: nn.Module, scope: str = "mlp", high_precision_blocks: Collection[int] | None = None,
-                  config: ScalingConfig | None = None, *, enabled: bool = True,
-                  module_filter_fn: ModuleFilter | None = None, emulate_bf16: bool = False,
-                  role_map: Mapping[str, str] | None = None) -> list[str]:
+def _convert_model(model: nn.Module, scope: str = DEFAULT_SCOPE, high_precision_blocks: Collection[int] | None = None,
+                   config: ScalingConfig | None = None, *, enabled: bool = True,
+                   module_filter_fn: ModuleFilter | None = None, emulate_bf16: bool = False,
+                   role_map: Mapping[str, str] | None = None) -> list[str]:
     """Quantize the scope's GEMM modules (``nn.Linear``, ``Conv1D``, MoE experts) of every block not listed in
     ``high_precision_blocks``; all share one scaler bank. Routers, embeddings, lm_head, norms and everything
     outside the decoder blocks stay untouched; roles come from the block's structure
@@ -401,6 +404,83 @@ def set_state_in_state_dict(model: nn.Module, on: bool = True) -> None:
         bank.rng_in_state_dict = bool(on)
 
 
+def is_scaler_key(key: str) -> bool:
+    """Whether a ``model.state_dict()`` key is a scaler entry (:func:`set_state_in_state_dict`), not a weight.
+
+    Args:
+        key: a state-dict key.
+
+    Returns:
+        True for a layer's scaler entry or the bank's generator state.
+    """
+    return f".{STATE_KEY}." in f".{key}" or f".{BANK_ATTR}." in f".{key}"
+
+
+def scaler_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The scaler entries of ``model.state_dict()`` alone: what a data-parallel rank keeps of its own (its
+    scalers are its own unless ``amax_reduce`` makes them common), beside the weights every rank shares.
+
+    Args:
+        model: a model whose scalers are in its state dict (:func:`set_state_in_state_dict`).
+
+    Returns:
+        Key -> tensor, the keys as ``model.state_dict()`` has them.
+    """
+    return {k: v for k, v in model.state_dict().items() if is_scaler_key(k)}
+
+
+def _scaler_owner(key: str) -> str | None:
+    """The quantized module whose scaler entry ``key`` is (None for the bank's generator)."""
+    head, sep, _ = f".{key}".partition(f".{STATE_KEY}.")
+    return head[1:] if sep else None
+
+
+def load_scaler_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
+    """Restore :func:`scaler_state_dict`'s entries, every one of them.
+
+    Args:
+        model: the model, converted as the one that saved them, its scalers in its state dict.
+        sd: the saved entries.
+
+    Raises:
+        KeyError: entries missing, or entries of layers the model does not have.
+        RuntimeError: scalers recorded under other settings (``format``, ``algo``, ...).
+    """
+    expected = set(scaler_state_dict(model))
+    owners = {_scaler_owner(k) for k in expected}
+    missing = sorted(expected - set(sd))
+    # a state may hold what a fresh one lacks (an estimator's optional entries): the layer's own load checks those
+    unexpected = sorted(k for k in sd if k not in expected and _scaler_owner(k) not in owners)
+    if missing or unexpected:
+        raise KeyError(f"load_scaler_state_dict: missing scalers {missing[:6]}{'...' if len(missing) > 6 else ''}"
+                       f", unexpected keys {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}")
+    model.load_state_dict(dict(sd), strict=False)  # the weights are not in sd; every scaler key is checked above
+
+
+@contextmanager
+def scalers_left_out(model: nn.Module) -> Iterator[None]:
+    """Inside, ``model.state_dict()`` and ``load_state_dict`` hold the weights only: for files of the weights,
+    which every rank shares and plain ``transformers`` reads (the scalers travel per rank, or in an export's
+    own file).
+
+    Args:
+        model: the model.
+
+    Yields:
+        Nothing; the scalers are back in the state dict as before on leaving.
+    """
+    modules, banks = [mod for _, mod in quant_modules(model)], _banks(model)
+    kept = [mod.state_in_state_dict for mod in modules], [bank.rng_in_state_dict for bank in banks]
+    set_state_in_state_dict(model, False)
+    try:
+        yield
+    finally:
+        for mod, on in zip(modules, kept[0]):
+            mod.state_in_state_dict = on
+        for bank, on in zip(banks, kept[1]):
+            bank.rng_in_state_dict = on
+
+
 def set_step(model: nn.Module, step: int) -> None:
     """Current optimizer step (drives schedules, history_unit=step and telemetry dump steps): an integer >= 0
     that never goes back (a loaded scaler state brings its own step back with it). Call it before each
@@ -576,9 +656,9 @@ def step_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
 
 
 __all__ = [
-    "BANK_ATTR", "SCOPES", "STATE_KEY", "QuantConv1D", "QuantExperts", "QuantLinear", "QuantState", "convert_model",
+    "BANK_ATTR", "SCOPES", "STATE_KEY", "QuantConv1D", "QuantExperts", "QuantLinear", "QuantState",
     "coverage", "quant_modules", "quant_sites", "find_transformer_blocks", "freeze_scales",
-    "load_quant_state_dict", "quant_linears", "quant_state_dict", "scaler_banks", "set_bf16_emulation",
-    "set_quantization",
+    "is_scaler_key", "load_quant_state_dict", "load_scaler_state_dict", "quant_linears", "quant_state_dict",
+    "scaler_banks", "scaler_state_dict", "scalers_left_out", "set_bf16_emulation", "set_quantization",
     "set_state_in_state_dict", "set_step", "set_weight_recompute", "step_telemetry", "update_scales",
 ]

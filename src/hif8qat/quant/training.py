@@ -23,15 +23,22 @@ from typing import Any
 from torch import nn
 
 from hif8qat.formats.qdq import FORMAT_SETTINGS, HIF8_MAX
-from hif8qat.quant.blocks import SCOPES, ModuleFilter, coverage_summary
-from hif8qat.quant.linear import convert_model, coverage, quant_modules, set_state_in_state_dict
-from hif8qat.scaling.settings import ALGOS, AMAX_REDUCES, GRAD_ROUNDINGS, HISTORY_UNITS, ScalingConfig
+from hif8qat.quant.blocks import DEFAULT_SCOPE, SCOPES, ModuleFilter, coverage_summary
+from hif8qat.quant.linear import _convert_model, coverage, quant_modules, set_state_in_state_dict
+from hif8qat.scaling.settings import (
+    ALGOS,
+    AMAX_REDUCES,
+    GRAD_ROUNDINGS,
+    HISTORY_UNITS,
+    ScalingConfig,
+    SettingError,
+)
 
 log = logging.getLogger(__name__)
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"Hif8TrainingConfig.{name}={value!r} is invalid; allowed: {allowed}")
+    raise SettingError("Hif8TrainingConfig", name, value, allowed)
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class Hif8TrainingConfig(ScalingConfig):
       native BF16; use it with :func:`hif8qat.compute_dtype.forward_context` ``("bf16_emulated", ...)``).
     """
 
-    scope: str = "attn_mlp"
+    scope: str = DEFAULT_SCOPE
     high_precision_blocks: tuple[int, ...] = ()
     emulate_bf16: bool = False
 
@@ -71,7 +78,7 @@ class Hif8TrainingConfig(ScalingConfig):
         """
         super().validate()
         if self.scope not in SCOPES:
-            _fail("scope", self.scope, f"one of {SCOPES}")
+            _fail("scope", self.scope, "one of " + ", ".join(SCOPES))
         if not isinstance(self.high_precision_blocks, tuple) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.high_precision_blocks):
             _fail("high_precision_blocks", self.high_precision_blocks, "a list of block indices (integers >= 0)")
@@ -174,7 +181,7 @@ def convert_to_hif8_training(model: nn.Module, *, config: Hif8TrainingConfig | N
         raise ValueError(f"convert_to_hif8_training: {type(model).__name__} is already converted ({len(done)} "
                          f"quantized layers, e.g. {done[0]}); a second conversion would replace the first one's "
                          "settings. Convert a fresh copy of the unquantized model instead")
-    convert_model(model, config.scope, config.high_precision_blocks, config, module_filter_fn=module_filter_fn,
+    _convert_model(model, config.scope, config.high_precision_blocks, config, module_filter_fn=module_filter_fn,
                   emulate_bf16=config.emulate_bf16, role_map=role_map)
     set_state_in_state_dict(model, True)
     log.info("hif8qat: %s (scope=%s)", coverage_summary(coverage(model)), config.scope)

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from hif8qat.rehearse.checks import finish, parse_work_args, run_check
 from hif8qat.rehearse.standins import write_fineweb_shards, write_remote_code_model
+from hif8qat.train.provenance import SCALERS_KEY
 
 # ----------------------------------------------------------------------------------------------------------
 # the rehearsal
@@ -205,10 +206,10 @@ def rehearse(work: Path, repo: Path) -> dict[str, str | None]:
         # equal histories on all ranks mean equal weights at every step (A and G: equal by the amax all-reduce).
         final = _run_folder(whole) / "checkpoints" / f"step_{STEPS:07d}"
         states = [torch.load(final / f"rank{r:03d}.pt", weights_only=True) for r in range(WORLD)]
-        weights = [k for k in states[0]["quant"] if ".W." in k and k.endswith("history")]
+        weights = [k for k in states[0][SCALERS_KEY] if ".W." in k and k.endswith("history")]
         assert weights, "no weight-quantizer history in the checkpoint"
-        for key in states[0]["quant"]:
-            assert torch.equal(states[0]["quant"][key], states[1]["quant"][key]), f"{key} differs across ranks"
+        for key in states[0][SCALERS_KEY]:
+            assert torch.equal(states[0][SCALERS_KEY][key], states[1][SCALERS_KEY][key]), f"{key} differs across ranks"
         assert states[0]["train"] == states[1]["train"], "ranks skipped different steps"
 
     def grad_norm_equals_the_unsharded_one():

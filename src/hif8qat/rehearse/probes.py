@@ -39,6 +39,7 @@ from hif8qat.models.loading import build_tiny_tokenizer, load_causal_lm
 from hif8qat.runs.folders import load_run_config
 from hif8qat.train.checkpoint import load_checkpoint
 from hif8qat.train.loop import parameter_groups
+from hif8qat.train.provenance import SCALERS_KEY
 
 # The tiny stand-ins tag each document's text with its id (standins.write_fineweb_shards).
 _DOC_TAG = re.compile(r"<doc:([0-9]+-[0-9]+)>")
@@ -140,7 +141,7 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
         torch.equal(v, full["optimizer"]["state"][names[id(p)]][k])
         for p, st in opt.state.items() for k, v in st.items())
     rank0 = torch.load(f"{saved}/rank000.pt", weights_only=True)
-    scalers_equal = all(torch.equal(state["quant"][k], v) for k, v in rank0["quant"].items())
+    scalers_equal = all(torch.equal(state[SCALERS_KEY][k], v) for k, v in rank0[SCALERS_KEY].items())
 
     tok = build_tiny_tokenizer()
 
@@ -165,7 +166,7 @@ def resized_load(saved: str, model_dir: str, fineweb: str, resized_run: str, siz
         next(resized)
     run_state = torch.load(f"{resized_run}/checkpoints/step_{sizes.steps:07d}/rank000.pt", weights_only=True)["data"]
     return {"step": step, "params_equal": params_equal, "optimizer_equal": optimizer_equal,
-            "scalers_equal": scalers_equal, "scalers": len(state["quant"]), "docs_before": before,
+            "scalers_equal": scalers_equal, "scalers": len(state[SCALERS_KEY]), "docs_before": before,
             "docs_after": tags(after), "replayed_state": {k: resized.state_dict()[k] for k in _DATA_STATE},
             "run_state": {k: run_state[k] for k in _DATA_STATE}}
 

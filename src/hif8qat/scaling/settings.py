@@ -44,8 +44,17 @@ def _positive(v: Any) -> bool:
         and v > 0
 
 
+class SettingError(ValueError):
+    """A config field set to a value it does not take: ``field``, ``value`` and ``allowed`` stay readable, so a
+    caller that names the setting its own way (the pipeline's ``quant.<field>``) words the message itself."""
+
+    def __init__(self, owner: str, field: str, value: Any, allowed: str) -> None:
+        self.owner, self.field, self.value, self.allowed = owner, field, value, allowed
+        super().__init__(f"{owner}.{field}={value!r} is invalid; allowed: {allowed}")
+
+
 def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"ScalingConfig.{name}={value!r} is invalid; allowed: {allowed}")
+    raise SettingError("ScalingConfig", name, value, allowed)
 
 
 def _normalize_schedule(name: str, value: Any) -> Any:
@@ -99,10 +108,10 @@ class ScalingConfig:
             object.__setattr__(self, "algo", _normalize_schedule("algo", self.algo))
             object.__setattr__(self, "interval", _normalize_schedule("interval", self.interval))
             self.validate()
-        except ValueError as err:  # name the class the user built (a subclass adds fields, not new checks)
-            text, own = str(err), type(self).__name__
-            if own != "ScalingConfig" and text.startswith("ScalingConfig."):
-                raise ValueError(own + text[len("ScalingConfig"):]) from None
+        except SettingError as err:  # name the class the user built (a subclass adds fields, not new checks)
+            own = type(self).__name__
+            if own != err.owner:
+                raise SettingError(own, err.field, err.value, err.allowed) from None
             raise
 
     # -- validation ------------------------------------------------------------------------------
@@ -331,5 +340,5 @@ def check_state_keys(state: Mapping, strict: bool, who: str) -> None:
 __all__ = [
     "ALGOS", "AMAX_REDUCES", "EPS", "ESTIMATORS", "GRAD_ROUNDINGS", "HISTORY_UNITS", "LAST_CALL_FIELDS", "META_FIELDS",
     "OPTIONAL_STATE_KEYS", "ROLES", "STATE_KEYS", "TELEMETRY_COUNT_FIELDS", "TELEMETRY_MAX_FIELDS", "ScalingConfig",
-    "check_state_keys", "lookup",
+    "SettingError", "check_state_keys", "lookup",
 ]

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from hif8qat.artefacts import require_record
 from hif8qat.errors import RunError, one_line
 from hif8qat.files import sha256_file
+from hif8qat.quant.linear import scalers_left_out
 from hif8qat.runs.checkpoint_names import (  # noqa: F401 (the checkpoint API, re-exported)
     COMPLETE_MARKER,
     STEP_PREFIX,
@@ -479,8 +480,9 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, optimizer,
     final = checkpoint_path(root, step)
     tmp, old = final.with_name(final.name + _TMP), final.with_name(final.name + _OLD)
     try:
-        _write(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler, rank_state=rank_state, rank=rank,
-               world_size=world_size, barrier=barrier, provenance=provenance)
+        with scalers_left_out(model):  # the weights' files are every rank's; each rank's scalers are its own
+            _write(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler, rank_state=rank_state,
+                   rank=rank, world_size=world_size, barrier=barrier, provenance=provenance)
     except (OSError, RuntimeError, SafetensorError) as err:
         need = state_bytes(model, optimizer)
         if not is_disk_full(err, root, need):
@@ -565,7 +567,9 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, scheduler,
         CheckpointError: a damaged or mismatched file (the library's error, naming the checkpoint).
     """
     try:
-        return _load(path, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank, world_size=world_size)
+        with scalers_left_out(model):  # the weights; the scalers come back from the rank's state
+            return _load(path, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank,
+                         world_size=world_size)
     except CheckpointError:
         raise
     except _LOAD_ERRORS as err:

@@ -15,6 +15,7 @@ from hif8qat.config.run_config import RunConfig
 from hif8qat.errors import RunError
 from hif8qat.models.eight_bit import size_line, write_8bit_export
 from hif8qat.models.quant_files import save_quant_export
+from hif8qat.quant.linear import scalers_left_out
 from hif8qat.runs.folders import (
     EXPORT_8BIT_DIR,
     EXPORT_DIR,
@@ -81,13 +82,15 @@ def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: l
 
         shutil.rmtree(tmp)
 
-    with unsharded_class(model):  # FSDP2's generated class would replace the model's own modeling code
+    # FSDP2's generated class would replace the model's own modeling code; the scalers go to their own file
+    with unsharded_class(model), scalers_left_out(model):
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     if cfg.quant.enabled:
-        save_quant_export(model, tmp, {"scope": cfg.quant.scope,
-                                       "high_precision_blocks": list(cfg.quant.high_precision_blocks),
-                                       "scaling": cfg.quant.scaling.to_dict(), "converted": converted})
+        training = cfg.quant.training
+        save_quant_export(model, tmp, {"scope": training.scope,
+                                       "high_precision_blocks": list(training.high_precision_blocks),
+                                       "scaling": training.scaling().to_dict(), "converted": converted})
     write_folder_manifest(tmp)  # last: evaluation verifies every file against it
     if directory.exists():
 

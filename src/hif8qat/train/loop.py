@@ -2,9 +2,9 @@
 accumulation, atomic checkpoints with exact resume, data parallel by DDP or FSDP2 (``train.distributed``) under torchrun
 or srun.
 
-Quantization enters only through module swapping (`quant.linear.convert_model`) and the two switches the trainer
-flips (`set_quantization` at the end of the BF16 warmup, `set_step` before each optimizer step); nothing
-below branches on whether a layer is quantized.
+Quantization enters only through module swapping (`hif8qat.convert_to_hif8_training`, the library's own entry
+point) and the two switches the trainer flips (`set_quantization` at the end of the BF16 warmup, `set_step` before
+each optimizer step); nothing below branches on whether a layer is quantized.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,13 +31,15 @@ from hif8qat.errors import RunError, concerning
 from hif8qat.models.loading import enable_activation_checkpointing, load_causal_lm
 from hif8qat.models.quant_files import dump_telemetry
 from hif8qat.quant.linear import (
-    convert_model,
     freeze_scales,
-    quant_state_dict,
+    quant_modules,
+    scaler_state_dict,
+    scalers_left_out,
     set_quantization,
     set_step,
     step_telemetry,
 )
+from hif8qat.quant.training import convert_to_hif8_training
 from hif8qat.runs.folders import METRICS_FILE, mark_done, mark_failed, update_summary
 from hif8qat.runs.launch_env import env_from_slurm
 from hif8qat.train import checkpoint as ckpt
@@ -57,6 +59,7 @@ from hif8qat.train.log import MetricsSink, progress_bar, train_summary, truncate
 from hif8qat.train.preemption import StopSignals, hooked_stream
 from hif8qat.train.provenance import (
     ALLOW_MISMATCH_SETTING,
+    SCALERS_KEY,
     check_provenance,
     load_saved_scalers,
     run_provenance,
@@ -231,8 +234,8 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, 
     converted: list[str] = []
     emulate = numerics.emulates_bf16  # the layers are told the numerics, never guess them
     if cfg.quant.enabled:
-        converted = convert_model(model, cfg.quant.scope, list(cfg.quant.high_precision_blocks), cfg.quant.scaling,
-                                  emulate_bf16=emulate)
+        convert_to_hif8_training(model, config=replace(cfg.quant.training, emulate_bf16=emulate))
+        converted = [name for name, _ in quant_modules(model)]
         set_quantization(model, False)
     install_loss_head(model, emulate)  # the loss in chunks: the micro-batch's whole FP32 logits never exist
     if any(t.device != device for t in (*model.parameters(), *model.buffers())):
@@ -362,7 +365,7 @@ class _Run:
             self.stream.load_state_dict(rank_state["data"])
         self.skips.update(rank_state.get("train", {}))
         if cfg.quant.enabled:
-            load_saved_scalers(model, resume_from, rank_state.get("quant") or {}, start_step=start_step,
+            load_saved_scalers(model, resume_from, rank_state, start_step=start_step,
                                quant_on_step=self.quant_on_step, allow_mismatch=cfg.train.resume_allow_mismatch)
             # after the load: the saved state holds each layer's on/off flag, off in a checkpoint written at the
             # last warmup step, and a resume from that step is the first quantized one (switched on: cold start)
@@ -409,7 +412,7 @@ class _Run:
         if bad:
             raise self.diverged(f"{bad} became non-finite by step {step}; it was not checkpointed")
         rank_state = {"rng": ckpt.rng_state(), "data": self.stream.state_dict(), "train": dict(self.skips),
-                      "quant": quant_state_dict(self.model) if self.cfg.quant.enabled else {}}
+                      SCALERS_KEY: scaler_state_dict(self.model) if self.cfg.quant.enabled else {}}
         ctx = self.ctx
         ckpt.save_checkpoint(self.ckpt_root, step, model=self.model, optimizer=self.optimizer,
                              scheduler=self.scheduler, rank_state=rank_state, rank=ctx.rank,
@@ -518,7 +521,8 @@ class _Run:
             self.stream.close(rewind=False)
         summary: dict[str, Any] = {}
 
-        full_state = full_model_state_dict(model) if is_fsdp(model) else None  # FSDP: every rank gathers
+        with scalers_left_out(model):  # the weights alone, as save_pretrained writes them
+            full_state = full_model_state_dict(model) if is_fsdp(model) else None  # FSDP: every rank gathers
         if ctx.is_main:
             export_or_explain(model, self.tokenizer, self.run_dir, cfg, self.converted, full_state, self.optimizer)
             summary = update_summary(self.run_dir, **train_summary(self.metrics_path, self.step_times, val_loss,
@@ -579,7 +583,7 @@ def _telemetry(model, cfg: RunConfig, step: int, telemetry_dir: Path, rank: int)
 
     The banks gather saturation statistics on steps divisible by telemetry_dump_every: those steps are
     dumped before step_telemetry resets the counters, so a dump holds its own step's counts."""
-    every = cfg.quant.telemetry_dump_every
+    every = cfg.quant.training.telemetry_dump_every
     if every and step % every == 0:
         telemetry_dir.mkdir(exist_ok=True)
         dump_telemetry(model, telemetry_dir / f"step{step:07d}_rank{rank}.jsonl")

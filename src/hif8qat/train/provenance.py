@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hif8qat.quant.linear import load_quant_state_dict
+from hif8qat.quant.linear import load_quant_state_dict, load_scaler_state_dict
 from hif8qat.train.checkpoint import PROVENANCE_FILE, CheckpointError
 
 # The settings that decide what a checkpoint's weights, optimizer and scheduler state are: resuming one made
@@ -109,16 +109,23 @@ def check_provenance(path: Path, expected: dict[str, Any], *, allow_mismatch: bo
                           f"this run's own), or {how}")
 
 
-def load_saved_scalers(model, path: Path, saved: dict, *, start_step: int, quant_on_step: int | None,
+# A rank's scalers in its state: the scaler entries of its model.state_dict() (quant.linear.scaler_state_dict).
+SCALERS_KEY = "scalers"
+# Checkpoints written before the scalers travelled in that form hold quant.linear.quant_state_dict's under this key.
+LEGACY_SCALERS_KEY = "quant"
+
+
+def load_saved_scalers(model, path: Path, rank_state: dict, *, start_step: int, quant_on_step: int | None,
                        allow_mismatch: bool) -> None:
-    """The quantization scalers a checkpoint saved. A checkpoint without them (trained unquantized, or before
-    QAT began) starts them cold, as at the first QAT step, but only where quantization had not yet begun at
-    its step or the user resumed it deliberately (train.resume_allow_mismatch).
+    """The quantization scalers a checkpoint saved in this rank's state. A checkpoint without them (trained
+    unquantized, or before QAT began) starts them cold, as at the first QAT step, but only where quantization had
+    not yet begun at its step or the user resumed it deliberately (train.resume_allow_mismatch).
 
     Args:
         model: the converted model.
         path: the checkpoint folder.
-        saved: this rank's saved scaler state ({} when the checkpoint has none).
+        rank_state: this rank's saved state: its scalers under ``"scalers"`` (``model.state_dict()`` entries), or
+            under ``"quant"`` in ``quant_state_dict``'s form for a checkpoint written before.
         start_step: the step the checkpoint was written at.
         quant_on_step: the first quantized step (None: never).
         allow_mismatch: ``train.resume_allow_mismatch``.
@@ -127,11 +134,15 @@ def load_saved_scalers(model, path: Path, saved: dict, *, start_step: int, quant
         CheckpointError: the saved scalers do not match this run's quantized layers, or are missing where
             quantization had begun (unless allowed).
     """
-    if not saved and (start_step <= (quant_on_step or 0) or allow_mismatch):
+    saved, legacy = rank_state.get(SCALERS_KEY) or {}, rank_state.get(LEGACY_SCALERS_KEY) or {}
+    if not saved and not legacy and (start_step <= (quant_on_step or 0) or allow_mismatch):
         return
     try:
-        load_quant_state_dict(model, saved)
-    except KeyError as err:
+        if legacy and not saved:
+            load_quant_state_dict(model, legacy)
+        else:
+            load_scaler_state_dict(model, saved)
+    except (KeyError, RuntimeError) as err:
         raise CheckpointError(
             f"checkpoint {path} does not hold this run's quantization scalers ({str(err).strip(chr(39))[:300]}): "
             "it was written by a run with other quant settings. Resume from a checkpoint of these settings, "

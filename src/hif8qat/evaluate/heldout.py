@@ -325,11 +325,10 @@ def compute_heldout(run_dir: Path, *, baseline: Path | None | bool = None, modes
     (committed reference runs keep none) is skipped and said so in the summary.
 
     Args:
-        run_dir: the run folder (its export/ is compared).
-        baseline: a run folder, None (find it with :func:`hif8qat.runs.folders.find_baseline_run`), or False (no
-            baseline comparison).
-        modes: the run's modes to compare (default: bf16, and hif8 when the export is quantized).
-        results_root: the folder that holds the runs (default: three folders above the run).
+        run_dir: as in :func:`plan`.
+        baseline: as in :func:`plan`.
+        modes: as in :func:`plan`.
+        results_root: as in :func:`plan`.
         device: the evaluation device when ``numerics`` is given; else it replaces the run's eval.device (default:
             the run's eval.device resolved as the eval stage does).
         numerics: the evaluation's resolved :class:`Numerics` (default: the run's, resolved from its saved config

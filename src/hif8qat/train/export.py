@@ -36,12 +36,12 @@ def export_or_explain(model, tokenizer, run_dir: Path, cfg: RunConfig, converted
     every trained step, so a rerun only writes the export).
 
     Args:
-        model: the trained model.
-        tokenizer: its tokenizer.
-        run_dir: the run folder.
-        cfg: the run's configuration.
-        converted: the names of the quantized layers.
-        full_state: the gathered weights of an FSDP-sharded model, or None.
+        model: as in :func:`export_model`.
+        tokenizer: as in :func:`export_model`.
+        run_dir: the run folder (the export goes to its ``export/``).
+        cfg: as in :func:`export_model`.
+        converted: as in :func:`export_model`.
+        full_state: :func:`export_model`'s ``state_dict``.
         optimizer: the optimizer (its size goes into the message).
 
     Raises:
@@ -65,8 +65,6 @@ def export_or_explain(model, tokenizer, run_dir: Path, cfg: RunConfig, converted
 def export_model(model, tokenizer, directory: Path, cfg: RunConfig, converted: list[str],
                  state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """A save_pretrained folder that plain transformers and lm-eval load, plus the scalers' final state.
-
-    state_dict: the gathered full weights of an FSDP-sharded model (distributed.full_model_state_dict).
 
     Args:
         model: the trained model.

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from hif8qat.config.numerics import train_numerics
 from hif8qat.config.run_config import RunConfig, resolve_profile
 from hif8qat.train.loop import train
 
@@ -21,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # exp4's schedules (exp_smooth from step 1: its optional state entries), stochastic rounding (the bank's generator
 # must come back too), checkpoints at steps 4 and 8
 SETTINGS = ("experiment=exp4", "quant.grad_rounding=stochastic", "train.checkpoint_every=4")
+
+
+def _train(cfg: RunConfig, run_dir: Path) -> None:
+    train(cfg, run_dir, numerics=train_numerics(cfg))
 
 
 def _smoke(tmp_path: Path, *overrides: str) -> RunConfig:
@@ -62,7 +67,7 @@ def test_scalers_travel_per_rank_as_state_dict_entries_and_the_former_layout_res
     monkeypatch.setenv("HIF8QAT_COMPILE", "0")  # the eager quantizer: bit-identical, no compile warm-up
     whole = tmp_path / "whole"
     whole.mkdir()
-    train(_smoke(tmp_path), whole)
+    _train(_smoke(tmp_path), whole)
     step4 = whole / "checkpoints" / "step_0000004"
 
     # the weights' file holds the weights only; the rank's state holds its scalers as model.state_dict() entries
@@ -78,7 +83,7 @@ def test_scalers_travel_per_rank_as_state_dict_entries_and_the_former_layout_res
     _as_former_layout(step4, former)
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    train(_smoke(tmp_path, f"train.resume={former}"), resumed)
+    _train(_smoke(tmp_path, f"train.resume={former}"), resumed)
     assert [r[0] for r in _rows(resumed)] == list(range(4, 8))
     assert _rows(resumed) == _rows(whole)[4:]
     mine, theirs = (f / "checkpoints" / "step_0000008" for f in (resumed, whole))

@@ -156,7 +156,11 @@ class QuantConfig:
             The library config's user-facing fields, then the pipeline's.
         """
         library = [f.name for f in fields(Hif8TrainingConfig) if f.name not in _NOT_USER_KEYS]
-        return [*library, "enabled", "high_precision_blocks", "bf16_warmup_steps"]
+        return [*library, *cls._own_keys()]
+
+    @classmethod
+    def _own_keys(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "training"]
 
     @classmethod
     def from_settings(cls, data: dict[str, Any]) -> QuantConfig:
@@ -171,7 +175,7 @@ class QuantConfig:
         Raises:
             SettingError: a bad library setting, naming the field, the value and what is allowed.
         """
-        own = {f.name for f in fields(cls)} - {"training"}
+        own = set(cls._own_keys())
         library = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k not in own}
         return cls(**{k: v for k, v in data.items() if k in own}, training=Hif8TrainingConfig(**library))
 

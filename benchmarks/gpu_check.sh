@@ -498,6 +498,9 @@ table = "\n".join(lines)
 # spec of an H100/H200 and over the GEMM peak measured here, and the quantizer's read+write traffic in a QAT step
 # as a fraction of the HBM bandwidth bench_qdq.py uses.
 SPEC_TFLOPS = 989.0
+def significant(x, digits=4):
+    # significant digits, not decimals: a CPU's MFU of 0.024 rounded to 4 decimals was off by 0.2 %
+    return float(f"{x:.{digits}g}")
 def load(name):
     path = out / name
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -512,9 +515,9 @@ for path in sorted(out.glob("step_*_*.json")):
         m[f"{kind}_tokens_per_s"] = round(tokens / d[key], 1)
         for basis, peak in (("spec", metrics["spec_bf16_tflops"]), ("measured", gemm)):
             if peak and d.get("flops_per_step"):
-                m[f"{kind}_mfu_{basis}"] = round(d["flops_per_step"] / d[key] / (peak * 1e12), 4)
+                m[f"{kind}_mfu_{basis}"] = significant(d["flops_per_step"] / d[key] / (peak * 1e12))
     if qdq and d.get("qdq_MB"):
-        m["quantizer_hbm_fraction"] = round(d["qdq_MB"] * 2**20 / d["qat_s"] / (qdq * 1e9), 4)
+        m["quantizer_hbm_fraction"] = significant(d["qdq_MB"] * 2**20 / d["qat_s"] / (qdq * 1e9))
     metrics[mode] = m
 for mode in ("eager", "compiled"):
     if mode in metrics:

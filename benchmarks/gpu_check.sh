@@ -512,7 +512,7 @@ for path in sorted(out.glob("step_*_*.json")):
     tokens = d["batch"] * d["seq"]
     m = {"model": d["model"], "tokens_per_step": tokens, "qat_to_bf16": d["ratio"]}
     for kind, key in (("bf16", "plain_s"), ("qat", "qat_s")):
-        m[f"{kind}_tokens_per_s"] = round(tokens / d[key], 1)
+        m[f"{kind}_tokens_per_s"] = significant(tokens / d[key], 5)
         for basis, peak in (("spec", metrics["spec_bf16_tflops"]), ("measured", gemm)):
             if peak and d.get("flops_per_step"):
                 m[f"{kind}_mfu_{basis}"] = significant(d["flops_per_step"] / d[key] / (peak * 1e12))

@@ -19,7 +19,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ from hif8qat.evaluate.prefix_lm import SharedContextLM
 from hif8qat.evaluate.ranks import Ranks, summed
 from hif8qat.evaluate.subsets import _limited, check_subset, subset_indices
 from hif8qat.evaluate.task_data import _forced_offline, lm_eval_task_dirs, prepare_paper_tasks
+from hif8qat.quant.gemm import reusing_frozen_weights
+from hif8qat.quant.linear import scaler_banks
 from hif8qat.runs.folders import provenance
 
 log = logging.getLogger(__name__)
@@ -130,7 +132,8 @@ def evaluate_model(
                              ranks=ranks, softmax_dtype=torch.float32)
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
         raw = None
-        with ctx, torch.inference_mode():
+        # no_grad, not inference_mode: autocast keeps no cast copy of a weight in inference mode
+        with ctx, torch.no_grad(), weights_cast_once(model, torch.device(device).type):
             # one simple_evaluate per distinct shot count (num_fewshot is global in lm-eval)
             for k in sorted(set(shots.values())):
                 names = [n for n, kk in shots.items() if kk == k]
@@ -181,6 +184,32 @@ def evaluate_model(
     if out_dir is not None:
         write_eval_dir(Path(out_dir), results, samples, raw)
     return results
+
+
+@contextlib.contextmanager
+def weights_cast_once(model: torch.nn.Module, device_type: str) -> Iterator[None]:
+    """Within it, the forwards of an evaluation cast and quantize each weight once instead of at every forward.
+
+    The weights do not change during an evaluation, but each forward would redo two passes over all of them:
+
+    * autocast's cast of each FP32 weight to BF16 (its cache lives only until the outermost autocast region
+      ends, and each forward is its own region): an autocast region held open here, disabled, makes the forwards'
+      regions inner ones, so the cast copies live until this one ends; the code between forwards still runs
+      without autocast, as before;
+    * the quantized layers' Q(W) in hif8 mode (:func:`hif8qat.quant.gemm.reusing_frozen_weights`, frozen scales).
+
+    The results are bit for bit those of casting and quantizing at every forward; the cost is one BF16 copy of
+    the weights held for the evaluation.
+
+    Args:
+        model: the evaluated model.
+        device_type: its device type (``cpu``, ``cuda``).
+
+    Yields:
+        Nothing.
+    """
+    with reusing_frozen_weights(scaler_banks(model)), torch.autocast(device_type, enabled=False):
+        yield
 
 
 @contextlib.contextmanager

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from hif8qat.compute_dtype import emulated_linear, emulated_matmul
-from hif8qat.scaling.autograd_engine import in_backward
+from hif8qat.scaling.autograd_engine import in_backward, tensor_version
 from hif8qat.scaling.bank import RECORD, RECORD_NO_GRAD, REPLAY, ScalerBank, bank_qdq, release_kept
 from hif8qat.scaling.bank_row import BankedScaler
 from hif8qat.scaling.settings import ROLES, ScalingConfig
@@ -32,7 +32,7 @@ class _QuantLinearFn(torch.autograd.Function):
         cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         qa = bank_qdq(x, bank_id, rows[0], mode, cdt)  # written in the matmul's dtype by the kernel
         # eager: the bank keeps Q(W) for a checkpoint recompute (compiled graphs may reuse an op result's memory)
-        qw = bank_qdq(weight, bank_id, rows[1], mode, cdt, keep_w and not torch.compiler.is_compiling())
+        qw = _quantized_weight(weight, bank_id, rows[1], mode, cdt, keep_w and not torch.compiler.is_compiling())
         b = bias.to(cdt) if bias is not None and cdt is not None else bias
         # BF16 emulation is the layer's setting, decided here and kept for the backward
         emulate = qa.dtype == torch.bfloat16 and emulate_bf16
@@ -73,6 +73,61 @@ class _QuantLinearFn(torch.autograd.Function):
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = qg.reshape(-1, qg.shape[-1]).sum(0).to(b_dtype)
         return dx, dw, db, None, None, None, None, None
+
+
+# bank id -> (the bank, weight row -> (what its Q(W) was computed from, the tensors keeping those addresses
+# alive, Q(W))): filled only inside reusing_frozen_weights
+_FROZEN_WEIGHTS: dict[int, tuple[ScalerBank, dict[int, tuple[tuple, tuple, torch.Tensor]]]] = {}
+
+
+@contextlib.contextmanager
+def reusing_frozen_weights(banks: Iterable[ScalerBank]) -> Iterator[None]:
+    """Within it, a frozen bank's weight quantizer computes each Q(W) once and returns that tensor again while the
+    weight and its scale are unchanged (evaluation: thousands of forwards of the same weights).
+
+    A reused Q(W) is the one a new call would compute, bit for bit: a frozen call quantizes with the row's stored
+    scale, or with one from the weight's own amax (just-in-time scaling, a row that never ran), and rounds to
+    nearest, so it depends only on the weight, that scale and the output dtype. Each is checked at every call
+    (data pointer, in-place version counter, shape, strides, dtype; the weight and scale tensors are held, so their
+    addresses cannot be reused): a weight or scale written in place, a parameter replaced or a bank unfrozen
+    quantizes afresh. Training calls (with gradients, or on an unfrozen bank) and compiled graphs never reuse.
+    The reused tensors (one low-precision copy of the quantized weights) are released on leaving; not reentrant
+    for the same bank.
+
+    Args:
+        banks: the model's scaler banks (:func:`hif8qat.quant.linear.scaler_banks`).
+
+    Yields:
+        Nothing.
+    """
+    mine = [bank for bank in banks if bank.bank_id not in _FROZEN_WEIGHTS]
+    for bank in mine:
+        _FROZEN_WEIGHTS[bank.bank_id] = (bank, {})
+    try:
+        yield
+    finally:
+        for bank in mine:
+            _FROZEN_WEIGHTS.pop(bank.bank_id, None)
+
+
+def _quantized_weight(weight: torch.Tensor, bank_id: int, row: int, mode: int, cdt: torch.dtype | None,
+                      keep: bool) -> torch.Tensor:
+    """Q(W) of a forward: reused inside :func:`reusing_frozen_weights` where it is the same, else computed."""
+    held = _FROZEN_WEIGHTS.get(bank_id)
+    if held is None or mode == RECORD or torch.compiler.is_compiling():
+        return bank_qdq(weight, bank_id, row, mode, cdt, keep)
+    bank, reused = held
+    scale = bank.static_scale(row) if bank.frozen else None
+    if not bank.frozen or weight.is_inference() or (scale is not None and scale.is_inference()):
+        return bank_qdq(weight, bank_id, row, mode, cdt, keep)  # no version counter to trust
+    source = (weight.data_ptr(), tensor_version(weight), tuple(weight.shape), weight.stride(), weight.dtype,
+              weight.device, cdt, None if scale is None else (scale.data_ptr(), tensor_version(scale)))
+    hit = reused.get(row)
+    if hit is not None and hit[0] == source:
+        return hit[2]
+    qw = bank_qdq(weight, bank_id, row, mode, cdt, keep)
+    reused[row] = (source, (weight, scale), qw)
+    return qw
 
 
 class QuantState:
@@ -285,4 +340,4 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-__all__ = ["SETTINGS_KEY", "STATE_KEY", "QuantState", "keep_weights_under_fake_tensors"]
+__all__ = ["SETTINGS_KEY", "STATE_KEY", "QuantState", "keep_weights_under_fake_tensors", "reusing_frozen_weights"]

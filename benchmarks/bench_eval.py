@@ -1,0 +1,180 @@
+"""Where an evaluation's wall time goes, plain (bf16) and quantized (hif8), with and without the weights cast once.
+
+    python benchmarks/bench_eval.py --run-dir results/runs/mini/exp3/seed0                  # a quarter of the subsets
+    python benchmarks/bench_eval.py --run-dir results/runs/mini/exp3/seed0 --fraction 1 --skip-eval
+
+The run folder's export is loaded in each mode (``hif8`` needs a quantized run's export) under bf16 numerics
+(``--dtype``). In one process:
+
+1. forwards: one batch of ``--rows`` x ``--width`` tokens through the trunk, and its last positions through the
+   output layer (as :class:`hif8qat.evaluate.prefix_lm.SharedContextLM` scores a batch), for each mode with the
+   weights cast (and quantized) at every forward ("per forward", the code before) and once per evaluation
+   (``hif8qat.evaluate.runner.weights_cast_once``), interleaved over ``--repeats``; prints the median ms per token
+   of each, their ratios, and whether the two ways give bit-identical logits;
+2. evaluations (unless ``--skip-eval``): the mini profile's tasks on ``--fraction`` of its subsets
+   (conf/eval/mini.yaml), per mode and way, split into model load, forwards (of which the quantizer), the rest of
+   the scoring (batching, log-softmax), writing the eval folder, and lm-eval's own work (task setup, tokenisation,
+   metrics): the remainder. Prints the accuracies too: they must not depend on the way.
+
+On a shared machine the absolute seconds move with the load; the ratios, measured side by side, move less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+WAYS = ("per_forward", "once")
+
+
+def _timed(counter: collections.Counter, name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counter[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def _way(name: str):
+    """The evaluation's weight handling: the runner's (``once``) or a null one (``per_forward``)."""
+    from hif8qat.evaluate import runner
+
+    return runner.weights_cast_once if name == "once" else (lambda model, device_type: contextlib.nullcontext())
+
+
+def bench_forwards(models: dict, numerics, rows: int, width: int, repeats: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = next(iter(models.values())).config.vocab_size
+    ids = torch.randint(0, vocab, (rows, width), generator=gen)
+    times = collections.defaultdict(list)
+    logits = {}
+
+    def forward(model):
+        with numerics.forward():
+            hidden = model.base_model(input_ids=ids).last_hidden_state
+            return model.get_output_embeddings()(hidden[:, -1])
+
+    with torch.no_grad():  # as the evaluation runs
+        for model in models.values():  # warm-up
+            forward(model)
+        for _ in range(repeats):  # interleaved: a load change hits every variant alike
+            for mode, model in models.items():
+                t0 = time.perf_counter()
+                logits[mode, "per_forward"] = forward(model)
+                times[mode, "per_forward"].append(time.perf_counter() - t0)
+                with _way("once")(model, "cpu"):
+                    forward(model)  # casts and quantizes; the timed forward reuses
+                    t0 = time.perf_counter()
+                    logits[mode, "once"] = forward(model)
+                    times[mode, "once"].append(time.perf_counter() - t0)
+    tokens = rows * width
+    ref = statistics.median(times[next(iter(models)), "per_forward"])
+    print(f"forwards: {rows} x {width} tokens, median of {repeats}, ratios to {next(iter(models))} per forward")
+    print(f"{'mode':<6}{'weights cast':<14}{'ms/token':>10}{'ratio':>8}{'logits identical':>18}")
+    for (mode, way), ts in sorted(times.items()):
+        same = bool(torch.equal(logits[mode, "per_forward"], logits[mode, way]))
+        print(f"{mode:<6}{way.replace('_', ' '):<14}{1000 * statistics.median(ts) / tokens:>10.3f}"
+              f"{statistics.median(ts) / ref:>8.2f}{str(same):>18}")
+
+
+def bench_evaluation(export: Path, mode: str, way: str, numerics, fraction: float, batch_size: int) -> None:
+    import torch
+
+    from hif8qat.evaluate import prefix_lm, runner
+    from hif8qat.evaluate.loading import load_for_eval
+    from hif8qat.scaling.bank import ScalerBank
+
+    spent: collections.Counter = collections.Counter()
+    patches = [
+        (prefix_lm.SharedContextLM, "_forward"), (prefix_lm.SharedContextLM, "_score_requests"),
+        (ScalerBank, "quantize"), (runner, "write_eval_dir"),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patches]
+    saved.append((runner, "weights_cast_once", runner.weights_cast_once))
+    for owner, name, fn in saved[:-1]:
+        setattr(owner, name, _timed(spent, name, fn))
+    runner.weights_cast_once = _way(way)
+    try:
+        t0 = time.perf_counter()
+        model, tok = load_for_eval(export, mode, device="cpu")
+        spent["load"] = time.perf_counter() - t0
+        sizes = {"mmlu_continuation": max(57, round(171 * fraction)), "hellaswag": round(130 * fraction),
+                 "arc_challenge": round(200 * fraction)}
+        with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
+            t0 = time.perf_counter()
+            res = runner.evaluate_model(model, tok, list(sizes), out_dir=Path(tmp) / mode, mode=mode,
+                                        batch_size=batch_size, subset=sizes, offline_data=True, device="cpu",
+                                        numerics=numerics)
+            total = time.perf_counter() - t0
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    tokens = res["_meta"]["eval_tokens"]
+    fwd, score = spent["_forward"], spent["_score_requests"]
+    parts = {"load": spent["load"], "forwards": fwd, "  of which quantizer": spent["quantize"],
+             "scoring rest": score - fwd, "write": spent["write_eval_dir"],
+             "lm-eval setup, tokens, metrics": total - score - spent["write_eval_dir"]}
+    print(f"\nevaluation {mode}, weights cast {way.replace('_', ' ')}: {spent['load'] + total:.1f} s, "
+          f"{tokens['forwarded']} tokens forwarded ({tokens['forwarded_padded']} with padding, "
+          f"{tokens['forward_calls']} model calls), {1000 * fwd / tokens['forwarded']:.3f} ms/token in forwards")
+    for name, s in parts.items():
+        print(f"  {name:<32}{s:>8.1f} s")
+    print("  scores: " + ", ".join(f"{t} {res[t]['value']:.4f}" for t in sizes))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", type=Path, required=True, help="a finished run folder (hif8: a quantized run's)")
+    ap.add_argument("--modes", default="bf16,hif8")
+    ap.add_argument("--dtype", default="bf16", help="the evaluation numerics (eval.dtype's values)")
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--width", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--fraction", type=float, default=0.25, help="share of each mini subset to evaluate")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--skip-eval", action="store_true", help="the forwards only")
+    args = ap.parse_args(argv)
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(key, "1")
+    logging.disable(logging.WARNING)
+    import torch
+
+    from hif8qat.config.numerics import eval_numerics
+    from hif8qat.evaluate.loading import load_for_eval
+
+    _, numerics = eval_numerics("cpu", args.dtype)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    export = args.run_dir / "export"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, numerics {numerics.mode}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    models = {m: load_for_eval(export, m, device="cpu")[0] for m in modes}
+    bench_forwards(models, numerics, args.rows, args.width, args.repeats)
+    del models
+    if not args.skip_eval:
+        for mode in modes:
+            for way in WAYS:
+                bench_evaluation(export, mode, way, numerics, args.fraction, args.batch_size)
+    print(f"\nload average {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -96,21 +96,22 @@ def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_step
         prepared.append((model, config))
         return real_prepare(model, config, device, numerics)
 
-    def step(model, optimizer, scheduler, batches, config, numerics, index):
+    def step(model, optimizer, scheduler, batches, config, numerics):
         quantized = any(m.quant_enabled for _, m in quant_modules(model))
-        stepped.append((model, type(optimizer).__name__, index, quantized))
-        done = sum(1 for s in stepped if s[3] == quantized)
+        stepped.append((model, type(optimizer).__name__, quantized))
+        done = sum(1 for s in stepped if s[2] == quantized)
         clock.now += {(False, 1): 3.0, (False, 2): 1.0, (True, 1): 9.0, (True, 2): 2.0}[quantized, done]
         assert len(list(batches)) == config.grad_accum_steps(1)
         return 0.0
 
     monkeypatch.setattr(time_estimate, "prepare_model", prepare)
     monkeypatch.setattr(time_estimate, "train_step", step)
+    monkeypatch.setattr(time_estimate, "write_byte_seconds", lambda folder: 1e-9)
     costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg))
     assert len(prepared) == 1 and prepared[0][1] is cfg
     model = prepared[0][0]
     assert all(s[0] is model and s[1] == "AdamW" for s in stepped)
-    assert [(s[2], s[3]) for s in stepped] == [(0, False), (1, False), (2, True), (3, True)]
+    assert [s[2] for s in stepped] == [False, False, True, True]
     assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == (2.0, 1.0, 7.0, 2.0)
     assert sizes["state_bytes"] > sizes["model_bytes"] > 0
 

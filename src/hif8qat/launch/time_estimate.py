@@ -29,7 +29,7 @@ from hif8qat.evaluate.heldout import heldout_window_count
 from hif8qat.launch.memory import describe, step_memory
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
-from hif8qat.quant.linear import freeze_scales, set_quantization
+from hif8qat.quant.linear import freeze_scales, set_quantization, set_step
 from hif8qat.runs.folders import is_done, run_dir_for
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.compiled_blocks import compile_blocks
@@ -292,7 +292,9 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
         times = []
         for _ in range(2):
             t = time.perf_counter()
-            train_step(model, optimizer, scheduler, iter([ids] * cfg.grad_accum_steps(1)), cfg, numerics, next(steps))
+            if cfg.quant.enabled:  # as the trainer tells the quantizers the step before each
+                set_step(model, next(steps))
+            train_step(model, optimizer, scheduler, iter([ids] * cfg.grad_accum_steps(1)), cfg, numerics)
             times.append(time.perf_counter() - t)
         return times[0], times[1]
 

@@ -83,10 +83,17 @@ class _Clock:
         return self.now
 
 
-def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_steps_apart(monkeypatch, tmp_path):
-    """Plain steps take 3 s then 1 s, quantized ones 9 s (the compile) then 2 s, on the model prepare_model made
-    for the run with the run's optimizer: the costs split the first steps' extras from the warm steps."""
-    cfg = cli_config(["experiment=exp3", "profile=smoke", f"results_root={tmp_path}"])
+@pytest.mark.parametrize(("experiment", "plain", "order", "expected"), [
+    # quantized first (the run's first step, then a warm one), then one warm plain step for the plain runs
+    ("exp3", True, [True, True, False], (0.0, 1.0, 7.0, 2.0)),
+    ("exp3", False, [True, True], (0.0, 2.0, 7.0, 2.0)),  # no plain step pending: none timed
+    ("exp1", True, [False, False], (2.0, 1.0, 0.0, 1.0)),  # a plain config: its first and a warm step
+])
+def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_steps_apart(
+        monkeypatch, tmp_path, experiment, plain, order, expected):
+    """Plain steps take 3 s then 1 s, quantized ones 9 s (AdamW's state, the compile) then 2 s, on the model
+    prepare_model made for the run with the run's optimizer: the costs split the first step's extra from warm steps."""
+    cfg = cli_config([f"experiment={experiment}", "profile=smoke", f"results_root={tmp_path}"])
     clock = _Clock()
     monkeypatch.setattr(time_estimate.time, "perf_counter", clock)
     prepared, stepped = [], []
@@ -99,20 +106,19 @@ def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_step
     def step(model, optimizer, scheduler, batches, config, numerics):
         quantized = any(m.quant_enabled for _, m in quant_modules(model))
         stepped.append((model, type(optimizer).__name__, quantized))
-        done = sum(1 for s in stepped if s[2] == quantized)
-        clock.now += {(False, 1): 3.0, (False, 2): 1.0, (True, 1): 9.0, (True, 2): 2.0}[quantized, done]
+        first = len(stepped) == 1
+        clock.now += (9.0 if first else 2.0) if quantized else (3.0 if first else 1.0)
         assert len(list(batches)) == config.grad_accum_steps(1)
         return 0.0
 
     monkeypatch.setattr(time_estimate, "prepare_model", prepare)
     monkeypatch.setattr(time_estimate, "train_step", step)
     monkeypatch.setattr(time_estimate, "write_byte_seconds", lambda folder: 1e-9)
-    costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg))
+    costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg), plain=plain)
     assert len(prepared) == 1 and prepared[0][1] is cfg
-    model = prepared[0][0]
-    assert all(s[0] is model and s[1] == "AdamW" for s in stepped)
-    assert [s[2] for s in stepped] == [False, False, True, True]
-    assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == (2.0, 1.0, 7.0, 2.0)
+    assert all(s[0] is prepared[0][0] and s[1] == "AdamW" for s in stepped)
+    assert [s[2] for s in stepped] == order
+    assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == expected
     assert sizes["state_bytes"] > sizes["model_bytes"] > 0
 
 
@@ -128,8 +134,8 @@ def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took
                                "--results-root", str(tmp_path), "--label", "make exp3"], config_for) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("estimate: make exp3: ")]
     phases = [line.split("] ", 1)[1] for line in lines if line.startswith("estimate: make exp3: [")]
-    expected = ["simulating a training step's memory", "composing the configs", "loading ", "timing 2 training steps",
-                "timing an evaluation forward", "timing 2 hif8", "timing a write"]
+    expected = ["simulating a training step's memory", "composing the configs", "loading ", "timing 2 hif8",
+                "timing a plain (BF16) training step", "timing an evaluation forward", "timing a write"]
     assert len(phases) == len(expected) and all(p.startswith(e) for p, e in zip(phases, expected, strict=True)), lines
     last = lines[-1]
     assert "2 run(s) to train and evaluate" in last and "exp1 " in last and "exp3 " in last, last

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import tempfile
@@ -258,15 +259,16 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
     run's optimizer and schedule) and stepped as it steps (:func:`hif8qat.train.loop.train_step`), on this machine's
     CPU. One loaded model serves every phase.
 
-    Each kind of step runs twice: the first is the run's first (AdamW's state; the quantizer's compile and cold
-    start), the second a warm one. The evaluation is timed by a forward at its mean call shape, the held-out
-    comparison by one of its batches.
+    A quantized config runs two quantized steps, the first as the run's first (AdamW's state, the quantizer's compile
+    and cold start), then, when plain steps are pending too, one warm plain step (the first step's extra is counted
+    once, with the quantized one); a plain config runs two plain steps. The evaluation is timed by a forward at its
+    mean call shape, the held-out comparison by one of its batches.
 
     Args:
         cfg: the run's resolved config (a quantized one times both kinds of step and forward).
         numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (its mode is timed on the
             CPU).
-        plain: time the plain (BF16) steps too (False: only quantized steps are pending).
+        plain: time a plain (BF16) step too (False: only quantized steps are pending).
         say: told each phase as it starts.
         eval_shape: ``(rows, positions)`` of the evaluation forward timed.
 
@@ -285,52 +287,56 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
     scheduler = warmup_cosine_schedule(optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
-    steps = iter(range(cfg.train.steps))
+    steps = itertools.count(cfg.quant.bf16_warmup_steps)  # the quantized steps' indices, from the first
 
-    def step_pair() -> tuple[float, float]:  # (first, warm)
+    def step_s() -> float:
         model.train()
-        times = []
-        for _ in range(2):
-            t = time.perf_counter()
-            if cfg.quant.enabled:  # as the trainer tells the quantizers the step before each
-                set_step(model, next(steps))
-            train_step(model, optimizer, scheduler, iter([ids] * cfg.grad_accum_steps(1)), cfg, numerics)
-            times.append(time.perf_counter() - t)
-        return times[0], times[1]
+        if cfg.quant.enabled:  # as the trainer tells the quantizers the step before each
+            set_step(model, next(steps))
+        t = time.perf_counter()
+        train_step(model, optimizer, scheduler, iter([ids] * cfg.grad_accum_steps(1)), cfg, numerics)
+        return time.perf_counter() - t
 
-    def forward_s(rows: int, positions: int) -> float:  # a forward and its FP32 log-probabilities, as evaluated
+    def token_s(rows: int, positions: int, warm: bool) -> float:  # a forward and its FP32 log-probabilities
         model.eval()
         batch = torch.randint(0, vocab, (rows, positions))
-        with torch.inference_mode(), numerics.forward():
-            t = time.perf_counter()
-            torch.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
-            return time.perf_counter() - t
+        for _ in range(1 if warm else 2):  # the first call at a shape allocates
+            with torch.inference_mode(), numerics.forward():
+                t = time.perf_counter()
+                torch.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
+                seconds = time.perf_counter() - t
+        return seconds / (rows * positions)
 
-    steps_line = (f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
+    batch_line = (f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
                   + (f", {cfg.grad_accum_steps(1)} micro-batches" if cfg.grad_accum_steps(1) > 1 else ""))
-    first_extra = train_step_s = 0.0
-    if plain:
-        say(f"timing 2 training steps of {steps_line}, the first as the run's first")
-        first, train_step_s = step_pair()
-        first_extra = first - train_step_s
     rows, positions = eval_shape
-    say(f"timing an evaluation forward of {rows} x {positions} tokens and a held-out batch of "
-        f"{HELDOUT_BATCH_WINDOWS} x {cfg.train.seq_len}")
-    forward_s(rows, positions)  # the first call at the evaluation's shape: allocation
-    eval_token_s = forward_s(rows, positions) / (rows * positions)
-    heldout_batch_s = forward_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len)
-    qat_step_s, qat_start, quant_token_s = train_step_s, 0.0, eval_token_s
+    first_extra = qat_start = 0.0
     if cfg.quant.enabled:
         training = cfg.quant.training
-        say(f"timing 2 {training.format} ({training.scope}) training steps, the first with the quantizer's compile, "
-            "and a quantized evaluation forward")
+        say(f"timing 2 {training.format} ({training.scope}) training steps of {batch_line}, the first as the run's "
+            "first (AdamW's state, the quantizer's compile), and a quantized evaluation forward")
         set_quantization(model, True)
-        first, qat_step_s = step_pair()
-        qat_start = first - qat_step_s
+        first, qat_step_s = step_s(), step_s()
+        qat_start = first - qat_step_s  # the run's first step pays it, quantized or not: counted once, here
         freeze_scales(model, True)
-        quant_token_s = forward_s(rows, positions) / (rows * positions)
-        if not plain:  # the run's first step is its first quantized one: both extras in one
-            first_extra, train_step_s = 0.0, qat_step_s
+        quant_token_s = token_s(rows, positions, warm=False)
+        freeze_scales(model, False)
+        set_quantization(model, False)
+    train_step_s = qat_step_s if cfg.quant.enabled else 0.0
+    if plain and cfg.quant.enabled:
+        say(f"timing a plain (BF16) training step of {batch_line}")
+        train_step_s = step_s()
+    elif plain:
+        say(f"timing 2 training steps of {batch_line}, the first as the run's first (AdamW's state)")
+        first, train_step_s = step_s(), step_s()
+        first_extra = first - train_step_s
+    say(f"timing an evaluation forward of {rows} x {positions} tokens and a held-out batch of "
+        f"{HELDOUT_BATCH_WINDOWS} x {cfg.train.seq_len}")
+    eval_token_s = token_s(rows, positions, warm=cfg.quant.enabled)
+    heldout_batch_s = token_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len, warm=True) * (
+        HELDOUT_BATCH_WINDOWS * cfg.train.seq_len)
+    if not cfg.quant.enabled:
+        qat_step_s, quant_token_s = train_step_s, eval_token_s
     say("timing a write to the results' disk")
     write_s = write_byte_seconds(Path(cfg.results_root))
     sizes = {"model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),

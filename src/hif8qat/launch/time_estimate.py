@@ -385,7 +385,8 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     ap.add_argument("--profile", default="mini")
     ap.add_argument("--experiments", nargs="+", required=True)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
-    ap.add_argument("--results-root", default="results/runs")
+    ap.add_argument("--results-root", default=None,
+                    help="where recorded evaluations are read (default: the runs' own results_root)")
     ap.add_argument("--label", default="these runs")
     ap.add_argument("--baseline", default="", help="an experiment run first with --baseline-overrides (make expN)")
     ap.add_argument("--overrides", nargs="*", default=[], help="the command line's settings (make's ARGS)")
@@ -426,7 +427,7 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         print(f"estimate: every run of {args.label} is finished; only the report is left")
         return 0
     configs = [config_for(args.profile, experiment, seed) for experiment, seed in pending]
-    work = eval_work(Path(args.results_root), args.profile)
+    work = eval_work(Path(args.results_root or configs[0].results_root), args.profile)
     if args.profile == "gpu1":
         facts, source = _gpu1_facts(configs[0])
         costs = flop_costs(configs[0], facts)

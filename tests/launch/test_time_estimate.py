@@ -1,41 +1,131 @@
-"""The time estimate printed before make all & co.: what one run adds up to, worked by hand."""
+"""The time estimate printed before make all & co.: what one run adds up to, worked by hand from its config, and what
+the measurement times (the trainer's own model and step, each kind of step twice) with the clock scripted."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import pytest
 from test_reliability import cli_config
 
-from hif8qat.launch.time_estimate import EVAL_SETUP_S, Costs, run_seconds
+from hif8qat.launch import time_estimate
+from hif8qat.launch.time_estimate import Costs, EvalWork, run_parts, run_seconds
+from hif8qat.quant.linear import quant_modules
 
 COSTS = Costs(numerics="bf16", load_s=5.0, train_step_s=2.0, qat_step_s=3.0, eval_token_s=1e-3,
-              quant_eval_token_s=2e-3)
+              quant_eval_token_s=2e-3, first_step_s=1.5, qat_start_s=7.0, heldout_batch_s=0.5, startup_s=4.0,
+              write_byte_s=1e-9, eval_setup_s=15.0)
+WORK = EvalWork(tokens=10_000, calls=100)
+MODEL_BYTES, STATE_BYTES = 500_000_000, 3_000_000_000
 
 
-def test_a_plain_run_is_its_steps_one_evaluation_and_two_loads():
-    cfg = cli_config(["experiment=exp1", "profile=mini", "profile.steps=40"])
-    assert not cfg.quant.enabled and list(cfg.eval.modes) == ["bf16"]
-    # 40 plain steps x 2 s + 10,000 tokens x 1 ms + setup + a load for training and one for the evaluation
-    assert run_seconds(cfg, COSTS, 10_000) == pytest.approx(80 + 10 + EVAL_SETUP_S + 2 * 5)
+def test_a_plain_run_is_its_start_its_steps_a_checkpoint_the_export_and_one_evaluation():
+    cfg = cli_config(["experiment=exp1", "profile=mini"])
+    assert not cfg.quant.enabled and list(cfg.eval.modes) == ["bf16"] and cfg.train.steps == 40
+    parts = run_parts(cfg, COSTS, WORK, MODEL_BYTES, STATE_BYTES)
+    assert parts["start"] == pytest.approx(4.0 + 5.0)  # the process's start and the model load
+    # the first step's extra, 40 plain steps, the end-of-training held-out loss: 8 windows in 2 batches of 4
+    assert parts["train"] == pytest.approx(1.5 + 40 * 2.0 + 2 * 0.5)
+    # mini checkpoints at step 20 only (none at the end: keep_checkpoints_when_done=0), then the export
+    assert parts["write"] == pytest.approx((3_000_000_000 + 500_000_000) * 1e-9)
+    assert parts["evaluate"] == pytest.approx(5.0 + 15.0 + 10_000 * 1e-3)  # a load, lm-eval's setup, the forwards
+    assert parts["heldout"] == 0.0  # only a quantized run compares held-out tokens
+    assert run_seconds(cfg, COSTS, WORK, MODEL_BYTES, STATE_BYTES) == pytest.approx(sum(parts.values()))
 
 
-def test_a_quantized_run_counts_its_warmup_its_quantized_steps_and_every_evaluation_mode():
-    cfg = cli_config(["experiment=exp8", "profile=mini", "profile.steps=40", "eval.modes=[bf16,hif8]"])
+def test_a_quantized_run_counts_its_warmup_its_quantized_steps_every_evaluation_mode_and_the_heldout_models():
+    cfg = cli_config(["experiment=exp8", "profile=mini", "eval.modes=[bf16,hif8]"])
     warmup = cfg.quant.bf16_warmup_steps
-    assert cfg.quant.enabled and 0 < warmup < 40
-    expected = (warmup * 2.0 + (40 - warmup) * 3.0  # plain warmup steps, then quantized ones
-                + 10_000 * 1e-3 + 10_000 * 2e-3 + 2 * EVAL_SETUP_S  # the bf16 and the quantized evaluation
-                + 3 * 5.0  # loads: training and two evaluation modes
-                # held-out distances on 32 windows x 128 = 4,096 tokens: a load and a forward each for the
-                # baseline's export (bf16), the run's bf16 and its quantized mode
-                + 3 * 5.0 + 4096 * 1e-3 + 4096 * 1e-3 + 4096 * 2e-3)
-    assert run_seconds(cfg, COSTS, 10_000) == pytest.approx(expected)
+    assert cfg.quant.enabled and 0 < warmup < 40 and cfg.experiment.baseline
+    parts = run_parts(cfg, COSTS, WORK, MODEL_BYTES, STATE_BYTES)
+    # plain warmup steps, the first quantized step's compile, quantized steps, the held-out loss quantized (2x)
+    assert parts["train"] == pytest.approx(1.5 + warmup * 2.0 + 7.0 + (40 - warmup) * 3.0 + 2 * 0.5 * 2)
+    assert parts["evaluate"] == pytest.approx(2 * (5.0 + 15.0) + 10_000 * 1e-3 + 10_000 * 2e-3)
+    # 32 windows x 128 in batches of 4 through the baseline's export, the run's bf16 and its hif8 (2x the cost)
+    assert parts["heldout"] == pytest.approx(3 * 5.0 + 8 * 0.5 + 8 * 0.5 + 8 * 0.5 * 2)
+
+
+def test_the_modes_and_the_baseline_counted_are_the_configs():
+    one = run_parts(cli_config(["experiment=exp3", "profile=mini"]), COSTS, WORK)
+    two = run_parts(cli_config(["experiment=exp3", "profile=mini", "eval.modes=[bf16,hif8]"]), COSTS, WORK)
+    assert two["evaluate"] - one["evaluate"] == pytest.approx(5.0 + 15.0 + 10_000 * 2e-3)  # the hif8 mode
+    assert two["heldout"] - one["heldout"] == pytest.approx(5.0 + 8 * 0.5 * 2)  # and its held-out model
+    alone = run_parts(cli_config(["experiment=exp3", "profile=mini", "experiment.baseline=null"]), COSTS, WORK)
+    assert one["heldout"] - alone["heldout"] == pytest.approx(5.0 + 8 * 0.5)  # no baseline export to forward
+
+
+def test_twice_the_steps_doubles_the_steps_part_of_training_only():
+    short = cli_config(["experiment=exp3", "profile=mini"])
+    long = cli_config(["experiment=exp3", "profile=mini", "profile.steps=80"])
+    assert long.train.steps == 2 * short.train.steps
+    a, b = run_parts(short, COSTS, WORK), run_parts(long, COSTS, WORK)
+    assert b["train"] - a["train"] == pytest.approx(short.train.steps * 3.0)  # one more set of quantized steps
+    assert a["evaluate"] == b["evaluate"] and a["heldout"] == b["heldout"]
+
+
+def test_the_evaluation_workload_is_the_newest_recorded_one_else_the_profiles_fallback(tmp_path):
+    assert time_estimate.eval_work(tmp_path, "mini") == EvalWork(51_300, 227)
+    for name, tokens, calls in (("old", 40_000, 200), ("new", 30_000, 150)):
+        path = tmp_path / "mini" / name / "seed0" / "eval" / "bf16" / "results.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"_meta": {"eval_tokens": {"forwarded_padded": tokens, "forward_calls": calls}}}))
+    assert time_estimate.eval_work(tmp_path, "mini") == EvalWork(30_000, 150)
+
+
+class _Clock:
+    """time.perf_counter for the estimate's module: moves only when a scripted step runs."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(("experiment", "plain", "order", "expected"), [
+    # quantized first (the run's first step, then a warm one), then one warm plain step for the plain runs
+    ("exp3", True, [True, True, False], (0.0, 1.0, 7.0, 2.0)),
+    ("exp3", False, [True, True], (0.0, 2.0, 7.0, 2.0)),  # no plain step pending: none timed
+    ("exp1", True, [False, False], (2.0, 1.0, 0.0, 1.0)),  # a plain config: its first and a warm step
+])
+def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_steps_apart(
+        monkeypatch, tmp_path, experiment, plain, order, expected):
+    """Plain steps take 3 s then 1 s, quantized ones 9 s (AdamW's state, the compile) then 2 s, on the model
+    prepare_model made for the run with the run's optimizer: the costs split the first step's extra from warm steps."""
+    cfg = cli_config([f"experiment={experiment}", "profile=smoke", f"results_root={tmp_path}"])
+    clock = _Clock()
+    monkeypatch.setattr(time_estimate.time, "perf_counter", clock)
+    prepared, stepped = [], []
+    real_prepare = time_estimate.prepare_model
+
+    def prepare(model, config, device, numerics):
+        prepared.append((model, config))
+        return real_prepare(model, config, device, numerics)
+
+    def step(model, optimizer, scheduler, batches, config, numerics):
+        quantized = any(m.quant_enabled for _, m in quant_modules(model))
+        stepped.append((model, type(optimizer).__name__, quantized))
+        first = len(stepped) == 1
+        clock.now += (9.0 if first else 2.0) if quantized else (3.0 if first else 1.0)
+        assert len(list(batches)) == config.grad_accum_steps(1)
+        return 0.0
+
+    monkeypatch.setattr(time_estimate, "prepare_model", prepare)
+    monkeypatch.setattr(time_estimate, "train_step", step)
+    monkeypatch.setattr(time_estimate, "write_byte_seconds", lambda folder: 1e-9)
+    costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg), plain=plain)
+    assert len(prepared) == 1 and prepared[0][1] is cfg
+    assert all(s[0] is prepared[0][0] and s[1] == "AdamW" for s in stepped)
+    assert [s[2] for s in stepped] == order
+    assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == expected
+    assert sizes["state_bytes"] > sizes["model_bytes"] > 0
 
 
 def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took(tmp_path, capsys):
     """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the model load,
-    the plain steps, the evaluation forward, the quantized steps), then the total with the seconds it measured for.
+    the plain steps, the evaluation forward, the quantized steps, the disk), then the total per run and per part.
     The tiny model stands in for the mini profile's so that the whole measurement runs in seconds."""
-    from hif8qat.launch import time_estimate
 
     def config_for(profile, experiment, seed, extra):
         return cli_config([f"experiment={experiment}", "profile=smoke", f"seed={seed}", f"results_root={tmp_path}"])
@@ -44,7 +134,11 @@ def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took
                                "--results-root", str(tmp_path), "--label", "make exp3"], config_for) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("estimate: make exp3: ")]
     phases = [line.split("] ", 1)[1] for line in lines if line.startswith("estimate: make exp3: [")]
-    expected = ["simulating a training step's memory", "composing the configs", "loading ", "timing 2 training steps",
-                "timing an evaluation forward", "converting to "]
+    expected = ["simulating a training step's memory", "composing the configs", "loading ", "timing 2 hif8",
+                "timing a plain (BF16) training step", "timing an evaluation forward", "timing a write"]
     assert len(phases) == len(expected) and all(p.startswith(e) for p, e in zip(phases, expected, strict=True)), lines
-    assert "2 run(s) to train and evaluate" in lines[-1] and "measured just now in " in lines[-1], lines[-1]
+    last = lines[-1]
+    assert "2 run(s) to train and evaluate" in last and "exp1 " in last and "exp3 " in last, last
+    assert "measured just now in " in last and "held-out comparison" in last, last
+    assert not list(tmp_path.iterdir()), "the disk's timing leaves nothing behind"
+    assert math.isfinite(float(last.split("about ", 1)[1].split(" min", 1)[0]))

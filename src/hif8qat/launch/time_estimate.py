@@ -10,7 +10,11 @@ labelled so; elsewhere it says nothing."""
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import json
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,24 +25,26 @@ import torch
 
 from hif8qat.compute_dtype import Numerics
 from hif8qat.config.numerics import train_numerics
+from hif8qat.evaluate.heldout import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
 from hif8qat.evaluate.heldout import heldout_window_count
 from hif8qat.launch.memory import describe, step_memory
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
-from hif8qat.quant.linear import freeze_scales
-from hif8qat.quant.training import convert_to_hif8_training
+from hif8qat.quant.linear import freeze_scales, set_quantization, set_step
 from hif8qat.runs.folders import is_done, run_dir_for
-from hif8qat.train.loop import build_optimizer, lm_loss
+from hif8qat.train import checkpoint as ckpt
+from hif8qat.train.compiled_blocks import compile_blocks
+from hif8qat.train.loop import build_optimizer, prepare_model, train_step
+from hif8qat.train.schedule import warmup_cosine_schedule
 
-# Tokens an evaluation of one run forwards at the mini profile (its three subsets, each item's context once,
-# the bf16 mode only), counted by the evaluation itself into results.json (_meta.eval_tokens); used when no
-# finished evaluation of this profile exists yet to read it from. A workload size, not a time.
-# mini: the committed reference run of exp1 forwarded 51,287 positions, padding included (was 60,000, which put a
-# fresh clone's estimate of each evaluation 17 % high).
+# What an evaluation mode of one run forwards at the profile, (positions padding included, forward calls), counted by
+# the evaluation itself into results.json (_meta.eval_tokens); used when no finished evaluation of this profile exists
+# yet to read it from. A workload size, not a time.
+# mini: the committed reference run of exp1 forwarded 51,287 positions in 227 calls.
 # gpu1: MMLU 1,140 items x about 540 tokens (5 shots and the question), HellaSwag 1,000 x about 1,160 (10 shots,
 # the context once and four endings), ARC-Challenge 1,172 x about 1,300 (25 shots): about 3.3 M, a planning figure
-# until the first gpu1 evaluation records its own count.
-_EVAL_TOKENS_FALLBACK = {"mini": 51_300, "gpu1": 3_300_000}
+# until the first gpu1 evaluation records its own count (its cost is from FLOPs per token: the calls are not used).
+_EVAL_FALLBACK = {"mini": (51_300, 227), "gpu1": (3_300_000, 0)}
 
 # The gpu1 estimate's stated assumptions (none of them measured by this project on a GPU): BF16 training at
 # 250 TFLOP/s on one H200 (about a quarter of its dense BF16 peak; the authors' logs imply about 335 TFLOP/s per
@@ -51,64 +57,117 @@ GPU1_EVAL_EFFICIENCY = 1 / 3
 GPU1_LOAD_S = 30.0
 
 
-def eval_tokens(results_root: Path, profile: str) -> int:
-    """Tokens one run's evaluation forwards: from the newest recorded evaluation of the profile, else a fallback.
+@dataclass(frozen=True)
+class EvalWork:
+    """What one evaluation mode forwards: positions (padding included) in how many forward calls."""
+
+    tokens: int
+    calls: int
+
+
+def eval_work(results_root: Path, profile: str) -> EvalWork:
+    """What one run's evaluation mode forwards: from the newest recorded evaluation of the profile, else a fallback.
 
     Args:
         results_root: the folder that holds the runs.
         profile: the profile.
 
     Returns:
-        The tokens; a per-profile fallback when no evaluation is recorded."""
-    counts = []
-    for path in sorted((results_root / profile).glob("*/seed*/eval/bf16/results.json")):
+        The workload; a per-profile fallback when no evaluation is recorded."""
+    newest = None
+    for path in (results_root / profile).glob("*/seed*/eval/*/results.json"):
         tokens = (json.loads(path.read_text()).get("_meta") or {}).get("eval_tokens") or {}
-        if tokens.get("forwarded_padded") or tokens.get("forwarded"):
-            counts.append(int(tokens.get("forwarded_padded") or tokens["forwarded"]))
-    return max(counts) if counts else _EVAL_TOKENS_FALLBACK.get(profile, 0)
+        count = tokens.get("forwarded_padded") or tokens.get("forwarded")
+        if count and (newest is None or path.stat().st_mtime > newest[0]):
+            newest = (path.stat().st_mtime, EvalWork(int(count), int(tokens.get("forward_calls") or 0)))
+    if newest is not None and newest[1].calls:
+        return newest[1]
+    tokens, calls = _EVAL_FALLBACK.get(profile, (0, 0))
+    return EvalWork(newest[1].tokens if newest else tokens, calls)
 
 
-# Per evaluation mode, besides the forwards: lm-eval building its three tasks from the offline copies and
-# writing the per-item files (about 15 s measured at the mini profile, docs/calibration.md).
+# Per evaluation mode, besides its forwards: lm-eval building its three tasks from the offline copies and writing the
+# per-item files (about 15 s measured at the mini profile, docs/calibration.md).
 EVAL_SETUP_S = 15.0
 
 
 @dataclass(frozen=True)
 class Costs:
-    """What one piece of a run costs on this machine, measured by :func:`measure`."""
+    """What one piece of a run costs on this machine, measured by :func:`measure` (or assumed, :func:`flop_costs`)."""
 
     numerics: str
-    load_s: float  # loading the model (once for training, once per evaluation mode)
-    train_step_s: float  # a plain (BF16-warmup) optimizer step at the profile's batch
-    qat_step_s: float  # a step with the quantized linears on
-    eval_token_s: float  # one evaluated token, unquantized forward
-    quant_eval_token_s: float  # one evaluated token, quantized forward with frozen scales
+    load_s: float  # loading the model (once for training, once per evaluation mode and held-out model)
+    train_step_s: float  # a warm plain (BF16) optimizer step at the profile's batch
+    qat_step_s: float  # a warm step with the quantized linears on
+    eval_token_s: float  # one evaluated position, unquantized forward, at the evaluation's mean call size
+    quant_eval_token_s: float  # one evaluated position, quantized forward with frozen scales
+    first_step_s: float = 0.0  # the first step's extra over a warm one (AdamW's state, first calls at the shape)
+    qat_start_s: float = 0.0  # the first quantized step's extra: the quantizer kernels' compile, the cold start
+    heldout_batch_s: float = 0.0  # a held-out batch of windows through one unquantized model, log-probabilities
+    startup_s: float = 0.0  # a run process's start before its work (the interpreter, the imports)
+    write_byte_s: float = 0.0  # writing and hashing one byte of a checkpoint or the export
+    eval_setup_s: float = EVAL_SETUP_S  # per evaluation mode: lm-eval building its tasks, the per-item files
 
 
-def run_seconds(cfg, costs: Costs, eval_tokens_per_mode: int) -> float:
-    """Seconds one run takes: its plain and quantized steps, each evaluation mode's forwards and setup, and
-    one model load per process that needs the model (training, then each evaluation mode); for a quantized run
-    also the held-out distances computed after its evaluation.
+def _quant_ratio(costs: Costs) -> float:
+    return costs.quant_eval_token_s / costs.eval_token_s if costs.eval_token_s else 1.0
+
+
+def run_parts(cfg, costs: Costs, work: EvalWork, model_bytes: int = 0, state_bytes: int = 0) -> dict[str, float]:
+    """Seconds each part of one run takes, counted from its config: the process's start, the model load, the
+    plain (BF16 warmup) and quantized steps at their own costs (the first of each with its extra), the
+    checkpoints written on the way and the export, each evaluation mode (a load, lm-eval's setup, its forwards)
+    and, for a quantized run, the held-out comparison (a load and a pass over the windows per model compared:
+    the baseline's export when the run has a baseline, and each evaluation mode).
 
     Args:
         cfg: the run's resolved config.
         costs: what each piece costs (:func:`measure` or :func:`flop_costs`).
-        eval_tokens_per_mode: tokens one evaluation mode forwards.
+        work: what one evaluation mode forwards (:func:`eval_work`).
+        model_bytes: the export's weights, bytes.
+        state_bytes: one checkpoint, bytes (weights and the optimizer's state).
+
+    Returns:
+        ``{"start", "train", "write", "evaluate", "heldout"}`` seconds."""
+    steps = cfg.train.steps
+    qat_steps = max(steps - cfg.quant.bf16_warmup_steps, 0) if cfg.quant.enabled else 0
+    plain_steps = steps - qat_steps
+    # the held-out loss at the end of training, and every val_every steps: batches of 4 windows
+    validations = 1 + ((steps - 1) // cfg.train.val_every if cfg.train.val_every else 0)
+    validation = validations * -(-cfg.data.eval_windows // 4) * costs.heldout_batch_s * (
+        _quant_ratio(costs) if qat_steps else 1.0)
+    train = (costs.first_step_s + plain_steps * costs.train_step_s + qat_steps * costs.qat_step_s
+             + (costs.qat_start_s if qat_steps else 0.0) + validation)
+    every, keep_last = cfg.train.checkpoint_every, cfg.train.keep_checkpoints_when_done != 0
+    checkpoints = (steps - 1) // every + (1 if keep_last else 0) if every else int(keep_last)
+    write = (checkpoints * state_bytes + model_bytes) * costs.write_byte_s
+    modes = [m for m in cfg.eval.modes if m == "bf16" or cfg.quant.enabled]  # hif8 needs a quantized export
+    evaluate = sum(costs.load_s + costs.eval_setup_s
+                   + work.tokens * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
+                   for mode in modes)
+    heldout = 0.0
+    if cfg.quant.enabled:  # the baseline's export (bf16) when there is a baseline, and each mode of the run
+        batches = -(-heldout_window_count(cfg.train.seq_len) // HELDOUT_BATCH_WINDOWS)
+        compared = (["bf16"] if cfg.experiment.baseline else []) + list(modes)
+        heldout = sum(costs.load_s + batches * costs.heldout_batch_s * (1.0 if mode == "bf16" else _quant_ratio(costs))
+                      for mode in compared)
+    return {"start": costs.startup_s + costs.load_s, "train": train, "write": write, "evaluate": evaluate,
+            "heldout": heldout}
+
+
+def run_seconds(cfg, costs: Costs, work: EvalWork, model_bytes: int = 0, state_bytes: int = 0) -> float:
+    """Seconds one run takes: the sum of :func:`run_parts`.
+
+    Args:
+        cfg: as in :func:`run_parts`.
+        costs: as in :func:`run_parts`.
+        work: as in :func:`run_parts`.
+        model_bytes: as in :func:`run_parts`.
+        state_bytes: as in :func:`run_parts`.
 
     Returns:
         The seconds."""
-
-    modes = list(cfg.eval.modes)
-    qat_steps = max(cfg.train.steps - cfg.quant.bf16_warmup_steps, 0) if cfg.quant.enabled else 0
-    train = (cfg.train.steps - qat_steps) * costs.train_step_s + qat_steps * costs.qat_step_s
-    evaluate = sum(eval_tokens_per_mode * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
-                   + EVAL_SETUP_S for mode in modes)
-    heldout = 0.0
-    if cfg.quant.enabled:  # held-out distances: the baseline's export and each mode of the run, forwarded once
-        tokens = heldout_window_count(cfg.train.seq_len) * cfg.train.seq_len
-        heldout = sum(costs.load_s + tokens * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
-                      for mode in ["bf16", *modes])
-    return train + evaluate + heldout + costs.load_s * (1 + len(modes))
+    return sum(run_parts(cfg, costs, work, model_bytes, state_bytes).values())
 
 
 def flops_per_token(facts: dict, seq_len: int) -> tuple[float, float]:
@@ -157,69 +216,135 @@ def _gpu1_facts(cfg) -> tuple[dict, str]:
     return OPENPANGU_EMBEDDED_1B_CONFIG, "openPangu-Embedded-1B's published config"
 
 
-def measure(cfg, numerics: Numerics, repeats: int = 1, say: Callable[[str], None] = lambda line: None) -> Costs:
-    """Time the pieces of a run with the run's model, batch and numerics (quantized ones with cfg's quant), on this
-    machine's CPU.
-
-    Each kind of step runs once to warm up (allocation, AdamW's moments, the quantizers' cold start), then
-    ``repeats`` times timed; the evaluation forward is timed once, after the training steps have warmed the
-    kernels up.
-
-    Args:
-        cfg: the run's resolved config.
-        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (its mode is timed on the
-            CPU).
-        repeats: timed steps per kind after its warm-up (the fastest is kept).
-        say: told each phase as it starts.
+def process_age_s() -> float:
+    """Seconds since this process started: its interpreter and imports, what each run's own process also pays
+    before its work (read from /proc; 0 where there is none).
 
     Returns:
-        The measured costs."""
+        The seconds."""
+    try:
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, clock ticks
+        return max(float(Path("/proc/uptime").read_text().split()[0]) - started / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def write_byte_seconds(folder: Path, size: int = 64 << 20) -> float:
+    """Seconds per byte to write a file to disk (synced) and hash it, as checkpoints and exports are written, in the
+    nearest existing folder of ``folder`` (the run folders' disk); the file is removed.
+
+    Args:
+        folder: where the runs will be written.
+        size: bytes written.
+
+    Returns:
+        Seconds per byte."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    payload = os.urandom(1 << 20) * (size >> 20)
+    t = time.perf_counter()
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".hif8qat-estimate-") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+        f.seek(0)
+        hashlib.sha256(f.read()).hexdigest()
+    return (time.perf_counter() - t) / len(payload)
+
+
+def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str], None] = lambda line: None,
+            eval_shape: tuple[int, int] = (32, 8)) -> tuple[Costs, dict[str, int]]:
+    """Time the pieces of a run with the run's model, batch and numerics, built as the trainer builds it
+    (:func:`hif8qat.train.loop.prepare_model`: the quantized linears, the loss head, activation checkpointing; the
+    run's optimizer and schedule) and stepped as it steps (:func:`hif8qat.train.loop.train_step`), on this machine's
+    CPU. One loaded model serves every phase.
+
+    A quantized config runs two quantized steps, the first as the run's first (AdamW's state, the quantizer's compile
+    and cold start), then, when plain steps are pending too, one warm plain step (the first step's extra is counted
+    once, with the quantized one); a plain config runs two plain steps. The evaluation is timed by a forward at its
+    mean call shape, the held-out comparison by one of its batches.
+
+    Args:
+        cfg: the run's resolved config (a quantized one times both kinds of step and forward).
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (its mode is timed on the
+            CPU).
+        plain: time a plain (BF16) step too (False: only quantized steps are pending).
+        say: told each phase as it starts.
+        eval_shape: ``(rows, positions)`` of the evaluation forward timed.
+
+    Returns:
+        The measured costs, and ``{"model_bytes", "state_bytes"}``: the export's and a checkpoint's size."""
     say(f"loading {cfg.model.name}")
     t0 = time.perf_counter()
-    model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+    model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
+                              revision=cfg.model.revision)
     load_s = time.perf_counter() - t0
     numerics = replace(numerics, device_type="cpu")  # the model is timed where it loads: the CPU
-    ids = torch.randint(0, model.config.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
-    batch = torch.randint(0, model.config.vocab_size, (16, 128))
+    prepare_model(model, cfg, torch.device("cpu"), numerics)  # converted with quantization off, as training starts
+    if cfg.train.compile:
+        compile_blocks(model)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = warmup_cosine_schedule(optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
+    steps = itertools.count(cfg.quant.bf16_warmup_steps)  # the quantized steps' indices, from the first
 
-    def step_s(opt) -> float:
-        def once() -> float:
-            t = time.perf_counter()
-            with numerics.forward():
-                loss = lm_loss(model, ids)
-            with numerics.backward():
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return time.perf_counter() - t
-
+    def step_s() -> float:
         model.train()
-        once()  # first call: allocation, the quantizers' cold start
-        return min(once() for _ in range(repeats)) * cfg.grad_accum_steps(1)
+        if cfg.quant.enabled:  # as the trainer tells the quantizers the step before each
+            set_step(model, next(steps))
+        t = time.perf_counter()
+        train_step(model, optimizer, scheduler, iter([ids] * cfg.grad_accum_steps(1)), cfg, numerics)
+        return time.perf_counter() - t
 
-    def token_s() -> float:
+    def token_s(rows: int, positions: int, warm: bool) -> float:  # a forward and its FP32 log-probabilities
         model.eval()
-        with torch.inference_mode(), numerics.forward():
-            t = time.perf_counter()
-            model(input_ids=batch, use_cache=False)
-            return (time.perf_counter() - t) / batch.numel()
+        batch = torch.randint(0, vocab, (rows, positions))
+        for _ in range(1 if warm else 2):  # the first call at a shape allocates
+            with torch.inference_mode(), numerics.forward():
+                t = time.perf_counter()
+                torch.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
+                seconds = time.perf_counter() - t
+        return seconds / (rows * positions)
 
-    # the run's AdamW, in its implementation (train.optimizer_impl): a large share of a mini-profile step
-    say(f"timing {1 + repeats} training steps of {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, "
-        "the first a warm-up")
-    plain_step = step_s(build_optimizer(model, cfg))
-    say(f"timing an evaluation forward of {batch.shape[0]} x {batch.shape[1]} tokens")
-    plain_token = token_s()
-    qat_step, quant_token = plain_step, plain_token
+    batch_line = (f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
+                  + (f", {cfg.grad_accum_steps(1)} micro-batches" if cfg.grad_accum_steps(1) > 1 else ""))
+    rows, positions = eval_shape
+    first_extra = qat_start = 0.0
     if cfg.quant.enabled:
         training = cfg.quant.training
-        say(f"converting to {training.format} ({training.scope}), timing {1 + repeats} quantized "
-            "training steps and a quantized evaluation forward")
-        convert_to_hif8_training(model, config=replace(training, emulate_bf16=numerics.emulates_bf16))
-        qat_step = step_s(build_optimizer(model, cfg))
+        say(f"timing 2 {training.format} ({training.scope}) training steps of {batch_line}, the first as the run's "
+            "first (AdamW's state, the quantizer's compile), and a quantized evaluation forward")
+        set_quantization(model, True)
+        first, qat_step_s = step_s(), step_s()
+        qat_start = first - qat_step_s  # the run's first step pays it, quantized or not: counted once, here
         freeze_scales(model, True)
-        quant_token = token_s()
-    return Costs(numerics.mode, load_s, plain_step, qat_step, plain_token, quant_token)
+        quant_token_s = token_s(rows, positions, warm=False)
+        freeze_scales(model, False)
+        set_quantization(model, False)
+    train_step_s = qat_step_s if cfg.quant.enabled else 0.0
+    if plain and cfg.quant.enabled:
+        say(f"timing a plain (BF16) training step of {batch_line}")
+        train_step_s = step_s()
+    elif plain:
+        say(f"timing 2 training steps of {batch_line}, the first as the run's first (AdamW's state)")
+        first, train_step_s = step_s(), step_s()
+        first_extra = first - train_step_s
+    say(f"timing an evaluation forward of {rows} x {positions} tokens and a held-out batch of "
+        f"{HELDOUT_BATCH_WINDOWS} x {cfg.train.seq_len}")
+    eval_token_s = token_s(rows, positions, warm=cfg.quant.enabled)
+    heldout_batch_s = token_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len, warm=True) * (
+        HELDOUT_BATCH_WINDOWS * cfg.train.seq_len)
+    if not cfg.quant.enabled:
+        qat_step_s, quant_token_s = train_step_s, eval_token_s
+    say("timing a write to the results' disk")
+    write_s = write_byte_seconds(Path(cfg.results_root))
+    sizes = {"model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+             "state_bytes": ckpt.state_bytes(model, optimizer)}
+    costs = Costs(numerics.mode, load_s, train_step_s, qat_step_s, eval_token_s, quant_token_s,
+                  first_step_s=max(first_extra, 0.0), qat_start_s=max(qat_start, 0.0), heldout_batch_s=heldout_batch_s,
+                  write_byte_s=write_s)
+    return costs, sizes
 
 
 def print_memory(cfg, numerics: Numerics, world_size: int | None, device: str | None) -> None:
@@ -260,7 +385,8 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     ap.add_argument("--profile", default="mini")
     ap.add_argument("--experiments", nargs="+", required=True)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
-    ap.add_argument("--results-root", default="results/runs")
+    ap.add_argument("--results-root", default=None,
+                    help="where recorded evaluations are read (default: the runs' own results_root)")
     ap.add_argument("--label", default="these runs")
     ap.add_argument("--baseline", default="", help="an experiment run first with --baseline-overrides (make expN)")
     ap.add_argument("--overrides", nargs="*", default=[], help="the command line's settings (make's ARGS)")
@@ -271,6 +397,7 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
                     help="where the run trains, for the memory estimate (default: where train.device puts it here)")
     args = ap.parse_args(argv)
+    startup_s = process_age_s()  # this process's start, as each run's own process will pay it
     plain_config_for = config_for
 
     def config_for(profile, experiment, seed):  # every run with the settings it will be started with
@@ -300,28 +427,38 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         print(f"estimate: every run of {args.label} is finished; only the report is left")
         return 0
     configs = [config_for(args.profile, experiment, seed) for experiment, seed in pending]
-    tokens = eval_tokens(Path(args.results_root), args.profile)
+    work = eval_work(Path(args.results_root or configs[0].results_root), args.profile)
     if args.profile == "gpu1":
         facts, source = _gpu1_facts(configs[0])
         costs = flop_costs(configs[0], facts)
-        total = sum(run_seconds(c, costs, tokens) for c in configs)
+        total = sum(run_seconds(c, costs, work) for c in configs)
         train_flops = flops_per_token(facts, configs[0].train.seq_len)[0]
         print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
               f"one GPU, from FLOPs, not measured: {train_flops / 1e9:.2f} GFLOP per training token ({source}), "
               f"{configs[0].train.global_batch_size * configs[0].train.seq_len:,} tokens per step, an assumed "
               f"{GPU1_TFLOPS:.0f} TFLOP/s BF16 (H200-class) and QAT at {GPU1_QAT_RATIO}x: a step "
-              f"{costs.train_step_s:.2f} s plain / {costs.qat_step_s:.2f} s quantized; evaluation {tokens / 1e6:.1f} M "
-              f"tokens per mode at a third of that rate; {costs.load_s:.0f} s per model load")
+              f"{costs.train_step_s:.2f} s plain / {costs.qat_step_s:.2f} s quantized; evaluation "
+              f"{work.tokens / 1e6:.1f} M tokens per mode at a third of that rate; {costs.load_s:.0f} s per model load")
         return 0
     # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
     measured = next((c for c in configs if c.quant.enabled), configs[0])
+    plain = any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs)
     print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "
           "machine", flush=True)
-    costs = measure(measured, train_numerics(measured), say=say)
-    total = sum(run_seconds(c, costs, tokens) for c in configs)
+    rows = measured.eval.batch_size
+    shape = (rows, max(round(work.tokens / max(work.calls, 1) / rows), 1))
+    costs, sizes = measure(measured, train_numerics(measured), plain=plain, say=say, eval_shape=shape)
+    costs = replace(costs, startup_s=startup_s)
+    parts = [run_parts(c, costs, work, **sizes) for c in configs]
+    total = sum(sum(p.values()) for p in parts)
+    each = ", ".join(f"{c.experiment.name} {sum(p.values()) / 60:.1f}" for c, p in zip(configs, parts, strict=True))
+    summed = {k: sum(p[k] for p in parts) for k in parts[0]}
     print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.1f} min on "
-          f"this machine ({costs.numerics} numerics, measured just now in {time.perf_counter() - started:.0f} s: a "
-          f"training step {costs.train_step_s:.2f} s plain / {costs.qat_step_s:.2f} s quantized, "
-          f"{costs.eval_token_s * 1e3:.2f} / {costs.quant_eval_token_s * 1e3:.2f} ms per evaluated token, "
-          f"{costs.load_s:.0f} s to load the model)")
+          f"this machine ({each} min; training {summed['train'] / 60:.1f}, evaluation "
+          f"{summed['evaluate'] / 60:.1f}, held-out comparison {summed['heldout'] / 60:.1f}, start-up and "
+          f"writing {(summed['start'] + summed['write']) / 60:.1f}), from {costs.numerics} numerics measured just now "
+          f"in {time.perf_counter() - started:.0f} s: a training step {costs.train_step_s:.2f} s plain / "
+          f"{costs.qat_step_s:.2f} s quantized (+{costs.qat_start_s:.1f} s for the first quantized), "
+          f"{costs.eval_token_s * 1e3:.2f} / {costs.quant_eval_token_s * 1e3:.2f} ms per evaluated position, "
+          f"{costs.load_s:.1f} s to load the model)")
     return 0

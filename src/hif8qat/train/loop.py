@@ -266,6 +266,25 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str | N
                              betas=tuple(cfg.train.betas), eps=cfg.train.eps, **options)
 
 
+def train_step(model: torch.nn.Module, optimizer, scheduler, batches, cfg: RunConfig, numerics: Numerics) -> float:
+    """An optimizer step as :func:`train` takes it on one process, less the log: what the time estimate times.
+
+    Args:
+        model: the prepared model (:func:`prepare_model`; a quantized one told the step by ``set_step``).
+        optimizer: its optimizer (:func:`build_optimizer`).
+        scheduler: the optimizer's learning-rate schedule.
+        batches: an iterator of ``[micro_batch_size, seq_len + 1]`` token ids, one per micro-batch.
+        cfg: the run's configuration.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics`.
+
+    Returns:
+        The step's mean loss.
+    """
+    loss = _forward_backward(model, batches, cfg.grad_accum_steps(1), numerics, cfg, DistContext())
+    _optimizer_step(model, optimizer, scheduler, cfg, DistContext(), {"skipped_steps": 0, "consecutive_skips": 0}, 0)
+    return loss
+
+
 def _wrap_distributed(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) -> torch.nn.Module:
     if ctx.world_size == 1:
         return model

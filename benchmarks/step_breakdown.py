@@ -11,7 +11,8 @@ model from ``train.loop.prepare_model``, quantization switched on for a QAT expe
    timed alone in the run's compute dtype);
 3. prints, per step, the time by kind (torch.profiler's self time of each op, classified: GEMMs, attention, the
    optimizer's ops, casts (``copy_``), ``fill_``/``zero_``, the loss's log-softmax and NLL, the quantizer's ops,
-   the rest) and the two ratios: step time / GEMM time as profiled, and step time / GEMM FLOPs at the measured
+   the rest, listed by op as well; the casts' and ``fill_``'s call counts, which a loaded machine leaves
+   unchanged) and the two ratios: step time / GEMM time as profiled, and step time / GEMM FLOPs at the measured
    rate (what the step would take if it did nothing but its GEMMs at the machine's speed). Step times are
    medians of ``--repeats`` unprofiled steps, the implementations interleaved, so their ratio survives a loaded
    machine better than either time.
@@ -19,6 +20,8 @@ model from ``train.loop.prepare_model``, quantization switched on for a QAT expe
     python benchmarks/step_breakdown.py                                   # mini profile, exp1 (SmolLM2-135M)
     python benchmarks/step_breakdown.py --experiment exp3 --repeats 5     # a HiF8 QAT step
     python benchmarks/step_breakdown.py --profile smoke --json            # the tiny model: seconds
+    python benchmarks/step_breakdown.py --casts-per-micro-batch train.micro_batch_size=1
+        # 4 micro-batches a step; also times the step that casts each weight once per micro-batch (as before)
 
 Offline: the model comes from the local cache (``HF_HUB_OFFLINE=1``), the tokens are random (timing does not
 depend on them). On a shared machine, also print ``uptime`` beside the figures.
@@ -88,11 +91,13 @@ def _kind(event, ancestors: list[str]) -> str:
     return "rest"
 
 
-def breakdown(prof, total_s: float) -> tuple[dict[str, float], list[tuple[str, tuple, float]], dict[str, float]]:
+def breakdown(prof, total_s: float) -> tuple[dict[str, float], list[tuple[str, tuple, float]], dict[str, float],
+                                             dict[str, int]]:
     """Seconds by kind (self CPU time; ``rest`` also takes what no op accounts for, up to total_s), the GEMM
-    calls as (name, input shapes, FLOPs) and the rest's seconds by op (what no op accounts for as ``(outside ops)``:
-    Python, the autograd engine)."""
+    calls as (name, input shapes, FLOPs), the rest's seconds by op (what no op accounts for as ``(outside ops)``:
+    Python, the autograd engine) and the op calls by kind."""
     seconds: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
     rest_ops: dict[str, float] = defaultdict(float)
     gemms = []
     for event in prof.events():
@@ -104,13 +109,14 @@ def breakdown(prof, total_s: float) -> tuple[dict[str, float], list[tuple[str, t
             parent = parent.cpu_parent
         kind = _kind(event, ancestors)
         seconds[kind] += event.self_cpu_time_total / 1e6
+        calls[kind] += 1
         if kind == "rest":
             rest_ops[event.name] += event.self_cpu_time_total / 1e6
         if event.name in GEMM_OPS and kind == "gemm":
             gemms.append((event.name, tuple(tuple(s) for s in event.input_shapes), float(event.flops or 0)))
     rest_ops["(outside ops)"] = max(0.0, total_s - sum(seconds.values()))
     seconds["rest"] += rest_ops["(outside ops)"]
-    return {k: seconds.get(k, 0.0) for k in KINDS}, gemms, rest_ops
+    return {k: seconds.get(k, 0.0) for k in KINDS}, gemms, rest_ops, {k: calls.get(k, 0) for k in KINDS}
 
 
 def fill_sources(prof, depth: int = 3) -> list[tuple[str, int, float]]:
@@ -264,9 +270,10 @@ def main(argv=None) -> dict:
     results, all_gemms = {}, []
     for name, fn in cases.items():
         total, prof = _profiled(fn)
-        kinds, gemms, rest_ops = breakdown(prof, total)
+        kinds, gemms, rest_ops, calls = breakdown(prof, total)
         all_gemms += gemms
         results[name] = {"step_s": statistics.median(times[name]), "profiled_s": total, "kinds_s": kinds,
+                         "kinds_calls": calls,
                          "gemm_flops": sum(f for _, _, f in gemms), "fill_sources": fill_sources(prof)[:6],
                          "rest_ops_s": dict(sorted(rest_ops.items(), key=lambda kv: -kv[1])[:8])}
     dtype = torch.bfloat16 if bench.cfg.train.autocast.startswith("bf16") else torch.float32
@@ -300,6 +307,9 @@ def _table(out: dict) -> str:
     lines.append("|---|" + "---|" * len(names))
     for kind in KINDS:
         lines.append(f"| {kind} | " + " | ".join(f"{1e3 * out['cases'][n]['kinds_s'][kind]:.0f}" for n in names) + " |")
+    for kind in ("casts", "fill"):  # counts: unlike times, the same on a loaded machine
+        lines.append(f"| {kind}, calls | " + " | ".join(str(out["cases"][n]["kinds_calls"][kind]) for n in names)
+                     + " |")
     for key, label, fmt in (("profiled_s", "step, profiled", "{:.0f}"), ("step_s", "step, median unprofiled", "{:.0f}"),
                             ("gemm_at_rate_s", "GEMM FLOPs at the measured rate", "{:.0f}")):
         lines.append(f"| {label} | " + " | ".join(fmt.format(1e3 * out["cases"][n][key]) for n in names) + " |")

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hif8qat.compute_dtype import Numerics
-from hif8qat.models.loading import build_tiny_llama
+from hif8qat.models.loading import build_tiny_llama, enable_activation_checkpointing
 from hif8qat.train import loop
 
 ONE_THREAD = True
@@ -68,8 +69,12 @@ def test_each_weight_is_cast_once_per_step_not_once_per_micro_batch():
     assert not torch.is_autocast_enabled("cpu")
 
 
-def test_losses_and_weights_are_bit_identical_to_casting_per_micro_batch():
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "activation_checkpointing"])
+def test_losses_and_weights_are_bit_identical_to_casting_per_micro_batch(recompute):
     cached, uncached = _model(), _model()
+    if recompute:  # the backward's recompute now finds the step's casts
+        for model in (cached, uncached):
+            enable_activation_checkpointing(model, Numerics("bf16").checkpoint_kwargs())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (cached, uncached)]
     accum = 2
     for step in range(3):

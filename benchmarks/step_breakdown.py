@@ -11,7 +11,8 @@ model from ``train.loop.prepare_model``, quantization switched on for a QAT expe
    timed alone in the run's compute dtype);
 3. prints, per step, the time by kind (torch.profiler's self time of each op, classified: GEMMs, attention, the
    optimizer's ops, casts (``copy_``), ``fill_``/``zero_``, the loss's log-softmax and NLL, the quantizer's ops,
-   the rest) and the two ratios: step time / GEMM time as profiled, and step time / GEMM FLOPs at the measured
+   the rest, listed by op as well; the casts' and ``fill_``'s call counts, which a loaded machine leaves
+   unchanged) and the two ratios: step time / GEMM time as profiled, and step time / GEMM FLOPs at the measured
    rate (what the step would take if it did nothing but its GEMMs at the machine's speed). Step times are
    medians of ``--repeats`` unprofiled steps, the implementations interleaved, so their ratio survives a loaded
    machine better than either time.
@@ -19,6 +20,8 @@ model from ``train.loop.prepare_model``, quantization switched on for a QAT expe
     python benchmarks/step_breakdown.py                                   # mini profile, exp1 (SmolLM2-135M)
     python benchmarks/step_breakdown.py --experiment exp3 --repeats 5     # a HiF8 QAT step
     python benchmarks/step_breakdown.py --profile smoke --json            # the tiny model: seconds
+    python benchmarks/step_breakdown.py --casts-per-micro-batch train.micro_batch_size=1
+        # 4 micro-batches a step; also times the step that casts each weight once per micro-batch (as before)
 
 Offline: the model comes from the local cache (``HF_HUB_OFFLINE=1``), the tokens are random (timing does not
 depend on them). On a shared machine, also print ``uptime`` beside the figures.
@@ -45,7 +48,7 @@ from hif8qat.quant import gemm as quant_gemm
 from hif8qat.quant.linear import freeze_scales, set_quantization
 from hif8qat.train.chunked_loss import lm_loss
 from hif8qat.train.guards import clip_gradients
-from hif8qat.train.loop import build_optimizer, prepare_model
+from hif8qat.train.loop import DistContext, _forward_backward, build_optimizer, prepare_model
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation",
             "aten::mkldnn_linear", "aten::_weight_int8pack_mm", "aten::_scaled_mm"}
@@ -88,10 +91,14 @@ def _kind(event, ancestors: list[str]) -> str:
     return "rest"
 
 
-def breakdown(prof, total_s: float) -> tuple[dict[str, float], list[tuple[str, tuple, float]]]:
-    """Seconds by kind (self CPU time; ``rest`` also takes what no op accounts for, up to total_s) and the GEMM
-    calls as (name, input shapes, FLOPs)."""
+def breakdown(prof, total_s: float) -> tuple[dict[str, float], list[tuple[str, tuple, float]], dict[str, float],
+                                             dict[str, int]]:
+    """Seconds by kind (self CPU time; ``rest`` also takes what no op accounts for, up to total_s), the GEMM
+    calls as (name, input shapes, FLOPs), the rest's seconds by op (what no op accounts for as ``(outside ops)``:
+    Python, the autograd engine) and the op calls by kind."""
     seconds: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    rest_ops: dict[str, float] = defaultdict(float)
     gemms = []
     for event in prof.events():
         if event.device_type.name != "CPU" or not event.name.startswith(("aten::", "mkldnn::")):
@@ -102,10 +109,14 @@ def breakdown(prof, total_s: float) -> tuple[dict[str, float], list[tuple[str, t
             parent = parent.cpu_parent
         kind = _kind(event, ancestors)
         seconds[kind] += event.self_cpu_time_total / 1e6
+        calls[kind] += 1
+        if kind == "rest":
+            rest_ops[event.name] += event.self_cpu_time_total / 1e6
         if event.name in GEMM_OPS and kind == "gemm":
             gemms.append((event.name, tuple(tuple(s) for s in event.input_shapes), float(event.flops or 0)))
-    seconds["rest"] += max(0.0, total_s - sum(seconds.values()))
-    return {k: seconds.get(k, 0.0) for k in KINDS}, gemms
+    rest_ops["(outside ops)"] = max(0.0, total_s - sum(seconds.values()))
+    seconds["rest"] += rest_ops["(outside ops)"]
+    return {k: seconds.get(k, 0.0) for k in KINDS}, gemms, rest_ops, {k: calls.get(k, 0) for k in KINDS}
 
 
 def fill_sources(prof, depth: int = 3) -> list[tuple[str, int, float]]:
@@ -172,7 +183,8 @@ class Bench:
         self.device = torch.device("cpu")
         model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
                                   revision=cfg.model.revision)
-        prepare_model(model, cfg, self.device, compute_dtype.Numerics(cfg.train.autocast))
+        self.numerics = compute_dtype.Numerics(cfg.train.autocast)
+        prepare_model(model, cfg, self.device, self.numerics)
         if cfg.quant.enabled:
             set_quantization(model, True)
         self.model = model
@@ -185,13 +197,16 @@ class Bench:
         self.eval_tokens = torch.randint(vocab, (cfg.eval.batch_size, args.eval_len), generator=g)
         self.optimizers = {impl: build_optimizer(model, _with_impl(cfg, impl)) for impl in ("fused", "torch_default")}
 
-    def train_step(self, impl: str) -> None:
-        cfg, autocast = self.cfg, self.cfg.train.autocast
-        for tokens in self.micro:
-            with compute_dtype.forward_context(autocast, "cpu"):
-                loss = lm_loss(self.model, tokens, double_label_shift=cfg.quirks.double_label_shift)
-            with compute_dtype.backward_context(autocast, "cpu"):
-                (loss / self.accum).backward()
+    def train_step(self, impl: str, casts_per_micro_batch: bool = False) -> None:
+        cfg, numerics = self.cfg, self.numerics
+        if casts_per_micro_batch:  # as before the trainer kept autocast's weight casts for the whole step
+            for tokens in self.micro:
+                with numerics.forward():
+                    loss = lm_loss(self.model, tokens, double_label_shift=cfg.quirks.double_label_shift)
+                with numerics.backward():
+                    (loss / self.accum).backward()
+        else:  # the trainer's own forward and backward of a step's micro-batches
+            _forward_backward(self.model, iter(self.micro), self.accum, numerics, cfg, DistContext())
         clip_gradients(self.model, cfg.train.grad_clip)
         optimizer = self.optimizers[impl]
         optimizer.step()
@@ -229,6 +244,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3, help="unprofiled timings per case (median)")
     ap.add_argument("--eval-len", type=int, default=128, help="tokens per row of the evaluation batch")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--casts-per-micro-batch", action="store_true",
+                    help="also time the fused step with each weight cast once per micro-batch (as before)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("overrides", nargs="*", help="run.py settings, e.g. train.micro_batch_size=2")
     args = ap.parse_args(argv)
@@ -239,6 +256,8 @@ def main(argv=None) -> dict:
     cases = {"train (fused AdamW)": lambda: bench.train_step("fused"),
              "train (torch_default AdamW)": lambda: bench.train_step("torch_default"),
              "eval batch": bench.eval_batch}
+    if args.casts_per_micro_batch:
+        cases["train (fused, casts per micro-batch)"] = lambda: bench.train_step("fused", casts_per_micro_batch=True)
     for fn in cases.values():  # warm-up: AdamW makes its moments, kernels are compiled, caches filled
         fn()
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -251,10 +270,12 @@ def main(argv=None) -> dict:
     results, all_gemms = {}, []
     for name, fn in cases.items():
         total, prof = _profiled(fn)
-        kinds, gemms = breakdown(prof, total)
+        kinds, gemms, rest_ops, calls = breakdown(prof, total)
         all_gemms += gemms
         results[name] = {"step_s": statistics.median(times[name]), "profiled_s": total, "kinds_s": kinds,
-                         "gemm_flops": sum(f for _, _, f in gemms), "fill_sources": fill_sources(prof)[:6]}
+                         "kinds_calls": calls,
+                         "gemm_flops": sum(f for _, _, f in gemms), "fill_sources": fill_sources(prof)[:6],
+                         "rest_ops_s": dict(sorted(rest_ops.items(), key=lambda kv: -kv[1])[:8])}
     dtype = torch.bfloat16 if bench.cfg.train.autocast.startswith("bf16") else torch.float32
     rate, shape_rows = gemm_rates(all_gemms, dtype)
     for row in results.values():
@@ -286,6 +307,9 @@ def _table(out: dict) -> str:
     lines.append("|---|" + "---|" * len(names))
     for kind in KINDS:
         lines.append(f"| {kind} | " + " | ".join(f"{1e3 * out['cases'][n]['kinds_s'][kind]:.0f}" for n in names) + " |")
+    for kind in ("casts", "fill"):  # counts: unlike times, the same on a loaded machine
+        lines.append(f"| {kind}, calls | " + " | ".join(str(out["cases"][n]["kinds_calls"][kind]) for n in names)
+                     + " |")
     for key, label, fmt in (("profiled_s", "step, profiled", "{:.0f}"), ("step_s", "step, median unprofiled", "{:.0f}"),
                             ("gemm_at_rate_s", "GEMM FLOPs at the measured rate", "{:.0f}")):
         lines.append(f"| {label} | " + " | ".join(fmt.format(1e3 * out["cases"][n][key]) for n in names) + " |")
@@ -298,6 +322,9 @@ def _table(out: dict) -> str:
         lines.append(f"fill_/zero_ in {name}, by the ops they ran inside (calls, ms): "
                      + "; ".join(f"{chain} ({calls}, {ms:.0f})"
                                  for chain, calls, ms in out["cases"][name]["fill_sources"]))
+    for name in names:
+        lines.append(f"the rest in {name}, by op (ms): "
+                     + "; ".join(f"{op} {1e3 * sec:.0f}" for op, sec in out["cases"][name]["rest_ops_s"].items()))
     return "\n".join(lines)
 
 

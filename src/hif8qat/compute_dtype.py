@@ -128,6 +128,14 @@ class Numerics:
         """
         return backward_context(self.mode, self.device_type)
 
+    def optimizer_step(self) -> contextlib.AbstractContextManager:
+        """Around all the forwards and backwards of one optimizer step (every micro-batch).
+
+        Returns:
+            The context manager (:func:`weight_casts_per_step`).
+        """
+        return weight_casts_per_step()
+
     def checkpoint_kwargs(self) -> dict[str, Any]:
         """Arguments under which an activation-checkpointing recompute runs with these numerics.
 
@@ -343,6 +351,26 @@ def backward_context(mode: str, device_type: str) -> contextlib.AbstractContextM
     if mode == "bf16_emulated":
         return BF16Emulation(device_type)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def weight_casts_per_step() -> Iterator[None]:
+    """Keep autocast's BF16 cast of each FP32 weight from its first use to the end of the optimizer step.
+
+    torch caches the cast of a parameter (a leaf that requires grad) only until the outermost autocast region
+    exits, that is after each micro-batch's forward: without this, every micro-batch casts every weight again
+    (and so does an activation-checkpointing recompute in backward). The weights do not change before the
+    optimizer step, so the cached casts hold the same values bit for bit. Holding the nesting level above zero
+    keeps the cache; autocast itself stays as the forward and backward contexts set it. The cast copies are
+    already alive at the end of each forward (saved for its backward), so the peak memory does not grow,
+    except under activation checkpointing, where they now stay (2 bytes a parameter).
+    """
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
 
 
 @contextlib.contextmanager

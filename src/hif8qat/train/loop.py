@@ -9,6 +9,7 @@ each optimizer step); nothing below branches on whether a layer is quantized.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -560,17 +561,19 @@ def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, numerics: Nu
                       ctx: DistContext) -> float:
     """One optimizer step's micro-batches, forward and backward; their mean loss on this rank."""
     loss_sum = 0.0
-    for micro in range(accum):
-        tokens = next(stream)
-        if ctx.device.type == "cuda":  # page-locked: the copy to the GPU runs asynchronously
-            tokens = tokens.pin_memory()
-        tokens = tokens.to(ctx.device, non_blocking=True)
-        with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
-            with numerics.forward():
-                loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
-            with numerics.backward():
-                (loss / accum).backward()
-        loss_sum += loss.detach().float()
+    # each weight cast to BF16 once per step, not once per micro-batch (FSDP gathers and frees the weights itself)
+    with contextlib.nullcontext() if is_fsdp(wrapped) else numerics.optimizer_step():
+        for micro in range(accum):
+            tokens = next(stream)
+            if ctx.device.type == "cuda":  # page-locked: the copy to the GPU runs asynchronously
+                tokens = tokens.pin_memory()
+            tokens = tokens.to(ctx.device, non_blocking=True)
+            with grad_sync(wrapped, micro == accum - 1):  # one gradient reduction per step
+                with numerics.forward():
+                    loss = lm_loss(wrapped, tokens, double_label_shift=cfg.quirks.double_label_shift)
+                with numerics.backward():
+                    (loss / accum).backward()
+            loss_sum += loss.detach().float()
     return float(loss_sum / accum)
 
 

@@ -362,8 +362,9 @@ def weight_casts_per_step() -> Iterator[None]:
     (and so does an activation-checkpointing recompute in backward). The weights do not change before the
     optimizer step, so the cached casts hold the same values bit for bit. Holding the nesting level above zero
     keeps the cache; autocast itself stays as the forward and backward contexts set it. The cast copies are
-    already alive at the end of each forward (saved for its backward), so the peak memory does not grow,
-    except under activation checkpointing, where they now stay (2 bytes a parameter).
+    already alive at the end of each forward (saved for its backward), so the peak memory does not grow; under
+    activation checkpointing they are not (the recompute casts again), and keeping them would cost 2 bytes a
+    parameter.
     """
     torch.autocast_increment_nesting()
     try:

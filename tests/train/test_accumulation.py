@@ -39,7 +39,8 @@ def test_accumulated_micro_batches_give_the_gradient_of_their_mean_loss(accum):
     model = _model()
     want, want_loss = _oracle_grads(model, batches)
     model.zero_grad(set_to_none=True)
-    cfg = types.SimpleNamespace(quirks=types.SimpleNamespace(double_label_shift=False))
+    cfg = types.SimpleNamespace(quirks=types.SimpleNamespace(double_label_shift=False),
+                                train=types.SimpleNamespace(activation_checkpointing=False))
     got_loss = loop._forward_backward(model, iter(batches), accum, Numerics("none"), cfg, loop.DistContext())
     assert got_loss == pytest.approx(want_loss, rel=1e-6)
     for name, param in model.named_parameters():

@@ -16,7 +16,11 @@ from hif8qat.models.loading import build_tiny_llama, enable_activation_checkpoin
 from hif8qat.train import loop
 
 ONE_THREAD = True
-CFG = types.SimpleNamespace(quirks=types.SimpleNamespace(double_label_shift=False))
+
+
+def _cfg(activation_checkpointing: bool = False):
+    return types.SimpleNamespace(quirks=types.SimpleNamespace(double_label_shift=False),
+                                 train=types.SimpleNamespace(activation_checkpointing=activation_checkpointing))
 
 
 def _model():
@@ -64,7 +68,7 @@ def test_each_weight_is_cast_once_per_step_not_once_per_micro_batch():
     assert casts.count == accum * len(matrices)  # the counter sees autocast's casts at all
     model.zero_grad(set_to_none=True)
     with _WeightCasts(matrices) as casts:
-        loop._forward_backward(model, iter(_batches(accum)), accum, Numerics("bf16"), CFG, loop.DistContext())
+        loop._forward_backward(model, iter(_batches(accum)), accum, Numerics("bf16"), _cfg(), loop.DistContext())
     assert casts.count == len(matrices)
     assert not torch.is_autocast_enabled("cpu")
 
@@ -72,13 +76,13 @@ def test_each_weight_is_cast_once_per_step_not_once_per_micro_batch():
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "activation_checkpointing"])
 def test_losses_and_weights_are_bit_identical_to_casting_per_micro_batch(recompute):
     cached, uncached = _model(), _model()
-    if recompute:  # the backward's recompute now finds the step's casts
+    if recompute:  # the trainer then casts per micro-batch again, and its backward recomputes
         for model in (cached, uncached):
             enable_activation_checkpointing(model, Numerics("bf16").checkpoint_kwargs())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (cached, uncached)]
     accum = 2
     for step in range(3):
-        got = loop._forward_backward(cached, iter(_batches(accum, step)), accum, Numerics("bf16"), CFG,
+        got = loop._forward_backward(cached, iter(_batches(accum, step)), accum, Numerics("bf16"), _cfg(recompute),
                                      loop.DistContext())
         want = _per_micro_batch_step(uncached, _batches(accum, step))
         assert got == want

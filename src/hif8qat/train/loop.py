@@ -561,8 +561,10 @@ def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, numerics: Nu
                       ctx: DistContext) -> float:
     """One optimizer step's micro-batches, forward and backward; their mean loss on this rank."""
     loss_sum = 0.0
-    # each weight cast to BF16 once per step, not once per micro-batch (FSDP gathers and frees the weights itself)
-    with contextlib.nullcontext() if is_fsdp(wrapped) else numerics.optimizer_step():
+    # each weight cast to BF16 once per step, not once per micro-batch; not under FSDP (it gathers and frees the
+    # weights itself) nor activation checkpointing (the kept casts would add 2 bytes a parameter to its peak)
+    keep_casts = not (is_fsdp(wrapped) or cfg.train.activation_checkpointing)
+    with numerics.optimizer_step() if keep_casts else contextlib.nullcontext():
         for micro in range(accum):
             tokens = next(stream)
             if ctx.device.type == "cuda":  # page-locked: the copy to the GPU runs asynchronously

@@ -205,7 +205,7 @@ def test_time_estimate_measures_with_no_bf16_operand(monkeypatch):
     cfg = _with_autocast(cli_config(["experiment=exp3", "profile=smoke"]), "bf16_emulated")
     counter = GemmOperandDtypes()
     with counter:
-        costs = estimate.measure(cfg, numerics.Numerics(cfg.train.autocast), repeats=1)
+        costs, _ = estimate.measure(cfg, numerics.Numerics(cfg.train.autocast))
     assert costs.numerics == "bf16_emulated" and costs.qat_step_s > 0
     assert counter.bf16() == {}, counter.bf16()
     assert counter.total() > 0

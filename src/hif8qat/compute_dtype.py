@@ -128,13 +128,17 @@ class Numerics:
         """
         return backward_context(self.mode, self.device_type)
 
-    def optimizer_step(self) -> contextlib.AbstractContextManager:
+    def optimizer_step(self, keep_casts: bool = True) -> contextlib.AbstractContextManager:
         """Around all the forwards and backwards of one optimizer step (every micro-batch).
 
+        Args:
+            keep_casts: keep each weight's cast for the whole step (False where the weights are gathered and freed
+                per use, as under FSDP, or recomputed, as under activation checkpointing).
+
         Returns:
-            The context manager (:func:`weight_casts_per_step`).
+            The context manager (:func:`weight_casts_per_step`, or one that does nothing).
         """
-        return weight_casts_per_step()
+        return weight_casts_per_step() if keep_casts else contextlib.nullcontext()
 
     def checkpoint_kwargs(self) -> dict[str, Any]:
         """Arguments under which an activation-checkpointing recompute runs with these numerics.

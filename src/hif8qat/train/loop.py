@@ -9,7 +9,6 @@ each optimizer step); nothing below branches on whether a layer is quantized.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
@@ -557,14 +556,11 @@ class _Run:
         return summary
 
 
-def _forward_backward(wrapped: torch.nn.Module, stream, accum: int, numerics: Numerics, cfg: RunConfig,
-                      ctx: DistContext) -> float:
+def _forward_backward(wrapped, stream, accum: int, numerics: Numerics, cfg: RunConfig, ctx: DistContext) -> float:
     """One optimizer step's micro-batches, forward and backward; their mean loss on this rank."""
     loss_sum = 0.0
-    # each weight cast to BF16 once per step, not once per micro-batch; not under FSDP (it gathers and frees the
-    # weights itself) nor activation checkpointing (the kept casts would add 2 bytes a parameter to its peak)
-    keep_casts = not (is_fsdp(wrapped) or cfg.train.activation_checkpointing)
-    with numerics.optimizer_step() if keep_casts else contextlib.nullcontext():
+    # each weight cast to BF16 once per step, not per micro-batch (not where it costs memory: FSDP, checkpointing)
+    with numerics.optimizer_step(keep_casts=not (is_fsdp(wrapped) or cfg.train.activation_checkpointing)):
         for micro in range(accum):
             tokens = next(stream)
             if ctx.device.type == "cuda":  # page-locked: the copy to the GPU runs asynchronously

@@ -53,7 +53,7 @@ def _way(name: str):
     """The evaluation's weight handling: the runner's (``once``) or a null one (``per_forward``)."""
     from hif8qat.evaluate import runner
 
-    return runner.weights_cast_once if name == "once" else (lambda model, device_type: contextlib.nullcontext())
+    return runner.weights_cast_once if name == "once" else (lambda model: contextlib.nullcontext())
 
 
 def bench_forwards(models: dict, numerics, rows: int, width: int, repeats: int) -> None:
@@ -78,7 +78,7 @@ def bench_forwards(models: dict, numerics, rows: int, width: int, repeats: int) 
                 t0 = time.perf_counter()
                 logits[mode, "per_forward"] = forward(model)
                 times[mode, "per_forward"].append(time.perf_counter() - t0)
-                with _way("once")(model, "cpu"):
+                with _way("once")(model):
                     forward(model)  # casts and quantizes; the timed forward reuses
                     t0 = time.perf_counter()
                     logits[mode, "once"] = forward(model)

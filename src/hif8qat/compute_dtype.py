@@ -136,9 +136,9 @@ class Numerics:
                 per use, as under FSDP, or recomputed, as under activation checkpointing).
 
         Returns:
-            The context manager (:func:`weight_casts_per_step`, or one that does nothing).
+            The context manager (:func:`keeping_weight_casts`, or one that does nothing).
         """
-        return weight_casts_per_step() if keep_casts else contextlib.nullcontext()
+        return keeping_weight_casts() if keep_casts else contextlib.nullcontext()
 
     def checkpoint_kwargs(self) -> dict[str, Any]:
         """Arguments under which an activation-checkpointing recompute runs with these numerics.
@@ -358,17 +358,17 @@ def backward_context(mode: str, device_type: str) -> contextlib.AbstractContextM
 
 
 @contextlib.contextmanager
-def weight_casts_per_step() -> Iterator[None]:
-    """Keep autocast's BF16 cast of each FP32 weight from its first use to the end of the optimizer step.
+def keeping_weight_casts() -> Iterator[None]:
+    """Within it, autocast's BF16 cast of each FP32 weight is made at its first use and kept until it exits.
 
-    torch caches the cast of a parameter (a leaf that requires grad) only until the outermost autocast region
-    exits, that is after each micro-batch's forward: without this, every micro-batch casts every weight again
-    (and so does an activation-checkpointing recompute in backward). The weights do not change before the
-    optimizer step, so the cached casts hold the same values bit for bit. Holding the nesting level above zero
-    keeps the cache; autocast itself stays as the forward and backward contexts set it. The cast copies are
-    already alive at the end of each forward (saved for its backward), so the peak memory does not grow; under
-    activation checkpointing they are not (the recompute casts again), and keeping them would cost 2 bytes a
-    parameter.
+    torch caches the cast of a parameter (a leaf that requires grad; not in inference mode) only until the
+    outermost autocast region exits, that is after each forward: without this, every forward casts every weight
+    again. Wrapped around an optimizer step's micro-batches (the weights do not change before the optimizer step)
+    or an evaluation (they do not change at all), the kept casts hold the same values bit for bit. Holding the
+    nesting level above zero keeps the cache; autocast itself stays as the forward and backward contexts set it.
+    In training the cast copies are already alive at the end of each forward (saved for its backward), so the peak
+    memory does not grow; under activation checkpointing they are not (the recompute casts again), and keeping
+    them would cost 2 bytes a parameter.
     """
     torch.autocast_increment_nesting()
     try:

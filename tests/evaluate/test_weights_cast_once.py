@@ -66,7 +66,7 @@ def test_the_weights_are_cast_and_quantized_once_with_the_same_logits(quantized)
         with _Casts(shapes) as casts, count_qdq() as qdq:
             every = [_forward(m, ids) for _ in range(3)]
         per_forward = (casts.count, _weight_quantizations(qdq, m))
-        with weights_cast_once(m, "cpu"), _Casts(shapes) as casts, count_qdq() as qdq:
+        with weights_cast_once(m), _Casts(shapes) as casts, count_qdq() as qdq:
             once = [_forward(m, ids) for _ in range(3)]
         held = (casts.count, _weight_quantizations(qdq, m))
     assert all(torch.equal(a, b) for a, b in zip(every, once))

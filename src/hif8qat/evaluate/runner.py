@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hif8qat.compute_dtype import Numerics
+from hif8qat.compute_dtype import Numerics, keeping_weight_casts
 from hif8qat.config.eval_tasks import MINITASK_DIR, MODES, resolve_tasks
 from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
 from hif8qat.evaluate.offline_benchmarks import CACHE_SUBDIR, ensure_installed
@@ -133,7 +133,7 @@ def evaluate_model(
         ctx = _forced_offline() if force_offline else contextlib.nullcontext()
         raw = None
         # no_grad, not inference_mode: autocast keeps no cast copy of a weight in inference mode
-        with ctx, torch.no_grad(), weights_cast_once(model, torch.device(device).type):
+        with ctx, torch.no_grad(), weights_cast_once(model):
             # one simple_evaluate per distinct shot count (num_fewshot is global in lm-eval)
             for k in sorted(set(shots.values())):
                 names = [n for n, kk in shots.items() if kk == k]
@@ -187,28 +187,22 @@ def evaluate_model(
 
 
 @contextlib.contextmanager
-def weights_cast_once(model: torch.nn.Module, device_type: str) -> Iterator[None]:
+def weights_cast_once(model: torch.nn.Module) -> Iterator[None]:
     """Within it, the forwards of an evaluation cast and quantize each weight once instead of at every forward.
 
     The weights do not change during an evaluation, but each forward would redo two passes over all of them:
-
-    * autocast's cast of each FP32 weight to BF16 (its cache lives only until the outermost autocast region
-      ends, and each forward is its own region): an autocast region held open here, disabled, makes the forwards'
-      regions inner ones, so the cast copies live until this one ends; the code between forwards still runs
-      without autocast, as before;
-    * the quantized layers' Q(W) in hif8 mode (:func:`hif8qat.quant.gemm.reusing_frozen_weights`, frozen scales).
-
-    The results are bit for bit those of casting and quantizing at every forward; the cost is one BF16 copy of
-    the weights held for the evaluation.
+    autocast's cast of each FP32 weight to BF16 (:func:`hif8qat.compute_dtype.keeping_weight_casts`) and, in hif8
+    mode, the quantized layers' Q(W) (:func:`hif8qat.quant.gemm.reusing_frozen_weights`, frozen scales). The
+    results are bit for bit those of casting and quantizing at every forward; the cost is one BF16 copy of the
+    weights held for the evaluation. Autocast keeps no cast in inference mode: run the forwards under ``no_grad``.
 
     Args:
         model: the evaluated model.
-        device_type: its device type (``cpu``, ``cuda``).
 
     Yields:
         Nothing.
     """
-    with reusing_frozen_weights(scaler_banks(model)), torch.autocast(device_type, enabled=False):
+    with reusing_frozen_weights(scaler_banks(model)), keeping_weight_casts():
         yield
 
 

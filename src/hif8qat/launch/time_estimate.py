@@ -10,6 +10,7 @@ labelled so; elsewhere it says nothing."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
@@ -27,6 +28,7 @@ from hif8qat.compute_dtype import Numerics
 from hif8qat.config.numerics import train_numerics
 from hif8qat.evaluate.heldout import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
 from hif8qat.evaluate.heldout import heldout_window_count
+from hif8qat.evaluate.runner import weights_cast_once
 from hif8qat.launch.memory import describe, step_memory
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
@@ -297,14 +299,18 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
         train_step(model, optimizer, scheduler, iter([ids] * cfg.grad_accum_steps(1)), cfg, numerics)
         return time.perf_counter() - t
 
-    def token_s(rows: int, positions: int, warm: bool) -> float:  # a forward and its FP32 log-probabilities
+    def token_s(rows: int, positions: int, warm: bool, evaluation: bool = True) -> float:
+        """A forward and its FP32 log-probabilities, per position: as the evaluation runs it (weights cast and
+        quantized once, by the untimed first call) or as the held-out comparison does (inference mode)."""
         model.eval()
         batch = torch.randint(0, vocab, (rows, positions))
-        for _ in range(1 if warm else 2):  # the first call at a shape allocates
-            with torch.inference_mode(), numerics.forward():
-                t = time.perf_counter()
-                torch.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
-                seconds = time.perf_counter() - t
+        kept = weights_cast_once(model) if evaluation else contextlib.nullcontext()
+        with kept, torch.no_grad() if evaluation else torch.inference_mode():
+            for _ in range(2 if evaluation or not warm else 1):  # the first call at a shape allocates
+                with numerics.forward():
+                    t = time.perf_counter()
+                    torch.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
+                    seconds = time.perf_counter() - t
         return seconds / (rows * positions)
 
     batch_line = (f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
@@ -333,7 +339,7 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
     say(f"timing an evaluation forward of {rows} x {positions} tokens and a held-out batch of "
         f"{HELDOUT_BATCH_WINDOWS} x {cfg.train.seq_len}")
     eval_token_s = token_s(rows, positions, warm=cfg.quant.enabled)
-    heldout_batch_s = token_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len, warm=True) * (
+    heldout_batch_s = token_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len, warm=True, evaluation=False) * (
         HELDOUT_BATCH_WINDOWS * cfg.train.seq_len)
     if not cfg.quant.enabled:
         qat_step_s, quant_token_s = train_step_s, eval_token_s

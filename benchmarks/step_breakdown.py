@@ -46,6 +46,7 @@ from hif8qat.cli.hydra_config import config_for
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.quant import gemm as quant_gemm
 from hif8qat.quant.linear import freeze_scales, set_quantization
+from hif8qat.runs.host_allocator import keep_freed_memory
 from hif8qat.train.chunked_loss import lm_loss
 from hif8qat.train.guards import clip_gradients
 from hif8qat.train.loop import DistContext, _forward_backward, build_optimizer, prepare_model
@@ -251,6 +252,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as run.py's runs allocate (HIF8QAT_HOST_ALLOCATOR=default: glibc's defaults)
     _labelled_quantizer()
     bench = Bench(args)
     cases = {"train (fused AdamW)": lambda: bench.train_step("fused"),

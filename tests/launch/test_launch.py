@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from hif8qat.cli import main as cli_main
 from hif8qat.config.numerics import train_numerics
 from hif8qat.config.run_config import RunConfig, resolve_profile
+from hif8qat.runs import host_allocator
 from hif8qat.runs.folders import find_baseline_run, prepare_run_dir, release_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +59,7 @@ def test_run_info_records_ranks_and_accumulation(tmp_path, monkeypatch):
     shape = {k: info["distributed"][k] for k in ("world_size", "ranks_per_node", "grad_accum_steps")}
     assert shape == {"world_size": 4, "ranks_per_node": 2, "grad_accum_steps": 24 // (2 * 4)}
     assert info["distributed"]["launcher"] == "local" and info["distributed"]["slurm"] is None  # the launch record
+    assert info["host_allocator"] == host_allocator.current()  # how this process's allocator was set, traceable
 
 
 def _run(root: Path, exp: str, quant: bool, distributed: dict | None) -> Path:

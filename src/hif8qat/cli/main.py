@@ -17,6 +17,7 @@ from hif8qat.config.numerics import run_numerics
 from hif8qat.launch.preflight import preflight
 from hif8qat.launch.sweep import run_point
 from hif8qat.launch.time_estimate import main as estimate_main
+from hif8qat.runs.host_allocator import keep_freed_memory
 from hif8qat.runs.launch_env import env_from_slurm
 
 
@@ -39,6 +40,7 @@ def run_job(cfg: DictConfig) -> dict[str, str] | None:
     def run() -> str | None:
         run_cfg = to_run_config(replace_typed_dicts(cfg, overrides), overrides)
         env_from_slurm()  # under srun, preflight's memory check must know the world size
+        keep_freed_memory()  # before any large allocation: a CPU step's memory is reused, not mapped afresh
         check_cache_env()
         # the run's numerics, resolved once here (an evaluation device this machine lacks fails before training)
         numerics = run_numerics(run_cfg)
@@ -60,5 +62,6 @@ def estimate(argv: list[str]) -> int:
 
     Returns:
         The exit status."""
+    keep_freed_memory()  # the steps it times run with the allocator the runs will have
     return estimate_main(argv, config_for)
 

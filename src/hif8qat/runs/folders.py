@@ -30,6 +30,7 @@ from hif8qat.compute_dtype import describe, training_device_type
 from hif8qat.config.run_config import RunConfig, check_path_name
 from hif8qat.errors import RunError
 from hif8qat.files import write_json, write_text
+from hif8qat.runs import host_allocator
 from hif8qat.runs.checkpoint_names import checkpoint_step, latest_checkpoint
 from hif8qat.runs.launch_env import distributed_info, launch_differences, launch_record
 from hif8qat.runs.provenance import provenance
@@ -506,7 +507,7 @@ def prepare_run_dir(cfg: RunConfig, *, is_main: bool = True) -> tuple[Path, str]
 
         info = {"status": status, "argv": sys.argv, **provenance(),
                 "numerics": describe(cfg.train.autocast, training_device_type(cfg.train.device)),
-                "distributed": {**launch_record(), **distributed_info(cfg)}}
+                "distributed": {**launch_record(), **distributed_info(cfg)}, "host_allocator": host_allocator.current()}
         history = _read_run_info(info_path).get("history", [])
         history.append(info)
         write_json(info_path, {**info, "history": history}, indent=2, sort_keys=True, default=str)

@@ -113,6 +113,7 @@ def test_uv_installs_torch_alone_then_the_rest_under_its_pin_then_the_project(tm
     assert [line.split()[-1] for line in uv] == ["torch==2.9.0", str(tmp_path / "requirements.txt"), "."]
     assert f"-c {tmp_path}/venv/torch-constraint.txt" in uv[1] and "--no-deps -e ." in uv[2]
     assert all(f"--find-links {tmp_path}" in line for line in uv)  # pip's own find-links, told to uv
+    assert all("--compile-bytecode" in line for line in uv)  # as pip does: no process compiles its imports again
     assert (tmp_path / "venv" / "torch-constraint.txt").read_text() == "torch==2.9.0\n"
     assert not [line for line in lines if "pip install -q torch" in line]  # pip never installed the pins
 

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from hif8qat.errors import RunError
 from hif8qat.runs import host_allocator
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
@@ -73,3 +74,10 @@ def test_another_allocator_or_glibc_settings_chosen_in_the_environment_are_left_
     record = host_allocator.keep_freed_memory(environ)
     assert named in record["left_as_is"] and set(record) == {"allocator", "left_as_is"}
     assert host_allocator.current() == record  # what run_info.json records
+
+
+def test_a_misspelt_switch_is_an_error_naming_it_and_its_values_before_anything_is_set():
+    before = host_allocator.current()
+    with pytest.raises(RunError, match=r"HIF8QAT_HOST_ALLOCATOR='off'.*kept, default"):
+        host_allocator.keep_freed_memory({host_allocator.SWITCH: "off"})
+    assert host_allocator.current() == before

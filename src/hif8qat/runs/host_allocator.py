@@ -8,7 +8,7 @@ freed memory is reused (``benchmarks/bench_allocator.py``: the mini BF16 step 0.
 where memory comes from changes: results are bit-identical.
 
 The environment's own choice wins: glibc's ``MALLOC_*_`` variables or malloc ``GLIBC_TUNABLES``, another
-allocator in ``LD_PRELOAD``, or ``HIF8QAT_HOST_ALLOCATOR=default``. Torch-free.
+allocator in ``LD_PRELOAD``, or ``HIF8QAT_HOST_ALLOCATOR=default`` (``kept``, or unset: as above). Torch-free.
 """
 
 from __future__ import annotations
@@ -19,20 +19,27 @@ import platform
 from collections.abc import Mapping
 from typing import Any
 
+from hif8qat.errors import RunError
+
 # mallopt's parameters (malloc.h) and the values set
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 SETTINGS = {"mmap_threshold": (M_MMAP_THRESHOLD, 32 << 20), "trim_threshold": (M_TRIM_THRESHOLD, 1 << 30),
             "top_pad": (M_TOP_PAD, 256 << 20)}
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
-SWITCH = "HIF8QAT_HOST_ALLOCATOR"  # "default": leave glibc's defaults
+SWITCH = "HIF8QAT_HOST_ALLOCATOR"
+SWITCH_VALUES = ("kept", "default")  # kept (or unset): keep_freed_memory's settings; default: glibc's own
 
 _record: dict[str, Any] = {"allocator": "not set by this process"}
 
 
 def _users_choice(environ: Mapping[str, str]) -> str | None:
     """What in the environment already chooses the allocator's behaviour, or None."""
-    if environ.get(SWITCH, "").strip().lower() == "default":
+    switch = environ.get(SWITCH, "").strip().lower() or "kept"
+    if switch not in SWITCH_VALUES:
+        raise RunError(f"invalid setting {SWITCH}={environ[SWITCH]!r}: allowed values are "
+                       f"{', '.join(SWITCH_VALUES)} (or unset: kept)")
+    if switch == "default":
         return f"{SWITCH}=default"
     chosen = [name for name in USER_VARIABLES if environ.get(name)]
     if "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
@@ -51,7 +58,10 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> dict[str, Any
 
     Returns:
         What was done, for run_info.json: ``{"allocator": "glibc", <setting>: bytes, ...}``; or
-        ``{"allocator": ..., "left_as_is": why}`` when nothing was set (not glibc, a user's choice)."""
+        ``{"allocator": ..., "left_as_is": why}`` when nothing was set (not glibc, a user's choice).
+
+    Raises:
+        RunError: ``HIF8QAT_HOST_ALLOCATOR`` is set to a value other than ``kept`` or ``default``."""
     global _record
     environ = os.environ if environ is None else environ
     library, _ = platform.libc_ver()

@@ -78,7 +78,7 @@ test-rehearsals: $(STAMP) ## the CPU rehearsals of make gpu-check and make rehea
 
 # The lowest supported versions: pyproject.toml's lower bounds of torch and transformers (what a GPU node's own
 # install may be), every other package as pinned, in .venv-compat. PyPI's Linux torch of that version is the
-# CUDA build: its nvidia-* wheels come along (about 2.6 GB, cached by pip after the first time), since the CPU
+# CUDA build: its nvidia-* wheels come along (about 2.6 GB, kept in uv's or pip's cache after the first time), since the CPU
 # path of `import torch` loads them too.
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python

@@ -33,6 +33,7 @@ from hif8qat.compute_dtype import Numerics
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.quant.linear import set_quantization
 from hif8qat.train.loop import build_optimizer, prepare_model, train_step
+from hif8qat.train.schedule import warmup_cosine_schedule
 profile, experiment, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cfg = config_for(profile, experiment, 0)
 torch.manual_seed(0)
@@ -42,7 +43,7 @@ prepare_model(model, cfg, torch.device("cpu"), numerics)
 if cfg.quant.enabled:
     set_quantization(model, True)
 optimizer = build_optimizer(model, cfg)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+scheduler = warmup_cosine_schedule(optimizer, cfg.train.lr_warmup_steps, cfg.train.steps)
 ids = torch.randint(0, model.config.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
                     generator=torch.Generator().manual_seed(0))
 batches = lambda: iter([ids] * cfg.grad_accum_steps(1))

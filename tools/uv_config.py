@@ -60,8 +60,9 @@ def pip_settings(listing: str) -> dict[str, str]:
 
 def _usable(location: str) -> bool:
     """A location pip would read: a ``file://`` one only if it exists (pip warns and skips the others, uv fails)."""
-    path = location[len("file://"):] if location.startswith("file://") else location if "://" not in location else ""
-    return not path or Path(path).exists()
+    if location.startswith("file://"):
+        return Path(location[len("file://"):]).exists()
+    return "://" in location or Path(location).exists()  # a remote index is for the installer to reach
 
 
 def uv_arguments(settings: dict[str, str]) -> list[str]:

@@ -62,6 +62,6 @@ def estimate(argv: list[str]) -> int:
 
     Returns:
         The exit status."""
-    keep_freed_memory()  # the steps it times run with the allocator the runs will have
-    return estimate_main(argv, config_for)
+    # the steps it times run with the allocator the runs will have (a bad switch: one error line, as a run's)
+    return guarded(keep_freed_memory) or estimate_main(argv, config_for)
 

@@ -18,6 +18,7 @@ from hif8qat.errors import concerning, one_line
 from hif8qat.evaluate.outputs import format_results
 from hif8qat.evaluate.runner import evaluate_export, evaluate_model, evaluate_run
 from hif8qat.models.loading import RemoteCodeError, load_causal_lm
+from hif8qat.runs.host_allocator import keep_freed_memory
 
 
 def _whole_number(text: str) -> bool:
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
             raise RemoteCodeError(f"{err} From the command line: add --trust-remote-code to allow it.") from None
 
     def evaluate() -> None:
+        keep_freed_memory()  # as run.py's processes: the forwards' freed memory is reused, not mapped afresh
         device, numerics = eval_numerics(args.device, args.dtype)  # no training to follow: auto is the machine's
         if args.run_dir:
             found.append(evaluate_run(args.run_dir, modes, args.tasks, numerics=numerics, device=device,

@@ -69,8 +69,9 @@ def test_a_setting_that_changes_what_pip_installs_and_has_no_translation_is_refu
 # --- tools/build_env.sh ------------------------------------------------------------------------------------------
 
 _FAKE_PYTHON = """#!/bin/sh
-# a stand-in interpreter: logs what it is asked, fails what FAIL names, runs real scripts for real
-case "$1" in *.py) exec {python} "$@" ;; esac
+# a stand-in interpreter: logs what it is asked, fails what FAIL names, runs real scripts for real (but the
+# bytecode warm-up, which would import the whole project: logged like an install)
+case "$1" in *warm_bytecode.py) ;; *.py) exec {python} "$@" ;; esac
 echo "python $*" >> {log}
 case "$*" in *{fail}*) exit 1 ;; esac
 case "$*" in *"pip install -q uv=="*)
@@ -113,7 +114,9 @@ def test_uv_installs_torch_alone_then_the_rest_under_its_pin_then_the_project(tm
     assert [line.split()[-1] for line in uv] == ["torch==2.9.0", str(tmp_path / "requirements.txt"), "."]
     assert f"-c {tmp_path}/venv/torch-constraint.txt" in uv[1] and "--no-deps -e ." in uv[2]
     assert all(f"--find-links {tmp_path}" in line for line in uv)  # pip's own find-links, told to uv
-    assert all("--compile-bytecode" in line for line in uv)  # as pip does: no process compiles its imports again
+    # no bytecode for all 20,000 installed files: the project's imports get theirs once everything is installed
+    assert not [line for line in uv if "--compile-bytecode" in line]
+    assert lines[-1] == f"python {ROOT}/tools/warm_bytecode.py"
     assert (tmp_path / "venv" / "torch-constraint.txt").read_text() == "torch==2.9.0\n"
     assert not [line for line in lines if "pip install -q torch" in line]  # pip never installed the pins
 
@@ -123,6 +126,7 @@ def test_when_uv_cannot_be_had_pip_builds_the_environment_the_same_way(tmp_path)
     assert out.returncode == 0, out.stderr
     assert "installing with pip" in out.stderr
     pip = [line for line in lines if line.startswith("python -m pip install -q") and "uv==" not in line][1:]
+    assert not [line for line in lines if "warm_bytecode" in line]  # pip compiles every file it installs
     assert pip == ["python -m pip install -q torch==2.9.0",
                    f"python -m pip install -q -c {tmp_path}/venv/torch-constraint.txt -r {tmp_path}/requirements.txt",
                    "python -m pip install -q --no-deps -e ."]
@@ -147,3 +151,26 @@ def test_an_unknown_installer_is_refused_with_the_allowed_values_before_anything
     out, lines = _build(tmp_path, "conda")
     assert out.returncode == 2 and "INSTALLER=conda" in out.stderr and "auto, uv, pip" in out.stderr
     assert lines == []
+
+
+def test_a_failed_bytecode_warm_up_leaves_a_working_environment_and_says_so(tmp_path):
+    out, lines = _build(tmp_path, "auto", fail="warm_bytecode")
+    assert out.returncode == 0, out.stderr
+    assert "bytecode not written" in out.stderr
+    assert not [line for line in lines if "pip install -q torch" in line]  # uv's install stands; pip redid nothing
+
+
+# --- tools/warm_bytecode.py --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_warm_bytecode_writes_the_bytecode_of_the_project_and_of_what_it_imports_lazily(tmp_path):
+    # under PYTHONDONTWRITEBYTECODE, with the bytecode redirected to tmp_path: what the script wrote is all there is
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "warm_bytecode.py")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    written = {p.name.split(".")[0] for p in tmp_path.rglob("*.pyc")}
+    project = {p.stem for p in (ROOT / "src" / "hif8qat").rglob("*.py") if p.stem != "__main__"}
+    assert project <= written, sorted(project - written)
+    # imported only inside functions at run time: the model's code, the memory simulation's tracker, lm-eval's HF model
+    assert {"modeling_llama", "mem_tracker", "huggingface"} <= written

@@ -3,7 +3,8 @@
 #   1. torch's pinned line alone, then kept as a constraint, so no other package can pull a different torch build
 #      (an unpinned torch from PyPI is the multi-GB CUDA build);
 #   2. the rest of the requirements under that constraint;
-#   3. this project, editable, without dependencies.
+#   3. this project, editable, without dependencies;
+#   4. (uv) the bytecode of the modules the project imports: tools/warm_bytecode.py.
 # INSTALLER=auto (the default) installs with uv, pinned below and installed by pip into the environment: the same
 # pins in seconds instead of minutes. uv reads none of pip's configuration, so tools/uv_config.py hands it pip's
 # indexes, find-links and constraints (and refuses settings it cannot translate); whatever fails with uv is then
@@ -34,11 +35,14 @@ with_uv() {
     local settings
     settings=$("$py" "$tools/uv_config.py") || return 1
     local -a install
-    # --compile-bytecode: as pip does; without .pyc files every process compiles its imports again (18 s, not 7)
-    eval "install=(\"$venv/bin/uv\" pip install -q --compile-bytecode --python \"$py\" $settings)"
+    # no --compile-bytecode: warm_bytecode.py below compiles the ~4,000 files the project imports, not all 20,000
+    eval "install=(\"$venv/bin/uv\" pip install -q --python \"$py\" $settings)"
     "${install[@]}" "$torch_pin" &&
         "${install[@]}" -c "$venv/torch-constraint.txt" -r "$requirements" &&
-        "${install[@]}" --no-deps -e .
+        "${install[@]}" --no-deps -e . &&
+        # where PYTHONDONTWRITEBYTECODE is set, a module without .pyc is compiled again by every process (18 s, not
+        # 7, for run.py's imports): written once here. Best effort: without it the environment still works.
+        { HF_HUB_OFFLINE=1 "$py" "$tools/warm_bytecode.py" || echo "tools/build_env.sh: bytecode not written" >&2; }
 }
 
 with_pip() {

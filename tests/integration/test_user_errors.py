@@ -20,6 +20,7 @@ from hif8qat.cli import command_line
 from hif8qat.config.numerics import train_numerics
 from hif8qat.config.run_config import ConfigError, RunConfig, setting_keys
 from hif8qat.launch import preflight
+from hif8qat.launch.memory import step_memory
 from hif8qat.train import checkpoint as ckpt
 
 
@@ -183,7 +184,7 @@ def test_memory_estimate_counts_the_real_models_parameters(layers):
     model, _ = build_tiny_llama(num_layers=layers)
     facts = model_config_facts(f"tiny:{layers}")
     cfg = cli_config(["experiment=exp1", "profile=smoke", f"model.name=tiny:{layers}"])
-    parts = preflight.step_memory(cfg, facts, train_numerics(cfg))
+    parts = step_memory(cfg, facts, train_numerics(cfg))
     n = sum(p.numel() for p in model.parameters())
     # the simulated model is the real one: FP32 weights (and the rotary buffer), two AdamW moments and a step count
     assert parts["weights"] == 4 * n + sum(b.numel() * b.element_size() for b in model.buffers())

@@ -154,6 +154,7 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
     import importlib.util
     import sys
 
+    from hif8qat.launch import memory
     from hif8qat.launch import preflight as preflight_module
     from hif8qat.models.loading import model_config_facts
 
@@ -167,7 +168,7 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
                  "train.global_batch_size=16", "train.micro_batch_size=2", f"results_root={tmp_path}"]
     cfg = _smoke(tmp_path, "train.distributed=fsdp", "train.global_batch_size=16", "train.micro_batch_size=2")
     facts = model_config_facts(cfg.model.name)
-    one, eight = (sum(preflight_module.step_memory(cfg, facts, train_numerics(cfg), w).values()) for w in (1, 8))
+    one, eight = (sum(memory.step_memory(cfg, facts, train_numerics(cfg), w).values()) for w in (1, 8))
     assert one > eight
     monkeypatch.setattr(preflight_module, "_machine_memory", lambda device: (eight, "memory on GPU 0"))
 

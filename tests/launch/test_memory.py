@@ -142,6 +142,48 @@ def test_preflight_skips_the_simulation_only_for_steps_far_below_the_memory(pape
     assert 100 * sum(step_memory(small, facts, train_numerics(small)).values()) < 2 ** 34
 
 
+# ------------------------------------------------------------------ the cached simulation
+def test_a_step_is_simulated_once_per_settings_and_again_when_a_setting_it_reads_changes(tmp_path, monkeypatch):
+    from hif8qat.launch import memory
+
+    monkeypatch.setenv("HIF8QAT_CACHE", str(tmp_path))
+    cfg = _cfg("experiment=exp8", "profile=smoke")
+    facts, numerics = model_config_facts(cfg.model.name), train_numerics(cfg)
+    simulated = []
+    real = memory.step_memory
+    monkeypatch.setattr(memory, "step_memory", lambda *a: simulated.append(a) or real(*a))
+
+    first = memory.cached_step_memory(cfg, facts, numerics)
+    # the estimate's process, then the run's preflight: the same settings, another experiment name and seed
+    again = memory.cached_step_memory(dataclasses.replace(cfg, seed=7, experiment=dataclasses.replace(
+        cfg.experiment, name="other")), facts, numerics)
+    assert len(simulated) == 1 and again == first == real(cfg, facts, numerics)
+    assert list(again) == list(memory.PARTS)  # printed in the same order
+
+    longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=2 * cfg.train.seq_len))
+    assert memory.cached_step_memory(longer, facts, numerics)["activations"] > first["activations"]
+    memory.cached_step_memory(cfg, facts, numerics, world_size=2)
+    other = "none" if numerics.mode != "none" else "bf16_emulated"
+    memory.cached_step_memory(cfg, facts, dataclasses.replace(numerics, mode=other))
+    assert len(simulated) == 4, [a[2:] for a in simulated]
+
+    # a damaged entry is simulated again and rewritten
+    for entry in (tmp_path / "step_memory").glob("*.json"):
+        entry.write_text('{"weights": 1')
+    assert memory.cached_step_memory(cfg, facts, numerics) == first and len(simulated) == 5
+
+
+def test_the_cache_key_follows_the_package_source(tmp_path, monkeypatch):
+    from hif8qat.launch import memory
+
+    monkeypatch.setenv("HIF8QAT_CACHE", str(tmp_path))
+    cfg = _cfg("experiment=exp8", "profile=smoke")
+    facts, numerics = model_config_facts(cfg.model.name), train_numerics(cfg)
+    before = memory._cache_file(cfg, facts, numerics, 1)
+    monkeypatch.setattr(memory, "_code_digest", lambda: "edited")  # a changed simulation or trainer
+    assert memory._cache_file(cfg, facts, numerics, 1) != before
+
+
 # ------------------------------------------------------------------ the measured process
 def _measure(spec: dict) -> dict:
     """The trainer's step on real tensors in this (fresh) process; its resident-set growth at the peak."""

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
+import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from transformers import masking_utils
@@ -26,6 +31,7 @@ from hif8qat.models.loading import PANGU_MODEL_TYPES, transformer_blocks
 from hif8qat.models.pangu import pangu_llama_config
 from hif8qat.quant.gemm import keep_weights_under_fake_tensors
 from hif8qat.quant.linear import set_quantization
+from hif8qat.runs.downloads import cache_root
 from hif8qat.train.chunked_loss import lm_loss
 from hif8qat.train.loop import build_optimizer, prepare_model
 
@@ -224,6 +230,62 @@ def step_memory(cfg: RunConfig, facts: dict, numerics: Numerics, world_size: int
         parts["weights"] = parts["weights"] // world_size + sim.root_bytes + 2 * sim.block_bytes
         parts["AdamW state"] //= world_size
     parts["DDP gradient buckets"] = sim.grad_bytes if world_size > 1 and t.distributed == "ddp" else 0
+    return parts
+
+
+#: The settings a step's simulation reads (the model, its preparation, the step's shape and numerics, AdamW)
+SIMULATED_SECTIONS = ("model", "train", "quant", "quirks")
+
+
+@functools.cache
+def _code_digest() -> str:
+    """A digest of this package's source: a cached estimate is one the code that reads it would make."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cache_file(cfg: RunConfig, facts: dict, numerics: Numerics, world_size: int) -> Path:
+    import transformers
+
+    key = {"settings": {k: dataclasses.asdict(getattr(cfg, k)) for k in SIMULATED_SECTIONS}, "facts": facts,
+           "numerics": dataclasses.asdict(numerics), "world_size": world_size, "torch": torch.__version__,
+           "transformers": transformers.__version__, "code": _code_digest()}
+    name = hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()[:32]
+    return cache_root() / "step_memory" / f"{name}.json"
+
+
+def cached_step_memory(cfg: RunConfig, facts: dict, numerics: Numerics, world_size: int = 1) -> dict[str, int]:
+    """:func:`step_memory`, kept in the project cache under everything the simulation depends on (the settings it
+    reads, the model's config.json, the numerics, the processes, torch's and transformers' versions, this package's
+    source): ``make expN``'s estimate and the preflight of the run it then starts simulate the step once (seconds
+    each). An unreadable entry is simulated again.
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics`.
+        world_size: processes the run trains on.
+
+    Returns:
+        Part -> bytes, as :func:`step_memory`."""
+    path = _cache_file(cfg, facts, numerics, world_size)
+    try:
+        parts = json.loads(path.read_text())
+        if isinstance(parts, dict) and set(parts) == set(PARTS) and all(type(v) is int for v in parts.values()):
+            return parts
+    except (OSError, ValueError):
+        pass
+    parts = step_memory(cfg, facts, numerics, world_size)
+    try:  # written whole or not at all: a concurrent reader sees no half-written entry
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(parts))
+        os.replace(partial, path)
+    except OSError:
+        pass  # a read-only cache: the next caller simulates again
     return parts
 
 

@@ -26,7 +26,7 @@ from hif8qat.data.corpus import datasets_offline, mini_corpus_path
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
 from hif8qat.evaluate.task_data import prepare_paper_tasks
 from hif8qat.launch.inputs import check_inputs
-from hif8qat.launch.memory import far_below, step_memory
+from hif8qat.launch.memory import cached_step_memory, far_below
 from hif8qat.models.hub import hub_cached, looks_like_path
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
@@ -229,7 +229,7 @@ def check_model_fits(cfg: RunConfig, numerics: Numerics) -> None:
     have, where = _machine_memory(cfg.train.device)
     if not have or far_below(cfg, facts, have):  # nothing to compare with, or a step that cannot come near it
         return
-    parts = step_memory(cfg, facts, numerics, int(os.environ.get("WORLD_SIZE", "1")))
+    parts = cached_step_memory(cfg, facts, numerics, int(os.environ.get("WORLD_SIZE", "1")))
     need = sum(parts.values())
     if need > have:
         gib = 2.0 ** 30

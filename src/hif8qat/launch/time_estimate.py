@@ -29,7 +29,7 @@ from hif8qat.config.numerics import train_numerics
 from hif8qat.evaluate.heldout import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
 from hif8qat.evaluate.heldout import heldout_window_count
 from hif8qat.evaluate.runner import weights_cast_once
-from hif8qat.launch.memory import describe, step_memory
+from hif8qat.launch.memory import cached_step_memory, describe
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
 from hif8qat.quant.linear import freeze_scales, set_quantization, set_step
@@ -370,7 +370,7 @@ def print_memory(cfg, numerics: Numerics, world_size: int | None, device: str | 
         world_size = max(torch.cuda.device_count(), 1) if cfg.profile.name == "paper" else 1
     if device is not None:
         numerics = replace(numerics, device_type=device)
-    parts = step_memory(cfg, facts, numerics, world_size)
+    parts = cached_step_memory(cfg, facts, numerics, world_size)
     print(f"memory: {cfg.experiment.name} at profile {cfg.profile.name}: one training step needs about "
           f"{describe(cfg, parts, world_size, numerics)}")
 

@@ -11,12 +11,15 @@ The run folder's export is loaded in each mode (``hif8`` needs a quantized run's
    weights cast (and quantized) at every forward ("per forward", the code before) and once per evaluation
    (``hif8qat.evaluate.runner.weights_cast_once``), interleaved over ``--repeats``; prints the median ms per token
    of each, their ratios, and whether the two ways give bit-identical logits;
-2. evaluations (unless ``--skip-eval``): the mini profile's tasks on ``--fraction`` of its subsets
-   (conf/eval/mini.yaml), per mode and way, split into model load, forwards (of which the quantizer), the rest of
-   the scoring (batching, log-softmax), writing the eval folder, and lm-eval's own work (task setup, tokenisation,
-   metrics): the remainder. Prints the accuracies too: they must not depend on the way.
+2. evaluations (unless ``--skip-eval``): the mini profile's tasks on ``--fraction`` of its subsets, with its
+   shots and batch size (conf/eval/mini.yaml), per mode and way, split into model load, forwards (of which the
+   quantizer), the rest of the scoring (batching, log-softmax), writing the eval folder, and lm-eval's own work
+   (task setup, tokenisation, metrics): the remainder. Prints the accuracies too: they must not depend on the way.
 
-On a shared machine the absolute seconds move with the load; the ratios, measured side by side, move less.
+The process keeps freed memory in its heap as run.py's processes do
+(``hif8qat.runs.host_allocator.keep_freed_memory``): with glibc's defaults each large activation would be mapped
+afresh, a cost the runs do not pay. On a shared machine the absolute seconds move with the load; the ratios,
+measured side by side, move less.
 """
 
 from __future__ import annotations
@@ -93,6 +96,12 @@ def bench_forwards(models: dict, numerics, rows: int, width: int, repeats: int) 
               f"{statistics.median(ts) / ref:>8.2f}{str(same):>18}")
 
 
+def _mini_profile() -> dict:
+    import yaml
+
+    return yaml.safe_load((Path(__file__).resolve().parents[1] / "conf" / "eval" / "mini.yaml").read_text())
+
+
 def bench_evaluation(export: Path, mode: str, way: str, numerics, fraction: float, batch_size: int) -> None:
     import torch
 
@@ -114,12 +123,14 @@ def bench_evaluation(export: Path, mode: str, way: str, numerics, fraction: floa
         t0 = time.perf_counter()
         model, tok = load_for_eval(export, mode, device="cpu")
         spent["load"] = time.perf_counter() - t0
-        sizes = {"mmlu_continuation": max(57, round(171 * fraction)), "hellaswag": round(130 * fraction),
-                 "arc_challenge": round(200 * fraction)}
+        mini = _mini_profile()
+        # MMLU is stratified by subject: at least one document of each of its 57
+        sizes = {t: max(57 if t.startswith("mmlu") else 1, round(n * fraction)) for t, n in mini["subset"].items()}
         with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
             t0 = time.perf_counter()
             res = runner.evaluate_model(model, tok, list(sizes), out_dir=Path(tmp) / mode, mode=mode,
-                                        batch_size=batch_size, subset=sizes, offline_data=True, device="cpu",
+                                        batch_size=batch_size, subset=sizes, num_fewshot=mini["num_fewshot"],
+                                        subset_seed=mini["subset_seed"], offline_data=True, device="cpu",
                                         numerics=numerics)
             total = time.perf_counter() - t0
     finally:
@@ -149,7 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--fraction", type=float, default=0.25, help="share of each mini subset to evaluate")
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the mini profile's")
     ap.add_argument("--skip-eval", action="store_true", help="the forwards only")
     args = ap.parse_args(argv)
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -159,7 +170,10 @@ def main(argv=None) -> int:
 
     from hif8qat.config.numerics import eval_numerics
     from hif8qat.evaluate.loading import load_for_eval
+    from hif8qat.runs.host_allocator import keep_freed_memory
 
+    keep_freed_memory()  # as run.py's processes and the evaluation CLI allocate
+    args.batch_size = args.batch_size or _mini_profile()["batch_size"]
     _, numerics = eval_numerics("cpu", args.dtype)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     export = args.run_dir / "export"

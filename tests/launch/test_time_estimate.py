@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 from test_reliability import cli_config
 
 from hif8qat.launch import time_estimate
@@ -83,19 +87,20 @@ class _Clock:
         return self.now
 
 
-@pytest.mark.parametrize(("experiment", "plain", "order", "expected"), [
-    # quantized first (the run's first step, then a warm one), then one warm plain step for the plain runs
-    ("exp3", True, [True, True, False], (0.0, 1.0, 7.0, 2.0)),
-    ("exp3", False, [True, True], (0.0, 2.0, 7.0, 2.0)),  # no plain step pending: none timed
-    ("exp1", True, [False, False], (2.0, 1.0, 0.0, 1.0)),  # a plain config: its first and a warm step
+@pytest.mark.parametrize(("experiment", "order", "expected"), [
+    # two plain steps (the run's first, then a warm one), then one quantized step with the eager kernels
+    ("exp3", [False, False, True], (2.0, 1.0, time_estimate.QAT_FIRST_STEP_S, 2.5)),
+    ("exp1", [False, False], (2.0, 1.0, 0.0, 1.0)),  # a plain config: its first and a warm step
 ])
-def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_steps_apart(
-        monkeypatch, tmp_path, experiment, plain, order, expected):
-    """Plain steps take 3 s then 1 s, quantized ones 9 s (AdamW's state, the compile) then 2 s, on the model
-    prepare_model made for the run with the run's optimizer: the costs split the first step's extra from warm steps."""
+def test_measure_steps_the_trainers_prepared_model_plain_first_then_quantized_eagerly(
+        monkeypatch, tmp_path, experiment, order, expected):
+    """Plain steps take 3 s then 1 s, an eager quantized one 2.5 s, on the model prepare_model made for the run with
+    the run's optimizer: the costs split the first step's extra from warm steps; the quantized step runs with the
+    quantizer's compile off (nothing is compiled by the estimate), the plain ones as the run has it."""
     cfg = cli_config([f"experiment={experiment}", "profile=smoke", f"results_root={tmp_path}"])
     clock = _Clock()
     monkeypatch.setattr(time_estimate.time, "perf_counter", clock)
+    monkeypatch.delenv("HIF8QAT_COMPILE", raising=False)
     prepared, stepped = [], []
     real_prepare = time_estimate.prepare_model
 
@@ -105,40 +110,124 @@ def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_step
 
     def step(model, optimizer, scheduler, batches, config, numerics):
         quantized = any(m.quant_enabled for _, m in quant_modules(model))
-        stepped.append((model, type(optimizer).__name__, quantized))
-        first = len(stepped) == 1
-        clock.now += (9.0 if first else 2.0) if quantized else (3.0 if first else 1.0)
+        stepped.append((model, type(optimizer).__name__, quantized, os.environ.get("HIF8QAT_COMPILE")))
+        clock.now += 2.5 if quantized else (3.0 if len(stepped) == 1 else 1.0)
         assert len(list(batches)) == config.grad_accum_steps(1)
         return 0.0
 
     monkeypatch.setattr(time_estimate, "prepare_model", prepare)
     monkeypatch.setattr(time_estimate, "train_step", step)
     monkeypatch.setattr(time_estimate, "write_byte_seconds", lambda folder: 1e-9)
-    costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg), plain=plain)
+    costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg))
     assert len(prepared) == 1 and prepared[0][1] is cfg
     assert all(s[0] is prepared[0][0] and s[1] == "AdamW" for s in stepped)
     assert [s[2] for s in stepped] == order
+    assert [s[3] for s in stepped] == [("0" if q else None) for q in order]  # only the quantized step is eager
+    assert "HIF8QAT_COMPILE" not in os.environ  # and the setting is given back
     assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == expected
     assert sizes["state_bytes"] > sizes["model_bytes"] > 0
 
 
+def test_the_quantized_step_is_the_eager_one_less_what_compiled_kernels_save(monkeypatch, tmp_path):
+    """An eager quantized step of 4 s whose kernels would save 1.5 s compiled costs 2.5 s; a saving larger than the
+    quantizer's whole extra leaves the step at the plain one's cost, never below."""
+    cfg = cli_config(["experiment=exp3", "profile=smoke", f"results_root={tmp_path}"])
+    clock = _Clock()
+    monkeypatch.setattr(time_estimate.time, "perf_counter", clock)
+
+    def step(model, optimizer, scheduler, batches, config, numerics):
+        clock.now += 4.0 if any(m.quant_enabled for _, m in quant_modules(model)) else 1.0
+        return 0.0
+
+    monkeypatch.setattr(time_estimate, "train_step", step)
+    monkeypatch.setattr(time_estimate, "write_byte_seconds", lambda folder: 1e-9)
+    for saving, qat in ((1.5, 2.5), (3.5, 1.0)):
+        monkeypatch.setattr(time_estimate, "compiled_kernel_saving_s", lambda records, fmt, s=saving: s)
+        costs, _ = time_estimate.measure(cfg, time_estimate.train_numerics(cfg))
+        assert (costs.train_step_s, costs.qat_step_s) == (1.0, qat)
+
+
+def test_compiled_kernel_saving_is_each_call_shapes_eager_time_less_one_pass_times_its_calls(monkeypatch):
+    """Three calls at one shape and one at another: the eager kernel takes 5 ms and 9 ms, a one-pass cast 1 ms and
+    2 ms, so compiling saves 3 x 4 + 1 x 7 = 19 ms; each distinct shape is timed, not each call."""
+    clock = _Clock()
+    monkeypatch.setattr(time_estimate.time, "perf_counter", clock)
+    eager_calls = []
+
+    def eager(x, scale, fmt, out_dtype=None):
+        assert os.environ.get("HIF8QAT_COMPILE") == "0" and fmt == "hif8"
+        eager_calls.append(tuple(x.shape))
+        clock.now += 5e-3 if x.shape == (4, 8) else 9e-3
+
+    class Timed(torch.Tensor):
+        pass
+
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        clock.now += 1e-3 if self.shape == (4, 8) else 2e-3
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(time_estimate, "qdq_scaled_amax", eager)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    records = [((4, 8), torch.float32, torch.bfloat16, p) for p in (1, 2, 3)]
+    records.append(((16, 8), torch.bfloat16, torch.bfloat16, 4))
+    saved = time_estimate.compiled_kernel_saving_s(records, "hif8", repeats=2)
+    assert saved == pytest.approx(3 * 4e-3 + 1 * 7e-3)
+    assert sorted(set(eager_calls)) == [(4, 8), (16, 8)] and len(eager_calls) == 4  # 2 shapes x 2 repeats
+
+
 def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took(tmp_path, capsys):
-    """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the model load,
-    the plain steps, the evaluation forward, the quantized steps, the disk), then the total per run and per part.
-    The tiny model stands in for the mini profile's so that the whole measurement runs in seconds."""
+    """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the wait for the
+    run's start-up timed beside them, the model load, the plain steps, the quantized step, the evaluation forward,
+    the disk), then the total per run and per part. A run starts in what its imports took (7 s here) and its
+    preflight's memory simulation. The tiny model stands in for the mini profile's: the whole measurement runs in
+    seconds."""
 
     def config_for(profile, experiment, seed, extra):
         return cli_config([f"experiment={experiment}", "profile=smoke", f"seed={seed}", f"results_root={tmp_path}"])
 
+    waited = []
     assert time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1",
-                               "--results-root", str(tmp_path), "--label", "make exp3"], config_for) == 0
+                               "--results-root", str(tmp_path), "--label", "make exp3"], config_for,
+                              run_startup=lambda: waited.append(1) or 7.0) == 0
+    assert waited == [1]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("estimate: make exp3: ")]
     phases = [line.split("] ", 1)[1] for line in lines if line.startswith("estimate: make exp3: [")]
-    expected = ["simulating a training step's memory", "composing the configs", "loading ", "timing 2 hif8",
-                "timing a plain (BF16) training step", "timing an evaluation forward", "timing a write"]
+    expected = ["simulating a training step's memory", "composing the configs", "waiting for a run process's start",
+                "loading ", "timing 2 plain (BF16) training steps", "timing a hif8 (attn_mlp) training step",
+                "timing an evaluation forward", "timing a write"]
     assert len(phases) == len(expected) and all(p.startswith(e) for p, e in zip(phases, expected, strict=True)), lines
     last = lines[-1]
     assert "2 run(s) to train and evaluate" in last and "exp1 " in last and "exp3 " in last, last
     assert "measured just now in " in last and "held-out comparison" in last, last
+    assert 7.0 <= float(last.split(" s to start a run")[0].rsplit(" ", 1)[1]) < 30.0, last
     assert not list(tmp_path.iterdir()), "the disk's timing leaves nothing behind"
     assert math.isfinite(float(last.split("about ", 1)[1].split(" min", 1)[0]))
+
+
+def test_a_quantized_evaluation_forward_is_timed_only_when_a_run_evaluates_a_quantized_mode(monkeypatch, tmp_path):
+    """exp3 at mini evaluates bf16 only: no quantized forward is timed for it; with eval.modes=[bf16,hif8] one is."""
+    seen = []
+
+    def measure(cfg, numerics, *, quantized_eval, say, eval_shape):
+        seen.append(quantized_eval)
+        return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
+
+    monkeypatch.setattr(time_estimate, "measure", measure)
+    monkeypatch.setattr(time_estimate, "print_memory", lambda *a: None)
+    for extra in ([], ["eval.modes=[bf16,hif8]"]):
+        def config_for(profile, experiment, seed, overrides, extra=extra):
+            return cli_config([f"experiment={experiment}", "profile=mini", f"results_root={tmp_path}", *extra])
+
+        time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1"], config_for)
+    assert seen == [False, True]
+
+
+def test_the_estimate_imports_neither_the_evaluator_nor_the_statistics_libraries():
+    """What run.py --estimate loads: the trainer, the model loader and the configs; lm-eval, scipy and pandas (seconds
+    of imports that a run's evaluation and report need) stay out, and the run job's own module too."""
+    code = ("import sys; import hif8qat.cli.estimate; "
+            "print(sorted(m for m in ('lm_eval', 'scipy', 'pandas', 'hif8qat.cli.main') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -14,25 +14,28 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hif8qat.compute_dtype import Numerics
+from hif8qat.compute_dtype import Numerics, keeping_weight_casts
 from hif8qat.config.numerics import train_numerics
-from hif8qat.evaluate.heldout import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
-from hif8qat.evaluate.heldout import heldout_window_count
-from hif8qat.evaluate.runner import weights_cast_once
+from hif8qat.evaluate.heldout_set import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
+from hif8qat.evaluate.heldout_set import heldout_window_count
+from hif8qat.formats.kernels import count_qdq
+from hif8qat.formats.qdq import qdq_scaled_amax
 from hif8qat.launch.memory import describe, step_memory
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
-from hif8qat.quant.linear import freeze_scales, set_quantization, set_step
+from hif8qat.quant.gemm import reusing_frozen_weights
+from hif8qat.quant.linear import freeze_scales, scaler_banks, set_quantization, set_step
 from hif8qat.runs.folders import is_done, run_dir_for
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.compiled_blocks import compile_blocks
@@ -87,6 +90,12 @@ def eval_work(results_root: Path, profile: str) -> EvalWork:
     tokens, calls = _EVAL_FALLBACK.get(profile, (0, 0))
     return EvalWork(newest[1].tokens if newest else tokens, calls)
 
+
+# A quantized run's first step, beyond a plain run's first: the quantizer's kernels compiled (dynamo, inductor and,
+# in a new environment, the C++ compiler) and checked against the eager path once per process. Measured on the AMX
+# Xeon (exp3, mini): 4 s with the compile cache warm, 14 s in a fresh environment; the estimate runs the kernels
+# eagerly and does not pay it, so it is not measured here.
+QAT_FIRST_STEP_S = 9.0
 
 # Per evaluation mode, besides its forwards: lm-eval building its three tasks from the offline copies and writing the
 # per-item files (about 15 s measured at the mini profile, docs/calibration.md).
@@ -254,23 +263,74 @@ def write_byte_seconds(folder: Path, size: int = 64 << 20) -> float:
     return (time.perf_counter() - t) / len(payload)
 
 
-def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str], None] = lambda line: None,
+@contextlib.contextmanager
+def eager_quantizer() -> Iterator[None]:
+    """Within it the HiF8/FP8 quantizer runs its eager kernels (``HIF8QAT_COMPILE=0``): no compile is paid.
+
+    Yields:
+        Nothing."""
+    before = os.environ.get("HIF8QAT_COMPILE")
+    os.environ["HIF8QAT_COMPILE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HIF8QAT_COMPILE", None)
+        else:
+            os.environ["HIF8QAT_COMPILE"] = before
+
+
+def compiled_kernel_saving_s(records, fmt: str, repeats: int = 2) -> float:
+    """Seconds a step's quantizer calls would save compiled rather than eager: each distinct call shape of
+    ``records`` (:func:`hif8qat.formats.kernels.count_qdq`) run through the eager scaled qdq with amax, less one
+    read-and-cast pass over the same tensor (what a fused compiled kernel costs: it reads the input once and writes
+    the result once), times the calls of that shape.
+
+    Args:
+        records: ``(shape, input dtype, result dtype, pointer)`` per call.
+        fmt: the element format.
+        repeats: timings per shape (the fastest is kept).
+
+    Returns:
+        The seconds (0 when nothing was recorded)."""
+    calls: dict[tuple, int] = {}
+    for shape, dtype, out_dtype, _ in records:
+        calls[(shape, dtype, out_dtype)] = calls.get((shape, dtype, out_dtype), 0) + 1
+    saved = 0.0
+    with eager_quantizer():
+        for (shape, dtype, out_dtype), n in calls.items():
+            x = torch.randn(shape, dtype=dtype)
+            scale = torch.tensor(1.0)
+            eager = cast = math.inf
+            for _ in range(repeats):
+                t = time.perf_counter()
+                qdq_scaled_amax(x, scale, fmt, out_dtype=out_dtype)
+                eager = min(eager, time.perf_counter() - t)
+                t = time.perf_counter()
+                x.to(out_dtype).abs_()  # read once, write once (abs_: the amax's pass, fused in the compiled kernel)
+                cast = min(cast, time.perf_counter() - t)
+            saved += n * max(eager - cast, 0.0)
+    return saved
+
+
+def measure(cfg, numerics: Numerics, *, quantized_eval: bool = True, say: Callable[[str], None] = lambda line: None,
             eval_shape: tuple[int, int] = (32, 8)) -> tuple[Costs, dict[str, int]]:
     """Time the pieces of a run with the run's model, batch and numerics, built as the trainer builds it
     (:func:`hif8qat.train.loop.prepare_model`: the quantized linears, the loss head, activation checkpointing; the
     run's optimizer and schedule) and stepped as it steps (:func:`hif8qat.train.loop.train_step`), on this machine's
     CPU. One loaded model serves every phase.
 
-    A quantized config runs two quantized steps, the first as the run's first (AdamW's state, the quantizer's compile
-    and cold start), then, when plain steps are pending too, one warm plain step (the first step's extra is counted
-    once, with the quantized one); a plain config runs two plain steps. The evaluation is timed by a forward at its
-    mean call shape, the held-out comparison by one of its batches.
+    Two plain steps: the first as the run's first (AdamW's state, first calls at the shape), then a warm one. A
+    quantized config then runs one quantized step with the quantizer's eager kernels (no compile is paid here: the
+    run compiles them once, :data:`QAT_FIRST_STEP_S`) and takes off what its calls would save compiled
+    (:func:`compiled_kernel_saving_s`). The evaluation is timed by a forward at its mean call shape (a quantized one
+    only when ``quantized_eval``), the held-out comparison by one of its batches.
 
     Args:
-        cfg: the run's resolved config (a quantized one times both kinds of step and forward).
+        cfg: the run's resolved config (a quantized one times both kinds of step).
         numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (its mode is timed on the
             CPU).
-        plain: time a plain (BF16) step too (False: only quantized steps are pending).
+        quantized_eval: time a quantized evaluation forward too (a pending run evaluates a quantized mode).
         say: told each phase as it starts.
         eval_shape: ``(rows, positions)`` of the evaluation forward timed.
 
@@ -299,14 +359,19 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
         train_step(model, optimizer, scheduler, iter([ids] * cfg.grad_accum_steps(1)), cfg, numerics)
         return time.perf_counter() - t
 
-    def token_s(rows: int, positions: int, warm: bool, evaluation: bool = True) -> float:
+    def token_s(rows: int, positions: int, evaluation: bool = True) -> float:
         """A forward and its FP32 log-probabilities, per position: as the evaluation runs it (weights cast and
         quantized once, by the untimed first call) or as the held-out comparison does (inference mode)."""
         model.eval()
         batch = torch.randint(0, vocab, (rows, positions))
-        kept = weights_cast_once(model) if evaluation else contextlib.nullcontext()
+        # as the evaluation's weights_cast_once (hif8qat.evaluate.runner, not imported: it loads lm-eval): each
+        # weight cast and quantized (frozen scales) once, then reused
+        kept = contextlib.ExitStack()
+        if evaluation:
+            kept.enter_context(reusing_frozen_weights(scaler_banks(model)))
+            kept.enter_context(keeping_weight_casts())
         with kept, torch.no_grad() if evaluation else torch.inference_mode():
-            for _ in range(2 if evaluation or not warm else 1):  # the first call at a shape allocates
+            for _ in range(2):  # the first call at a shape allocates (and casts the kept weights)
                 with numerics.forward():
                     t = time.perf_counter()
                     torch.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
@@ -316,39 +381,38 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
     batch_line = (f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
                   + (f", {cfg.grad_accum_steps(1)} micro-batches" if cfg.grad_accum_steps(1) > 1 else ""))
     rows, positions = eval_shape
-    first_extra = qat_start = 0.0
+    say(f"timing 2 plain (BF16) training steps of {batch_line}, the first as the run's first (AdamW's state)")
+    first, train_step_s = step_s(), step_s()
+    first_extra = max(first - train_step_s, 0.0)
+    qat_step_s, quant_token_s, qat_start = train_step_s, None, 0.0
     if cfg.quant.enabled:
         training = cfg.quant.training
-        say(f"timing 2 {training.format} ({training.scope}) training steps of {batch_line}, the first as the run's "
-            "first (AdamW's state, the quantizer's compile), and a quantized evaluation forward")
+        say(f"timing a {training.format} ({training.scope}) training step of {batch_line} with the quantizer's "
+            "eager kernels, then its kernels at their call shapes, eager and as one pass (what compiling saves)")
         set_quantization(model, True)
-        first, qat_step_s = step_s(), step_s()
-        qat_start = first - qat_step_s  # the run's first step pays it, quantized or not: counted once, here
-        freeze_scales(model, True)
-        quant_token_s = token_s(rows, positions, warm=False)
-        freeze_scales(model, False)
+        with eager_quantizer(), count_qdq() as counted:
+            eager_step_s = step_s()
+        saving = compiled_kernel_saving_s(counted.records, training.format)
+        qat_step_s = max(eager_step_s - saving, train_step_s)
+        qat_start = QAT_FIRST_STEP_S
+        if quantized_eval:
+            freeze_scales(model, True)
+            with eager_quantizer():
+                quant_token_s = token_s(rows, positions)
+            freeze_scales(model, False)
         set_quantization(model, False)
-    train_step_s = qat_step_s if cfg.quant.enabled else 0.0
-    if plain and cfg.quant.enabled:
-        say(f"timing a plain (BF16) training step of {batch_line}")
-        train_step_s = step_s()
-    elif plain:
-        say(f"timing 2 training steps of {batch_line}, the first as the run's first (AdamW's state)")
-        first, train_step_s = step_s(), step_s()
-        first_extra = first - train_step_s
     say(f"timing an evaluation forward of {rows} x {positions} tokens and a held-out batch of "
         f"{HELDOUT_BATCH_WINDOWS} x {cfg.train.seq_len}")
-    eval_token_s = token_s(rows, positions, warm=cfg.quant.enabled)
-    heldout_batch_s = token_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len, warm=True, evaluation=False) * (
+    eval_token_s = token_s(rows, positions)
+    heldout_batch_s = token_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len, evaluation=False) * (
         HELDOUT_BATCH_WINDOWS * cfg.train.seq_len)
-    if not cfg.quant.enabled:
-        qat_step_s, quant_token_s = train_step_s, eval_token_s
     say("timing a write to the results' disk")
     write_s = write_byte_seconds(Path(cfg.results_root))
     sizes = {"model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
              "state_bytes": ckpt.state_bytes(model, optimizer)}
-    costs = Costs(numerics.mode, load_s, train_step_s, qat_step_s, eval_token_s, quant_token_s,
-                  first_step_s=max(first_extra, 0.0), qat_start_s=max(qat_start, 0.0), heldout_batch_s=heldout_batch_s,
+    costs = Costs(numerics.mode, load_s, train_step_s, qat_step_s, eval_token_s,
+                  eval_token_s if quant_token_s is None else quant_token_s,
+                  first_step_s=first_extra, qat_start_s=qat_start, heldout_batch_s=heldout_batch_s,
                   write_byte_s=write_s)
     return costs, sizes
 
@@ -375,7 +439,7 @@ def print_memory(cfg, numerics: Numerics, world_size: int | None, device: str | 
           f"{describe(cfg, parts, world_size, numerics)}")
 
 
-def main(argv, config_for: Callable[..., Any]) -> int:
+def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float | None] | None = None) -> int:
     """``python run.py --estimate --profile P --experiments E... [--seeds S...] [--label L] [--baseline E
     --baseline-overrides K=V...] [--overrides K=V...]``: the time (and memory) the runs that are not finished yet
     will take here.
@@ -384,6 +448,8 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         argv: the arguments after ``--estimate``.
         config_for: ``config_for(profile, experiment, seed, overrides)``: the resolved RunConfig run.py would build
             (run.py composes it).
+        run_startup: waits for and returns a run process's start-up seconds (its interpreter and imports, timed
+            beside this process's single-threaded phases), None when unknown: this process's own start stands for it.
 
     Returns:
         The exit status."""
@@ -403,7 +469,7 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
                     help="where the run trains, for the memory estimate (default: where train.device puts it here)")
     args = ap.parse_args(argv)
-    startup_s = process_age_s()  # this process's start, as each run's own process will pay it
+    startup_s = process_age_s()  # this process's start; a run's imports more (the evaluator, the report)
     plain_config_for = config_for
 
     def config_for(profile, experiment, seed):  # every run with the settings it will be started with
@@ -418,7 +484,9 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     experiments = [e for e in (args.baseline, *args.experiments) if e]
     say("simulating a training step's memory")
     first = config_for(args.profile, args.experiments[0], args.seeds[0])
+    t = time.perf_counter()
     print_memory(first, train_numerics(first), args.world_size, args.device)
+    preflight_s = time.perf_counter() - t  # each run's preflight simulates its step's memory too
     if args.profile not in ("mini", "gpu1"):
         return 0
 
@@ -448,13 +516,17 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         return 0
     # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
     measured = next((c for c in configs if c.quant.enabled), configs[0])
-    plain = any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs)
+    quantized_eval = any(c.quant.enabled and any(m != "bf16" for m in c.eval.modes) for c in configs)
+    if run_startup is not None:  # before the timed steps, which it would slow down
+        say("waiting for a run process's start-up, timed beside the memory simulation (its imports)")
+        startup_s = run_startup() or startup_s
     print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "
           "machine", flush=True)
     rows = measured.eval.batch_size
     shape = (rows, max(round(work.tokens / max(work.calls, 1) / rows), 1))
-    costs, sizes = measure(measured, train_numerics(measured), plain=plain, say=say, eval_shape=shape)
-    costs = replace(costs, startup_s=startup_s)
+    costs, sizes = measure(measured, train_numerics(measured), quantized_eval=quantized_eval, say=say,
+                           eval_shape=shape)
+    costs = replace(costs, startup_s=startup_s + preflight_s)
     parts = [run_parts(c, costs, work, **sizes) for c in configs]
     total = sum(sum(p.values()) for p in parts)
     each = ", ".join(f"{c.experiment.name} {sum(p.values()) / 60:.1f}" for c, p in zip(configs, parts, strict=True))
@@ -464,7 +536,7 @@ def main(argv, config_for: Callable[..., Any]) -> int:
           f"{summed['evaluate'] / 60:.1f}, held-out comparison {summed['heldout'] / 60:.1f}, start-up and "
           f"writing {(summed['start'] + summed['write']) / 60:.1f}), from {costs.numerics} numerics measured just now "
           f"in {time.perf_counter() - started:.0f} s: a training step {costs.train_step_s:.2f} s plain / "
-          f"{costs.qat_step_s:.2f} s quantized (+{costs.qat_start_s:.1f} s for the first quantized), "
+          f"{costs.qat_step_s:.2f} s quantized (+{costs.qat_start_s:.0f} s assumed for the quantizer's compile), "
           f"{costs.eval_token_s * 1e3:.2f} / {costs.quant_eval_token_s * 1e3:.2f} ms per evaluated position, "
-          f"{costs.load_s:.1f} s to load the model)")
+          f"{costs.load_s:.1f} s to load the model, {costs.startup_s:.1f} s to start a run)")
     return 0

@@ -336,6 +336,8 @@ def measure(cfg, numerics: Numerics, *, quantized_eval: bool = True, say: Callab
 
     Returns:
         The measured costs, and ``{"model_bytes", "state_bytes"}``: the export's and a checkpoint's size."""
+    if cfg.train.num_threads:  # as the trainer sets them for its process
+        torch.set_num_threads(cfg.train.num_threads)
     say(f"loading {cfg.model.name}")
     t0 = time.perf_counter()
     model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,

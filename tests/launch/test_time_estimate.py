@@ -8,9 +8,9 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
-import torch
 from test_reliability import cli_config
 
 from hif8qat.launch import time_estimate
@@ -77,6 +77,42 @@ def test_the_evaluation_workload_is_the_newest_recorded_one_else_the_profiles_fa
     assert time_estimate.eval_work(tmp_path, "mini") == EvalWork(30_000, 150)
 
 
+def _recorded_run(root, experiment, wall, steps, quant=False, mtime=None):
+    run = root / "mini" / experiment / "seed0"
+    (run / "eval" / "bf16").mkdir(parents=True)
+    results = run / "eval" / "bf16" / "results.json"
+    results.write_text(json.dumps({"_meta": {"wall_time_s": wall}}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": t, "quant": quant}) + "\n"
+                                               for i, t in enumerate(steps)))
+    if mtime is not None:
+        os.utime(results, (mtime, mtime))
+
+
+def test_an_evaluation_in_steps_is_the_newest_plain_runs_wall_over_its_median_warm_step(tmp_path):
+    """exp1 evaluated in 60 s with warm steps of 1, 2, 2, 3 s (the first, 9 s, is not warm): 30 steps. A quantized
+    run's steps are not plain ones and are passed over; an older plain run loses to the newest; a folder with no
+    record defers to the next (the committed reference runs)."""
+    mine, reference = tmp_path / "mine", tmp_path / "reference"
+    assert time_estimate.eval_in_steps([mine, reference], "mini") is None
+    _recorded_run(reference, "exp7", 70.0, [5.0, 2.0, 2.0])
+    assert time_estimate.eval_in_steps([mine, reference], "mini") == (35.0, str(reference / "mini/exp7/seed0"))
+    _recorded_run(mine, "exp1", 60.0, [9.0, 1.0, 2.0, 3.0, 2.0], mtime=1_000)
+    _recorded_run(mine, "exp3", 90.0, [9.0, 3.0, 3.0], quant=True, mtime=3_000)
+    assert time_estimate.eval_in_steps([mine, reference], "mini") == (30.0, str(mine / "mini/exp1/seed0"))
+    _recorded_run(mine, "exp7", 44.0, [9.0, 1.0, 1.2, 1.4], mtime=2_000)
+    assert time_estimate.eval_in_steps([mine, reference], "mini")[0] == pytest.approx(44.0 / 1.2)
+
+
+def test_an_evaluation_from_recorded_steps_is_that_many_plain_steps_a_quantized_mode_at_the_forwards_ratio():
+    """30 plain steps of 2 s an evaluation: 60 s for bf16 and, at forwards twice as dear quantized, 120 s for hif8;
+    lm-eval's setup and the model load are in the recorded wall time, not added again."""
+    costs = replace(COSTS, eval_steps=30.0)
+    one = run_parts(cli_config(["experiment=exp3", "profile=mini"]), costs, WORK)
+    two = run_parts(cli_config(["experiment=exp3", "profile=mini", "eval.modes=[bf16,hif8]"]), costs, WORK)
+    assert one["evaluate"] == pytest.approx(30 * 2.0)
+    assert two["evaluate"] == pytest.approx(30 * 2.0 + 30 * 2.0 * 2)
+
+
 class _Clock:
     """time.perf_counter for the estimate's module: moves only when a scripted step runs."""
 
@@ -87,20 +123,19 @@ class _Clock:
         return self.now
 
 
-@pytest.mark.parametrize(("experiment", "order", "expected"), [
-    # two plain steps (the run's first, then a warm one), then one quantized step with the eager kernels
-    ("exp3", [False, False, True], (2.0, 1.0, time_estimate.QAT_FIRST_STEP_S, 2.5)),
-    ("exp1", [False, False], (2.0, 1.0, 0.0, 1.0)),  # a plain config: its first and a warm step
+@pytest.mark.parametrize(("experiment", "plain", "order", "expected"), [
+    # quantized first (the run's first step, then a warm one), then one warm plain step for the plain runs
+    ("exp3", True, [True, True, False], (0.0, 1.0, 7.0, 2.0)),
+    ("exp3", False, [True, True], (0.0, 2.0, 7.0, 2.0)),  # no plain step pending: none timed
+    ("exp1", True, [False, False], (2.0, 1.0, 0.0, 1.0)),  # a plain config: its first and a warm step
 ])
-def test_measure_steps_the_trainers_prepared_model_plain_first_then_quantized_eagerly(
-        monkeypatch, tmp_path, experiment, order, expected):
-    """Plain steps take 3 s then 1 s, an eager quantized one 2.5 s, on the model prepare_model made for the run with
-    the run's optimizer: the costs split the first step's extra from warm steps; the quantized step runs with the
-    quantizer's compile off (nothing is compiled by the estimate), the plain ones as the run has it."""
+def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_steps_apart(
+        monkeypatch, tmp_path, experiment, plain, order, expected):
+    """Plain steps take 3 s then 1 s, quantized ones 9 s (AdamW's state, the compile) then 2 s, on the model
+    prepare_model made for the run with the run's optimizer: the costs split the first step's extra from warm steps."""
     cfg = cli_config([f"experiment={experiment}", "profile=smoke", f"results_root={tmp_path}"])
     clock = _Clock()
     monkeypatch.setattr(time_estimate.time, "perf_counter", clock)
-    monkeypatch.delenv("HIF8QAT_COMPILE", raising=False)
     prepared, stepped = [], []
     real_prepare = time_estimate.prepare_model
 
@@ -110,76 +145,26 @@ def test_measure_steps_the_trainers_prepared_model_plain_first_then_quantized_ea
 
     def step(model, optimizer, scheduler, batches, config, numerics):
         quantized = any(m.quant_enabled for _, m in quant_modules(model))
-        stepped.append((model, type(optimizer).__name__, quantized, os.environ.get("HIF8QAT_COMPILE")))
-        clock.now += 2.5 if quantized else (3.0 if len(stepped) == 1 else 1.0)
+        stepped.append((model, type(optimizer).__name__, quantized))
+        first = len(stepped) == 1
+        clock.now += (9.0 if first else 2.0) if quantized else (3.0 if first else 1.0)
         assert len(list(batches)) == config.grad_accum_steps(1)
         return 0.0
 
     monkeypatch.setattr(time_estimate, "prepare_model", prepare)
     monkeypatch.setattr(time_estimate, "train_step", step)
     monkeypatch.setattr(time_estimate, "write_byte_seconds", lambda folder: 1e-9)
-    costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg))
+    costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg), plain=plain)
     assert len(prepared) == 1 and prepared[0][1] is cfg
     assert all(s[0] is prepared[0][0] and s[1] == "AdamW" for s in stepped)
     assert [s[2] for s in stepped] == order
-    assert [s[3] for s in stepped] == [("0" if q else None) for q in order]  # only the quantized step is eager
-    assert "HIF8QAT_COMPILE" not in os.environ  # and the setting is given back
     assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == expected
     assert sizes["state_bytes"] > sizes["model_bytes"] > 0
 
 
-def test_the_quantized_step_is_the_eager_one_less_what_compiled_kernels_save(monkeypatch, tmp_path):
-    """An eager quantized step of 4 s whose kernels would save 1.5 s compiled costs 2.5 s; a saving larger than the
-    quantizer's whole extra leaves the step at the plain one's cost, never below."""
-    cfg = cli_config(["experiment=exp3", "profile=smoke", f"results_root={tmp_path}"])
-    clock = _Clock()
-    monkeypatch.setattr(time_estimate.time, "perf_counter", clock)
-
-    def step(model, optimizer, scheduler, batches, config, numerics):
-        clock.now += 4.0 if any(m.quant_enabled for _, m in quant_modules(model)) else 1.0
-        return 0.0
-
-    monkeypatch.setattr(time_estimate, "train_step", step)
-    monkeypatch.setattr(time_estimate, "write_byte_seconds", lambda folder: 1e-9)
-    for saving, qat in ((1.5, 2.5), (3.5, 1.0)):
-        monkeypatch.setattr(time_estimate, "compiled_kernel_saving_s", lambda records, fmt, s=saving: s)
-        costs, _ = time_estimate.measure(cfg, time_estimate.train_numerics(cfg))
-        assert (costs.train_step_s, costs.qat_step_s) == (1.0, qat)
-
-
-def test_compiled_kernel_saving_is_each_call_shapes_eager_time_less_one_pass_times_its_calls(monkeypatch):
-    """Three calls at one shape and one at another: the eager kernel takes 5 ms and 9 ms, a one-pass cast 1 ms and
-    2 ms, so compiling saves 3 x 4 + 1 x 7 = 19 ms; each distinct shape is timed, not each call."""
-    clock = _Clock()
-    monkeypatch.setattr(time_estimate.time, "perf_counter", clock)
-    eager_calls = []
-
-    def eager(x, scale, fmt, out_dtype=None):
-        assert os.environ.get("HIF8QAT_COMPILE") == "0" and fmt == "hif8"
-        eager_calls.append(tuple(x.shape))
-        clock.now += 5e-3 if x.shape == (4, 8) else 9e-3
-
-    class Timed(torch.Tensor):
-        pass
-
-    real_to = torch.Tensor.to
-
-    def to(self, *args, **kwargs):
-        clock.now += 1e-3 if self.shape == (4, 8) else 2e-3
-        return real_to(self, *args, **kwargs)
-
-    monkeypatch.setattr(time_estimate, "qdq_scaled_amax", eager)
-    monkeypatch.setattr(torch.Tensor, "to", to)
-    records = [((4, 8), torch.float32, torch.bfloat16, p) for p in (1, 2, 3)]
-    records.append(((16, 8), torch.bfloat16, torch.bfloat16, 4))
-    saved = time_estimate.compiled_kernel_saving_s(records, "hif8", repeats=2)
-    assert saved == pytest.approx(3 * 4e-3 + 1 * 7e-3)
-    assert sorted(set(eager_calls)) == [(4, 8), (16, 8)] and len(eager_calls) == 4  # 2 shapes x 2 repeats
-
-
 def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took(tmp_path, capsys):
     """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the wait for the
-    run's start-up timed beside them, the model load, the plain steps, the quantized step, the evaluation forward,
+    run's start-up timed beside them, the model load, the quantized steps, the plain step, the evaluation forward,
     the disk), then the total per run and per part. A run starts in what its imports took (7 s here) and its
     preflight's memory simulation. The tiny model stands in for the mini profile's: the whole measurement runs in
     seconds."""
@@ -195,7 +180,7 @@ def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("estimate: make exp3: ")]
     phases = [line.split("] ", 1)[1] for line in lines if line.startswith("estimate: make exp3: [")]
     expected = ["simulating a training step's memory", "composing the configs", "waiting for a run process's start",
-                "loading ", "timing 2 plain (BF16) training steps", "timing a hif8 (attn_mlp) training step",
+                "loading ", "timing 2 hif8 (attn_mlp) training steps", "timing a plain (BF16) training step",
                 "timing an evaluation forward", "timing a write"]
     assert len(phases) == len(expected) and all(p.startswith(e) for p, e in zip(phases, expected, strict=True)), lines
     last = lines[-1]
@@ -210,7 +195,7 @@ def test_a_quantized_evaluation_forward_is_timed_only_when_a_run_evaluates_a_qua
     """exp3 at mini evaluates bf16 only: no quantized forward is timed for it; with eval.modes=[bf16,hif8] one is."""
     seen = []
 
-    def measure(cfg, numerics, *, quantized_eval, say, eval_shape):
+    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape):
         seen.append(quantized_eval)
         return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
 

@@ -13,12 +13,10 @@ import argparse
 import contextlib
 import hashlib
 import itertools
-import json
-import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,9 +27,8 @@ from hif8qat.compute_dtype import Numerics, keeping_weight_casts
 from hif8qat.config.numerics import train_numerics
 from hif8qat.evaluate.heldout_set import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
 from hif8qat.evaluate.heldout_set import heldout_window_count
-from hif8qat.formats.kernels import count_qdq
-from hif8qat.formats.qdq import qdq_scaled_amax
 from hif8qat.launch.memory import describe, step_memory
+from hif8qat.launch.recorded_evals import EvalWork, eval_in_steps, eval_work
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
 from hif8qat.quant.gemm import reusing_frozen_weights
@@ -41,15 +38,6 @@ from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.compiled_blocks import compile_blocks
 from hif8qat.train.loop import build_optimizer, prepare_model, train_step
 from hif8qat.train.schedule import warmup_cosine_schedule
-
-# What an evaluation mode of one run forwards at the profile, (positions padding included, forward calls), counted by
-# the evaluation itself into results.json (_meta.eval_tokens); used when no finished evaluation of this profile exists
-# yet to read it from. A workload size, not a time.
-# mini: the committed reference run of exp1 forwarded 51,287 positions in 227 calls.
-# gpu1: MMLU 1,140 items x about 540 tokens (5 shots and the question), HellaSwag 1,000 x about 1,160 (10 shots,
-# the context once and four endings), ARC-Challenge 1,172 x about 1,300 (25 shots): about 3.3 M, a planning figure
-# until the first gpu1 evaluation records its own count (its cost is from FLOPs per token: the calls are not used).
-_EVAL_FALLBACK = {"mini": (51_300, 227), "gpu1": (3_300_000, 0)}
 
 # The gpu1 estimate's stated assumptions (none of them measured by this project on a GPU): BF16 training at
 # 250 TFLOP/s on one H200 (about a quarter of its dense BF16 peak; the authors' logs imply about 335 TFLOP/s per
@@ -61,41 +49,6 @@ GPU1_QAT_RATIO = 1.25
 GPU1_EVAL_EFFICIENCY = 1 / 3
 GPU1_LOAD_S = 30.0
 
-
-@dataclass(frozen=True)
-class EvalWork:
-    """What one evaluation mode forwards: positions (padding included) in how many forward calls."""
-
-    tokens: int
-    calls: int
-
-
-def eval_work(results_root: Path, profile: str) -> EvalWork:
-    """What one run's evaluation mode forwards: from the newest recorded evaluation of the profile, else a fallback.
-
-    Args:
-        results_root: the folder that holds the runs.
-        profile: the profile.
-
-    Returns:
-        The workload; a per-profile fallback when no evaluation is recorded."""
-    newest = None
-    for path in (results_root / profile).glob("*/seed*/eval/*/results.json"):
-        tokens = (json.loads(path.read_text()).get("_meta") or {}).get("eval_tokens") or {}
-        count = tokens.get("forwarded_padded") or tokens.get("forwarded")
-        if count and (newest is None or path.stat().st_mtime > newest[0]):
-            newest = (path.stat().st_mtime, EvalWork(int(count), int(tokens.get("forward_calls") or 0)))
-    if newest is not None and newest[1].calls:
-        return newest[1]
-    tokens, calls = _EVAL_FALLBACK.get(profile, (0, 0))
-    return EvalWork(newest[1].tokens if newest else tokens, calls)
-
-
-# A quantized run's first step, beyond a plain run's first: the quantizer's kernels compiled (dynamo, inductor and,
-# in a new environment, the C++ compiler) and checked against the eager path once per process. Measured on the AMX
-# Xeon (exp3, mini): 4 s with the compile cache warm, 14 s in a fresh environment; the estimate runs the kernels
-# eagerly and does not pay it, so it is not measured here.
-QAT_FIRST_STEP_S = 9.0
 
 # Per evaluation mode, besides its forwards: lm-eval building its three tasks from the offline copies and writing the
 # per-item files (about 15 s measured at the mini profile, docs/calibration.md).
@@ -118,6 +71,7 @@ class Costs:
     startup_s: float = 0.0  # a run process's start before its work (the interpreter, the imports)
     write_byte_s: float = 0.0  # writing and hashing one byte of a checkpoint or the export
     eval_setup_s: float = EVAL_SETUP_S  # per evaluation mode: lm-eval building its tasks, the per-item files
+    eval_steps: float = 0.0  # a bf16 evaluation in warm plain steps (eval_in_steps); 0: from the forwards timed
 
 
 def _quant_ratio(costs: Costs) -> float:
@@ -153,9 +107,13 @@ def run_parts(cfg, costs: Costs, work: EvalWork, model_bytes: int = 0, state_byt
     checkpoints = (steps - 1) // every + (1 if keep_last else 0) if every else int(keep_last)
     write = (checkpoints * state_bytes + model_bytes) * costs.write_byte_s
     modes = [m for m in cfg.eval.modes if m == "bf16" or cfg.quant.enabled]  # hif8 needs a quantized export
-    evaluate = sum(costs.load_s + costs.eval_setup_s
-                   + work.tokens * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
-                   for mode in modes)
+    if costs.eval_steps:  # a recorded evaluation's wall time, at this machine's step; a quantized mode's forwards
+        evaluate = sum(costs.eval_steps * costs.train_step_s * (1.0 if mode == "bf16" else _quant_ratio(costs))
+                       for mode in modes)
+    else:
+        evaluate = sum(costs.load_s + costs.eval_setup_s
+                       + work.tokens * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
+                       for mode in modes)
     heldout = 0.0
     if cfg.quant.enabled:  # the baseline's export (bf16) when there is a baseline, and each mode of the run
         batches = -(-heldout_window_count(cfg.train.seq_len) // HELDOUT_BATCH_WINDOWS)
@@ -263,73 +221,24 @@ def write_byte_seconds(folder: Path, size: int = 64 << 20) -> float:
     return (time.perf_counter() - t) / len(payload)
 
 
-@contextlib.contextmanager
-def eager_quantizer() -> Iterator[None]:
-    """Within it the HiF8/FP8 quantizer runs its eager kernels (``HIF8QAT_COMPILE=0``): no compile is paid.
-
-    Yields:
-        Nothing."""
-    before = os.environ.get("HIF8QAT_COMPILE")
-    os.environ["HIF8QAT_COMPILE"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HIF8QAT_COMPILE", None)
-        else:
-            os.environ["HIF8QAT_COMPILE"] = before
-
-
-def compiled_kernel_saving_s(records, fmt: str, repeats: int = 2) -> float:
-    """Seconds a step's quantizer calls would save compiled rather than eager: each distinct call shape of
-    ``records`` (:func:`hif8qat.formats.kernels.count_qdq`) run through the eager scaled qdq with amax, less one
-    read-and-cast pass over the same tensor (what a fused compiled kernel costs: it reads the input once and writes
-    the result once), times the calls of that shape.
-
-    Args:
-        records: ``(shape, input dtype, result dtype, pointer)`` per call.
-        fmt: the element format.
-        repeats: timings per shape (the fastest is kept).
-
-    Returns:
-        The seconds (0 when nothing was recorded)."""
-    calls: dict[tuple, int] = {}
-    for shape, dtype, out_dtype, _ in records:
-        calls[(shape, dtype, out_dtype)] = calls.get((shape, dtype, out_dtype), 0) + 1
-    saved = 0.0
-    with eager_quantizer():
-        for (shape, dtype, out_dtype), n in calls.items():
-            x = torch.randn(shape, dtype=dtype)
-            scale = torch.tensor(1.0)
-            eager = cast = math.inf
-            for _ in range(repeats):
-                t = time.perf_counter()
-                qdq_scaled_amax(x, scale, fmt, out_dtype=out_dtype)
-                eager = min(eager, time.perf_counter() - t)
-                t = time.perf_counter()
-                x.to(out_dtype).abs_()  # read once, write once (abs_: the amax's pass, fused in the compiled kernel)
-                cast = min(cast, time.perf_counter() - t)
-            saved += n * max(eager - cast, 0.0)
-    return saved
-
-
-def measure(cfg, numerics: Numerics, *, quantized_eval: bool = True, say: Callable[[str], None] = lambda line: None,
+def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool = True,
+            say: Callable[[str], None] = lambda line: None,
             eval_shape: tuple[int, int] = (32, 8)) -> tuple[Costs, dict[str, int]]:
     """Time the pieces of a run with the run's model, batch and numerics, built as the trainer builds it
     (:func:`hif8qat.train.loop.prepare_model`: the quantized linears, the loss head, activation checkpointing; the
     run's optimizer and schedule) and stepped as it steps (:func:`hif8qat.train.loop.train_step`), on this machine's
     CPU. One loaded model serves every phase.
 
-    Two plain steps: the first as the run's first (AdamW's state, first calls at the shape), then a warm one. A
-    quantized config then runs one quantized step with the quantizer's eager kernels (no compile is paid here: the
-    run compiles them once, :data:`QAT_FIRST_STEP_S`) and takes off what its calls would save compiled
-    (:func:`compiled_kernel_saving_s`). The evaluation is timed by a forward at its mean call shape (a quantized one
-    only when ``quantized_eval``), the held-out comparison by one of its batches.
+    A quantized config runs two quantized steps, the first as the run's first (AdamW's state, the quantizer's compile
+    and cold start), then, when plain steps are pending too, one warm plain step (the first step's extra is counted
+    once, with the quantized one); a plain config runs two plain steps. The evaluation is timed by a forward at its
+    mean call shape (a quantized one only when ``quantized_eval``), the held-out comparison by one of its batches.
 
     Args:
         cfg: the run's resolved config (a quantized one times both kinds of step).
         numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (its mode is timed on the
             CPU).
+        plain: time a plain (BF16) step too (False: only quantized steps are pending).
         quantized_eval: time a quantized evaluation forward too (a pending run evaluates a quantized mode).
         say: told each phase as it starts.
         eval_shape: ``(rows, positions)`` of the evaluation forward timed.
@@ -383,26 +292,31 @@ def measure(cfg, numerics: Numerics, *, quantized_eval: bool = True, say: Callab
     batch_line = (f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
                   + (f", {cfg.grad_accum_steps(1)} micro-batches" if cfg.grad_accum_steps(1) > 1 else ""))
     rows, positions = eval_shape
-    say(f"timing 2 plain (BF16) training steps of {batch_line}, the first as the run's first (AdamW's state)")
-    first, train_step_s = step_s(), step_s()
-    first_extra = max(first - train_step_s, 0.0)
-    qat_step_s, quant_token_s, qat_start = train_step_s, None, 0.0
+    first_extra = qat_start = 0.0
+    quant_token_s = None
     if cfg.quant.enabled:
         training = cfg.quant.training
-        say(f"timing a {training.format} ({training.scope}) training step of {batch_line} with the quantizer's "
-            "eager kernels, then its kernels at their call shapes, eager and as one pass (what compiling saves)")
+        say(f"timing 2 {training.format} ({training.scope}) training steps of {batch_line}, the first as the run's "
+            "first (AdamW's state, the quantizer's compile)" + (", and a quantized evaluation forward"
+                                                               if quantized_eval else ""))
         set_quantization(model, True)
-        with eager_quantizer(), count_qdq() as counted:
-            eager_step_s = step_s()
-        saving = compiled_kernel_saving_s(counted.records, training.format)
-        qat_step_s = max(eager_step_s - saving, train_step_s)
-        qat_start = QAT_FIRST_STEP_S
+        first, qat_step_s = step_s(), step_s()
+        qat_start = first - qat_step_s  # the run's first step pays it, quantized or not: counted once, here
         if quantized_eval:
             freeze_scales(model, True)
-            with eager_quantizer():
-                quant_token_s = token_s(rows, positions)
+            quant_token_s = token_s(rows, positions)
             freeze_scales(model, False)
         set_quantization(model, False)
+    if plain and cfg.quant.enabled:
+        say(f"timing a plain (BF16) training step of {batch_line}")
+        train_step_s = step_s()
+    elif cfg.quant.enabled:
+        train_step_s = qat_step_s
+    else:
+        say(f"timing 2 training steps of {batch_line}, the first as the run's first (AdamW's state)")
+        first, train_step_s = step_s(), step_s()
+        first_extra = first - train_step_s
+        qat_step_s = train_step_s
     say(f"timing an evaluation forward of {rows} x {positions} tokens and a held-out batch of "
         f"{HELDOUT_BATCH_WINDOWS} x {cfg.train.seq_len}")
     eval_token_s = token_s(rows, positions)
@@ -414,7 +328,7 @@ def measure(cfg, numerics: Numerics, *, quantized_eval: bool = True, say: Callab
              "state_bytes": ckpt.state_bytes(model, optimizer)}
     costs = Costs(numerics.mode, load_s, train_step_s, qat_step_s, eval_token_s,
                   eval_token_s if quant_token_s is None else quant_token_s,
-                  first_step_s=first_extra, qat_start_s=qat_start, heldout_batch_s=heldout_batch_s,
+                  first_step_s=max(first_extra, 0.0), qat_start_s=max(qat_start, 0.0), heldout_batch_s=heldout_batch_s,
                   write_byte_s=write_s)
     return costs, sizes
 
@@ -461,6 +375,8 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--results-root", default=None,
                     help="where recorded evaluations are read (default: the runs' own results_root)")
+    ap.add_argument("--reference-root", default="results/reference_runs",
+                    help="the committed runs whose evaluation time is read when this machine has none recorded")
     ap.add_argument("--label", default="these runs")
     ap.add_argument("--baseline", default="", help="an experiment run first with --baseline-overrides (make expN)")
     ap.add_argument("--overrides", nargs="*", default=[], help="the command line's settings (make's ARGS)")
@@ -519,6 +435,7 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
     # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
     measured = next((c for c in configs if c.quant.enabled), configs[0])
     quantized_eval = any(c.quant.enabled and any(m != "bf16" for m in c.eval.modes) for c in configs)
+    plain = any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs)
     if run_startup is not None:  # before the timed steps, which it would slow down
         say("waiting for a run process's start-up, timed beside the memory simulation (its imports)")
         startup_s = run_startup() or startup_s
@@ -526,9 +443,11 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
           "machine", flush=True)
     rows = measured.eval.batch_size
     shape = (rows, max(round(work.tokens / max(work.calls, 1) / rows), 1))
-    costs, sizes = measure(measured, train_numerics(measured), quantized_eval=quantized_eval, say=say,
+    costs, sizes = measure(measured, train_numerics(measured), plain=plain, quantized_eval=quantized_eval, say=say,
                            eval_shape=shape)
-    costs = replace(costs, startup_s=startup_s + preflight_s)
+    calibrated = eval_in_steps([Path(args.results_root or configs[0].results_root), Path(args.reference_root)],
+                               args.profile)
+    costs = replace(costs, startup_s=startup_s + preflight_s, eval_steps=calibrated[0] if calibrated else 0.0)
     parts = [run_parts(c, costs, work, **sizes) for c in configs]
     total = sum(sum(p.values()) for p in parts)
     each = ", ".join(f"{c.experiment.name} {sum(p.values()) / 60:.1f}" for c, p in zip(configs, parts, strict=True))
@@ -538,7 +457,8 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
           f"{summed['evaluate'] / 60:.1f}, held-out comparison {summed['heldout'] / 60:.1f}, start-up and "
           f"writing {(summed['start'] + summed['write']) / 60:.1f}), from {costs.numerics} numerics measured just now "
           f"in {time.perf_counter() - started:.0f} s: a training step {costs.train_step_s:.2f} s plain / "
-          f"{costs.qat_step_s:.2f} s quantized (+{costs.qat_start_s:.0f} s assumed for the quantizer's compile), "
-          f"{costs.eval_token_s * 1e3:.2f} / {costs.quant_eval_token_s * 1e3:.2f} ms per evaluated position, "
-          f"{costs.load_s:.1f} s to load the model, {costs.startup_s:.1f} s to start a run)")
+          f"{costs.qat_step_s:.2f} s quantized (+{costs.qat_start_s:.1f} s for the first quantized), "
+          + (f"an evaluation {costs.eval_steps:.1f} plain steps as in {calibrated[1]}, " if calibrated else
+             f"{costs.eval_token_s * 1e3:.2f} / {costs.quant_eval_token_s * 1e3:.2f} ms per evaluated position, ")
+          + f"{costs.load_s:.1f} s to load the model, {costs.startup_s:.1f} s to start a run)")
     return 0

@@ -211,6 +211,29 @@ def test_a_quantized_evaluation_forward_is_timed_only_when_a_run_evaluates_a_qua
     assert seen == [False, True]
 
 
+def test_a_plain_step_is_timed_as_the_evaluations_unit_even_when_only_quantized_steps_are_pending(
+        monkeypatch, tmp_path):
+    """exp1 finished, exp3 pending: with a recorded evaluation to count in plain steps a plain step is timed (the
+    quantized one would overcount it by the quantizer's share); with none, only the quantized steps are."""
+    seen = []
+
+    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape):
+        seen.append(plain)
+        return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
+
+    def config_for(profile, experiment, seed, overrides):
+        return cli_config([f"experiment={experiment}", "profile=mini", f"results_root={tmp_path / 'runs'}"])
+
+    monkeypatch.setattr(time_estimate, "measure", measure)
+    monkeypatch.setattr(time_estimate, "print_memory", lambda *a: None)
+    monkeypatch.setattr(time_estimate, "is_done", lambda folder: "exp1" in str(folder))
+    args = ["--profile", "mini", "--experiments", "exp3", "--reference-root", str(tmp_path / "reference")]
+    time_estimate.main(args, config_for)
+    _recorded_run(tmp_path / "reference", "exp1", 60.0, [9.0, 2.0, 2.0])
+    time_estimate.main(args, config_for)
+    assert seen == [False, True]
+
+
 def test_the_estimate_imports_neither_the_evaluator_nor_the_statistics_libraries():
     """What run.py --estimate loads: the trainer, the model loader and the configs; lm-eval, scipy and pandas (seconds
     of imports that a run's evaluation and report need) stay out, and the run job's own module too."""

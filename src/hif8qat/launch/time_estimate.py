@@ -443,7 +443,10 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
     # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
     measured = next((c for c in configs if c.quant.enabled), configs[0])
     quantized_eval = any(c.quant.enabled and any(m != "bf16" for m in c.eval.modes) for c in configs)
-    plain = any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs)
+    calibrated = eval_in_steps([Path(args.results_root or configs[0].results_root), Path(args.reference_root)],
+                               args.profile)
+    # a plain step is the unit a recorded evaluation is counted in, even where only quantized steps are pending
+    plain = calibrated is not None or any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs)
     if run_startup is not None:  # before the timed steps, which it would slow down
         say("waiting for a run process's start-up, timed beside the memory simulation (its imports)")
         startup_s = run_startup() or startup_s
@@ -453,8 +456,6 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
     shape = (rows, max(round(work.tokens / max(work.calls, 1) / rows), 1))
     costs, sizes = measure(measured, train_numerics(measured), plain=plain, quantized_eval=quantized_eval, say=say,
                            eval_shape=shape)
-    calibrated = eval_in_steps([Path(args.results_root or configs[0].results_root), Path(args.reference_root)],
-                               args.profile)
     costs = replace(costs, startup_s=startup_s + preflight_s, eval_steps=calibrated[0] if calibrated else 0.0)
     parts = [run_parts(c, costs, work, **sizes) for c in configs]
     total = sum(sum(p.values()) for p in parts)

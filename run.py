@@ -28,7 +28,12 @@ from hif8qat.cli.command_line import prepare_argv  # noqa: E402
 if __name__ == "__main__":  # --baseline and a refused line are answered before the job's modules load
     sys.argv = prepare_argv(sys.argv)
 
-from hif8qat.cli.main import estimate, run_job  # noqa: E402
+from hif8qat.cli.estimate import estimate  # noqa: E402
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--estimate"]:  # make all & co.: how long their runs will take here,
+    sys.exit(estimate(sys.argv[2:]))  # answered before the job's modules (the evaluator, the report) load
+
+from hif8qat.cli.main import run_job  # noqa: E402
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")  # beside conf/: Hydra's job is "run"
@@ -37,6 +42,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--estimate"]:  # make all & co.: how long their unfinished runs will take here
-        sys.exit(estimate(sys.argv[2:]))
     main()

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
 
 import pytest
 from test_reliability import cli_config
@@ -73,6 +78,42 @@ def test_the_evaluation_workload_is_the_newest_recorded_one_else_the_profiles_fa
     assert time_estimate.eval_work(tmp_path, "mini") == EvalWork(30_000, 150)
 
 
+def _recorded_run(root, experiment, wall, steps, quant=False, mtime=None):
+    run = root / "mini" / experiment / "seed0"
+    (run / "eval" / "bf16").mkdir(parents=True)
+    results = run / "eval" / "bf16" / "results.json"
+    results.write_text(json.dumps({"_meta": {"wall_time_s": wall}}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": t, "quant": quant}) + "\n"
+                                               for i, t in enumerate(steps)))
+    if mtime is not None:
+        os.utime(results, (mtime, mtime))
+
+
+def test_an_evaluation_in_steps_is_the_newest_plain_runs_wall_over_its_median_warm_step(tmp_path):
+    """exp1 evaluated in 60 s with warm steps of 1, 2, 2, 3 s (the first, 9 s, is not warm): 30 steps. A quantized
+    run's steps are not plain ones and are passed over; an older plain run loses to the newest; a folder with no
+    record defers to the next (the committed reference runs)."""
+    mine, reference = tmp_path / "mine", tmp_path / "reference"
+    assert time_estimate.eval_in_steps([mine, reference], "mini") is None
+    _recorded_run(reference, "exp7", 70.0, [5.0, 2.0, 2.0])
+    assert time_estimate.eval_in_steps([mine, reference], "mini") == (35.0, str(reference / "mini/exp7/seed0"))
+    _recorded_run(mine, "exp1", 60.0, [9.0, 1.0, 2.0, 3.0, 2.0], mtime=1_000)
+    _recorded_run(mine, "exp3", 90.0, [9.0, 3.0, 3.0], quant=True, mtime=3_000)
+    assert time_estimate.eval_in_steps([mine, reference], "mini") == (30.0, str(mine / "mini/exp1/seed0"))
+    _recorded_run(mine, "exp7", 44.0, [9.0, 1.0, 1.2, 1.4], mtime=2_000)
+    assert time_estimate.eval_in_steps([mine, reference], "mini")[0] == pytest.approx(44.0 / 1.2)
+
+
+def test_an_evaluation_from_recorded_steps_is_that_many_plain_steps_a_quantized_mode_at_the_forwards_ratio():
+    """30 plain steps of 2 s an evaluation: 60 s for bf16 and, at forwards twice as dear quantized, 120 s for hif8;
+    lm-eval's setup and the model load are in the recorded wall time, not added again."""
+    costs = replace(COSTS, eval_steps=30.0)
+    one = run_parts(cli_config(["experiment=exp3", "profile=mini"]), costs, WORK)
+    two = run_parts(cli_config(["experiment=exp3", "profile=mini", "eval.modes=[bf16,hif8]"]), costs, WORK)
+    assert one["evaluate"] == pytest.approx(30 * 2.0)
+    assert two["evaluate"] == pytest.approx(30 * 2.0 + 30 * 2.0 * 2)
+
+
 class _Clock:
     """time.perf_counter for the estimate's module: moves only when a scripted step runs."""
 
@@ -85,8 +126,10 @@ class _Clock:
 
 @pytest.mark.parametrize(("experiment", "plain", "order", "expected"), [
     # quantized first (the run's first step, then a warm one), then one warm plain step for the plain runs
-    ("exp3", True, [True, True, False], (0.0, 1.0, 7.0, 2.0)),
-    ("exp3", False, [True, True], (0.0, 2.0, 7.0, 2.0)),  # no plain step pending: none timed
+    # the first quantized step paid 7 s more, the compile the run will find cached: the run's first costs 2.2 warm
+    # steps more (4.4 s)
+    ("exp3", True, [True, True, False], (0.0, 1.0, 4.4, 2.0)),
+    ("exp3", False, [True, True], (0.0, 2.0, 4.4, 2.0)),  # no plain step pending: none timed
     ("exp1", True, [False, False], (2.0, 1.0, 0.0, 1.0)),  # a plain config: its first and a warm step
 ])
 def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_steps_apart(
@@ -118,27 +161,110 @@ def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_step
     assert len(prepared) == 1 and prepared[0][1] is cfg
     assert all(s[0] is prepared[0][0] and s[1] == "AdamW" for s in stepped)
     assert [s[2] for s in stepped] == order
-    assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == expected
+    assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == pytest.approx(expected)
     assert sizes["state_bytes"] > sizes["model_bytes"] > 0
 
 
 def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took(tmp_path, capsys):
-    """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the model load,
-    the plain steps, the evaluation forward, the quantized steps, the disk), then the total per run and per part.
-    The tiny model stands in for the mini profile's so that the whole measurement runs in seconds."""
+    """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the wait for the
+    run's start-up timed beside them, the model load, the quantized steps, the plain step, the evaluation forward,
+    the disk), then the total per run and per part. A run starts in what its imports took (7 s here) and its
+    preflight's memory simulation. The tiny model stands in for the mini profile's: the whole measurement runs in
+    seconds."""
 
     def config_for(profile, experiment, seed, extra):
         return cli_config([f"experiment={experiment}", "profile=smoke", f"seed={seed}", f"results_root={tmp_path}"])
 
+    waited = []
     assert time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1",
-                               "--results-root", str(tmp_path), "--label", "make exp3"], config_for) == 0
+                               "--results-root", str(tmp_path), "--label", "make exp3"], config_for,
+                              run_startup=lambda: waited.append(1) or 7.0) == 0
+    assert waited == [1]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("estimate: make exp3: ")]
     phases = [line.split("] ", 1)[1] for line in lines if line.startswith("estimate: make exp3: [")]
-    expected = ["simulating a training step's memory", "composing the configs", "loading ", "timing 2 hif8",
-                "timing a plain (BF16) training step", "timing an evaluation forward", "timing a write"]
+    expected = ["simulating a training step's memory", "composing the configs", "waiting for a run process's start",
+                "loading ", "timing 2 hif8 (attn_mlp) training steps", "timing a plain (BF16) training step",
+                "timing an evaluation forward", "timing a write"]
     assert len(phases) == len(expected) and all(p.startswith(e) for p, e in zip(phases, expected, strict=True)), lines
     last = lines[-1]
     assert "2 run(s) to train and evaluate" in last and "exp1 " in last and "exp3 " in last, last
     assert "measured just now in " in last and "held-out comparison" in last, last
+    assert 7.0 <= float(last.split(" s to start a run")[0].rsplit(" ", 1)[1]) < 30.0, last
     assert not list(tmp_path.iterdir()), "the disk's timing leaves nothing behind"
     assert math.isfinite(float(last.split("about ", 1)[1].split(" min", 1)[0]))
+
+
+def test_a_quantized_evaluation_forward_is_timed_only_when_a_run_evaluates_a_quantized_mode(monkeypatch, tmp_path):
+    """exp3 at mini evaluates bf16 only: no quantized forward is timed for it; with eval.modes=[bf16,hif8] one is."""
+    seen = []
+
+    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape):
+        seen.append(quantized_eval)
+        return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
+
+    monkeypatch.setattr(time_estimate, "measure", measure)
+    monkeypatch.setattr(time_estimate, "print_memory", lambda *a: None)
+    for extra in ([], ["eval.modes=[bf16,hif8]"]):
+        def config_for(profile, experiment, seed, overrides, extra=extra):
+            return cli_config([f"experiment={experiment}", "profile=mini", f"results_root={tmp_path}", *extra])
+
+        time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1"], config_for)
+    assert seen == [False, True]
+
+
+def test_a_plain_step_is_timed_as_the_evaluations_unit_even_when_only_quantized_steps_are_pending(
+        monkeypatch, tmp_path):
+    """exp1 finished, exp3 pending: with a recorded evaluation to count in plain steps a plain step is timed (the
+    quantized one would overcount it by the quantizer's share); with none, only the quantized steps are."""
+    seen = []
+
+    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape):
+        seen.append(plain)
+        return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
+
+    def config_for(profile, experiment, seed, overrides):
+        return cli_config([f"experiment={experiment}", "profile=mini", f"results_root={tmp_path / 'runs'}"])
+
+    monkeypatch.setattr(time_estimate, "measure", measure)
+    monkeypatch.setattr(time_estimate, "print_memory", lambda *a: None)
+    monkeypatch.setattr(time_estimate, "is_done", lambda folder: "exp1" in str(folder))
+    args = ["--profile", "mini", "--experiments", "exp3", "--reference-root", str(tmp_path / "reference")]
+    time_estimate.main(args, config_for)
+    _recorded_run(tmp_path / "reference", "exp1", 60.0, [9.0, 2.0, 2.0])
+    time_estimate.main(args, config_for)
+    assert seen == [False, True]
+
+
+def test_the_estimate_imports_neither_the_evaluator_nor_the_statistics_libraries():
+    """What run.py --estimate loads: the trainer, the model loader and the configs; lm-eval, scipy and pandas (seconds
+    of imports that a run's evaluation and report need) stay out, and the run job's own module too."""
+    code = ("import sys; import hif8qat.cli.estimate; "
+            "print(sorted(m for m in ('lm_eval', 'scipy', 'pandas', 'hif8qat.cli.main') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_a_runs_preflight_costs_the_memory_simulation_only_where_the_cache_does_not_hold_its_step(
+        monkeypatch, tmp_path):
+    """The estimate simulates exp3's step (kept in the cache, so exp3's preflight finds it); exp1's preflight still
+    simulates its own: only exp1 starts that much later."""
+    starts = {}
+    real_parts = time_estimate.run_parts
+
+    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape):
+        return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
+
+    def run_parts(cfg, costs, work, **sizes):
+        starts[cfg.experiment.name] = costs.startup_s
+        return real_parts(cfg, costs, work, **sizes)
+
+    def config_for(profile, experiment, seed, overrides):
+        return cli_config([f"experiment={experiment}", "profile=mini", f"results_root={tmp_path}"])
+
+    monkeypatch.setattr(time_estimate, "measure", measure)
+    monkeypatch.setattr(time_estimate, "print_memory", lambda *a: time.sleep(0.5))  # the simulation's seconds
+    monkeypatch.setattr(time_estimate, "simulated_before", lambda cfg, *a: cfg.experiment.name == "exp3")
+    monkeypatch.setattr(time_estimate, "run_parts", run_parts)
+    time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1"], config_for,
+                       run_startup=lambda: 7.0)
+    assert starts["exp3"] == 7.0 and 7.5 <= starts["exp1"] < 8.5, starts

@@ -1,6 +1,6 @@
-"""``python run.py``'s job: the composed config made a RunConfig, checked and dispatched, and ``--estimate``,
-which composes the runs it times. The modules of training, evaluation and report load here; the quick answers
-of :mod:`hif8qat.cli.command_line` come before them."""
+"""``python run.py``'s job: the composed config made a RunConfig, checked and dispatched. The modules of training,
+evaluation and report load here; the quick answers of :mod:`hif8qat.cli.command_line` and ``--estimate``
+(:mod:`hif8qat.cli.estimate`) come before them."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hif8qat.boundary import guarded
-from hif8qat.cli.hydra_config import config_for, replace_typed_dicts, to_run_config
+from hif8qat.cli.hydra_config import replace_typed_dicts, to_run_config
 from hif8qat.cli.stages import check_cache_env, dispatch
 from hif8qat.config.numerics import run_numerics
 from hif8qat.launch.preflight import preflight
 from hif8qat.launch.sweep import run_point
-from hif8qat.launch.time_estimate import main as estimate_main
 from hif8qat.runs.host_allocator import keep_freed_memory
 from hif8qat.runs.launch_env import env_from_slurm
 
@@ -52,16 +51,3 @@ def run_job(cfg: DictConfig) -> dict[str, str] | None:
     code = guarded(run)
     if code:
         sys.exit(code)
-
-
-def estimate(argv: list[str]) -> int:
-    """``python run.py --estimate ...`` (make all & co.): how long their unfinished runs will take here.
-
-    Args:
-        argv: the arguments after ``--estimate``.
-
-    Returns:
-        The exit status."""
-    # the steps it times run with the allocator the runs will have (a bad switch: one error line, as a run's)
-    return guarded(keep_freed_memory) or estimate_main(argv, config_for)
-

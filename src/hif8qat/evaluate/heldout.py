@@ -31,6 +31,7 @@ from hif8qat.compute_dtype import Numerics
 from hif8qat.config.numerics import run_numerics
 from hif8qat.data.loader import build_eval_windows, tokenizer_fingerprint
 from hif8qat.errors import RunError
+from hif8qat.evaluate.heldout_set import BATCH_WINDOWS, MIN_WINDOWS, TARGET_TOKENS, heldout_window_count
 from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
 from hif8qat.files import sha256_file, write_bytes, write_json
 from hif8qat.runs.folders import (
@@ -46,31 +47,10 @@ from hif8qat.stats.heldout import SUMMARY_FILE, comparison_summary, heldout_dir,
 log = logging.getLogger(__name__)
 
 TOKENS_FILE = "tokens.csv.gz"
-# A few thousand tokens resolve per-token NLL differences of ~0.1 % (block variance) and keep the file small
-# enough to commit; at least 16 windows give the block interval 15 degrees of freedom at long sequences.
-TARGET_TOKENS = 4096
-MIN_WINDOWS = 16
-BATCH_WINDOWS = 4  # 4 x 128 x 49,152 float32 log-probabilities: ~100 MB per model at once
 
 
 class HeldoutError(RunError):
     """A held-out comparison that cannot be computed as asked (no export, different tokenizers)."""
-
-
-def heldout_window_count(seq_len: int) -> int:
-    """Windows of ``seq_len`` predicted tokens in the held-out set: TARGET_TOKENS tokens, MIN_WINDOWS at least.
-
-    Args:
-        seq_len: predicted tokens per window.
-
-    Returns:
-        The count.
-
-    Raises:
-        ValueError: seq_len is not positive."""
-    if seq_len <= 0:
-        raise ValueError(f"seq_len must be positive, got {seq_len}")
-    return max(MIN_WINDOWS, -(-TARGET_TOKENS // int(seq_len)))
 
 
 def heldout_windows(source: str, tokenizer, seq_len: int, cache_dir=None) -> torch.Tensor:

@@ -289,6 +289,20 @@ def cached_step_memory(cfg: RunConfig, facts: dict, numerics: Numerics, world_si
     return parts
 
 
+def simulated_before(cfg: RunConfig, facts: dict, numerics: Numerics, world_size: int = 1) -> bool:
+    """Whether :func:`cached_step_memory` holds this step already (a run's preflight then simulates nothing).
+
+    Args:
+        cfg: the run's config.
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics`.
+        world_size: processes the run trains on.
+
+    Returns:
+        True when the cache has it."""
+    return _cache_file(cfg, facts, numerics, world_size).is_file()
+
+
 def far_below(cfg: RunConfig, facts: dict, limit: int) -> bool:
     """Whether a step cannot come near ``limit`` bytes, so preflight need not simulate it (seconds per run): a
     hundred times a generous count (16 bytes per parameter, and per token and block 4 bytes per hidden, MLP and

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import hashlib
 import itertools
-import json
 import os
 import tempfile
 import time
@@ -24,29 +23,21 @@ from typing import Any
 
 import torch
 
-from hif8qat.compute_dtype import Numerics
+from hif8qat.compute_dtype import Numerics, keeping_weight_casts
 from hif8qat.config.numerics import train_numerics
-from hif8qat.evaluate.heldout import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
-from hif8qat.evaluate.heldout import heldout_window_count
-from hif8qat.evaluate.runner import weights_cast_once
-from hif8qat.launch.memory import cached_step_memory, describe
+from hif8qat.evaluate.heldout_set import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
+from hif8qat.evaluate.heldout_set import heldout_window_count
+from hif8qat.launch.memory import cached_step_memory, describe, simulated_before
+from hif8qat.launch.recorded_evals import EvalWork, eval_in_steps, eval_work
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
-from hif8qat.quant.linear import freeze_scales, set_quantization, set_step
+from hif8qat.quant.gemm import reusing_frozen_weights
+from hif8qat.quant.linear import freeze_scales, scaler_banks, set_quantization, set_step
 from hif8qat.runs.folders import is_done, run_dir_for
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.compiled_blocks import compile_blocks
 from hif8qat.train.loop import build_optimizer, prepare_model, train_step
 from hif8qat.train.schedule import warmup_cosine_schedule
-
-# What an evaluation mode of one run forwards at the profile, (positions padding included, forward calls), counted by
-# the evaluation itself into results.json (_meta.eval_tokens); used when no finished evaluation of this profile exists
-# yet to read it from. A workload size, not a time.
-# mini: the committed reference run of exp1 forwarded 51,287 positions in 227 calls.
-# gpu1: MMLU 1,140 items x about 540 tokens (5 shots and the question), HellaSwag 1,000 x about 1,160 (10 shots,
-# the context once and four endings), ARC-Challenge 1,172 x about 1,300 (25 shots): about 3.3 M, a planning figure
-# until the first gpu1 evaluation records its own count (its cost is from FLOPs per token: the calls are not used).
-_EVAL_FALLBACK = {"mini": (51_300, 227), "gpu1": (3_300_000, 0)}
 
 # The gpu1 estimate's stated assumptions (none of them measured by this project on a GPU): BF16 training at
 # 250 TFLOP/s on one H200 (about a quarter of its dense BF16 peak; the authors' logs imply about 335 TFLOP/s per
@@ -59,34 +50,9 @@ GPU1_EVAL_EFFICIENCY = 1 / 3
 GPU1_LOAD_S = 30.0
 
 
-@dataclass(frozen=True)
-class EvalWork:
-    """What one evaluation mode forwards: positions (padding included) in how many forward calls."""
-
-    tokens: int
-    calls: int
-
-
-def eval_work(results_root: Path, profile: str) -> EvalWork:
-    """What one run's evaluation mode forwards: from the newest recorded evaluation of the profile, else a fallback.
-
-    Args:
-        results_root: the folder that holds the runs.
-        profile: the profile.
-
-    Returns:
-        The workload; a per-profile fallback when no evaluation is recorded."""
-    newest = None
-    for path in (results_root / profile).glob("*/seed*/eval/*/results.json"):
-        tokens = (json.loads(path.read_text()).get("_meta") or {}).get("eval_tokens") or {}
-        count = tokens.get("forwarded_padded") or tokens.get("forwarded")
-        if count and (newest is None or path.stat().st_mtime > newest[0]):
-            newest = (path.stat().st_mtime, EvalWork(int(count), int(tokens.get("forward_calls") or 0)))
-    if newest is not None and newest[1].calls:
-        return newest[1]
-    tokens, calls = _EVAL_FALLBACK.get(profile, (0, 0))
-    return EvalWork(newest[1].tokens if newest else tokens, calls)
-
+# A quantized run's first step, with the compile cache warm, costs this many warm quantized steps more than they do
+# (mini exp3 on the AMX Xeon: 5.3 s over 2.32 s steps with 2 threads; 10.6 s over 5.0 s with 1 thread, loaded).
+QAT_FIRST_STEP_EXTRA = 2.2
 
 # Per evaluation mode, besides its forwards: lm-eval building its three tasks from the offline copies and writing the
 # per-item files (about 15 s measured at the mini profile, docs/calibration.md).
@@ -109,6 +75,7 @@ class Costs:
     startup_s: float = 0.0  # a run process's start before its work (the interpreter, the imports)
     write_byte_s: float = 0.0  # writing and hashing one byte of a checkpoint or the export
     eval_setup_s: float = EVAL_SETUP_S  # per evaluation mode: lm-eval building its tasks, the per-item files
+    eval_steps: float = 0.0  # a bf16 evaluation in warm plain steps (eval_in_steps); 0: from the forwards timed
 
 
 def _quant_ratio(costs: Costs) -> float:
@@ -144,9 +111,13 @@ def run_parts(cfg, costs: Costs, work: EvalWork, model_bytes: int = 0, state_byt
     checkpoints = (steps - 1) // every + (1 if keep_last else 0) if every else int(keep_last)
     write = (checkpoints * state_bytes + model_bytes) * costs.write_byte_s
     modes = [m for m in cfg.eval.modes if m == "bf16" or cfg.quant.enabled]  # hif8 needs a quantized export
-    evaluate = sum(costs.load_s + costs.eval_setup_s
-                   + work.tokens * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
-                   for mode in modes)
+    if costs.eval_steps:  # a recorded evaluation's wall time, at this machine's step; a quantized mode's forwards
+        evaluate = sum(costs.eval_steps * costs.train_step_s * (1.0 if mode == "bf16" else _quant_ratio(costs))
+                       for mode in modes)
+    else:
+        evaluate = sum(costs.load_s + costs.eval_setup_s
+                       + work.tokens * (costs.eval_token_s if mode == "bf16" else costs.quant_eval_token_s)
+                       for mode in modes)
     heldout = 0.0
     if cfg.quant.enabled:  # the baseline's export (bf16) when there is a baseline, and each mode of the run
         batches = -(-heldout_window_count(cfg.train.seq_len) // HELDOUT_BATCH_WINDOWS)
@@ -254,7 +225,8 @@ def write_byte_seconds(folder: Path, size: int = 64 << 20) -> float:
     return (time.perf_counter() - t) / len(payload)
 
 
-def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str], None] = lambda line: None,
+def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool = True,
+            say: Callable[[str], None] = lambda line: None,
             eval_shape: tuple[int, int] = (32, 8)) -> tuple[Costs, dict[str, int]]:
     """Time the pieces of a run with the run's model, batch and numerics, built as the trainer builds it
     (:func:`hif8qat.train.loop.prepare_model`: the quantized linears, the loss head, activation checkpointing; the
@@ -264,18 +236,21 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
     A quantized config runs two quantized steps, the first as the run's first (AdamW's state, the quantizer's compile
     and cold start), then, when plain steps are pending too, one warm plain step (the first step's extra is counted
     once, with the quantized one); a plain config runs two plain steps. The evaluation is timed by a forward at its
-    mean call shape, the held-out comparison by one of its batches.
+    mean call shape (a quantized one only when ``quantized_eval``), the held-out comparison by one of its batches.
 
     Args:
-        cfg: the run's resolved config (a quantized one times both kinds of step and forward).
+        cfg: the run's resolved config (a quantized one times both kinds of step).
         numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics` (its mode is timed on the
             CPU).
         plain: time a plain (BF16) step too (False: only quantized steps are pending).
+        quantized_eval: time a quantized evaluation forward too (a pending run evaluates a quantized mode).
         say: told each phase as it starts.
         eval_shape: ``(rows, positions)`` of the evaluation forward timed.
 
     Returns:
         The measured costs, and ``{"model_bytes", "state_bytes"}``: the export's and a checkpoint's size."""
+    if cfg.train.num_threads:  # as the trainer sets them for its process
+        torch.set_num_threads(cfg.train.num_threads)
     say(f"loading {cfg.model.name}")
     t0 = time.perf_counter()
     model, _ = load_causal_lm(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code,
@@ -299,14 +274,19 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
         train_step(model, optimizer, scheduler, iter([ids] * cfg.grad_accum_steps(1)), cfg, numerics)
         return time.perf_counter() - t
 
-    def token_s(rows: int, positions: int, warm: bool, evaluation: bool = True) -> float:
+    def token_s(rows: int, positions: int, evaluation: bool = True) -> float:
         """A forward and its FP32 log-probabilities, per position: as the evaluation runs it (weights cast and
         quantized once, by the untimed first call) or as the held-out comparison does (inference mode)."""
         model.eval()
         batch = torch.randint(0, vocab, (rows, positions))
-        kept = weights_cast_once(model) if evaluation else contextlib.nullcontext()
+        # as the evaluation's weights_cast_once (hif8qat.evaluate.runner, not imported: it loads lm-eval): each
+        # weight cast and quantized (frozen scales) once, then reused
+        kept = contextlib.ExitStack()
+        if evaluation:
+            kept.enter_context(reusing_frozen_weights(scaler_banks(model)))
+            kept.enter_context(keeping_weight_casts())
         with kept, torch.no_grad() if evaluation else torch.inference_mode():
-            for _ in range(2 if evaluation or not warm else 1):  # the first call at a shape allocates
+            for _ in range(2):  # the first call at a shape allocates (and casts the kept weights)
                 with numerics.forward():
                     t = time.perf_counter()
                     torch.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
@@ -317,37 +297,45 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, say: Callable[[str],
                   + (f", {cfg.grad_accum_steps(1)} micro-batches" if cfg.grad_accum_steps(1) > 1 else ""))
     rows, positions = eval_shape
     first_extra = qat_start = 0.0
+    quant_token_s = None
     if cfg.quant.enabled:
         training = cfg.quant.training
         say(f"timing 2 {training.format} ({training.scope}) training steps of {batch_line}, the first as the run's "
-            "first (AdamW's state, the quantizer's compile), and a quantized evaluation forward")
+            "first (AdamW's state, the quantizer's compile)" + (", and a quantized evaluation forward"
+                                                               if quantized_eval else ""))
         set_quantization(model, True)
         first, qat_step_s = step_s(), step_s()
-        qat_start = first - qat_step_s  # the run's first step pays it, quantized or not: counted once, here
-        freeze_scales(model, True)
-        quant_token_s = token_s(rows, positions, warm=False)
-        freeze_scales(model, False)
+        # What the run's first step adds: the estimate's own first step paid the quantizer's compile (tens of seconds
+        # in a new environment); the run finds the compile cache it filled and pays dynamo's tracing, the kernels'
+        # first-call checks and AdamW's state, in proportion to the machine's speed.
+        compile_s = first - qat_step_s
+        qat_start = min(compile_s, QAT_FIRST_STEP_EXTRA * qat_step_s)
+        if quantized_eval:
+            freeze_scales(model, True)
+            quant_token_s = token_s(rows, positions)
+            freeze_scales(model, False)
         set_quantization(model, False)
-    train_step_s = qat_step_s if cfg.quant.enabled else 0.0
     if plain and cfg.quant.enabled:
         say(f"timing a plain (BF16) training step of {batch_line}")
         train_step_s = step_s()
-    elif plain:
+    elif cfg.quant.enabled:
+        train_step_s = qat_step_s
+    else:
         say(f"timing 2 training steps of {batch_line}, the first as the run's first (AdamW's state)")
         first, train_step_s = step_s(), step_s()
         first_extra = first - train_step_s
+        qat_step_s = train_step_s
     say(f"timing an evaluation forward of {rows} x {positions} tokens and a held-out batch of "
         f"{HELDOUT_BATCH_WINDOWS} x {cfg.train.seq_len}")
-    eval_token_s = token_s(rows, positions, warm=cfg.quant.enabled)
-    heldout_batch_s = token_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len, warm=True, evaluation=False) * (
+    eval_token_s = token_s(rows, positions)
+    heldout_batch_s = token_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len, evaluation=False) * (
         HELDOUT_BATCH_WINDOWS * cfg.train.seq_len)
-    if not cfg.quant.enabled:
-        qat_step_s, quant_token_s = train_step_s, eval_token_s
     say("timing a write to the results' disk")
     write_s = write_byte_seconds(Path(cfg.results_root))
     sizes = {"model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
              "state_bytes": ckpt.state_bytes(model, optimizer)}
-    costs = Costs(numerics.mode, load_s, train_step_s, qat_step_s, eval_token_s, quant_token_s,
+    costs = Costs(numerics.mode, load_s, train_step_s, qat_step_s, eval_token_s,
+                  eval_token_s if quant_token_s is None else quant_token_s,
                   first_step_s=max(first_extra, 0.0), qat_start_s=max(qat_start, 0.0), heldout_batch_s=heldout_batch_s,
                   write_byte_s=write_s)
     return costs, sizes
@@ -375,7 +363,7 @@ def print_memory(cfg, numerics: Numerics, world_size: int | None, device: str | 
           f"{describe(cfg, parts, world_size, numerics)}")
 
 
-def main(argv, config_for: Callable[..., Any]) -> int:
+def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float | None] | None = None) -> int:
     """``python run.py --estimate --profile P --experiments E... [--seeds S...] [--label L] [--baseline E
     --baseline-overrides K=V...] [--overrides K=V...]``: the time (and memory) the runs that are not finished yet
     will take here.
@@ -384,6 +372,8 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         argv: the arguments after ``--estimate``.
         config_for: ``config_for(profile, experiment, seed, overrides)``: the resolved RunConfig run.py would build
             (run.py composes it).
+        run_startup: waits for and returns a run process's start-up seconds (its interpreter and imports, timed
+            beside this process's single-threaded phases), None when unknown: this process's own start stands for it.
 
     Returns:
         The exit status."""
@@ -393,6 +383,8 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--results-root", default=None,
                     help="where recorded evaluations are read (default: the runs' own results_root)")
+    ap.add_argument("--reference-root", default="results/reference_runs",
+                    help="the committed runs whose evaluation time is read when this machine has none recorded")
     ap.add_argument("--label", default="these runs")
     ap.add_argument("--baseline", default="", help="an experiment run first with --baseline-overrides (make expN)")
     ap.add_argument("--overrides", nargs="*", default=[], help="the command line's settings (make's ARGS)")
@@ -403,7 +395,7 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
                     help="where the run trains, for the memory estimate (default: where train.device puts it here)")
     args = ap.parse_args(argv)
-    startup_s = process_age_s()  # this process's start, as each run's own process will pay it
+    startup_s = process_age_s()  # this process's start; a run's imports more (the evaluator, the report)
     plain_config_for = config_for
 
     def config_for(profile, experiment, seed):  # every run with the settings it will be started with
@@ -418,7 +410,9 @@ def main(argv, config_for: Callable[..., Any]) -> int:
     experiments = [e for e in (args.baseline, *args.experiments) if e]
     say("simulating a training step's memory")
     first = config_for(args.profile, args.experiments[0], args.seeds[0])
+    t = time.perf_counter()
     print_memory(first, train_numerics(first), args.world_size, args.device)
+    preflight_s = time.perf_counter() - t  # what a run's preflight pays when its step is not in the cache yet
     if args.profile not in ("mini", "gpu1"):
         return 0
 
@@ -448,14 +442,27 @@ def main(argv, config_for: Callable[..., Any]) -> int:
         return 0
     # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
     measured = next((c for c in configs if c.quant.enabled), configs[0])
-    plain = any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs)
+    quantized_eval = any(c.quant.enabled and any(m != "bf16" for m in c.eval.modes) for c in configs)
+    calibrated = eval_in_steps([Path(args.results_root or configs[0].results_root), Path(args.reference_root)],
+                               args.profile)
+    # a plain step is the unit a recorded evaluation is counted in, even where only quantized steps are pending
+    plain = calibrated is not None or any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs)
+    if run_startup is not None:  # before the timed steps, which it would slow down
+        say("waiting for a run process's start-up, timed beside the memory simulation (its imports)")
+        startup_s = run_startup() or startup_s
     print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "
           "machine", flush=True)
     rows = measured.eval.batch_size
     shape = (rows, max(round(work.tokens / max(work.calls, 1) / rows), 1))
-    costs, sizes = measure(measured, train_numerics(measured), plain=plain, say=say, eval_shape=shape)
-    costs = replace(costs, startup_s=startup_s)
-    parts = [run_parts(c, costs, work, **sizes) for c in configs]
+    costs, sizes = measure(measured, train_numerics(measured), plain=plain, quantized_eval=quantized_eval, say=say,
+                           eval_shape=shape)
+    costs = replace(costs, startup_s=startup_s, eval_steps=calibrated[0] if calibrated else 0.0)
+
+    def preflight_cost(c) -> float:  # nothing where the cache holds its step (the simulation above, an earlier run)
+        facts = model_config_facts(c.model.name.strip(), revision=c.model.revision)
+        return 0.0 if not facts or simulated_before(c, facts, train_numerics(c)) else preflight_s
+
+    parts = [run_parts(c, replace(costs, startup_s=startup_s + preflight_cost(c)), work, **sizes) for c in configs]
     total = sum(sum(p.values()) for p in parts)
     each = ", ".join(f"{c.experiment.name} {sum(p.values()) / 60:.1f}" for c, p in zip(configs, parts, strict=True))
     summed = {k: sum(p[k] for p in parts) for k in parts[0]}
@@ -465,6 +472,7 @@ def main(argv, config_for: Callable[..., Any]) -> int:
           f"writing {(summed['start'] + summed['write']) / 60:.1f}), from {costs.numerics} numerics measured just now "
           f"in {time.perf_counter() - started:.0f} s: a training step {costs.train_step_s:.2f} s plain / "
           f"{costs.qat_step_s:.2f} s quantized (+{costs.qat_start_s:.1f} s for the first quantized), "
-          f"{costs.eval_token_s * 1e3:.2f} / {costs.quant_eval_token_s * 1e3:.2f} ms per evaluated position, "
-          f"{costs.load_s:.1f} s to load the model)")
+          + (f"an evaluation {costs.eval_steps:.1f} plain steps as in {calibrated[1]}, " if calibrated else
+             f"{costs.eval_token_s * 1e3:.2f} / {costs.quant_eval_token_s * 1e3:.2f} ms per evaluated position, ")
+          + f"{costs.load_s:.1f} s to load the model, {costs.startup_s:.1f} s to start a run)")
     return 0

@@ -293,10 +293,10 @@ def simulated_before(cfg: RunConfig, facts: dict, numerics: Numerics, world_size
     """Whether :func:`cached_step_memory` holds this step already (a run's preflight then simulates nothing).
 
     Args:
-        cfg: the run's config.
-        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
-        numerics: the run's resolved training :class:`~hif8qat.compute_dtype.Numerics`.
-        world_size: processes the run trains on.
+        cfg: the run's config, as for :func:`cached_step_memory`.
+        facts: the model's facts, likewise.
+        numerics: the training numerics, likewise.
+        world_size: the processes, likewise.
 
     Returns:
         True when the cache has it."""

@@ -29,7 +29,7 @@ LAZY = ("transformers.models.llama.modeling_llama", "transformers.models.auto.mo
         "torch.profiler", "torch.utils.checkpoint", "sympy.combinatorics", "sympy.tensor.tensor", "setuptools",
         "lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks", "lm_eval.api.task", "datasets",
         "safetensors.torch", "scipy.stats", "scipy.io", "threadpoolctl", "more_itertools", "pandas",
-        "pandas.io.formats.csvs", "matplotlib.pyplot", "hydra", "pytest", "xdist", "hypothesis", "en_dtypes")
+        "pandas.io.formats.csvs", "matplotlib.pyplot", "hydra", "pytest", "xdist", "en_dtypes")
 
 
 def _registries() -> None:

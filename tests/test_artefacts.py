@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import time
 import types
 from pathlib import Path
 
@@ -44,6 +45,17 @@ def test_eval_results_record_the_sha256_of_every_file_beside_them(tmp_path):
     out = _eval_dir(tmp_path)
     recorded = json.loads((out / "results.json").read_text())["_files"]
     assert recorded == {name: _sha(out / name) for name in ("samples_mini_arc.csv", "samples_mini_arc.jsonl.gz")}
+
+
+def test_an_evaluation_written_again_gives_the_same_bytes(tmp_path):
+    # a rerun's files (and the sha256 results.json records) depend on the samples only: no time stamp, no temp name
+    first = _eval_dir(tmp_path / "a")
+    time.sleep(1.1)  # gzip's header counts whole seconds
+    second = _eval_dir(tmp_path / "b")
+    for name in ("samples_mini_arc.csv", "samples_mini_arc.jsonl.gz"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    with gzip.open(first / "samples_mini_arc.jsonl.gz", "rt") as fh:
+        assert [json.loads(line)["doc_id"] for line in fh] == list(range(6))
 
 
 @pytest.mark.parametrize("text,why", [("", "empty"), ("doc_id,correct\n1,0\n2", "cut"),

@@ -13,7 +13,7 @@ from typing import Any
 
 from hif8qat.artefacts import FILES_KEY, RESULTS_SCHEMA, read_csv, read_json, results_record, verify_sha256
 from hif8qat.config.eval_tasks import TaskSpec
-from hif8qat.files import atomic_path, sha256_file, write_json, write_text
+from hif8qat.files import atomic_path, sha256_file, write_bytes, write_json, write_text
 from hif8qat.runs.downloads import cache_root
 
 
@@ -159,9 +159,9 @@ def write_eval_dir(out: Path, results: dict, samples: dict[str, list], raw: dict
                 ll, margin = gold_scores(compact)
                 # repr keeps every digit, so paired differences are recomputable exactly; NaN as empty
                 w.writerow([doc_id, correct, *("" if math.isnan(v) else repr(v) for v in (ll, margin))])
-        with atomic_path(out / f"samples_{task}.jsonl.gz") as tmp, gzip.open(tmp, "wt", encoding="utf-8") as fh:
-            for _, _, compact in rows:
-                fh.write(json.dumps(compact) + "\n")
+        # no time stamp and no file name in the gzip header: the same samples give the same bytes (and sha256)
+        lines = "".join(json.dumps(compact) + "\n" for _, _, compact in rows)
+        write_bytes(out / f"samples_{task}.jsonl.gz", gzip.compress(lines.encode("utf-8"), mtime=0))
     if raw is not None:
 
         lm_json = {k: v for k, v in raw.items() if k != "samples"}

@@ -26,7 +26,8 @@ class StartupTimer:
         module: the module a run's process imports before its work."""
 
     def __init__(self, module: str):
-        self._child = subprocess.Popen([sys.executable, "-c", f"import {module}"], stdout=subprocess.DEVNULL,
+        # run as a script: its body is its imports (a run job's module has no main block)
+        self._child = subprocess.Popen([sys.executable, "-m", module], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL)
 
     def seconds(self) -> float | None:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
 from hif8qat.artefacts import CorruptArtefact, verify_folder_manifest
+from hif8qat.compute_dtype import keeping_weight_casts
 from hif8qat.config.eval_tasks import MODES
 from hif8qat.models.loading import load_causal_lm
 from hif8qat.models.quant_files import load_quant_export, read_quant_export
-from hif8qat.quant.linear import freeze_scales, quant_modules
+from hif8qat.quant.gemm import reusing_frozen_weights
+from hif8qat.quant.linear import freeze_scales, quant_modules, scaler_banks
 
 EXPORT_REDO = ("Delete that export/ folder and rerun the run with stage=all: it writes the export again from the "
                "run's final checkpoint (or retrain it with force=true)")
@@ -78,3 +82,23 @@ def quant_eval_meta(model, export_dir: str | Path) -> dict:
     return {"format": cfg["format"], "element_formats": doc["element_formats"], "margin": cfg["margin"],
             "algo": cfg["algo"],
             "scales": "just-in-time (each tensor's own amax)" if jit else "frozen (final training scales)"}
+
+
+@contextlib.contextmanager
+def weights_cast_once(model: torch.nn.Module) -> Iterator[None]:
+    """Within it, the forwards of an evaluation cast and quantize each weight once instead of at every forward.
+
+    The weights do not change during an evaluation, but each forward would redo two passes over all of them:
+    autocast's cast of each FP32 weight to BF16 (:func:`hif8qat.compute_dtype.keeping_weight_casts`) and, in hif8
+    mode, the quantized layers' Q(W) (:func:`hif8qat.quant.gemm.reusing_frozen_weights`, frozen scales). The
+    results are bit for bit those of casting and quantizing at every forward; the cost is one BF16 copy of the
+    weights held for the evaluation. Autocast keeps no cast in inference mode: run the forwards under ``no_grad``.
+
+    Args:
+        model: the evaluated model.
+
+    Yields:
+        Nothing.
+    """
+    with reusing_frozen_weights(scaler_banks(model)), keeping_weight_casts():
+        yield

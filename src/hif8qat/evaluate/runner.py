@@ -19,15 +19,15 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hif8qat.compute_dtype import Numerics, keeping_weight_casts
+from hif8qat.compute_dtype import Numerics
 from hif8qat.config.eval_tasks import MINITASK_DIR, MODES, resolve_tasks
-from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta
+from hif8qat.evaluate.loading import load_for_eval, quant_eval_meta, weights_cast_once
 from hif8qat.evaluate.offline_benchmarks import CACHE_SUBDIR, ensure_installed
 from hif8qat.evaluate.outputs import (
     ITEMS_KEY,
@@ -41,8 +41,6 @@ from hif8qat.evaluate.prefix_lm import SharedContextLM
 from hif8qat.evaluate.ranks import Ranks, summed
 from hif8qat.evaluate.subsets import _limited, check_subset, subset_indices
 from hif8qat.evaluate.task_data import _forced_offline, lm_eval_task_dirs, prepare_paper_tasks
-from hif8qat.quant.gemm import reusing_frozen_weights
-from hif8qat.quant.linear import scaler_banks
 from hif8qat.runs.folders import provenance
 
 log = logging.getLogger(__name__)
@@ -184,26 +182,6 @@ def evaluate_model(
     if out_dir is not None:
         write_eval_dir(Path(out_dir), results, samples, raw)
     return results
-
-
-@contextlib.contextmanager
-def weights_cast_once(model: torch.nn.Module) -> Iterator[None]:
-    """Within it, the forwards of an evaluation cast and quantize each weight once instead of at every forward.
-
-    The weights do not change during an evaluation, but each forward would redo two passes over all of them:
-    autocast's cast of each FP32 weight to BF16 (:func:`hif8qat.compute_dtype.keeping_weight_casts`) and, in hif8
-    mode, the quantized layers' Q(W) (:func:`hif8qat.quant.gemm.reusing_frozen_weights`, frozen scales). The
-    results are bit for bit those of casting and quantizing at every forward; the cost is one BF16 copy of the
-    weights held for the evaluation. Autocast keeps no cast in inference mode: run the forwards under ``no_grad``.
-
-    Args:
-        model: the evaluated model.
-
-    Yields:
-        Nothing.
-    """
-    with reusing_frozen_weights(scaler_banks(model)), keeping_weight_casts():
-        yield
 
 
 @contextlib.contextmanager

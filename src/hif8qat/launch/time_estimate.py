@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from hif8qat.compute_dtype import Numerics, keeping_weight_casts
+from hif8qat.compute_dtype import Numerics
 from hif8qat.config.numerics import train_numerics
 from hif8qat.evaluate.heldout_set import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
 from hif8qat.evaluate.heldout_set import heldout_window_count
+from hif8qat.evaluate.loading import weights_cast_once
 from hif8qat.launch.memory import cached_step_memory, describe, simulated_before
 from hif8qat.launch.recorded_evals import EvalWork, eval_in_steps, eval_work
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
-from hif8qat.quant.gemm import reusing_frozen_weights
-from hif8qat.quant.linear import freeze_scales, scaler_banks, set_quantization, set_step
+from hif8qat.quant.linear import freeze_scales, set_quantization, set_step
 from hif8qat.runs.folders import is_done, run_dir_for
 from hif8qat.train import checkpoint as ckpt
 from hif8qat.train.compiled_blocks import compile_blocks
@@ -279,12 +279,7 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
         quantized once, by the untimed first call) or as the held-out comparison does (inference mode)."""
         model.eval()
         batch = torch.randint(0, vocab, (rows, positions))
-        # as the evaluation's weights_cast_once (hif8qat.evaluate.runner, not imported: it loads lm-eval): each
-        # weight cast and quantized (frozen scales) once, then reused
-        kept = contextlib.ExitStack()
-        if evaluation:
-            kept.enter_context(reusing_frozen_weights(scaler_banks(model)))
-            kept.enter_context(keeping_weight_casts())
+        kept = weights_cast_once(model) if evaluation else contextlib.nullcontext()
         with kept, torch.no_grad() if evaluation else torch.inference_mode():
             for _ in range(2):  # the first call at a shape allocates (and casts the kept weights)
                 with numerics.forward():

@@ -5,6 +5,7 @@ runs' results.json and metrics.jsonl."""
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +70,10 @@ def eval_in_steps(roots: list[Path], profile: str) -> tuple[float, str] | None:
                         if line.strip()]
             except (OSError, ValueError):
                 continue
-            times = sorted(r["step_time_s"] for r in rows[1:] if "step_time_s" in r)
+            times = [r["step_time_s"] for r in rows[1:] if "step_time_s" in r]
             if not wall or not times or any(r.get("quant") for r in rows):  # a plain run's steps only
                 continue
-            median = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2
-            found.append((path.stat().st_mtime, wall / median, str(path.parents[2])))
+            found.append((path.stat().st_mtime, wall / statistics.median(times), str(path.parents[2])))
         if found:
             _, steps, run = max(found)
             return steps, run

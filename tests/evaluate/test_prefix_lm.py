@@ -58,13 +58,16 @@ def tiny_hif8(tmp_path_factory):
     return loaded, tok
 
 
-def _pair(tok_model, numerics, **kw):
+def _pair(tok_model, numerics, way="packed", **kw):
     model, tok = tok_model
     amp = torch.bfloat16 if numerics == "bf16" else None
     stock = HFLM(pretrained=model, tokenizer=tok, device="cpu", mixed_precision_dtype=amp, **kw)
     compute = {"fp32": "none", "hif8": "none"}.get(numerics, numerics)  # hif8: the quantized model in fp32
     new = SharedContextLM(pretrained=model, tokenizer=tok, device="cpu",
                           numerics=functools.partial(forward_context, compute, "cpu"), **kw)
+    assert new.scoring == "packed"  # a transformers Llama with eager or SDPA attention
+    if way == "cached":  # the way of models that take no 4-D mask, on the same model
+        new._packs = lambda: False
     return stock, new
 
 
@@ -105,13 +108,15 @@ def _requests(model):
     return reqs
 
 
-@pytest.mark.parametrize("batch_size,max_length", [(16, None), (2, None), (4, 64)])
-def test_token_requests_match_hflm(tiny, batch_size, max_length):
+@pytest.mark.parametrize("way", ["packed", "cached"])
+@pytest.mark.parametrize("batch_size,max_length", [(16, None), (2, None), (4, 64), (4, 48)])
+def test_token_requests_match_hflm(tiny, batch_size, max_length, way):
     model, _ = tiny
     reqs = _requests(model)
-    stock, new = _pair(tiny, "fp32", batch_size=batch_size, max_length=max_length)
+    stock, new = _pair(tiny, "fp32", way, batch_size=batch_size, max_length=max_length)
     a, b = stock._loglikelihood_tokens(reqs), new._loglikelihood_tokens(reqs)
     _assert_same(a, b, "fp32")
+    assert new.scoring == way
     assert any(greedy for _, greedy in a) and not all(greedy for _, greedy in a)  # not a vacuous comparison
     n = new.token_counts
     assert n["requests"] == len(reqs)
@@ -128,6 +133,71 @@ def test_token_requests_match_hflm(tiny, batch_size, max_length):
     assert n["forwarded"] < n["per_request"]
 
 
+def test_a_packed_row_stays_within_max_length(tiny):
+    """The 40-token context with five continuations packs into 54 positions: past a max_length of 48 its group is
+    cut into rows that each repeat the context, and still matches HFLM (test above)."""
+    model, _ = tiny
+    reqs = _requests(model)
+    _, new = _pair(tiny, "fp32", batch_size=4, max_length=48)
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, ctx, cont) in enumerate(reqs):
+        if len(ctx) + len(cont) <= 49:
+            groups.setdefault(tuple(ctx), []).append(i)
+    rows = [row for batch in new._packed_plan(groups, reqs, 4) for row in batch]
+    assert max(len(tokens) for tokens, *_ in rows) <= 48
+    longest = max(groups, key=lambda c: len(groups[c]))
+    cut = [row for row in rows if tuple(row[0][:len(longest)]) == longest]
+    assert len(cut) > 1 and sorted(i for row in cut for i, _ in row[3]) == sorted(groups[longest])
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_rows_match_hflm_under_each_attention(attn):
+    """eager adds a float mask to the scores, SDPA takes a boolean one: both keep the segments apart."""
+    model, tok = build_tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64, seed=3)
+    model.set_attn_implementation(attn)
+    reqs = _requests(model)
+    stock, new = _pair((model, tok), "fp32", batch_size=3)
+    a = stock._loglikelihood_tokens(reqs)
+    calls = []
+    hook = model.model.register_forward_pre_hook(
+        lambda _, args, kw: calls.append((kw["attention_mask"].dim(), kw.get("cache"), kw["use_cache"])),
+        with_kwargs=True)
+    try:
+        b = new._loglikelihood_tokens(reqs)
+    finally:
+        hook.remove()
+    _assert_same(a, b, "fp32")
+    # one forward per batch of rows, each with its 4-D mask and no KV cache
+    assert calls and all(c == (4, None, False) for c in calls)
+    assert len(calls) == new.token_counts["forward_calls"] < len({tuple(c) for _, c, _ in reqs})
+
+
+def test_models_that_take_no_custom_mask_are_scored_from_the_cache(tiny):
+    """Packing needs transformers' own mask handling and an attention that takes a 4-D mask: a class of remote
+    code, or another attention implementation, is scored the cached way, and matches HFLM there too."""
+    from transformers import LlamaForCausalLM
+
+    class RemoteCodeLlama(LlamaForCausalLM):  # defined outside transformers, as trust_remote_code classes are
+        pass
+
+    model, tok = tiny
+    remote = RemoteCodeLlama(model.config)
+    remote.load_state_dict(model.state_dict())
+    remote.eval()
+    reqs = _requests(model)
+    stock, new = (HFLM(pretrained=remote, tokenizer=tok, device="cpu", batch_size=4),
+                  SharedContextLM(pretrained=remote, tokenizer=tok, device="cpu", batch_size=4))
+    assert new.scoring == "cached"
+    _assert_same(stock._loglikelihood_tokens(reqs), new._loglikelihood_tokens(reqs), "fp32")
+    _, lm = _pair(tiny, "fp32", batch_size=4)
+    for impl, way in (("flash_attention_2", "cached"), ("flex_attention", "cached"), ("sdpa", "packed")):
+        lm.model.config._attn_implementation = impl  # read only, not run
+        try:
+            assert lm.scoring == way, impl
+        finally:
+            lm.model.config._attn_implementation = "eager"
+
+
 def _mini_instances():
     from lm_eval.tasks import TaskManager
 
@@ -140,11 +210,12 @@ def _mini_instances():
     return out
 
 
+@pytest.mark.parametrize("way", ["packed", "cached"])
 @pytest.mark.parametrize("numerics", ["fp32", "bf16", "hif8"])
-def test_smoke_evaluation_matches_hflm(tiny, tiny_hif8, numerics):
+def test_smoke_evaluation_matches_hflm(tiny, tiny_hif8, numerics, way):
     lm_model = tiny_hif8 if numerics == "hif8" else tiny
     instances = _mini_instances()
-    stock, new = _pair(lm_model, numerics, batch_size=8)
+    stock, new = _pair(lm_model, numerics, way, batch_size=8)
     with torch.inference_mode():
         a = stock.loglikelihood(instances, disable_tqdm=True)
         b = new.loglikelihood(instances, disable_tqdm=True)
@@ -167,6 +238,7 @@ def test_results_json_records_the_token_counts(tiny, tmp_path, capsys):
     res = runner.evaluate_model(model, tok, "mini_arc", out_dir=tmp_path / "out", limit=3, batch_size=4)
     tokens = json.loads((tmp_path / "out" / "results.json").read_text())["_meta"]["eval_tokens"]
     assert tokens == res["_meta"]["eval_tokens"]
+    assert res["_meta"]["scoring"] == "packed"  # the tiny Llama takes the 4-D mask
     assert tokens["requests"] >= 9 and 0 < tokens["forwarded"] < tokens["per_request"]
     assert f"{tokens['per_request']} as lm-eval's HFLM forwards them" in capsys.readouterr().out
 

@@ -171,6 +171,8 @@ def evaluate_model(
         "subset": subset_meta, "subset_seed": subset_seed,
         # per_request: what lm-eval's HFLM would forward; forwarded: what ran (padding excluded)
         "eval_tokens": tokens,
+        # packed or cached: how the shared contexts were scored, which moves bf16 log-likelihoods by its rounding
+        "scoring": lm.scoring,
         "ranks": 1 if ranks is None else ranks.world_size,
         **({"eval_tokens_by_rank": tokens_by_rank} if ranks is not None else {}),
         "lm_eval_version": raw.get("lm_eval_version"), "provenance": provenance(),

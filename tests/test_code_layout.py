@@ -366,6 +366,7 @@ ADAPTERS = {
     ("hif8qat.launch.memory", "_fake_tensor_mode"): "FakeTensorMode has no public import path",
     ("hif8qat.launch.memory", "_peak_tracker"): "MemTracker, its kinds and its peak bookkeeping are private",
     ("hif8qat.launch.memory", "_set_attention_implementation"): "a made config's attention setter is private",
+    ("hif8qat.evaluate.packed_rows", "_attention_implementation"): "a built model's attention has no public getter",
     ("hif8qat.launch.slurm", "quiet_sacct"): "submitit has no setting for a watcher without sacct",
     ("hif8qat.launch.slurm", "_task_exception"): "hydra's JobReturn keeps a failed task's exception private",
     ("hif8qat.rehearse.probes", "_counting_parquet_rows"): "datasets counts no decoded parquet rows publicly",

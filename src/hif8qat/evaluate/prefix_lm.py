@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from hif8qat.evaluate.packed_rows import scoring_of, segment_mask
 from hif8qat.evaluate.ranks import Ranks, deal, gather_answers
 
 Request = tuple[Any, list[int], list[int]]  # (cache key or None, context_enc, continuation_enc)
@@ -33,11 +34,12 @@ class SharedContextLM(HFLM):
 
     * requests are grouped by identical context tokens (``context_enc`` and ``continuation_enc`` from lm-eval's
       ``_encode_pair``);
-    * packed (transformers' own decoders with SDPA or eager attention, :meth:`_packs`): a group is one row, its
-      context followed by each continuation but its last token, every continuation a segment that attends to
-      the context and to itself (a 4-D attention mask) at the positions it would have after the context alone;
-      one forward per batch of rows scores every request of the batch, with no cache copied per continuation
-      (0.58-0.66x the time of the cached way on the mini profile's evaluation, ``benchmarks/bench_eval.py``);
+    * packed (transformers' own decoders with SDPA or eager attention,
+      :func:`~hif8qat.evaluate.packed_rows.scoring_of`): a group is one row, its context followed by each
+      continuation but its last token, every continuation a segment that attends to the context and to itself
+      (a 4-D attention mask) at the positions it would have after the context alone; one forward per batch of
+      rows scores every request of the batch, with no cache copied per continuation (0.58-0.66x the time of the
+      cached way on the mini profile's evaluation, ``benchmarks/bench_eval.py``);
     * cached (any other model): a group's context is forwarded once with the KV cache on, the logits of its last
       token score every continuation's first token; the context's cache row is then copied for each of its
       continuations and ``continuation[:-1]`` is forwarded from the cached prefix (padding of the batched
@@ -238,11 +240,9 @@ class SharedContextLM(HFLM):
 
     # ------------------------------------------------------------------- packed: one forward per batch
     def _packs(self) -> bool:
-        """Whether the model takes a custom 4-D attention mask as it is: transformers' own decoders (their masks are
-        built by ``transformers.masking_utils``, which passes a 4-D mask through) with SDPA or eager attention."""
-        config = getattr(self.model, "config", None)
-        return (type(self.model).__module__.startswith("transformers.models.")
-                and getattr(config, "_attn_implementation", None) in ("sdpa", "eager"))
+        """Whether this model's shared contexts are scored packed (:func:`~hif8qat.evaluate.packed_rows.scoring_of`;
+        looked up per call: quantization swaps modules after construction)."""
+        return scoring_of(self.model) == "packed"
 
     @property
     def scoring(self) -> str:
@@ -281,23 +281,14 @@ class SharedContextLM(HFLM):
         width = max(len(r[0]) for r in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         positions = torch.zeros(len(batch), width, dtype=torch.long)
-        # padding: a segment of its own per position (-1 - index), so it attends to the context and itself only
-        # and no real position attends to it (a fully masked row would give NaN)
-        segments = -1 - torch.arange(width).repeat(len(batch), 1)
+        segments = -1 - torch.arange(width).repeat(len(batch), 1)  # padding: a segment per position
         keep = torch.zeros(len(batch), width, dtype=torch.bool)
         for b, (tokens, pos, seg, scored) in enumerate(batch):
             n = len(tokens)
             ids[b, :n], positions[b, :n], segments[b, :n] = torch.tensor(tokens), torch.tensor(pos), torch.tensor(seg)
             for _, at in scored:
                 keep[b, at] = True
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        q, k = segments.unsqueeze(2), segments.unsqueeze(1)
-        allowed = (causal & ((k == 0) | (k == q))).unsqueeze(1)  # [batch, 1, query, key]
-        if self.model.config._attn_implementation == "eager":  # eager adds the mask to the scores
-            mask = torch.zeros(allowed.shape, dtype=self.model.dtype).masked_fill(
-                ~allowed, torch.finfo(self.model.dtype).min)
-        else:
-            mask = allowed
+        mask = segment_mask(segments, self.model)
         self.token_counts["forwarded"] += sum(len(r[0]) for r in batch)
         self.token_counts["forwarded_padded"] += len(batch) * width
         self.token_counts["forward_calls"] += 1

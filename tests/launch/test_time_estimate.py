@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 from test_reliability import cli_config
 
-from hif8qat.launch import time_estimate
+from hif8qat.launch import recorded_evals, time_estimate
 from hif8qat.launch.time_estimate import Costs, EvalWork, run_parts, run_seconds
 from hif8qat.quant.linear import quant_modules
 
@@ -69,20 +69,26 @@ def test_twice_the_steps_doubles_the_steps_part_of_training_only():
     assert a["evaluate"] == b["evaluate"] and a["heldout"] == b["heldout"]
 
 
-def test_the_evaluation_workload_is_the_newest_recorded_one_else_the_profiles_fallback(tmp_path):
-    assert time_estimate.eval_work(tmp_path, "mini") == EvalWork(51_300, 227)
-    for name, tokens, calls in (("old", 40_000, 200), ("new", 30_000, 150)):
+def test_the_evaluation_workload_is_the_newest_recorded_one_scored_the_same_way_else_the_profiles_fallback(tmp_path):
+    """Packed rows take a tenth of the cached way's calls: a record of one way never sizes the other's forward.
+    A results.json without ``scoring`` was scored cached (the only way before packing)."""
+    assert time_estimate.eval_work(tmp_path, "mini", "cached") == EvalWork(51_300, 227)
+    assert time_estimate.eval_work(tmp_path, "mini", "packed") == EvalWork(51_000, 21)
+    for name, tokens, calls, scoring in (("old", 40_000, 200, None), ("new", 30_000, 150, None),
+                                         ("packed", 29_000, 14, "packed")):
         path = tmp_path / "mini" / name / "seed0" / "eval" / "bf16" / "results.json"
         path.parent.mkdir(parents=True)
-        path.write_text(json.dumps({"_meta": {"eval_tokens": {"forwarded_padded": tokens, "forward_calls": calls}}}))
-    assert time_estimate.eval_work(tmp_path, "mini") == EvalWork(30_000, 150)
+        meta = {"eval_tokens": {"forwarded_padded": tokens, "forward_calls": calls}}
+        path.write_text(json.dumps({"_meta": {**meta, **({"scoring": scoring} if scoring else {})}}))
+    assert time_estimate.eval_work(tmp_path, "mini", "cached") == EvalWork(30_000, 150)
+    assert time_estimate.eval_work(tmp_path, "mini", "packed") == EvalWork(29_000, 14)
 
 
-def _recorded_run(root, experiment, wall, steps, quant=False, mtime=None):
+def _recorded_run(root, experiment, wall, steps, quant=False, mtime=None, scoring="cached"):
     run = root / "mini" / experiment / "seed0"
     (run / "eval" / "bf16").mkdir(parents=True)
     results = run / "eval" / "bf16" / "results.json"
-    results.write_text(json.dumps({"_meta": {"wall_time_s": wall}}))
+    results.write_text(json.dumps({"_meta": {"wall_time_s": wall, "scoring": scoring}}))
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": t, "quant": quant}) + "\n"
                                                for i, t in enumerate(steps)))
     if mtime is not None:
@@ -94,14 +100,30 @@ def test_an_evaluation_in_steps_is_the_newest_plain_runs_wall_over_its_median_wa
     run's steps are not plain ones and are passed over; an older plain run loses to the newest; a folder with no
     record defers to the next (the committed reference runs)."""
     mine, reference = tmp_path / "mine", tmp_path / "reference"
-    assert time_estimate.eval_in_steps([mine, reference], "mini") is None
+    assert time_estimate.eval_in_steps([mine, reference], "mini", "cached") is None
     _recorded_run(reference, "exp7", 70.0, [5.0, 2.0, 2.0])
-    assert time_estimate.eval_in_steps([mine, reference], "mini") == (35.0, str(reference / "mini/exp7/seed0"))
+    assert time_estimate.eval_in_steps([mine, reference], "mini", "cached") == (35.0,
+                                                                               str(reference / "mini/exp7/seed0"))
     _recorded_run(mine, "exp1", 60.0, [9.0, 1.0, 2.0, 3.0, 2.0], mtime=1_000)
     _recorded_run(mine, "exp3", 90.0, [9.0, 3.0, 3.0], quant=True, mtime=3_000)
-    assert time_estimate.eval_in_steps([mine, reference], "mini") == (30.0, str(mine / "mini/exp1/seed0"))
+    assert time_estimate.eval_in_steps([mine, reference], "mini", "cached") == (30.0, str(mine / "mini/exp1/seed0"))
     _recorded_run(mine, "exp7", 44.0, [9.0, 1.0, 1.2, 1.4], mtime=2_000)
-    assert time_estimate.eval_in_steps([mine, reference], "mini")[0] == pytest.approx(44.0 / 1.2)
+    assert time_estimate.eval_in_steps([mine, reference], "mini", "cached")[0] == pytest.approx(44.0 / 1.2)
+
+
+def test_an_evaluation_scored_another_way_is_not_counted_and_the_profiles_figure_stands_in(tmp_path, monkeypatch):
+    """The committed reference runs were scored cached: a packed evaluation is counted from a packed record of this
+    machine, else from the profile's packed figure, never from the slower cached ones."""
+    mine, reference = tmp_path / "mine", tmp_path / "reference"
+    _recorded_run(reference, "exp1", 70.0, [5.0, 2.0, 2.0])
+    _recorded_run(mine, "exp7", 80.0, [5.0, 2.0, 2.0], mtime=3_000)
+    monkeypatch.setitem(recorded_evals._EVAL_STEPS_FALLBACK, ("mini", "packed"), 25.0)
+    assert time_estimate.eval_in_steps([mine, reference], "mini", "packed") == (
+        25.0, "the mini profile's packed evaluations")
+    _recorded_run(mine, "exp1", 40.0, [5.0, 2.0, 2.0], mtime=1_000, scoring="packed")
+    assert time_estimate.eval_in_steps([mine, reference], "mini", "packed") == (20.0, str(mine / "mini/exp1/seed0"))
+    monkeypatch.delitem(recorded_evals._EVAL_STEPS_FALLBACK, ("mini", "packed"))
+    assert time_estimate.eval_in_steps([reference], "mini", "packed") is None
 
 
 def test_an_evaluation_from_recorded_steps_is_that_many_plain_steps_a_quantized_mode_at_the_forwards_ratio():
@@ -228,6 +250,7 @@ def test_a_plain_step_is_timed_as_the_evaluations_unit_even_when_only_quantized_
     monkeypatch.setattr(time_estimate, "measure", measure)
     monkeypatch.setattr(time_estimate, "print_memory", lambda *a: None)
     monkeypatch.setattr(time_estimate, "is_done", lambda folder: "exp1" in str(folder))
+    monkeypatch.setattr(recorded_evals, "_EVAL_STEPS_FALLBACK", {})  # no figure: only a record counts
     args = ["--profile", "mini", "--experiments", "exp3", "--reference-root", str(tmp_path / "reference")]
     time_estimate.main(args, config_for)
     _recorded_run(tmp_path / "reference", "exp1", 60.0, [9.0, 2.0, 2.0])

@@ -28,6 +28,7 @@ from hif8qat.config.numerics import train_numerics
 from hif8qat.evaluate.heldout_set import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
 from hif8qat.evaluate.heldout_set import heldout_window_count
 from hif8qat.evaluate.loading import weights_cast_once
+from hif8qat.evaluate.packed_rows import scoring_of
 from hif8qat.launch.memory import cached_step_memory, describe, simulated_before
 from hif8qat.launch.recorded_evals import EvalWork, eval_in_steps, eval_work
 from hif8qat.models.loading import load_causal_lm, model_config_facts
@@ -76,6 +77,7 @@ class Costs:
     write_byte_s: float = 0.0  # writing and hashing one byte of a checkpoint or the export
     eval_setup_s: float = EVAL_SETUP_S  # per evaluation mode: lm-eval building its tasks, the per-item files
     eval_steps: float = 0.0  # a bf16 evaluation in warm plain steps (eval_in_steps); 0: from the forwards timed
+    scoring: str = "packed"  # how the evaluation scores shared contexts (hif8qat.evaluate.packed_rows.scoring_of)
 
 
 def _quant_ratio(costs: Costs) -> float:
@@ -227,7 +229,7 @@ def write_byte_seconds(folder: Path, size: int = 64 << 20) -> float:
 
 def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool = True,
             say: Callable[[str], None] = lambda line: None,
-            eval_shape: tuple[int, int] = (32, 8)) -> tuple[Costs, dict[str, int]]:
+            eval_shape: Callable[[str], tuple[int, int]] = lambda scoring: (32, 8)) -> tuple[Costs, dict[str, int]]:
     """Time the pieces of a run with the run's model, batch and numerics, built as the trainer builds it
     (:func:`hif8qat.train.loop.prepare_model`: the quantized linears, the loss head, activation checkpointing; the
     run's optimizer and schedule) and stepped as it steps (:func:`hif8qat.train.loop.train_step`), on this machine's
@@ -245,7 +247,8 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
         plain: time a plain (BF16) step too (False: only quantized steps are pending).
         quantized_eval: time a quantized evaluation forward too (a pending run evaluates a quantized mode).
         say: told each phase as it starts.
-        eval_shape: ``(rows, positions)`` of the evaluation forward timed.
+        eval_shape: ``(rows, positions)`` of the evaluation forward timed, given how the model's evaluation scores
+            shared contexts (its calls differ: packed rows, or cached contexts and short continuations).
 
     Returns:
         The measured costs, and ``{"model_bytes", "state_bytes"}``: the export's and a checkpoint's size."""
@@ -290,7 +293,8 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
 
     batch_line = (f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
                   + (f", {cfg.grad_accum_steps(1)} micro-batches" if cfg.grad_accum_steps(1) > 1 else ""))
-    rows, positions = eval_shape
+    scoring = scoring_of(model)
+    rows, positions = eval_shape(scoring)
     first_extra = qat_start = 0.0
     quant_token_s = None
     if cfg.quant.enabled:
@@ -332,7 +336,7 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
     costs = Costs(numerics.mode, load_s, train_step_s, qat_step_s, eval_token_s,
                   eval_token_s if quant_token_s is None else quant_token_s,
                   first_step_s=max(first_extra, 0.0), qat_start_s=max(qat_start, 0.0), heldout_batch_s=heldout_batch_s,
-                  write_byte_s=write_s)
+                  write_byte_s=write_s, scoring=scoring)
     return costs, sizes
 
 
@@ -422,10 +426,11 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
         print(f"estimate: every run of {args.label} is finished; only the report is left")
         return 0
     configs = [config_for(args.profile, experiment, seed) for experiment, seed in pending]
-    work = eval_work(Path(args.results_root or configs[0].results_root), args.profile)
+    results_root = Path(args.results_root or configs[0].results_root)
     if args.profile == "gpu1":
         facts, source = _gpu1_facts(configs[0])
         costs = flop_costs(configs[0], facts)
+        work = eval_work(results_root, args.profile, costs.scoring)
         total = sum(run_seconds(c, costs, work) for c in configs)
         train_flops = flops_per_token(facts, configs[0].train.seq_len)[0]
         print(f"estimate: {args.label}: {len(pending)} run(s) to train and evaluate, about {total / 60:.0f} min on "
@@ -438,19 +443,25 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
     # Measure on a quantized run when there is one: it times both kinds of step and both forwards.
     measured = next((c for c in configs if c.quant.enabled), configs[0])
     quantized_eval = any(c.quant.enabled and any(m != "bf16" for m in c.eval.modes) for c in configs)
-    calibrated = eval_in_steps([Path(args.results_root or configs[0].results_root), Path(args.reference_root)],
-                               args.profile)
+    roots = [results_root, Path(args.reference_root)]
     # a plain step is the unit a recorded evaluation is counted in, even where only quantized steps are pending
-    plain = calibrated is not None or any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs)
+    plain = (any(eval_in_steps(roots, args.profile, way) for way in ("packed", "cached"))
+             or any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs))
     if run_startup is not None:  # before the timed steps, which it would slow down
         say("waiting for a run process's start-up, timed beside the memory simulation (its imports)")
         startup_s = run_startup() or startup_s
     print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "
           "machine", flush=True)
     rows = measured.eval.batch_size
-    shape = (rows, max(round(work.tokens / max(work.calls, 1) / rows), 1))
+
+    def eval_shape(scoring: str) -> tuple[int, int]:  # the recorded evaluation's mean call
+        work = eval_work(results_root, args.profile, scoring)
+        return rows, max(round(work.tokens / max(work.calls, 1) / rows), 1)
+
     costs, sizes = measure(measured, train_numerics(measured), plain=plain, quantized_eval=quantized_eval, say=say,
-                           eval_shape=shape)
+                           eval_shape=eval_shape)
+    work = eval_work(results_root, args.profile, costs.scoring)
+    calibrated = eval_in_steps(roots, args.profile, costs.scoring)
     costs = replace(costs, startup_s=startup_s, eval_steps=calibrated[0] if calibrated else 0.0)
 
     def preflight_cost(c) -> float:  # nothing where the cache holds its step (the simulation above, an earlier run)

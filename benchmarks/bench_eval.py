@@ -2,6 +2,7 @@
 
     python benchmarks/bench_eval.py --run-dir results/runs/mini/exp3/seed0                  # a quarter of the subsets
     python benchmarks/bench_eval.py --run-dir results/runs/mini/exp3/seed0 --fraction 1 --skip-eval
+    python benchmarks/bench_eval.py --run-dir results/runs/mini/exp1/seed0 --scoring --repeats 3
 
 The run folder's export is loaded in each mode (``hif8`` needs a quantized run's export) under bf16 numerics
 (``--dtype``). In one process:
@@ -15,6 +16,10 @@ The run folder's export is loaded in each mode (``hif8`` needs a quantized run's
    shots and batch size (conf/eval/mini.yaml), per mode and way, split into model load, forwards (of which the
    quantizer), the rest of the scoring (batching, log-softmax), writing the eval folder, and lm-eval's own work
    (task setup, tokenisation, metrics): the remainder. Prints the accuracies too: they must not depend on the way.
+
+With ``--scoring``, instead: the mini profile's whole bf16 evaluation once (its requests captured), then those
+requests scored packed and cached (:class:`hif8qat.evaluate.prefix_lm.SharedContextLM`) alternately, ``--repeats``
+times: the median seconds of each way, their ratio, the model calls and the largest log-likelihood difference.
 
 The process keeps freed memory in its heap as run.py's processes do
 (``hif8qat.runs.host_allocator.keep_freed_memory``): with glibc's defaults each large activation would be mapped
@@ -151,6 +156,52 @@ def bench_evaluation(export: Path, mode: str, way: str, numerics, fraction: floa
     print("  scores: " + ", ".join(f"{t} {res[t]['value']:.4f}" for t in sizes))
 
 
+def bench_scoring(export: Path, numerics, batch_size: int, repeats: int) -> None:
+    """The mini profile's whole bf16 evaluation requests, scored packed and cached alternately in one process."""
+    import torch
+
+    from hif8qat.evaluate import prefix_lm, runner
+    from hif8qat.evaluate.loading import load_for_eval, weights_cast_once
+
+    model, tok = load_for_eval(export, "bf16", device="cpu")
+    mini = _mini_profile()
+    captured = []
+    real = prefix_lm.SharedContextLM._loglikelihood_tokens
+
+    def capture(self, requests, *args, **kwargs):
+        captured.extend((None, c, k) for _, c, k in requests)
+        return real(self, requests, *args, **kwargs)
+
+    prefix_lm.SharedContextLM._loglikelihood_tokens = capture
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
+            runner.evaluate_model(model, tok, list(mini["subset"]), out_dir=Path(tmp) / "bf16", mode="bf16",
+                                  batch_size=batch_size, subset=mini["subset"], num_fewshot=mini["num_fewshot"],
+                                  subset_seed=mini["subset_seed"], offline_data=True, device="cpu",
+                                  numerics=numerics)
+    finally:
+        prefix_lm.SharedContextLM._loglikelihood_tokens = real
+    lm = prefix_lm.SharedContextLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device="cpu",
+                                   numerics=numerics.forward, softmax_dtype=torch.float32)
+    ways = {"cached": lambda: False, "packed": lambda: True}
+    times, answers, calls = collections.defaultdict(list), {}, {}
+    with torch.no_grad(), weights_cast_once(model):
+        for _ in range(repeats):  # interleaved: a load change hits both ways alike
+            for way, packs in ways.items():
+                lm._packs = packs
+                before = lm.token_counts["forward_calls"]
+                t0 = time.perf_counter()
+                answers[way] = lm._loglikelihood_tokens(captured, disable_tqdm=True)
+                times[way].append(time.perf_counter() - t0)
+                calls[way] = lm.token_counts["forward_calls"] - before
+    ref = statistics.median(times["cached"])
+    print(f"\nscoring the mini evaluation's {len(captured)} requests (bf16), median of {repeats}")
+    for way, ts in times.items():
+        print(f"  {way:<8}{statistics.median(ts):>8.1f} s{statistics.median(ts) / ref:>7.2f}x{calls[way]:>6} calls")
+    diff = max(abs(a[0] - b[0]) for a, b in zip(answers["cached"], answers["packed"], strict=True))
+    print(f"  largest log-likelihood difference {diff:.3f} nats (bf16 rounding)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", type=Path, required=True, help="a finished run folder (hif8: a quantized run's)")
@@ -162,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fraction", type=float, default=0.25, help="share of each mini subset to evaluate")
     ap.add_argument("--batch-size", type=int, default=None, help="default: the mini profile's")
     ap.add_argument("--skip-eval", action="store_true", help="the forwards only")
+    ap.add_argument("--scoring", action="store_true",
+                    help="only the whole evaluation's requests, scored packed and cached alternately")
     args = ap.parse_args(argv)
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(key, "1")
@@ -179,6 +232,9 @@ def main(argv=None) -> int:
     export = args.run_dir / "export"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, numerics {numerics.mode}, "
           f"load average {os.getloadavg()[0]:.2f}")
+    if args.scoring:
+        bench_scoring(export, numerics, args.batch_size, args.repeats)
+        return 0
     models = {m: load_for_eval(export, m, device="cpu")[0] for m in modes}
     bench_forwards(models, numerics, args.rows, args.width, args.repeats)
     del models

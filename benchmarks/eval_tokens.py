@@ -42,15 +42,15 @@ def main(argv=None) -> int:
     cfg = yaml.safe_load(args.eval_config.read_text()) or {}
     model, tok = load_causal_lm(args.model, dtype=torch.float32)
 
-    def no_forward(self, batch, subs, requests):
-        for _, members, _ in batch:
-            for i in members:
+    def no_forward(self, batch, subs, requests):  # every request of the batch: packed rows' or cached units'
+        for row in batch:
+            for i in ([i for i, _ in row[3]] if subs is None else row[1]):
                 yield i, (0.0, False)
 
     print(f"{args.eval_config.name} on {args.model}'s tokenizer, batch size {cfg.get('batch_size', 16)}")
     print(f"{'task':<20}{'requests':>9}{'per_request':>13}{'forwarded':>11}{'padded':>9}{'ratio':>7}{'calls':>7}")
     total = dict.fromkeys(("requests", "per_request", "forwarded", "forwarded_padded", "forward_calls"), 0)
-    with mock.patch.object(SharedContextLM, "_score_batch", no_forward):
+    with mock.patch.object(SharedContextLM, "_score", no_forward):
         for task in cfg["tasks"]:
             shots, subset = cfg.get("num_fewshot") or {}, cfg.get("subset") or {}
             res = evaluate_model(model, tok, [task], batch_size=cfg.get("batch_size", 16), limit=cfg.get("limit"),

@@ -133,6 +133,26 @@ def test_token_requests_match_hflm(tiny, batch_size, max_length, way):
     assert n["forwarded"] < n["per_request"]
 
 
+@pytest.mark.parametrize("way", ["packed", "cached"])
+def test_the_token_counts_are_made_by_the_plan_not_the_forwards(tiny, way):
+    """benchmarks/eval_tokens.py counts an evaluation's tokens with the scoring stubbed out (no forward): the
+    counts must come out as a real scoring's."""
+    reqs = _requests(tiny[0])
+    _, real = _pair(tiny, "fp32", way, batch_size=2)
+    _, stubbed = _pair(tiny, "fp32", way, batch_size=2)
+    real._loglikelihood_tokens(reqs)
+
+    def no_forward(batch, subs, requests):
+        for row in batch:
+            for i in ([i for i, _ in row[3]] if subs is None else row[1]):
+                yield i, (0.0, False)
+
+    stubbed._score = no_forward
+    assert all(answer == (0.0, False) for answer, (_, c, k) in zip(stubbed._loglikelihood_tokens(reqs), reqs)
+               if len(c) + len(k) <= stubbed.max_length + 1)
+    assert stubbed.token_counts == real.token_counts and real.token_counts["forward_calls"] > 0
+
+
 def test_a_packed_row_stays_within_max_length(tiny):
     """The 40-token context with five continuations packs into 54 positions: past a max_length of 48 its group is
     cut into rows that each repeat the context, and still matches HFLM (test above)."""

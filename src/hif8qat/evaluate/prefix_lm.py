@@ -176,17 +176,16 @@ class SharedContextLM(HFLM):
                 groups.setdefault(tuple(ctx), []).append(i)
         pbar = tqdm(total=len(requests) - len(truncated), disable=disable_tqdm or self.rank != 0,
                     desc="Running loglikelihood requests (shared contexts)")
-        if self._packs():
-            scored = (answer for batch in self._packed_plan(groups, requests, bs)
-                      for answer in self._score_packed(batch, requests))
-        else:
-            scored = (answer for batch, subs in self._plan(groups, requests, bs)
-                      for answer in self._score_batch(batch, subs, requests))
-        for i, answer in scored:
-            res[i] = answer
-            if requests[i][0] is not None:
-                self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
-            pbar.update(1)
+        # packed: batches of rows (no continuation sub-batches); cached: batches of units with their sub-batches
+        plan = ([(batch, None) for batch in self._packed_plan(groups, requests, bs)] if self._packs()
+                else self._plan(groups, requests, bs))
+        for batch, subs in plan:
+            self._count(batch, subs, requests)
+            for i, answer in self._score(batch, subs, requests):
+                res[i] = answer
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                pbar.update(1)
         pbar.close()
 
         if truncated:
@@ -289,9 +288,6 @@ class SharedContextLM(HFLM):
             for _, at in scored:
                 keep[b, at] = True
         mask = segment_mask(segments, self.model)
-        self.token_counts["forwarded"] += sum(len(r[0]) for r in batch)
-        self.token_counts["forwarded_padded"] += len(batch) * width
-        self.token_counts["forward_calls"] += 1
         logits, _ = self._scored_logits(keep.to(dev), input_ids=ids.to(dev), attention_mask=mask.to(dev),
                                         position_ids=positions.to(dev), use_cache=False)
         row_of = keep.flatten().cumsum(0).view(keep.shape) - 1  # position -> its row in ``logits``
@@ -299,21 +295,26 @@ class SharedContextLM(HFLM):
             for i, at in scored:
                 yield i, self._answer(logits[row_of[b, at]], requests[i][2])
 
+    def _score(self, batch, subs, requests):
+        """Score a batch of the plan: packed rows (``subs`` None) or cached units with their sub-batches; yield
+        ``(request, answer)``."""
+        return self._score_packed(batch, requests) if subs is None else self._score_batch(batch, subs, requests)
+
     def _count(self, batch, subs, requests) -> None:
-        """Add a batch's tokens: its prefix rows, then its continuations forwarded from cached contexts."""
-        lens = [len(p) for p, _, _ in batch]
+        """Add a batch's tokens: its rows (packed rows, or cached units' prefixes), then the continuations it
+        forwards from cached contexts."""
+        lens = [len(row[0]) for row in batch]
         forwarded, padded = sum(lens), len(lens) * max(lens)
-        for sub in subs:
+        for sub in subs or []:
             n = [len(requests[i][2]) - 1 for _, i in sub]
             forwarded += sum(n)
             padded += len(n) * max(n)
         self.token_counts["forwarded"] += forwarded
         self.token_counts["forwarded_padded"] += padded
-        self.token_counts["forward_calls"] += 1 + len(subs)
+        self.token_counts["forward_calls"] += 1 + len(subs or [])
 
     def _score_batch(self, batch, subs, requests):
         """Forward a batch of units, then each sub-batch of continuations from the cached contexts."""
-        self._count(batch, subs, requests)
         dev = self.device
         lens = [len(p) for p, _, _ in batch]
         width = max(lens)

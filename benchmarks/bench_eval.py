@@ -181,14 +181,13 @@ def bench_scoring(export: Path, numerics, batch_size: int, repeats: int) -> None
                                   numerics=numerics)
     finally:
         prefix_lm.SharedContextLM._loglikelihood_tokens = real
-    lm = prefix_lm.SharedContextLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device="cpu",
-                                   numerics=numerics.forward, softmax_dtype=torch.float32)
-    ways = {"cached": lambda: False, "packed": lambda: True}
+    ways = {way: prefix_lm.SharedContextLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device="cpu",
+                                           numerics=numerics.forward, softmax_dtype=torch.float32, scoring=way)
+            for way in ("cached", "packed")}
     times, answers, calls = collections.defaultdict(list), {}, {}
     with torch.no_grad(), weights_cast_once(model):
         for _ in range(repeats):  # interleaved: a load change hits both ways alike
-            for way, packs in ways.items():
-                lm._packs = packs
+            for way, lm in ways.items():
                 before = lm.token_counts["forward_calls"]
                 t0 = time.perf_counter()
                 answers[way] = lm._loglikelihood_tokens(captured, disable_tqdm=True)

@@ -34,6 +34,7 @@ from lm_eval.models.huggingface import HFLM
 from hif8qat.compute_dtype import forward_context
 from hif8qat.config import eval_tasks
 from hif8qat.evaluate import loading, runner
+from hif8qat.evaluate.packed_rows import scoring_of
 from hif8qat.evaluate.prefix_lm import SharedContextLM
 from hif8qat.models.loading import build_tiny_llama
 
@@ -63,11 +64,9 @@ def _pair(tok_model, numerics, way="packed", **kw):
     amp = torch.bfloat16 if numerics == "bf16" else None
     stock = HFLM(pretrained=model, tokenizer=tok, device="cpu", mixed_precision_dtype=amp, **kw)
     compute = {"fp32": "none", "hif8": "none"}.get(numerics, numerics)  # hif8: the quantized model in fp32
-    new = SharedContextLM(pretrained=model, tokenizer=tok, device="cpu",
-                          numerics=functools.partial(forward_context, compute, "cpu"), **kw)
-    assert new.scoring == "packed"  # a transformers Llama with eager or SDPA attention
-    if way == "cached":  # the way of models that take no 4-D mask, on the same model
-        new._packs = lambda: False
+    assert scoring_of(model) == "packed"  # a transformers Llama with eager or SDPA attention: auto packs it
+    new = SharedContextLM(pretrained=model, tokenizer=tok, device="cpu",  # cached: as models without a 4-D mask
+                          numerics=functools.partial(forward_context, compute, "cpu"), scoring=way, **kw)
     return stock, new
 
 
@@ -209,7 +208,11 @@ def test_models_that_take_no_custom_mask_are_scored_from_the_cache(tiny):
                   SharedContextLM(pretrained=remote, tokenizer=tok, device="cpu", batch_size=4))
     assert new.scoring == "cached"
     _assert_same(stock._loglikelihood_tokens(reqs), new._loglikelihood_tokens(reqs), "fp32")
-    _, lm = _pair(tiny, "fp32", batch_size=4)
+    with pytest.raises(ValueError, match="allowed for this model: auto, cached"):
+        SharedContextLM(pretrained=remote, tokenizer=tok, device="cpu", batch_size=4, scoring="packed")
+    with pytest.raises(ValueError, match="allowed: auto, packed, cached"):
+        SharedContextLM(pretrained=remote, tokenizer=tok, device="cpu", batch_size=4, scoring="kv")
+    _, lm = _pair(tiny, "fp32", "auto", batch_size=4)  # looked up per call
     for impl, way in (("flash_attention_2", "cached"), ("flex_attention", "cached"), ("sdpa", "packed")):
         lm.model.config._attn_implementation = impl  # read only, not run
         try:

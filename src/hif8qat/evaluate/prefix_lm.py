@@ -66,11 +66,18 @@ class SharedContextLM(HFLM):
             HFLM's ``mixed_precision_dtype`` autocast, or none).
         ranks: evaluate data-parallel over these ranks (every rank runs lm-eval whole and makes the same calls,
             each scores its share of each call's context groups, all get every answer).
+        scoring: ``auto`` (packed where the model takes the mask, else cached), or one way: ``cached`` for any
+            model, ``packed`` only where the model takes the mask (comparing the two ways on one model).
         **kwargs: HFLM's.
+
+    Raises:
+        ValueError: an unknown ``scoring``, or ``packed`` for a model that takes no 4-D mask.
     """
 
     def __init__(self, *args, numerics: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 ranks: Ranks | None = None, **kwargs):
+                 ranks: Ranks | None = None, scoring: str = "auto", **kwargs):
+        if scoring not in ("auto", "packed", "cached"):
+            raise ValueError(f"scoring {scoring!r}; allowed: auto, packed, cached")
         amp = kwargs.pop("mixed_precision_dtype", None)
         # HFLM's own autocast stays off: numerics are applied in _forward only
         super().__init__(*args, mixed_precision_dtype=None, **kwargs)
@@ -83,6 +90,10 @@ class SharedContextLM(HFLM):
                     return contextlib.nullcontext()
                 return torch.autocast(device_type=device_type, dtype=amp_dtype)
         self._numerics = numerics
+        if scoring == "packed" and scoring_of(self.model) != "packed":
+            raise ValueError("scoring 'packed' needs a transformers decoder with SDPA or eager attention (a 4-D "
+                             "mask); allowed for this model: auto, cached")
+        self._scoring = scoring
         self._ranks = ranks if ranks is not None and ranks.world_size > 1 else None
         self.token_counts = {"requests": 0, "per_request": 0, "forwarded": 0, "forwarded_padded": 0,
                              "forward_calls": 0}
@@ -177,7 +188,7 @@ class SharedContextLM(HFLM):
         pbar = tqdm(total=len(requests) - len(truncated), disable=disable_tqdm or self.rank != 0,
                     desc="Running loglikelihood requests (shared contexts)")
         # packed: batches of rows (no continuation sub-batches); cached: batches of units with their sub-batches
-        plan = ([(batch, None) for batch in self._packed_plan(groups, requests, bs)] if self._packs()
+        plan = ([(batch, None) for batch in self._packed_plan(groups, requests, bs)] if self.scoring == "packed"
                 else self._plan(groups, requests, bs))
         for batch, subs in plan:
             self._count(batch, subs, requests)
@@ -238,16 +249,12 @@ class SharedContextLM(HFLM):
         return plan
 
     # ------------------------------------------------------------------- packed: one forward per batch
-    def _packs(self) -> bool:
-        """Whether this model's shared contexts are scored packed (:func:`~hif8qat.evaluate.packed_rows.scoring_of`;
-        looked up per call: quantization swaps modules after construction)."""
-        return scoring_of(self.model) == "packed"
-
     @property
     def scoring(self) -> str:
         """How this model's shared contexts are scored: ``packed`` or ``cached`` (the class doc); recorded with
-        every evaluation, as the two round differently."""
-        return "packed" if self._packs() else "cached"
+        every evaluation, as the two round differently. Under ``auto`` looked up per call: quantization swaps
+        modules after construction."""
+        return scoring_of(self.model) if self._scoring == "auto" else self._scoring
 
     def _packed_plan(self, groups: dict[tuple[int, ...], list[int]], requests, bs: int) -> list[list]:
         """Batches of packed rows ``(tokens, positions, segments, scored)``: a context, then each of its

@@ -161,7 +161,7 @@ def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_step
     cfg = cli_config([f"experiment={experiment}", "profile=smoke", f"results_root={tmp_path}"])
     clock = _Clock()
     monkeypatch.setattr(time_estimate.time, "perf_counter", clock)
-    prepared, stepped = [], []
+    prepared, stepped, events = [], [], []
     real_prepare = time_estimate.prepare_model
 
     def prepare(model, config, device, numerics):
@@ -171,6 +171,7 @@ def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_step
     def step(model, optimizer, scheduler, batches, config, numerics):
         quantized = any(m.quant_enabled for _, m in quant_modules(model))
         stepped.append((model, type(optimizer).__name__, quantized))
+        events.append("step")
         first = len(stepped) == 1
         clock.now += (9.0 if first else 2.0) if quantized else (3.0 if first else 1.0)
         assert len(list(batches)) == config.grad_accum_steps(1)
@@ -179,20 +180,24 @@ def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_step
     monkeypatch.setattr(time_estimate, "prepare_model", prepare)
     monkeypatch.setattr(time_estimate, "train_step", step)
     monkeypatch.setattr(time_estimate, "write_byte_seconds", lambda folder: 1e-9)
-    costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg), plain=plain)
+    costs, sizes = time_estimate.measure(cfg, time_estimate.train_numerics(cfg), plain=plain,
+                                         wait_beside=lambda: events.append("wait"))
     assert len(prepared) == 1 and prepared[0][1] is cfg
     assert all(s[0] is prepared[0][0] and s[1] == "AdamW" for s in stepped)
     assert [s[2] for s in stepped] == order
+    # the run's start-up, timed beside, shares the cores only with a step whose time is not taken at face value:
+    # the quantized first (its extra is capped); a plain config's first step is taken as it is, so it waits first
+    assert events.index("wait") == (1 if order[0] else 0) and events.count("wait") == 1
     assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == pytest.approx(expected)
     assert sizes["state_bytes"] > sizes["model_bytes"] > 0
 
 
 def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took(tmp_path, capsys):
-    """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the wait for the
-    run's start-up timed beside them, the model load, the quantized steps, the plain step, the evaluation forward,
-    the disk), then the total per run and per part. A run starts in what its imports took (7 s here) and its
-    preflight's memory simulation. The tiny model stands in for the mini profile's: the whole measurement runs in
-    seconds."""
+    """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the model load,
+    the first quantized step, the wait for the run's start-up timed beside them, the warm quantized step, the plain
+    step, the evaluation forwards, the disk), then the total per run and per part. A run starts in what its imports
+    took (7 s here) and its preflight's memory simulation. The tiny model stands in for the mini profile's: the whole
+    measurement runs in seconds."""
 
     def config_for(profile, experiment, seed, extra):
         return cli_config([f"experiment={experiment}", "profile=smoke", f"seed={seed}", f"results_root={tmp_path}"])
@@ -204,9 +209,11 @@ def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took
     assert waited == [1]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("estimate: make exp3: ")]
     phases = [line.split("] ", 1)[1] for line in lines if line.startswith("estimate: make exp3: [")]
-    expected = ["simulating a training step's memory", "composing the configs", "waiting for a run process's start",
-                "loading ", "timing 2 hif8 (attn_mlp) training steps", "timing a plain (BF16) training step",
-                "timing an evaluation forward", "timing a write"]
+    # the smoke profile evaluates hif8 too: its forward's ratio to a bf16 one is timed
+    expected = ["simulating a training step's memory", "composing the configs", "loading ",
+                "timing a first hif8 (attn_mlp) training step", "waiting for a run process's start",
+                "timing a warm hif8 (attn_mlp) training step and a quantized evaluation forward",
+                "timing a plain (BF16) training step", "timing an evaluation forward", "timing a write"]
     assert len(phases) == len(expected) and all(p.startswith(e) for p, e in zip(phases, expected, strict=True)), lines
     last = lines[-1]
     assert "2 run(s) to train and evaluate" in last and "exp1 " in last and "exp3 " in last, last
@@ -216,11 +223,62 @@ def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took
     assert math.isfinite(float(last.split("about ", 1)[1].split(" min", 1)[0]))
 
 
+def test_an_evaluation_forward_is_timed_only_where_its_time_is_used(monkeypatch, tmp_path):
+    """The forward at the evaluation's shape sizes an evaluation that no record counts in steps, or a quantized mode's
+    ratio to a plain one. Counted in steps with bf16 only, none runs: only the held-out batch is forwarded."""
+    cfg = cli_config(["experiment=exp1", "profile=smoke", f"results_root={tmp_path}"])
+    real_load = time_estimate.load_causal_lm
+    forwards = []
+
+    def load(*args, **kwargs):
+        model, tokenizer = real_load(*args, **kwargs)
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: None if module.training else forwards.append(tuple(kwargs["input_ids"].shape)),
+            with_kwargs=True)
+        return model, tokenizer
+
+    monkeypatch.setattr(time_estimate, "load_causal_lm", load)
+    monkeypatch.setattr(time_estimate, "write_byte_seconds", lambda folder: 1e-9)
+    heldout = (time_estimate.HELDOUT_BATCH_WINDOWS, cfg.train.seq_len)
+    costs, _ = time_estimate.measure(cfg, time_estimate.train_numerics(cfg), eval_shape=lambda scoring: None)
+    assert set(forwards) == {heldout} and costs.eval_token_s == 0.0
+    forwards.clear()
+    costs, _ = time_estimate.measure(cfg, time_estimate.train_numerics(cfg), eval_shape=lambda scoring: (3, 7))
+    assert set(forwards) == {heldout, (3, 7)} and costs.eval_token_s > 0.0
+
+
+def test_the_evaluations_shape_is_asked_for_only_where_no_record_counts_it_or_a_mode_is_quantized(
+        monkeypatch, tmp_path):
+    """exp3 at mini, bf16 evaluations: with the profile's figure for packed evaluations there is nothing to time; with
+    no figure and no record (or with a quantized mode, whose ratio to bf16 is timed) the recorded mean call is."""
+    shapes = []
+
+    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape, wait_beside):
+        shapes.append(eval_shape("packed"))
+        return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
+
+    monkeypatch.setattr(time_estimate, "measure", measure)
+    monkeypatch.setattr(time_estimate, "print_memory", lambda *a: None)
+    args = ["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1", "--reference-root",
+            str(tmp_path / "reference")]
+    for extra in ([], ["eval.modes=[bf16,hif8]"]):
+        def config_for(profile, experiment, seed, overrides, extra=extra):
+            return cli_config([f"experiment={experiment}", "profile=mini", f"results_root={tmp_path}", *extra])
+
+        time_estimate.main(args, config_for)
+    monkeypatch.setattr(recorded_evals, "_EVAL_STEPS_FALLBACK", {})
+    time_estimate.main(args, lambda profile, experiment, seed, overrides: cli_config(
+        [f"experiment={experiment}", "profile=mini", f"results_root={tmp_path}"]))
+    packed = time_estimate.eval_work(tmp_path, "mini", "packed")
+    call = (32, round(packed.tokens / packed.calls / 32))
+    assert shapes == [None, call, call]
+
+
 def test_a_quantized_evaluation_forward_is_timed_only_when_a_run_evaluates_a_quantized_mode(monkeypatch, tmp_path):
     """exp3 at mini evaluates bf16 only: no quantized forward is timed for it; with eval.modes=[bf16,hif8] one is."""
     seen = []
 
-    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape):
+    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape, wait_beside):
         seen.append(quantized_eval)
         return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
 
@@ -240,7 +298,7 @@ def test_a_plain_step_is_timed_as_the_evaluations_unit_even_when_only_quantized_
     quantized one would overcount it by the quantizer's share); with none, only the quantized steps are."""
     seen = []
 
-    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape):
+    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape, wait_beside):
         seen.append(plain)
         return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
 
@@ -274,7 +332,8 @@ def test_a_runs_preflight_costs_the_memory_simulation_only_where_the_cache_does_
     starts = {}
     real_parts = time_estimate.run_parts
 
-    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape):
+    def measure(cfg, numerics, *, plain, quantized_eval, say, eval_shape, wait_beside):
+        wait_beside()
         return time_estimate.Costs("bf16", 1.0, 1.0, 1.0, 1e-3, 1e-3), {"model_bytes": 1, "state_bytes": 1}
 
     def run_parts(cfg, costs, work, **sizes):

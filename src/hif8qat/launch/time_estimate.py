@@ -229,7 +229,8 @@ def write_byte_seconds(folder: Path, size: int = 64 << 20) -> float:
 
 def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool = True,
             say: Callable[[str], None] = lambda line: None,
-            eval_shape: Callable[[str], tuple[int, int]] = lambda scoring: (32, 8)) -> tuple[Costs, dict[str, int]]:
+            eval_shape: Callable[[str], tuple[int, int] | None] = lambda scoring: (32, 8),
+            wait_beside: Callable[[], None] = lambda: None) -> tuple[Costs, dict[str, int]]:
     """Time the pieces of a run with the run's model, batch and numerics, built as the trainer builds it
     (:func:`hif8qat.train.loop.prepare_model`: the quantized linears, the loss head, activation checkpointing; the
     run's optimizer and schedule) and stepped as it steps (:func:`hif8qat.train.loop.train_step`), on this machine's
@@ -238,7 +239,8 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
     A quantized config runs two quantized steps, the first as the run's first (AdamW's state, the quantizer's compile
     and cold start), then, when plain steps are pending too, one warm plain step (the first step's extra is counted
     once, with the quantized one); a plain config runs two plain steps. The evaluation is timed by a forward at its
-    mean call shape (a quantized one only when ``quantized_eval``), the held-out comparison by one of its batches.
+    mean call shape (a quantized one only when ``quantized_eval``) unless it is counted without one, the held-out
+    comparison by one of its batches.
 
     Args:
         cfg: the run's resolved config (a quantized one times both kinds of step).
@@ -248,7 +250,12 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
         quantized_eval: time a quantized evaluation forward too (a pending run evaluates a quantized mode).
         say: told each phase as it starts.
         eval_shape: ``(rows, positions)`` of the evaluation forward timed, given how the model's evaluation scores
-            shared contexts (its calls differ: packed rows, or cached contexts and short continuations).
+            shared contexts (its calls differ: packed rows, or cached contexts and short continuations); None where
+            the evaluation is counted without its forward (a recorded evaluation in steps, no quantized mode), so
+            none is timed.
+        wait_beside: waits for work running beside this process (a run's start-up timed in a child process); called
+            where the cores it shares slow nothing taken at face value: after a quantized config's first step (its
+            extra over a warm step is capped by ``QAT_FIRST_STEP_EXTRA``), before a plain config's first step.
 
     Returns:
         The measured costs, and ``{"model_bytes", "state_bytes"}``: the export's and a checkpoint's size."""
@@ -294,16 +301,20 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
     batch_line = (f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
                   + (f", {cfg.grad_accum_steps(1)} micro-batches" if cfg.grad_accum_steps(1) > 1 else ""))
     scoring = scoring_of(model)
-    rows, positions = eval_shape(scoring)
+    shape = eval_shape(scoring)
+    quantized_eval = quantized_eval and shape is not None
     first_extra = qat_start = 0.0
     quant_token_s = None
     if cfg.quant.enabled:
         training = cfg.quant.training
-        say(f"timing 2 {training.format} ({training.scope}) training steps of {batch_line}, the first as the run's "
-            "first (AdamW's state, the quantizer's compile)" + (", and a quantized evaluation forward"
-                                                               if quantized_eval else ""))
+        kind = f"{training.format} ({training.scope})"
+        say(f"timing a first {kind} training step of {batch_line}, as the run's first (AdamW's state, the "
+            "quantizer's compile)")
         set_quantization(model, True)
-        first, qat_step_s = step_s(), step_s()
+        first = step_s()
+        wait_beside()
+        say(f"timing a warm {kind} training step" + (" and a quantized evaluation forward" if quantized_eval else ""))
+        qat_step_s = step_s()
         # What the run's first step adds: the estimate's own first step paid the quantizer's compile (tens of seconds
         # in a new environment); the run finds the compile cache it filled and pays dynamo's tracing, the kernels'
         # first-call checks and AdamW's state, in proportion to the machine's speed.
@@ -311,7 +322,7 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
         qat_start = min(compile_s, QAT_FIRST_STEP_EXTRA * qat_step_s)
         if quantized_eval:
             freeze_scales(model, True)
-            quant_token_s = token_s(rows, positions)
+            quant_token_s = token_s(*shape)
             freeze_scales(model, False)
         set_quantization(model, False)
     if plain and cfg.quant.enabled:
@@ -320,13 +331,18 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
     elif cfg.quant.enabled:
         train_step_s = qat_step_s
     else:
+        wait_beside()
         say(f"timing 2 training steps of {batch_line}, the first as the run's first (AdamW's state)")
         first, train_step_s = step_s(), step_s()
         first_extra = first - train_step_s
         qat_step_s = train_step_s
-    say(f"timing an evaluation forward of {rows} x {positions} tokens and a held-out batch of "
-        f"{HELDOUT_BATCH_WINDOWS} x {cfg.train.seq_len}")
-    eval_token_s = token_s(rows, positions)
+    heldout_line = f"a held-out batch of {HELDOUT_BATCH_WINDOWS} x {cfg.train.seq_len}"
+    if shape is None:
+        say(f"timing {heldout_line}")
+        eval_token_s = 0.0
+    else:
+        say(f"timing an evaluation forward of {shape[0]} x {shape[1]} tokens and {heldout_line}")
+        eval_token_s = token_s(*shape)
     heldout_batch_s = token_s(HELDOUT_BATCH_WINDOWS, cfg.train.seq_len, evaluation=False) * (
         HELDOUT_BATCH_WINDOWS * cfg.train.seq_len)
     say("timing a write to the results' disk")
@@ -447,19 +463,26 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
     # a plain step is the unit a recorded evaluation is counted in, even where only quantized steps are pending
     plain = (any(eval_in_steps(roots, args.profile, way) for way in ("packed", "cached"))
              or any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs))
-    if run_startup is not None:  # before the timed steps, which it would slow down
-        say("waiting for a run process's start-up, timed beside the memory simulation (its imports)")
-        startup_s = run_startup() or startup_s
+    started_up = []
+
+    def wait_for_startup() -> None:  # the child's CPU seconds: the cores this process shares with it do not count
+        if run_startup is not None:
+            say("waiting for a run process's start-up, timed beside the model's load and first step (its imports)")
+            started_up.append(run_startup())
+
     print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "
           "machine", flush=True)
     rows = measured.eval.batch_size
 
-    def eval_shape(scoring: str) -> tuple[int, int]:  # the recorded evaluation's mean call
+    def eval_shape(scoring: str) -> tuple[int, int] | None:  # the recorded evaluation's mean call, where needed
+        if eval_in_steps(roots, args.profile, scoring) and not quantized_eval:
+            return None  # counted in plain steps: a forward's time would not be used
         work = eval_work(results_root, args.profile, scoring)
         return rows, max(round(work.tokens / max(work.calls, 1) / rows), 1)
 
     costs, sizes = measure(measured, train_numerics(measured), plain=plain, quantized_eval=quantized_eval, say=say,
-                           eval_shape=eval_shape)
+                           eval_shape=eval_shape, wait_beside=wait_for_startup)
+    startup_s = next(iter(started_up), None) or startup_s
     work = eval_work(results_root, args.profile, costs.scoring)
     calibrated = eval_in_steps(roots, args.profile, costs.scoring)
     costs = replace(costs, startup_s=startup_s, eval_steps=calibrated[0] if calibrated else 0.0)

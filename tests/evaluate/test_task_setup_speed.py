@@ -1,0 +1,89 @@
+"""lm-eval builds the evaluation's tasks faster with the same documents and prompts: a local parquet copy read by
+datasets' packaged parquet loader (the folder's card read once, never hashed per config)
+(:mod:`hif8qat.evaluate.task_data`). The oracle: datasets loading the folder by name."""
+
+from __future__ import annotations
+
+import datasets
+import datasets.load
+import pytest
+from lm_eval.tasks import TaskManager
+
+from hif8qat.config import eval_tasks
+from hif8qat.evaluate import task_data
+
+SPLITS = ("dev", "validation", "test")
+
+
+def _mmlu_like_copy(root, subjects=("anatomy", "astronomy"), features_for=()):
+    """A local copy laid out as the offline benchmarks write cais/mmlu: one parquet file per subject and split, a
+    card naming each (``features_for``: subjects whose card also declares features, as hub cards do)."""
+    lines = ["---", "configs:"]
+    for subject in subjects:
+        (root / subject).mkdir(parents=True)
+        lines += [f"- config_name: {subject}", "  data_files:"]
+        for s in SPLITS:
+            rows = [{"question": f"{subject} {s} question {i}?", "subject": subject,
+                     "choices": [f"{subject} {i}", "b", "c", "d"], "answer": i % 4} for i in range(6)]
+            datasets.Dataset.from_list(rows).to_parquet(str(root / subject / f"{s}-00000-of-00001.parquet"))
+            lines += [f"  - split: {s}", f"    path: {subject}/{s}-00000-of-00001.parquet"]
+    lines += ["dataset_info:"]
+    for subject in subjects:
+        lines += [f"- config_name: {subject}", "  description: a test copy"]
+        if subject in features_for:
+            lines += ["  features:", "  - name: question", "    dtype: string"]
+    (root / "README.md").write_text("\n".join(lines + ["---", "# a test copy", ""]))
+    return root
+
+
+@pytest.fixture
+def own_datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
+
+
+def test_a_parquet_copy_is_read_by_the_parquet_loader_with_the_same_documents(tmp_path, own_datasets_cache,
+                                                                              monkeypatch):
+    spec = eval_tasks.TASKS["mmlu_continuation"]
+    copy = _mmlu_like_copy(tmp_path / "mmlu")
+    cards = []
+    monkeypatch.setattr(task_data, "card_header", lambda folder, real=task_data.card_header: cards.append(folder)
+                        or real(folder))
+    extra, _ = task_data.prepare_paper_tasks([spec], {"cais/mmlu": copy}, tmp_path / "work",
+                                             index=task_data.task_index_for([spec]))
+    assert cards == [copy.resolve()]  # one read of the card for all the copy's subjects
+    folder_loads = []
+    monkeypatch.setattr(datasets.load.LocalDatasetModuleFactory, "get_module",
+                        lambda self, real=datasets.load.LocalDatasetModuleFactory.get_module:
+                        folder_loads.append(self.path) or real(self))
+    tm = TaskManager(include_path=[str(p) for p in task_data.lm_eval_task_dirs([spec]) + extra],
+                     include_defaults=False)
+    task = tm.load(["mmlu_anatomy_continuation"])["tasks"]["mmlu_anatomy_continuation"]
+    assert folder_loads == []
+    by_name = datasets.load_dataset(str(copy), "anatomy")  # the oracle: the folder loaded by name, as before
+    for split in SPLITS:
+        assert list(task.dataset[split]) == list(by_name[split])
+        assert task.dataset[split].features == by_name[split].features
+    assert list(task.eval_docs) == list(by_name["test"])
+
+
+def test_a_card_that_declares_features_keeps_the_folder_loaded_by_name(tmp_path):
+    spec = eval_tasks.TASKS["mmlu_continuation"]
+    copy = _mmlu_like_copy(tmp_path / "mmlu", features_for=("anatomy",))
+    extra, _ = task_data.prepare_paper_tasks([spec], {"cais/mmlu": copy}, tmp_path / "work",
+                                             index=task_data.task_index_for([spec]))
+    anatomy = (extra[0] / "mmlu_anatomy_continuation.yaml").read_text()
+    astronomy = (extra[0] / "mmlu_astronomy_continuation.yaml").read_text()
+    assert f'dataset_path: "{copy.resolve()}"' in anatomy and "parquet" not in anatomy
+    assert "dataset_path: parquet" in astronomy and str(copy.resolve() / "astronomy" / "test-") in astronomy
+
+
+def test_parquet_files_only_for_explicit_parquet_files(tmp_path):
+    copy = _mmlu_like_copy(tmp_path / "mmlu", subjects=("anatomy",))
+    card = task_data.card_header(copy)
+    files = task_data.local_parquet_files(copy, "anatomy", card)
+    assert files == {s: [str((copy / "anatomy" / f"{s}-00000-of-00001.parquet").resolve())] for s in SPLITS}
+    assert task_data.local_parquet_files(copy, "missing", card) is None
+    globbed = {"configs": [{"config_name": "anatomy", "data_files": [{"split": "test", "path": "anatomy/test-*"}]}]}
+    assert task_data.local_parquet_files(copy, "anatomy", globbed) is None
+    (copy / ".huggingface.yaml").write_text("configs: []\n")
+    assert task_data.local_parquet_files(copy, "anatomy", card) is None

@@ -1,15 +1,18 @@
 """lm-eval builds the evaluation's tasks faster with the same documents and prompts: a local parquet copy read by
-datasets' packaged parquet loader (the folder's card read once, never hashed per config)
-(:mod:`hif8qat.evaluate.task_data`). The oracle: datasets loading the folder by name."""
+datasets' packaged parquet loader (the folder's card read once, never hashed per config), and each Jinja template
+compiled once (:mod:`hif8qat.evaluate.task_data`). The oracles: datasets loading the folder by name, and lm-eval's
+own template rendering outside the speed-up."""
 
 from __future__ import annotations
 
 import datasets
 import datasets.load
+import lm_eval.utils
 import pytest
 from lm_eval.tasks import TaskManager
 
 from hif8qat.config import eval_tasks
+from hif8qat.config.eval_tasks import MINITASK_DIR
 from hif8qat.evaluate import task_data
 
 SPLITS = ("dev", "validation", "test")
@@ -87,3 +90,38 @@ def test_parquet_files_only_for_explicit_parquet_files(tmp_path):
     assert task_data.local_parquet_files(copy, "anatomy", globbed) is None
     (copy / ".huggingface.yaml").write_text("configs: []\n")
     assert task_data.local_parquet_files(copy, "anatomy", card) is None
+
+
+@pytest.fixture(scope="module")
+def mini_arc():
+    tm = TaskManager(include_path=[str(MINITASK_DIR)], include_defaults=False)
+    return tm.load(["mini_arc"])["tasks"]["mini_arc"]
+
+
+def test_each_template_is_compiled_once_and_renders_as_lm_eval_renders_it(mini_arc, monkeypatch):
+    docs = list(mini_arc.eval_docs)[:20]
+
+    def prompts():
+        return [(mini_arc.doc_to_text(d), mini_arc.doc_to_target(d), mini_arc.doc_to_choice(d)) for d in docs]
+
+    expected = prompts()  # lm-eval's own rendering: a compilation per call
+    compiled = []
+    real = lm_eval.utils.env.from_string
+    monkeypatch.setattr(lm_eval.utils.env, "from_string", lambda source: compiled.append(source) or real(source))
+    own_apply_template = lm_eval.utils.apply_template
+    with task_data.compiled_jinja_templates():
+        assert prompts() == expected
+    assert sorted(compiled) == sorted({mini_arc.config.doc_to_text, mini_arc.config.doc_to_target,
+                                       mini_arc.config.doc_to_choice})
+    assert lm_eval.utils.apply_template is own_apply_template
+
+
+def test_compiled_templates_keep_lm_eval_filters_and_strict_names():
+    template = "{{ text | regex_replace('a+', 'A') }}\n"
+    expected = lm_eval.utils.apply_template(template, {"text": "baaad"})
+    with task_data.compiled_jinja_templates():
+        assert lm_eval.utils.apply_template(template, {"text": "baaad"}) == expected == "bAd\n"
+        with pytest.raises(Exception) as err:
+            lm_eval.utils.apply_template("{{ missing }}", {})
+    with pytest.raises(type(err.value)):
+        lm_eval.utils.apply_template("{{ missing }}", {})

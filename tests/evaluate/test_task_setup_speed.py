@@ -5,6 +5,8 @@ own template rendering outside the speed-up."""
 
 from __future__ import annotations
 
+import inspect
+
 import datasets
 import datasets.load
 import lm_eval.utils
@@ -125,3 +127,32 @@ def test_compiled_templates_keep_lm_eval_filters_and_strict_names():
             lm_eval.utils.apply_template("{{ missing }}", {})
     with pytest.raises(type(err.value)):
         lm_eval.utils.apply_template("{{ missing }}", {})
+
+
+def test_selected_documents_come_as_lm_eval_selects_them_and_only_they_are_formatted(mini_arc, monkeypatch):
+    import datasets.arrow_dataset
+    from lm_eval.api.task import ConfigurableTask, Task
+
+    # the adapter replaces the method every configurable task uses, with its keywords
+    assert "doc_iterator" not in ConfigurableTask.__dict__
+    assert list(inspect.signature(Task.doc_iterator).parameters) == ["self", "rank", "limit", "world_size", "samples"]
+    own_doc_iterator = Task.doc_iterator
+    n = len(mini_arc.eval_docs)
+    formatted = []
+    real = datasets.arrow_dataset.format_table
+    monkeypatch.setattr(datasets.arrow_dataset, "format_table",
+                        lambda *args, **kwargs: formatted.append(1) or real(*args, **kwargs))
+    for samples in ([0, 3, 4, 17, n - 1], [5], None):
+        for rank, world_size in ((0, 1), (1, 2)):
+            kwargs = {"rank": rank, "world_size": world_size, "samples": samples}
+            formatted.clear()
+            expected = list(mini_arc.doc_iterator(**kwargs))  # lm-eval's own selection
+            assert len(formatted) >= n  # every document: what the adapter is for (its reason to go when this fails)
+            formatted.clear()
+            with task_data.selected_docs_only():
+                got = list(mini_arc.doc_iterator(**kwargs))
+            assert got == expected
+            assert len(formatted) == (len(samples) if samples else n)
+    with task_data.selected_docs_only(), pytest.raises(AssertionError):  # lm-eval's check of the indices
+        list(mini_arc.doc_iterator(samples=[0, n]))
+    assert Task.doc_iterator is own_doc_iterator

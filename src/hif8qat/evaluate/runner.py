@@ -46,6 +46,7 @@ from hif8qat.evaluate.task_data import (
     libyaml_safe_load,
     lm_eval_task_dirs,
     prepare_paper_tasks,
+    selected_docs_only,
 )
 from hif8qat.runs.folders import provenance
 
@@ -120,7 +121,7 @@ def evaluate_model(
     subset_meta: dict[str, dict] = {}
     log_path = None if out_dir is None else Path(out_dir).parent / f"{Path(out_dir).name}.lm_eval.log"
     with (tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp, _quiet_lm_eval(log_path), libyaml_safe_load(),
-          compiled_jinja_templates()):
+          compiled_jinja_templates(), selected_docs_only()):
         extra, force_offline = prepare_paper_tasks(specs, local_datasets, Path(tmp), data_root=data_root)
         lm_dirs = lm_eval_task_dirs(specs)
         # later include paths override earlier ones: lm-eval's folders, then the local-dataset overrides

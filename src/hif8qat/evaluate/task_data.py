@@ -1,11 +1,12 @@
 """Datasets of the paper tasks: local copies through generated task YAMLs, and a fail-fast check of the rest
 (see "Datasets for the paper tasks without internet" in :mod:`hif8qat.evaluate`); and the settings under which lm-eval
-builds its tasks faster with the same documents and prompts (dataset cards, templates)."""
+builds its tasks faster with the same documents and prompts (dataset cards, templates, subsets)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -188,6 +189,37 @@ def compiled_jinja_templates() -> Iterator[None]:
         yield
     finally:
         lm_eval.utils.apply_template = lm_eval_apply_template
+
+
+@contextlib.contextmanager
+def selected_docs_only() -> Iterator[None]:
+    """Adapter: within it, lm-eval's ``Task.doc_iterator`` given ``samples`` formats only the selected documents.
+
+    lm-eval (0.4.13) picks ``samples`` by formatting every document of the split into a dict and keeping those whose
+    index is listed, twice per evaluation (building the requests, logging the samples): about 50,000 rows for the
+    mini profile's 501 documents (MMLU's 14,042, HellaSwag's 10,042), seconds of its setup. lm-eval has no setting
+    for it. The replacement yields the listed documents by index, in the same (enumeration, document) pairs and
+    rank slices; a list that is not sorted, unique and in range goes to lm-eval's own method. Restored on exit."""
+    from lm_eval.api.task import Task
+    from lm_eval.utils import create_iterator
+
+    lm_eval_doc_iterator = Task.doc_iterator
+    log = logging.getLogger("lm_eval.api.task")
+
+    def doc_iterator(self, *, rank: int = 0, limit: int | None = None, world_size: int = 1,
+                     samples: list[int] | None = None):
+        docs = self.eval_docs
+        if not samples or list(samples) != sorted(set(samples)) or samples[0] < 0 or samples[-1] >= len(docs):
+            return lm_eval_doc_iterator(self, rank=rank, limit=limit, world_size=world_size, samples=samples)
+        log.info(f"{self.config.task}: Evaluating on {len(samples)} examples")
+        return create_iterator(enumerate(docs[i] for i in samples), rank=int(rank), limit=None,
+                               world_size=int(world_size))
+
+    Task.doc_iterator = doc_iterator
+    try:
+        yield
+    finally:
+        Task.doc_iterator = lm_eval_doc_iterator
 
 
 def card_header(folder: Path) -> Mapping[str, Any] | None:

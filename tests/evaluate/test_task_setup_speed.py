@@ -1,7 +1,7 @@
 """lm-eval builds the evaluation's tasks faster with the same documents and prompts: a local parquet copy read by
-datasets' packaged parquet loader (the folder's card read once, never hashed per config), and each Jinja template
-compiled once (:mod:`hif8qat.evaluate.task_data`). The oracles: datasets loading the folder by name, and lm-eval's
-own template rendering outside the speed-up."""
+datasets' packaged parquet loader (the folder's card read once, never hashed per config), each Jinja template
+compiled once, and only the subsets' documents formatted (:mod:`hif8qat.evaluate.task_data`). The oracles: datasets
+loading the folder by name, lm-eval's own template rendering and its own document selection outside the speed-ups."""
 
 from __future__ import annotations
 
@@ -156,3 +156,23 @@ def test_selected_documents_come_as_lm_eval_selects_them_and_only_they_are_forma
     with task_data.selected_docs_only(), pytest.raises(AssertionError):  # lm-eval's check of the indices
         list(mini_arc.doc_iterator(samples=[0, n]))
     assert Task.doc_iterator is own_doc_iterator
+
+
+def test_an_evaluation_compiles_each_template_once_and_formats_only_its_subsets_documents(tmp_path, monkeypatch):
+    import datasets.arrow_dataset
+
+    from hif8qat.evaluate import runner
+    from hif8qat.models.loading import build_tiny_llama
+
+    compiled, formatted = [], []
+    real_compile, real_format = lm_eval.utils.env.from_string, datasets.arrow_dataset.format_table
+    monkeypatch.setattr(lm_eval.utils.env, "from_string", lambda source: compiled.append(source)
+                        or real_compile(source))
+    monkeypatch.setattr(datasets.arrow_dataset, "format_table",
+                        lambda *args, **kwargs: formatted.append(1) or real_format(*args, **kwargs))
+    model, tok = build_tiny_llama(num_layers=1, hidden_size=32, intermediate_size=64)
+    res = runner.evaluate_model(model, tok, "mini_arc", subset={"mini_arc": 5}, batch_size=4,
+                                num_fewshot={"mini_arc": 0})
+    assert res["mini_arc"]["n"] == 5 and res["_meta"]["subset"]["mini_arc"]["of"] >= 250
+    assert compiled and len(compiled) == len(set(compiled))
+    assert len(formatted) < 50  # the 5 documents (and a few of the few-shot split's), not the test split's 250+

@@ -3,6 +3,7 @@
     python benchmarks/bench_eval.py --run-dir results/runs/mini/exp3/seed0                  # a quarter of the subsets
     python benchmarks/bench_eval.py --run-dir results/runs/mini/exp3/seed0 --fraction 1 --skip-eval
     python benchmarks/bench_eval.py --run-dir results/runs/mini/exp1/seed0 --scoring --repeats 3
+    python benchmarks/bench_eval.py --run-dir results/runs/mini/exp1/seed0 --setup --repeats 3
 
 The run folder's export is loaded in each mode (``hif8`` needs a quantized run's export) under bf16 numerics
 (``--dtype``). In one process:
@@ -20,6 +21,14 @@ The run folder's export is loaded in each mode (``hif8`` needs a quantized run's
 With ``--scoring``, instead: the mini profile's whole bf16 evaluation once (its requests captured), then those
 requests scored packed and cached (:class:`hif8qat.evaluate.prefix_lm.SharedContextLM`) alternately, ``--repeats``
 times: the median seconds of each way, their ratio, the model calls and the largest log-likelihood difference.
+
+With ``--setup``, instead: lm-eval's own setup of the mini profile's bf16 evaluation (building the tasks, the
+requests, the metrics and the eval folder), its scoring stubbed (no forward runs), with the runner's setup speed-ups
+(:mod:`hif8qat.evaluate.task_data`: parquet copies read by datasets' parquet loader, Jinja templates compiled once,
+only the subsets' documents formatted) off and on alternately, after one warm-up of each: the median seconds of
+each, their ratio, and whether both chose the same items and built the same requests (items hashes, token counts,
+the stub's scores).
+The copies' cards are read once per copy both ways.
 
 The process keeps freed memory in its heap as run.py's processes do
 (``hif8qat.runs.host_allocator.keep_freed_memory``): with glibc's defaults each large activation would be mapped
@@ -201,6 +210,58 @@ def bench_scoring(export: Path, numerics, batch_size: int, repeats: int) -> None
     print(f"  largest log-likelihood difference {diff:.3f} nats (bf16 rounding)")
 
 
+def _setup_way(on: bool) -> contextlib.ExitStack:
+    """The runner with its lm-eval setup speed-ups (``on``) or without them."""
+    from unittest import mock
+
+    from hif8qat.evaluate import runner, task_data
+
+    stack = contextlib.ExitStack()
+    if not on:
+        stack.enter_context(mock.patch.object(task_data, "local_parquet_files", lambda *args: None))
+        stack.enter_context(mock.patch.object(runner, "compiled_jinja_templates", contextlib.nullcontext))
+        stack.enter_context(mock.patch.object(runner, "selected_docs_only", contextlib.nullcontext))
+    return stack
+
+
+def bench_setup(export: Path, numerics, batch_size: int, repeats: int) -> None:
+    """The mini profile's bf16 evaluation with its scoring stubbed, lm-eval's setup speed-ups off and on alternately."""
+    from unittest import mock
+
+    from hif8qat.evaluate import prefix_lm, runner
+    from hif8qat.evaluate.loading import load_for_eval
+    from hif8qat.evaluate.outputs import ITEMS_KEY
+
+    def no_forward(self, batch, subs, requests):  # every request of the batch, packed rows' or cached units'
+        for row in batch:
+            for i in ([i for i, _ in row[3]] if subs is None else row[1]):
+                yield i, (0.0, False)
+
+    model, tok = load_for_eval(export, "bf16", device="cpu")
+    mini = _mini_profile()
+    times, seen = collections.defaultdict(list), {}
+    with mock.patch.object(prefix_lm.SharedContextLM, "_score", no_forward), \
+            tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
+        for i in range(repeats + 1):  # the first round warms both ways (datasets' caches, imports)
+            for name, on in (("off", False), ("on", True)):  # interleaved: a load change hits both alike
+                with _setup_way(on):
+                    t0 = time.perf_counter()
+                    res = runner.evaluate_model(model, tok, list(mini["subset"]), out_dir=Path(tmp) / name,
+                                                mode="bf16", batch_size=batch_size, subset=mini["subset"],
+                                                num_fewshot=mini["num_fewshot"], subset_seed=mini["subset_seed"],
+                                                offline_data=True, device="cpu", numerics=numerics)
+                    if i:
+                        times[name].append(time.perf_counter() - t0)
+                seen[name] = (res[ITEMS_KEY], res["_meta"]["eval_tokens"], {t: res[t] for t in mini["subset"]})
+    off = statistics.median(times["off"])
+    print(f"\nlm-eval setup of the mini evaluation (scoring stubbed), median of {repeats}, load average "
+          f"{os.getloadavg()[0]:.2f}")
+    for name, ts in times.items():
+        print(f"  speed-ups {name:<4}{statistics.median(ts):>7.1f} s{statistics.median(ts) / off:>7.2f}x  "
+              f"({', '.join(f'{t:.1f}' for t in ts)})")
+    print(f"  same items and requests: {seen['off'] == seen['on']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", type=Path, required=True, help="a finished run folder (hif8: a quantized run's)")
@@ -214,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-eval", action="store_true", help="the forwards only")
     ap.add_argument("--scoring", action="store_true",
                     help="only the whole evaluation's requests, scored packed and cached alternately")
+    ap.add_argument("--setup", action="store_true",
+                    help="only lm-eval's setup of the evaluation (scoring stubbed), speed-ups off and on alternately")
     args = ap.parse_args(argv)
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(key, "1")
@@ -233,6 +296,9 @@ def main(argv=None) -> int:
           f"load average {os.getloadavg()[0]:.2f}")
     if args.scoring:
         bench_scoring(export, numerics, args.batch_size, args.repeats)
+        return 0
+    if args.setup:
+        bench_setup(export, numerics, args.batch_size, args.repeats)
         return 0
     models = {m: load_for_eval(export, m, device="cpu")[0] for m in modes}
     bench_forwards(models, numerics, args.rows, args.width, args.repeats)

@@ -40,7 +40,14 @@ from hif8qat.evaluate.outputs import (
 from hif8qat.evaluate.prefix_lm import SharedContextLM
 from hif8qat.evaluate.ranks import Ranks, summed
 from hif8qat.evaluate.subsets import _limited, check_subset, subset_indices
-from hif8qat.evaluate.task_data import _forced_offline, libyaml_safe_load, lm_eval_task_dirs, prepare_paper_tasks
+from hif8qat.evaluate.task_data import (
+    _forced_offline,
+    compiled_jinja_templates,
+    libyaml_safe_load,
+    lm_eval_task_dirs,
+    prepare_paper_tasks,
+    selected_docs_only,
+)
 from hif8qat.runs.folders import provenance
 
 log = logging.getLogger(__name__)
@@ -113,7 +120,8 @@ def evaluate_model(
         data_root = ensure_installed()
     subset_meta: dict[str, dict] = {}
     log_path = None if out_dir is None else Path(out_dir).parent / f"{Path(out_dir).name}.lm_eval.log"
-    with tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp, _quiet_lm_eval(log_path), libyaml_safe_load():
+    with (tempfile.TemporaryDirectory(prefix="hif8qat-eval-") as tmp, _quiet_lm_eval(log_path), libyaml_safe_load(),
+          compiled_jinja_templates(), selected_docs_only()):
         extra, force_offline = prepare_paper_tasks(specs, local_datasets, Path(tmp), data_root=data_root)
         lm_dirs = lm_eval_task_dirs(specs)
         # later include paths override earlier ones: lm-eval's folders, then the local-dataset overrides

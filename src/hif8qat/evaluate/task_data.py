@@ -1,10 +1,12 @@
 """Datasets of the paper tasks: local copies through generated task YAMLs, and a fail-fast check of the rest
-(see "Datasets for the paper tasks without internet" in :mod:`hif8qat.evaluate`)."""
+(see "Datasets for the paper tasks without internet" in :mod:`hif8qat.evaluate`); and the settings under which lm-eval
+builds its tasks faster with the same documents and prompts (dataset cards, templates, subsets)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -164,16 +166,70 @@ def libyaml_safe_load() -> Iterator[None]:
         yaml.safe_load = python_safe_load
 
 
-def local_splits(folder: Path, config_name: str | None) -> set[str] | None:
-    """Splits a hub-style local copy declares for a config (its README ``configs:`` block).
+@contextlib.contextmanager
+def compiled_jinja_templates() -> Iterator[None]:
+    """Within it, lm-eval compiles each of its tasks' Jinja templates once, not once per document and field.
+
+    lm-eval's ``apply_template`` compiles the template string at every call (``Environment.from_string`` keeps no
+    cache): about 3,500 compilations per mini evaluation, for a few dozen distinct templates. The replacement
+    compiles each distinct string once, in lm-eval's own environment (its filters, strict undefined names), and
+    renders it the same way. Restored on exit."""
+    import lm_eval.utils
+
+    lm_eval_apply_template = lm_eval.utils.apply_template
+    compiled: dict[str, Any] = {}
+
+    def apply_template(template: str, doc: dict) -> str:
+        if template not in compiled:
+            compiled[template] = lm_eval.utils.env.from_string(template)
+        return compiled[template].render(**doc)
+
+    lm_eval.utils.apply_template = apply_template
+    try:
+        yield
+    finally:
+        lm_eval.utils.apply_template = lm_eval_apply_template
+
+
+@contextlib.contextmanager
+def selected_docs_only() -> Iterator[None]:
+    """Adapter: within it, lm-eval's ``Task.doc_iterator`` given ``samples`` formats only the selected documents.
+
+    lm-eval (0.4.13) picks ``samples`` by formatting every document of the split into a dict and keeping those whose
+    index is listed, twice per evaluation (building the requests, logging the samples): about 50,000 rows for the
+    mini profile's 501 documents (MMLU's 14,042, HellaSwag's 10,042), seconds of its setup. lm-eval has no setting
+    for it. The replacement yields the listed documents by index, in the same (enumeration, document) pairs and
+    rank slices; a list that is not sorted, unique and in range goes to lm-eval's own method. Restored on exit."""
+    from lm_eval.api.task import Task
+    from lm_eval.utils import create_iterator
+
+    lm_eval_doc_iterator = Task.doc_iterator
+    log = logging.getLogger("lm_eval.api.task")
+
+    def doc_iterator(self, *, rank: int = 0, limit: int | None = None, world_size: int = 1,
+                     samples: list[int] | None = None):
+        docs = self.eval_docs
+        if not samples or list(samples) != sorted(set(samples)) or samples[0] < 0 or samples[-1] >= len(docs):
+            return lm_eval_doc_iterator(self, rank=rank, limit=limit, world_size=world_size, samples=samples)
+        log.info(f"{self.config.task}: Evaluating on {len(samples)} examples")
+        return create_iterator(enumerate(docs[i] for i in samples), rank=int(rank), limit=None,
+                               world_size=int(world_size))
+
+    Task.doc_iterator = doc_iterator
+    try:
+        yield
+    finally:
+        Task.doc_iterator = lm_eval_doc_iterator
+
+
+def card_header(folder: Path) -> Mapping[str, Any] | None:
+    """The YAML header of a hub-style local copy's dataset card (its README.md).
 
     Args:
         folder: the local copy.
-        config_name: the config (None: the default).
 
     Returns:
-        The split names; None when unknown."""
-
+        The header; None without a card or a readable header."""
     readme = Path(folder) / "README.md"
     if not readme.is_file():
         return None
@@ -184,12 +240,70 @@ def local_splits(folder: Path, config_name: str | None) -> set[str] | None:
         meta = yaml.load(text.split("---", 2)[1], Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
     except yaml.YAMLError:
         return None
-    for cfg in meta.get("configs") or []:
-        if cfg.get("config_name", "default") == (config_name or "default"):
-            files = cfg.get("data_files")
-            return {f["split"] for f in files if isinstance(f, Mapping) and "split" in f} \
-                if isinstance(files, list) else None
+    return meta if isinstance(meta, Mapping) else None
+
+
+def _card_config(card: Mapping[str, Any] | None, config_name: str | None) -> Mapping[str, Any] | None:
+    for cfg in (card or {}).get("configs") or []:
+        if isinstance(cfg, Mapping) and cfg.get("config_name", "default") == (config_name or "default"):
+            return cfg
     return None
+
+
+def local_splits(folder: Path, config_name: str | None, card: Mapping[str, Any] | None = None) -> set[str] | None:
+    """Splits a hub-style local copy declares for a config (its README ``configs:`` block).
+
+    Args:
+        folder: the local copy.
+        config_name: the config (None: the default).
+        card: the copy's :func:`card_header`, when already read (None: read here).
+
+    Returns:
+        The split names; None when unknown."""
+    cfg = _card_config(card if card is not None else card_header(folder), config_name)
+    files = None if cfg is None else cfg.get("data_files")
+    if not isinstance(files, list):
+        return None
+    return {f["split"] for f in files if isinstance(f, Mapping) and "split" in f}
+
+
+def local_parquet_files(folder: Path, config_name: str | None,
+                        card: Mapping[str, Any] | None) -> dict[str, list[str]] | None:
+    """A config's parquet files per split, when the card names each file and declares no features.
+
+    Then datasets' packaged ``parquet`` loader reads exactly the rows, in the same order and with the same
+    features (the files' own), as loading the folder by name: the folder's card would otherwise be parsed again
+    and its every config (MMLU's 57) hashed on each of the 57 loads of a paper MMLU evaluation.
+
+    Args:
+        folder: the local copy.
+        config_name: the config (None: the default).
+        card: the copy's :func:`card_header`.
+
+    Returns:
+        Split -> absolute file paths; None where the folder must be loaded by name (glob patterns, other
+        formats, features or a ``.huggingface.yaml`` that could change what datasets builds)."""
+    cfg = _card_config(card, config_name)
+    files = None if cfg is None else cfg.get("data_files")
+    if not isinstance(files, list) or not files or (Path(folder) / ".huggingface.yaml").exists():
+        return None
+    infos = (card or {}).get("dataset_info")
+    for info in infos if isinstance(infos, list) else [infos]:
+        if isinstance(info, Mapping) and "features" in info \
+                and info.get("config_name", "default") == (config_name or "default"):
+            return None
+    out: dict[str, list[str]] = {}
+    for f in files:
+        paths = f.get("path") if isinstance(f, Mapping) else None
+        paths = [paths] if isinstance(paths, str) else paths
+        if not isinstance(f, Mapping) or not isinstance(f.get("split"), str) or not isinstance(paths, list):
+            return None
+        for rel in paths:
+            file = Path(folder) / str(rel)
+            if file.suffix != ".parquet" or any(c in str(rel) for c in "*?[") or not file.is_file():
+                return None
+            out.setdefault(f["split"], []).append(str(file.resolve()))
+    return out
 
 
 def prepare_paper_tasks(
@@ -231,6 +345,7 @@ def prepare_paper_tasks(
     roots = [Path(r) for r in (os.environ.get(LOCAL_DATA_ENV), data_root) if r]
     override_dir = workdir / "task_overrides"
     written = 0
+    cards: dict[Path, Mapping[str, Any] | None] = {}  # one read of each copy's card for all its configs
     unresolved: dict[str, tuple[str, str | None]] = {}  # dataset_path -> (first leaf, dataset_name)
     for spec in paper:
         leaves = _leaf_tasks(spec.name, index)
@@ -247,11 +362,20 @@ def prepare_paper_tasks(
                 target = next((r / ds_path for r in roots if (r / ds_path).exists()), None)
             if target is not None:
                 override_dir.mkdir(parents=True, exist_ok=True)
-                text = (f"# generated by hif8qat.evaluate: {leaf} on a local copy of {ds_path}\n"
+                target = Path(target).resolve()
+                if target not in cards:
+                    cards[target] = card_header(target)
+                text = (f"# generated by hif8qat.evaluate: {leaf} on a local copy of {ds_path}, {target}\n"
                         f"include: {json.dumps(str(Path(entry.yaml_path).resolve()))}\n"
-                        f"task: {json.dumps(leaf)}\n"
-                        f"dataset_path: {json.dumps(str(Path(target).resolve()))}\n")
-                splits = local_splits(Path(target), cfg.get("dataset_name"))
+                        f"task: {json.dumps(leaf)}\n")
+                parquet = None if cfg.get("dataset_kwargs") else \
+                    local_parquet_files(target, cfg.get("dataset_name"), cards[target])
+                if parquet is None:
+                    text += f"dataset_path: {json.dumps(str(target))}\n"
+                else:  # the same rows as the folder by name, without its card's cost (local_parquet_files)
+                    text += ("dataset_path: parquet\ndataset_name: null\n"
+                             f"dataset_kwargs: {json.dumps({'data_files': parquet})}\n")
+                splits = local_splits(target, cfg.get("dataset_name"), cards[target])
                 train = cfg.get("training_split")
                 if splits is not None and train and train not in splits and not cfg.get("fewshot_split"):
                     text += "training_split: null\n"

@@ -27,7 +27,7 @@ NOT_CONDITION_KEYS = frozenset({"mode", "quant", "ranks", "wall_time_s", "proven
                                 "eval_tokens_by_rank", "run_dir", "export_dir", "paths_relative_to"})
 _UNRECORDED = object()  # a key an older results.json lacks: its value then is not known, so it is not compared
 AGAIN = ("to compare them, evaluate one again with the other's evaluation settings, the older one for scoring: "
-         "python run.py ... stage=eval force=true")
+         "python run.py <that run's settings> stage=eval force=true")
 # What each comparison table's note says of the column.
 EVAL_DIFFERS_NOTE = ("eval_differs: the evaluation conditions in which the two evaluations differ (scoring, a task's "
                      "shots, metric or subset, the data, batch size, lm-eval version, numerics; "

@@ -173,7 +173,7 @@ def write_tables(tables: Mapping[str, pd.DataFrame], notes: Mapping[str, str], s
 
 
 def report_message(runs: list[RunInfo], tables: Mapping[str, pd.DataFrame], profile: str, unpaired: Sequence[str],
-                   skipped: Sequence[Mapping[str, str]], multiple: str, not_compared: Sequence[str] = ()) -> str:
+                   skipped: Sequence[Mapping[str, str]], multiple: str, not_compared: Sequence[tuple] = ()) -> str:
     """What was built; runs made from a dirty tree, runs without a pair, evaluations not compared as made
     differently, runs not used (and why).
 
@@ -184,8 +184,9 @@ def report_message(runs: list[RunInfo], tables: Mapping[str, pd.DataFrame], prof
         unpaired: the runs without a pair, with why.
         skipped: the runs (or parts) not used, with why.
         multiple: the multiple-comparisons note, when the claims hold any test.
-        not_compared: the claims' task evaluations left out as made differently, and how (the seed-null and
-            base-model tables' are read from their ``eval_differs`` column).
+        not_compared: the claims' task evaluations left out as made differently, ``(the two evaluations, task,
+            the conditions that differ)`` (the seed-null and base-model tables' are read from their ``eval_differs``
+            column).
 
     Returns:
         The message, several lines."""
@@ -197,10 +198,12 @@ def report_message(runs: list[RunInfo], tables: Mapping[str, pd.DataFrame], prof
                 f"{profile} column dirty): their recorded commit does not hold their exact code")
     if unpaired:
         msg += f"\nnot paired ({len(unpaired)}; pairing_{profile}):\n  " + "\n  ".join(unpaired)
-    not_compared = list(not_compared) + _eval_differs_lines(tables, profile)
-    if not_compared:
-        msg += (f"\nnot compared, evaluated differently ({len(not_compared)}; column eval_differs; {AGAIN}):\n  "
-                + "\n  ".join(not_compared))
+    grouped: dict[tuple[str, str], list[str]] = {}  # one line per two evaluations and their differences
+    for pair, task, why in [*not_compared, *_eval_differs_rows(tables, profile)]:
+        grouped.setdefault((pair, why), []).append(task)
+    if grouped:
+        msg += (f"\nnot compared, evaluated differently ({len(grouped)}; column eval_differs; {AGAIN}):\n  "
+                + "\n  ".join(f"{pair} ({', '.join(tasks)}): {why}" for (pair, why), tasks in grouped.items()))
     if skipped:
         msg += "\nruns not used, or used in part (also in each table's .sources.json, runs_not_used):" + "".join(
             f"\n  {s['run_dir']}: {s['reason']}" for s in skipped)
@@ -209,15 +212,16 @@ def report_message(runs: list[RunInfo], tables: Mapping[str, pd.DataFrame], prof
     return msg
 
 
-def _eval_differs_lines(tables: Mapping[str, pd.DataFrame], profile: str) -> list[str]:
-    """The seed-null and base-model comparisons left out as made differently (the claims name their own)."""
-    lines = []
+def _eval_differs_rows(tables: Mapping[str, pd.DataFrame], profile: str) -> list[tuple[str, str, str]]:
+    """The seed-null and base-model comparisons left out as made differently, as ``(the two evaluations, task,
+    the conditions that differ)`` (the claims name their own)."""
+    rows = []
     for name, first, second in ((f"seed_null_{profile}", "{experiment}/seed{seed_a}", "{experiment}/seed{seed_b}"),
                                 (f"vs_base_{profile}", "base model", "{experiment}/seed{seed}")):
         df = tables.get(name)
         if df is None or "eval_differs" not in df:
             continue
         for row in df[df["eval_differs"].fillna("") != ""].to_dict("records"):
-            lines.append(f"{second.format(**row)} bf16 vs {first.format(**row)} bf16, {row['task']}: "
-                         f"{row['eval_differs']}")
-    return lines
+            rows.append((f"{second.format(**row)} bf16 vs {first.format(**row)} bf16", row["task"],
+                         row["eval_differs"]))
+    return rows

@@ -112,7 +112,7 @@ def _signed_loss_difference(mq: pd.DataFrame, mb: pd.DataFrame, from_step: int |
 
 
 def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Mapping[str, pd.DataFrame],
-                   used: FilesUsed | None = None, not_compared: list[str] | None = None) -> list[dict[str, Any]]:
+                   used: FilesUsed | None = None, not_compared: list[tuple] | None = None) -> list[dict[str, Any]]:
     """One seed's paired contrasts of ``run`` against ``other``: per evaluation mode and task the accuracy (points, run
     minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), none for two evaluations
     made differently (:mod:`hif8qat.report.conditions`), and the signed training-loss difference (% of other's loss,
@@ -126,7 +126,8 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
             ``run``: its quantized evaluation against its bf16 one, the cost of quantized inference; no loss row).
         metrics_cache: run folder -> its metrics table.
         used: collects the samples files read (None: not recorded).
-        not_compared: collects the task evaluations left out as made differently, and how (None: not recorded).
+        not_compared: collects the task evaluations left out as made differently, as ``(the two evaluations, task,
+            the conditions that differ)`` (None: not recorded).
 
     Returns:
         One dict per contrast row."""
@@ -148,7 +149,7 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
         differs = task_differences(other.path / "eval" / other_mode, run.path / "eval" / mode,
                                    [t for t in run_res if t in base_res])
         if not_compared is not None:
-            not_compared += [f"{label_of(run)} {mode} vs {label_of(other)} {other_mode}, {task}: {why}"
+            not_compared += [(f"{label_of(run)} {mode} vs {label_of(other)} {other_mode}", task, why)
                              for task, why in differs.items() if why]
         for task in (t for t, why in differs.items() if not why):
             bs = read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")
@@ -485,7 +486,7 @@ def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
 
 def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
                   metrics_cache: Mapping[str, pd.DataFrame], used: FilesUsed | None = None,
-                  not_compared: list[str] | None = None) -> pd.DataFrame:
+                  not_compared: list[tuple] | None = None) -> pd.DataFrame:
     """Every finished run's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the
     same; a counterpart that is not finished counts as absent), and its held-out-text ones (:func:`heldout_contrasts`).
 

@@ -184,9 +184,9 @@ def test_an_evaluation_scored_packed_is_not_compared_with_one_recorded_before_sc
     acc = t["claims_smoke"][t["claims_smoke"].metric == "accuracy"]
     assert set(acc.against) == {"bf16_mode"}
     assert "not compared, evaluated differently" in rep["message"]
-    assert "exp8/seed0 hif8 vs exp7/seed0 bf16 (mini_arc): scoring: cached vs packed" in rep["message"]
-    assert "exp7/seed0 bf16 vs base model" not in rep["message"]  # alike
-    assert "exp8/seed0 bf16 vs base model bf16 (mini_arc): scoring: cached vs packed" in rep["message"]
+    assert "exp7/seed0 bf16 vs exp8/seed0 hif8 (mini_arc): scoring: cached vs packed" in rep["message"]
+    assert "base model bf16 vs exp7/seed0" not in rep["message"]  # alike
+    assert "base model bf16 vs exp8/seed0 bf16 (mini_arc): scoring: cached vs packed" in rep["message"]
     assert "stage=eval force=true" in rep["message"]
     assert "eval_differs" in json.loads((tmp_path / "t" / "drops_smoke.sources.json").read_text())["note"]
 
@@ -208,4 +208,4 @@ def test_differing_shots_or_subset_leave_out_only_the_comparisons_they_touch(tmp
     assert drops.loc["bf16", "eval_differs"] == "mini_arc num_fewshot: 0 vs 5"
     assert math.isnan(drops.loc["bf16", "drop_pct"]) and drops.loc["hif8", "drop_pct"] > 0
     # the run's hif8 mode (0 shots) against its own bf16 mode (5 shots): no claim either
-    assert "exp8/seed0 hif8 vs exp8/seed0 bf16 (mini_arc): mini_arc num_fewshot: 5 vs 0" in rep["message"]
+    assert "exp8/seed0 bf16 vs exp8/seed0 hif8 (mini_arc): mini_arc num_fewshot: 5 vs 0" in rep["message"]

@@ -222,6 +222,6 @@ def _eval_differs_rows(tables: Mapping[str, pd.DataFrame], profile: str) -> list
         if df is None or "eval_differs" not in df:
             continue
         for row in df[df["eval_differs"].fillna("") != ""].to_dict("records"):
-            rows.append((f"{second.format(**row)} bf16 vs {first.format(**row)} bf16", row["task"],
+            rows.append((f"{first.format(**row)} bf16 vs {second.format(**row)} bf16", row["task"],
                          row["eval_differs"]))
     return rows

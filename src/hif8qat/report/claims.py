@@ -127,7 +127,7 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
         metrics_cache: run folder -> its metrics table.
         used: collects the samples files read (None: not recorded).
         not_compared: collects the task evaluations left out as made differently, as ``(the two evaluations, task,
-            the conditions that differ)`` (None: not recorded).
+            the conditions that differ)``, ``other``'s first as in the conditions (None: not recorded).
 
     Returns:
         One dict per contrast row."""
@@ -149,7 +149,7 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
         differs = task_differences(other.path / "eval" / other_mode, run.path / "eval" / mode,
                                    [t for t in run_res if t in base_res])
         if not_compared is not None:
-            not_compared += [(f"{label_of(run)} {mode} vs {label_of(other)} {other_mode}", task, why)
+            not_compared += [(f"{label_of(other)} {other_mode} vs {label_of(run)} {mode}", task, why)
                              for task, why in differs.items() if why]
         for task in (t for t, why in differs.items() if not why):
             bs = read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")

@@ -77,6 +77,8 @@ def test_alike_evaluations_differ_in_nothing_whatever_they_record_besides():
     # recorded before the key existed: its value then is not known, so it is not held against the other
     ({"lm_eval_version": ..., "subset": ..., "numerics": ..., "data_root": ...}, {}, []),
     ({"numerics": ..., "autocast": None}, {"numerics": ...}, ["autocast: none vs bfloat16"]),
+    ({"numerics": ..., "autocast": None}, {}, ["autocast: none vs bfloat16"]),
+    ({"numerics.numerics": "none", "autocast": None}, {}, ["numerics: none vs bf16"]),  # one line for one cause
 ])
 def test_each_differing_condition_is_named_as_a_setting(a, b, expected):
     assert sorted(evaluation_differences(_meta(**a), _meta(**b))) == sorted(expected)

@@ -62,7 +62,7 @@ def _numerics(meta: Mapping[str, Any]) -> dict[str, Any]:
     found = {k: num[k] for k in _NUMERICS if k in num}
     if "device_type" not in found and isinstance(meta.get("device"), str):
         found["device_type"] = meta["device"].split(":")[0]
-    if "numerics" not in found and "autocast" in meta:  # recorded before the numerics block
+    if "autocast" in meta:  # what an evaluation recorded before the numerics block (which implies it)
         found["autocast"] = meta["autocast"]
     return found
 
@@ -92,7 +92,8 @@ def evaluation_differences(meta_a: Mapping[str, Any], meta_b: Mapping[str, Any],
     for key in _WIDE:
         compare(key, meta_a.get(key, _UNRECORDED), meta_b.get(key, _UNRECORDED))
     num_a, num_b = _numerics(meta_a), _numerics(meta_b)
-    for key in num_a.keys() & num_b.keys():
+    both = num_a.keys() & num_b.keys()
+    for key in sorted(both - {"autocast"} if "numerics" in both else both):
         compare(key, num_a[key], num_b[key])
     tasks_a, tasks_b = meta_a.get("tasks") or {}, meta_b.get("tasks") or {}
     chosen = sorted(tasks_a.keys() & tasks_b.keys()) if tasks is None else list(tasks)

@@ -92,6 +92,18 @@ def test_a_task_is_compared_on_its_own_conditions_and_the_evaluation_wide_ones()
     assert evaluation_differences(META, packed, ["arc_challenge"]) == ["scoring: cached vs packed"]
 
 
+def test_a_task_read_from_another_path_counts_only_where_no_item_hash_shows_the_same_items():
+    here, there = _meta(), _meta(**{"local_datasets": {"hellaswag": "/scratch/b/hellaswag"}})
+    same = {"hellaswag": "ab12", "arc_challenge": "cd34"}
+    assert evaluation_differences({"_meta": here, "_items_sha256": same},
+                                  {"_meta": there, "_items_sha256": dict(same)}) == []
+    moved = ["hellaswag data: $HIF8QAT_CACHE/evaldata/v1 vs /scratch/b/hellaswag"]
+    assert evaluation_differences({"_meta": here, "_items_sha256": same},
+                                  {"_meta": there, "_items_sha256": {**same, "hellaswag": "ef56"}}) == moved
+    assert evaluation_differences({"_meta": here}, {"_meta": there, "_items_sha256": same}) == moved
+    assert evaluation_differences(here, there) == moved  # _meta blocks alone record no item hash
+
+
 def _meta_keys_the_evaluation_writes() -> set[str]:
     """The top-level keys the evaluation's source gives the dict it names ``meta`` (its _meta): in the dict literal
     assigned to it (``**{...}`` unpacked into it included) and in ``meta["key"] = ...``."""

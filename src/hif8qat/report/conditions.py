@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hif8qat.artefacts import RESULTS_SCHEMA
-from hif8qat.evaluate.outputs import recorded_scoring
+from hif8qat.evaluate.outputs import ITEMS_KEY, recorded_scoring
 from hif8qat.report.sources import read_report_json
 
 # Evaluation-wide conditions compared as recorded.
@@ -67,21 +67,23 @@ def _numerics(meta: Mapping[str, Any]) -> dict[str, Any]:
     return found
 
 
-def evaluation_differences(meta_a: Mapping[str, Any], meta_b: Mapping[str, Any],
-                           tasks: Iterable[str] | None = None) -> list[str]:
+def evaluation_differences(a: Mapping[str, Any], b: Mapping[str, Any], tasks: Iterable[str] | None = None
+                           ) -> list[str]:
     """The conditions two evaluations were made under that differ, as ``"<setting>: <a> vs <b>"`` lines
     (``scoring: packed vs cached``, ``hellaswag num_fewshot: 10 vs 0``). A key one of them lacks was recorded
     before it existed: ``scoring`` then reads as ``cached`` (how such evaluations scored), any other is not
-    compared.
+    compared. A task's data (its local copy or the data folder, named by path) does not count where both
+    evaluations recorded the same hash of the task's items: the items themselves are then the same.
 
     Args:
-        meta_a: one results.json's ``_meta``.
-        meta_b: the other's.
+        a: one evaluation's results.json (or its ``_meta`` alone, which records no item hashes).
+        b: the other's.
         tasks: the tasks whose own conditions count (shots, metric, filter, subset, data); None: every task both
             evaluated.
 
     Returns:
         The differing conditions, evaluation-wide first, then per task; empty when the two are alike."""
+    (meta_a, items_a), (meta_b, items_b) = _meta_and_items(a), _meta_and_items(b)
     diff = []
 
     def compare(name: str, a: Any, b: Any) -> None:
@@ -102,23 +104,30 @@ def evaluation_differences(meta_a: Mapping[str, Any], meta_b: Mapping[str, Any],
         for key in _PER_TASK:
             compare(f"{task} {key}", ta.get(key, _UNRECORDED), tb.get(key, _UNRECORDED))
         compare(f"{task} subset", _subset(meta_a, task), _subset(meta_b, task))
-        compare(f"{task} data", _data(meta_a, task), _data(meta_b, task))
+        if not (isinstance(items_a.get(task), str) and items_a.get(task) == items_b.get(task)):
+            compare(f"{task} data", _data(meta_a, task), _data(meta_b, task))
     return diff
 
 
-def evaluation_meta(eval_dir: Path) -> dict[str, Any]:
-    """An evaluation folder's ``results.json`` ``_meta`` (read as its scores are: the readers of the scores and
-    samples check the integrity record).
+def _meta_and_items(doc: Mapping[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """``(_meta, task -> item hash)`` of a results.json, or of a ``_meta`` block given alone."""
+    if "_meta" not in doc and ITEMS_KEY not in doc:
+        return doc, {}
+    items = doc.get(ITEMS_KEY)
+    return doc.get("_meta") or {}, items if isinstance(items, Mapping) else {}
+
+
+def read_evaluation(eval_dir: Path) -> dict[str, Any]:
+    """An evaluation folder's ``results.json`` (read as its scores are: the readers of the scores and samples check
+    the integrity record).
 
     Args:
         eval_dir: the folder (``<run>/eval/<mode>``, or the base model's).
 
     Returns:
-        The ``_meta`` block; {} when the folder has no results.json or it records none."""
+        Its content; {} when the folder has no results.json."""
     path = Path(eval_dir) / "results.json"
-    if not path.exists():
-        return {}
-    return dict(read_report_json(path, RESULTS_SCHEMA).get("_meta") or {})
+    return dict(read_report_json(path, RESULTS_SCHEMA)) if path.exists() else {}
 
 
 def task_differences(base_eval: Path, other_eval: Path, tasks: Iterable[str]) -> dict[str, str]:
@@ -131,5 +140,5 @@ def task_differences(base_eval: Path, other_eval: Path, tasks: Iterable[str]) ->
 
     Returns:
         Task -> the differing conditions joined by "; " ("" where the two evaluations are alike)."""
-    meta_b, meta_o = evaluation_meta(base_eval), evaluation_meta(other_eval)
-    return {t: "; ".join(evaluation_differences(meta_b, meta_o, [t])) for t in tasks}
+    base, other = read_evaluation(base_eval), read_evaluation(other_eval)
+    return {t: "; ".join(evaluation_differences(base, other, [t])) for t in tasks}

@@ -213,6 +213,18 @@ def load_eval_results(path: str | Path) -> dict[str, dict]:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
+def recorded_scoring(meta: dict) -> str:
+    """How a recorded evaluation scored its shared contexts (results.json ``_meta.scoring``; one recorded before
+    packing existed scored them from the KV cache).
+
+    Args:
+        meta: the results.json ``_meta``.
+
+    Returns:
+        ``"packed"`` or ``"cached"``."""
+    return meta.get("scoring") or "cached"
+
+
 def format_results(results: Mapping[str, Mapping[str, Any]]) -> str:
     """Results as a console table: task, metric, value and stderr in %, n, shots.
 

@@ -9,6 +9,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from hif8qat.evaluate.outputs import recorded_scoring
+
 # What an evaluation mode of one run forwards at the profile, (positions padding included, forward calls), per way of
 # scoring shared contexts, counted by the evaluation itself into results.json (_meta.eval_tokens); used when no finished
 # evaluation of this profile and way exists yet to read it from. A workload size, not a time.
@@ -24,18 +26,6 @@ _EVAL_FALLBACK = {("mini", "packed"): (51_000, 21), ("mini", "cached"): (51_300,
 # the AMX Xeon, 2026-12-06, evaluation wall time over the median warm step: 29.4 s / 1.23 s = 23.9 on a fast hour,
 # 45.4 s / 1.68 s = 27.0 on a slow one; their mean.
 _EVAL_STEPS_FALLBACK = {("mini", "packed"): 25.5}
-
-
-def recorded_scoring(meta: dict) -> str:
-    """How a recorded evaluation scored its shared contexts (results.json ``_meta.scoring``; one recorded before
-    packing existed scored them from the KV cache).
-
-    Args:
-        meta: the results.json ``_meta``.
-
-    Returns:
-        ``"packed"`` or ``"cached"``."""
-    return meta.get("scoring") or "cached"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ intervals and verdicts, scaling telemetry.
 tables from the authors' published logs. Every table has a sidecar ``<table>.sources.json`` naming the files
 that produced it and their commits. docs/design.md ("What the report measures") gives the definitions.
 
-Modules: ``sources`` (run folders and their files), ``pairing``, ``items`` (two evaluations compared per seed),
+Modules: ``sources`` (run folders and their files), ``pairing``, ``conditions`` (whether two evaluations were made
+alike), ``items`` (two evaluations compared per seed),
 ``tables`` (the per-run tables), ``telemetry``, ``replay``, ``seeds``, ``claims`` and ``readme`` (the claims
 and their section in words), ``sweeps``, ``anchor``, ``paper`` (the authors' data), ``notes``, ``table_files``,
 ``figures``, ``build`` (``build_report``), ``cli``. The measures themselves are in :mod:`hif8qat.stats`."""

@@ -13,6 +13,7 @@ from hif8qat.artefacts import accepted_unverified
 from hif8qat.files import write_text
 from hif8qat.report.anchor import anchor_beside
 from hif8qat.report.claims import UNIT_COLUMNS, heldout_table, mde_table
+from hif8qat.report.conditions import AGAIN
 from hif8qat.report.figures import make_figures
 from hif8qat.report.notes import multiple_comparisons, table_notes
 from hif8qat.report.reach import reach_table
@@ -98,7 +99,8 @@ def build_report(runs_root: Path, profile: str, out_tables: Path, out_figures: P
     if figures:
         files += make_figures(parts.curves, runs, metrics_cache, tel_df, out_figures, profile)
         files += plot_sweeps(sweeps_df, out_figures, profile)
-    msg = report_message(runs, tables, profile, parts.unpaired, skipped, multiple if n_tests else "")
+    msg = report_message(runs, tables, profile, parts.unpaired, skipped, multiple if n_tests else "",
+                         parts.not_compared)
     if unhashed:
         msg += (f"\nnote: {unhashed} task evaluation(s) recorded no hash of the items they scored (evaluated "
                 "before evaluations recorded one): their items are paired by document id, unchecked")
@@ -171,8 +173,9 @@ def write_tables(tables: Mapping[str, pd.DataFrame], notes: Mapping[str, str], s
 
 
 def report_message(runs: list[RunInfo], tables: Mapping[str, pd.DataFrame], profile: str, unpaired: Sequence[str],
-                   skipped: Sequence[Mapping[str, str]], multiple: str) -> str:
-    """What was built; runs made from a dirty tree, runs without a pair, runs not used (and why).
+                   skipped: Sequence[Mapping[str, str]], multiple: str, not_compared: Sequence[tuple] = ()) -> str:
+    """What was built; runs made from a dirty tree, runs without a pair, evaluations not compared as made
+    differently, runs not used (and why).
 
     Args:
         runs: the runs read.
@@ -181,6 +184,9 @@ def report_message(runs: list[RunInfo], tables: Mapping[str, pd.DataFrame], prof
         unpaired: the runs without a pair, with why.
         skipped: the runs (or parts) not used, with why.
         multiple: the multiple-comparisons note, when the claims hold any test.
+        not_compared: the claims' task evaluations left out as made differently, ``(the two evaluations, task,
+            the conditions that differ)`` (the seed-null and base-model tables' are read from their ``eval_differs``
+            column).
 
     Returns:
         The message, several lines."""
@@ -192,9 +198,30 @@ def report_message(runs: list[RunInfo], tables: Mapping[str, pd.DataFrame], prof
                 f"{profile} column dirty): their recorded commit does not hold their exact code")
     if unpaired:
         msg += f"\nnot paired ({len(unpaired)}; pairing_{profile}):\n  " + "\n  ".join(unpaired)
+    grouped: dict[tuple[str, str], list[str]] = {}  # one line per two evaluations and their differences
+    for pair, task, why in [*not_compared, *_eval_differs_rows(tables, profile)]:
+        grouped.setdefault((pair, why), []).append(task)
+    if grouped:
+        msg += (f"\nnot compared, evaluated differently ({len(grouped)}; column eval_differs; {AGAIN}):\n  "
+                + "\n  ".join(f"{pair} ({', '.join(tasks)}): {why}" for (pair, why), tasks in grouped.items()))
     if skipped:
         msg += "\nruns not used, or used in part (also in each table's .sources.json, runs_not_used):" + "".join(
             f"\n  {s['run_dir']}: {s['reason']}" for s in skipped)
     if multiple:
         msg += "\n" + multiple
     return msg
+
+
+def _eval_differs_rows(tables: Mapping[str, pd.DataFrame], profile: str) -> list[tuple[str, str, str]]:
+    """The seed-null and base-model comparisons left out as made differently, as ``(the two evaluations, task,
+    the conditions that differ)`` (the claims name their own)."""
+    rows = []
+    for name, first, second in ((f"seed_null_{profile}", "{experiment}/seed{seed_a}", "{experiment}/seed{seed_b}"),
+                                (f"vs_base_{profile}", "base model", "{experiment}/seed{seed}")):
+        df = tables.get(name)
+        if df is None or "eval_differs" not in df:
+            continue
+        for row in df[df["eval_differs"].fillna("") != ""].to_dict("records"):
+            rows.append((f"{first.format(**row)} bf16 vs {second.format(**row)} bf16", row["task"],
+                         row["eval_differs"]))
+    return rows

@@ -17,16 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from hif8qat.report.sources import (
-    FilesUsed,
-    RunInfo,
-    dirty_of,
-    eval_results,
-    label_of,
-    qat_start,
-    read_samples,
-    tag_of,
-)
+from hif8qat.report.conditions import task_differences
+from hif8qat.report.sources import FilesUsed, RunInfo, dirty_of, eval_results, label_of, qat_start, read_samples, tag_of
 from hif8qat.stats.crossed import (
     Contrast,
     crossed_mean,
@@ -120,10 +112,11 @@ def _signed_loss_difference(mq: pd.DataFrame, mb: pd.DataFrame, from_step: int |
 
 
 def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Mapping[str, pd.DataFrame],
-                   used: FilesUsed | None = None) -> list[dict[str, Any]]:
+                   used: FilesUsed | None = None, not_compared: list[tuple] | None = None) -> list[dict[str, Any]]:
     """One seed's paired contrasts of ``run`` against ``other``: per evaluation mode and task the accuracy (points, run
-    minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), and the signed
-    training-loss difference (% of other's loss, from the run's QAT phase).
+    minus other; flips both ways) and the recorded per-item metrics (cost: other minus run), none for two evaluations
+    made differently (:mod:`hif8qat.report.conditions`), and the signed training-loss difference (% of other's loss,
+    from the run's QAT phase).
 
     Args:
         run: the run.
@@ -133,6 +126,8 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
             ``run``: its quantized evaluation against its bf16 one, the cost of quantized inference; no loss row).
         metrics_cache: run folder -> its metrics table.
         used: collects the samples files read (None: not recorded).
+        not_compared: collects the task evaluations left out as made differently, as ``(the two evaluations, task,
+            the conditions that differ)``, ``other``'s first as in the conditions (None: not recorded).
 
     Returns:
         One dict per contrast row."""
@@ -150,10 +145,13 @@ def seed_contrasts(run: RunInfo, other: RunInfo, against: str, metrics_cache: Ma
     for mode, other_mode in modes:
         if mode == "hif8" and not (run.quant and (against != "derived_from" or other.quant)):
             continue
-        base_res = eval_results(other, other_mode)
-        for task in eval_results(run, mode):
-            if task not in base_res:
-                continue
+        base_res, run_res = eval_results(other, other_mode), eval_results(run, mode)
+        differs = task_differences(other.path / "eval" / other_mode, run.path / "eval" / mode,
+                                   [t for t in run_res if t in base_res])
+        if not_compared is not None:
+            not_compared += [(f"{label_of(other)} {other_mode} vs {label_of(run)} {mode}", task, why)
+                             for task, why in differs.items() if why]
+        for task in (t for t, why in differs.items() if not why):
             bs = read_samples(other.path / "eval" / other_mode / f"samples_{task}.csv")
             qs = read_samples(run.path / "eval" / mode / f"samples_{task}.csv")
             if bs is None or qs is None:
@@ -487,7 +485,8 @@ def mde_table(claims: pd.DataFrame) -> pd.DataFrame:
 
 
 def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
-                  metrics_cache: Mapping[str, pd.DataFrame], used: FilesUsed | None = None) -> pd.DataFrame:
+                  metrics_cache: Mapping[str, pd.DataFrame], used: FilesUsed | None = None,
+                  not_compared: list[tuple] | None = None) -> pd.DataFrame:
     """Every finished run's contrasts (:func:`seed_contrasts`) against its baseline and its parent (once if the
     same; a counterpart that is not finished counts as absent), and its held-out-text ones (:func:`heldout_contrasts`).
 
@@ -497,6 +496,7 @@ def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
         parent_of: run folder -> the run it derives from (or None).
         metrics_cache: run folder -> its metrics table.
         used: collects the files read (None: not recorded).
+        not_compared: collects the task evaluations left out as made differently (:func:`seed_contrasts`).
 
     Returns:
         One row per contrast. Column ``units``: each seed's cost per item or window (None for the training loss), what
@@ -511,7 +511,7 @@ def all_contrasts(runs: list[RunInfo], baseline_of: Mapping, parent_of: Mapping,
         for against, other in (("baseline", b), ("derived_from", p if p is not b else None),
                                ("bf16_mode", r if r.quant else None)):
             if other is not None:
-                rows += seed_contrasts(r, other, against, metrics_cache, used)
+                rows += seed_contrasts(r, other, against, metrics_cache, used, not_compared)
         rows += heldout_contrasts(r, b, used)
     return pd.DataFrame(rows)
 

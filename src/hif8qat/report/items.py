@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from hif8qat.report.conditions import task_differences
 from hif8qat.report.sources import read_report_json, read_samples
 from hif8qat.stats.paired import (
     exact_difference_ci,
@@ -73,7 +74,7 @@ def item_stats(xb: np.ndarray, xq: np.ndarray, n_boot: int, seed: int) -> dict[s
 
 def paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int) -> list[dict]:
     """Per task: both scores, the relative drop and its paired interval (:func:`item_stats`), from two eval
-    folders.
+    folders; where the two were evaluated differently (:mod:`hif8qat.report.conditions`) no drop, and why.
 
     Args:
         base_eval: the baseline's eval folder (``results.json``, ``samples_<task>.csv``).
@@ -82,8 +83,9 @@ def paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int)
         seed: the bootstrap's seed.
 
     Returns:
-        One row per task in both ``results.json`` files: ``task``, ``base_pct``, ``run_pct``, ``drop_pct``, and
-        the :func:`item_stats` columns where both folders hold the task's samples."""
+        One row per task in both ``results.json`` files: ``task``, ``base_pct``, ``run_pct``, ``drop_pct``,
+        ``eval_differs`` (the evaluation conditions that differ; then ``drop_pct`` is NaN) and the
+        :func:`item_stats` columns where both folders hold the task's samples and were evaluated alike."""
     def scores(folder: Path) -> dict:
         path = folder / "results.json"
         if not path.exists():
@@ -91,16 +93,16 @@ def paired_comparison(base_eval: Path, other_eval: Path, n_boot: int, seed: int)
         return {k: v for k, v in read_report_json(path).items() if not k.startswith("_")}
 
     base, other = scores(base_eval), scores(other_eval)
+    differs = task_differences(base_eval, other_eval, [t for t in other if t in base])
     rows = []
-    for task, res in other.items():
-        if task not in base:
-            continue
+    for task, why in differs.items():
+        res = other[task]
         row = {"task": task, "base_pct": base[task]["value"] * 100.0, "run_pct": res["value"] * 100.0,
-               "drop_pct": relative_drop(base[task]["value"], res["value"])}
+               "drop_pct": float("nan") if why else relative_drop(base[task]["value"], res["value"])}
         bs, rs = read_samples(base_eval / f"samples_{task}.csv"), read_samples(other_eval / f"samples_{task}.csv")
-        if bs is not None and rs is not None:
+        if bs is not None and rs is not None and not why:
             xb, xr = align_samples(bs, rs)
             row.update(item_stats(xb, xr, n_boot, seed))
-        rows.append(row)
+        rows.append({**row, "eval_differs": why})
     return rows
 

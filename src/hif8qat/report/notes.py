@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import pandas as pd
 
 from hif8qat.report.claims import CLAIM_KEYS, DEFAULT_MARGINS, METRIC_UNITS
+from hif8qat.report.conditions import EVAL_DIFFERS_NOTE
 from hif8qat.report.items import EXACT_BELOW_DISCORDANT
 
 
@@ -58,7 +59,7 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                             "exact p_mcnemar < 0.05), else a paired percentile bootstrap "
                             f"({n_boot} resamples of the common documents, seed {seed}; significant: CI excludes "
                             "0). n_lost / n_gained: items right in the baseline and wrong in the run, and the "
-                            "reverse; discordant: their share. " + multiple,
+                            "reverse; discordant: their share. " + EVAL_DIFFERS_NOTE + " " + multiple,
         f"ape_{profile}": f"Training-loss APE (%) over all common steps, the last {last_frac:.0%} of them, and the "
                           "QAT phase (ape_qat_pct: steps from qat_from_step, the first step the quantized run "
                           "logged as quantized, i.e. after its BF16 warmup).",
@@ -75,7 +76,9 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                              "use it only for a training loss measured at one seed), "
                              "within_df (its degrees of freedom; inf for items), lost / gained (items right only "
                              "in the counterpart / only in the run; for the per-item metrics, items worse / "
-                             "better), recorded (false: the run files lack the metric).",
+                             "better), recorded (false: the run files lack the metric). A seed's task evaluated "
+                             "differently from its counterpart (eval_differs in the drops and ablations tables) "
+                             "has no row here: the report's message lists it.",
         f"sweeps_{profile}": "Sweeps: each experiment run under several run tags (e.g. a Hydra multirun over a "
                              "knob), the knobs that differ between them (from the saved configs), and each claim "
                              "metric's cost against the baseline per knob value, 95 % CI over seeds as in "
@@ -96,7 +99,7 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
         f"seeds_{profile}": "Spread over seeds: mean, sd, min and max of each score and each drop (%).",
         f"seed_null_{profile}": "Seed null: each BF16 experiment against itself at another seed (bf16 evaluations): "
                                 "relative drop (%) with a paired bootstrap 95 % CI. Only the seed differs, so "
-                                "these drops are the noise floor of any claim.",
+                                "these drops are the noise floor of any claim. " + EVAL_DIFFERS_NOTE,
         f"claims_{profile}": "Each run against its baseline and against the experiment it derives from, pooled "
                              "over same-seed pairs, and a quantized run's quantized evaluation against its own "
                              "bf16 one (against = bf16_mode): cost (positive = the run is worse; "
@@ -176,7 +179,7 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
                                 "exp9 vs exp8 the BF16 warmup, exp10/exp11 the FP8 format (vs exp2/exp8), "
                                 "exp12/exp13 just-in-time scaling (vs exp8/exp2): a positive drop there is what the "
                                 "oracle loses against the delayed estimator, a negative one how far the delayed "
-                                "estimator is from the oracle.",
+                                "estimator is from the oracle. " + EVAL_DIFFERS_NOTE,
         f"scaling_pairs_{profile}": "One-factor pairs that change only the element format, the scale algorithm "
                                     "or the scale targets (quant.format / quant.margin / quant.algo / "
                                     "quant.target), side by side: format, algorithm and the targets A/W/G, share "
@@ -187,7 +190,7 @@ def table_notes(profile: str, *, n_boot: int, seed: int, last_frac: float, margi
         f"vs_base_{profile}": "Each run's bf16 evaluation against the untrained base model's "
                               f"(results/base_model/{profile}/): relative drop (%) with a paired bootstrap 95 % CI. "
                               "Drops common to quantized and BF16 runs at one learning rate are forgetting, not "
-                              "quantization.",
+                              "quantization. " + EVAL_DIFFERS_NOTE,
         f"replay_{profile}": "Each estimator replayed (interval 1) on the same per-call amax traces "
                              "recorded in a run's "
                              "final scaler state: share of calls whose amax exceeded the delayed estimate, how far, "

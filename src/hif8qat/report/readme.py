@@ -311,6 +311,7 @@ class ClaimsParts:
     contrasts_df: pd.DataFrame
     claims_df: pd.DataFrame
     section: str
+    not_compared: list[tuple]  # (evaluations, task, conditions) the claims leave out as made differently
 
 
 def skipped_updates_note(claims_df: pd.DataFrame, profile: str) -> str:
@@ -358,13 +359,14 @@ def claims_parts(runs: list[RunInfo], runs_root: Path, profile: str, *, margins:
     ape = ape_rows(curves, last_frac)
     scaling_pairs_df = scaling_pairs_table(runs, parent_of, metrics_cache, ape)
     replay_df = replay_table(runs if replay else [], used)
-    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache, used)
+    not_compared: list[tuple] = []
+    contrasts_df = all_contrasts(runs, baseline_of, parent_of, metrics_cache, used, not_compared)
     claims_df = mark_skipped_updates(claims_table(contrasts_df, margins), contrasts_df, runs_df)
     section = claims_section(claims_df, runs_df, profile, margins,
                              saturation_section(scaling_pairs_df, replay_df, profile))
     section += skipped_updates_note(claims_df, profile)
     return ClaimsParts(runs_df, metrics_cache, baseline_of, parent_of, pairing_df, unpaired, curves, ape,
-                       scaling_pairs_df, replay_df, contrasts_df, claims_df, section)
+                       scaling_pairs_df, replay_df, contrasts_df, claims_df, section, not_compared)
 
 
 def build_claims(runs_root: Path, profile: str, margins: Mapping[str, float] | None = None) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from hif8qat.report.conditions import task_differences
 from hif8qat.report.items import align_samples, item_stats, paired_comparison
 from hif8qat.report.sources import (
     FilesUsed,
@@ -173,7 +174,8 @@ def ape_rows(curves: Sequence[LossPair], last_frac: float) -> list[dict[str, Any
 def drops_table(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None], used: FilesUsed, n_boot: int,
                 seed: int) -> pd.DataFrame:
     """Per run, evaluation mode and task: the relative drop against the baseline's bf16 evaluation, one row per
-    seed, with its paired interval when both evaluations saved their items.
+    seed, with its paired interval when both evaluations saved their items; none where the two were evaluated
+    differently (``eval_differs`` names how, :mod:`hif8qat.report.conditions`).
 
     Args:
         runs: the runs read.
@@ -192,16 +194,17 @@ def drops_table(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None], 
         base_res = eval_results(b, "bf16")
         for qmode in ("bf16", "hif8"):
             q_res = eval_results(r, qmode)
-            for task, qr in q_res.items():
-                if task not in base_res:
-                    continue
-                bs = read_samples(b.path / "eval" / "bf16" / f"samples_{task}.csv")
-                qs = read_samples(r.path / "eval" / qmode / f"samples_{task}.csv")
+            differs = task_differences(b.path / "eval" / "bf16", r.path / "eval" / qmode,
+                                       [t for t in q_res if t in base_res])
+            for task, why in differs.items():
+                qr = q_res[task]
+                bs = None if why else read_samples(b.path / "eval" / "bf16" / f"samples_{task}.csv")
+                qs = None if why else read_samples(r.path / "eval" / qmode / f"samples_{task}.csv")
                 row = {"experiment": r.experiment, "run_tag": tag_of(r), "baseline": b.experiment, "seed": r.seed,
                        "quant_mode": qmode,
                        "task": task, "metric": qr.get("metric"), "base_pct": base_res[task]["value"] * 100.0,
                        "quant_pct": qr["value"] * 100.0,
-                       "drop_pct": relative_drop(base_res[task]["value"], qr["value"])}
+                       "drop_pct": float("nan") if why else relative_drop(base_res[task]["value"], qr["value"])}
                 if bs is not None and qs is not None:
                     xb, xq = align_samples(bs, qs)
                     row.update(drop_paired_pct=relative_drop(float(xb.mean()), float(xq.mean()))
@@ -212,7 +215,7 @@ def drops_table(runs: list[RunInfo], baseline_of: Mapping[str, RunInfo | None], 
                     row.update(n_paired=0, drop_paired_pct=float("nan"), ci_lo=float("nan"), ci_hi=float("nan"),
                                significant=False, discordant=float("nan"), p_mcnemar=float("nan"),
                                ci_method="")
-                drop_rows.append(row)
+                drop_rows.append({**row, "eval_differs": why})
     return pd.DataFrame(drop_rows)
 
 

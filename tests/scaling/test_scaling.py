@@ -403,6 +403,55 @@ def test_spike_reported_by_most_recent_absorbed_by_max_window(impl):
     assert rec["exceed_frac_max"] > 0  # the spike call put the whole tensor above the target tier
 
 
+def test_statistics_of_an_in_range_call_make_no_pass_over_its_input_and_match_the_reference():
+    """On a CPU a statistics call whose largest |x*s| is within the target (and the format) needs neither count: it
+    reads no element of x. Calls in and out of range, alternated, give the reference scaler's telemetry
+    (tests/reference_scaling.py, its own passes on every call)."""
+    import reference_scaling
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hif8qat.scaling import bank_telemetry
+
+    class FullSizeOps(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.ops = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() == self.numel:
+                self.ops.append(str(func))
+            return out
+
+    def passes_over(sc, x, scale):  # the statistics of one call, alone, on a copy of the bank's telemetry
+        saved = ([t.clone() for t in (sc.bank.tel_max, sc.bank.tel_cnt, sc.bank.last_stats)],
+                 sc.bank.tel_stat_calls.copy())
+        amax = x.abs().amax().float()  # what the call's kernel computed
+        with FullSizeOps(x.numel()) as seen:
+            bank_telemetry.record_stats(sc.bank, x, sc.row, scale, amax)
+        (sc.bank.tel_max, sc.bank.tel_cnt, sc.bank.last_stats), sc.bank.tel_stat_calls = saved
+        return seen.ops
+
+    cfg = ScalingConfig(algo="max", history_len=4, telemetry_stats_every=1)
+    bank, oracle = BankedScaler.standalone("A", cfg), reference_scaling.DelayedScaler("A", cfg)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 32, generator=gen) * (50.0 if i in (3, 6) else 1.0) for i in range(8)]  # 3, 6 outgrow
+    kinds = []
+    for i, x in enumerate(xs):
+        if i:
+            scale = bank.scale.clone()
+            in_range = float(x.abs().amax()) * float(scale) <= bank.target
+            ops = passes_over(bank, x, scale)
+            assert (ops == []) == in_range, (i, ops)
+            kinds.append(in_range)
+        oracle.quantize(x)
+        bank.quantize(x)
+    got, want = bank.telemetry_record(), oracle.telemetry_record()
+    for key in ("exceed_frac_max", "clipped_count", "amax_ratio_gt1", "stats_calls"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+    assert got["exceed_frac_max"] > 0 and got["stats_calls"] == len(xs) and set(kinds) == {True, False}
+
+
 def test_stats_cadence_and_reset(impl):
     cfg = ScalingConfig(algo="max", telemetry_stats_every=3)
     sc = impl.Scaler("W", cfg)

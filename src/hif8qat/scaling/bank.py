@@ -385,7 +385,7 @@ class ScalerBank(BankExtras, nn.Module):
         if keep and mode == RECORD:  # for a checkpoint recompute (see quantize)
             self._kept[row] = (y, (x.data_ptr(), tensor_version(x), x.shape, out_dtype))
         if stats:
-            bank_telemetry.record_stats(self, x, row, scale)
+            bank_telemetry.record_stats(self, x, row, scale, self._amax_rows[row])
         if self._is_g[row] and not self._callback_queued and in_backward():
             queue_at_backward_end(self.update)
             self._callback_queued = True

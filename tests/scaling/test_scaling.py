@@ -404,9 +404,9 @@ def test_spike_reported_by_most_recent_absorbed_by_max_window(impl):
 
 
 def test_statistics_of_an_in_range_call_make_no_pass_over_its_input_and_match_the_reference():
-    """On a CPU a statistics call whose largest |x*s| is within the target (and the format) needs neither count: it
-    reads no element of x. Calls in and out of range, alternated, give the reference scaler's telemetry
-    (tests/reference_scaling.py, its own passes on every call)."""
+    """On a CPU a statistics call whose largest |x*s| is within the target reads no element of x, and one within
+    the format's range makes no pass for the clipped count. Calls in range, beyond the target and beyond the format
+    give the reference scaler's telemetry (tests/reference_scaling.py, its own passes on every call)."""
     import reference_scaling
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -435,21 +435,24 @@ def test_statistics_of_an_in_range_call_make_no_pass_over_its_input_and_match_th
     cfg = ScalingConfig(algo="max", history_len=4, telemetry_stats_every=1)
     bank, oracle = BankedScaler.standalone("A", cfg), reference_scaling.DelayedScaler("A", cfg)
     gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(64, 32, generator=gen) * (50.0 if i in (3, 6) else 1.0) for i in range(8)]  # 3, 6 outgrow
+    # 3 outgrows the target (not HiF8's range), 6 the range too
+    xs = [torch.randn(64, 32, generator=gen) * {3: 50.0, 6: 1e7}.get(i, 1.0) for i in range(8)]
     kinds = []
     for i, x in enumerate(xs):
         if i:
             scale = bank.scale.clone()
-            in_range = float(x.abs().amax()) * float(scale) <= bank.target
+            top = float(x.abs().amax()) * float(scale)
+            in_range, clips = top <= bank.target, top >= 40960.0  # HiF8's overflow
             ops = passes_over(bank, x, scale)
-            assert (ops == []) == in_range, (i, ops)
-            kinds.append(in_range)
+            assert (ops == []) == in_range and ("aten.ge.Scalar" in ops) == clips, (i, ops)
+            kinds.append((in_range, clips))
         oracle.quantize(x)
         bank.quantize(x)
     got, want = bank.telemetry_record(), oracle.telemetry_record()
     for key in ("exceed_frac_max", "clipped_count", "amax_ratio_gt1", "stats_calls"):
         assert got[key] == pytest.approx(want[key], rel=1e-6), key
-    assert got["exceed_frac_max"] > 0 and got["stats_calls"] == len(xs) and set(kinds) == {True, False}
+    assert got["exceed_frac_max"] > 0 and got["clipped_count"] > 0 and got["stats_calls"] == len(xs)
+    assert set(kinds) == {(True, False), (False, False), (False, True)}
 
 
 def test_stats_cadence_and_reset(impl):

@@ -36,6 +36,7 @@ rep = report.build_report(runs_root, profile, out / "tables", out / "figures", n
 print(rep["message"])
 tables = rep["tables"]
 pd.set_option("display.width", 160)
+pd.set_option("display.max_columns", None)  # every column of a table: they are read whole
 if not tables:
     print(f"Nothing to show yet: no run folders under {runs_root / profile}. "
           "Run an experiment first, e.g. `make exp8` (mini profile), then re-run this notebook.")

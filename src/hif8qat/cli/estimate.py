@@ -20,8 +20,8 @@ class StartupTimer:
     """A run process's start-up (the interpreter and the run job's imports), timed in a child process that imports
     ``module`` while the estimate does its own single-threaded work (the memory simulation, the configs, the model's
     load) and its first quantized step (the quantizer's compile, whose time is not taken at face value); it also
-    brings those files into the page cache, as the run's own start will find them. Its CPU seconds are taken, not its wall time: beside the
-    estimate it shares the cores, which the run's own start will not.
+    brings those files into the page cache, as the run's own start will find them. Its CPU seconds are taken, not
+    its wall time: beside the estimate it shares the cores, which the run's own start will not.
 
     Args:
         module: the module a run's process imports before its work."""

@@ -460,9 +460,10 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
     measured = next((c for c in configs if c.quant.enabled), configs[0])
     quantized_eval = any(c.quant.enabled and any(m != "bf16" for m in c.eval.modes) for c in configs)
     roots = [results_root, Path(args.reference_root)]
+    # per way of scoring: its evaluation in recorded plain steps, or None (read once, used three times below)
+    in_steps = {way: eval_in_steps(roots, args.profile, way) for way in ("packed", "cached")}
     # a plain step is the unit a recorded evaluation is counted in, even where only quantized steps are pending
-    plain = (any(eval_in_steps(roots, args.profile, way) for way in ("packed", "cached"))
-             or any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs))
+    plain = any(in_steps.values()) or any(not c.quant.enabled or c.quant.bf16_warmup_steps > 0 for c in configs)
     started_up = []
 
     def wait_for_startup() -> None:  # the child's CPU seconds: the cores this process shares with it do not count
@@ -475,7 +476,7 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
     rows = measured.eval.batch_size
 
     def eval_shape(scoring: str) -> tuple[int, int] | None:  # the recorded evaluation's mean call, where needed
-        if eval_in_steps(roots, args.profile, scoring) and not quantized_eval:
+        if in_steps[scoring] and not quantized_eval:
             return None  # counted in plain steps: a forward's time would not be used
         work = eval_work(results_root, args.profile, scoring)
         return rows, max(round(work.tokens / max(work.calls, 1) / rows), 1)
@@ -484,7 +485,7 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
                            eval_shape=eval_shape, wait_beside=wait_for_startup)
     startup_s = next(iter(started_up), None) or startup_s
     work = eval_work(results_root, args.profile, costs.scoring)
-    calibrated = eval_in_steps(roots, args.profile, costs.scoring)
+    calibrated = in_steps[costs.scoring]
     costs = replace(costs, startup_s=startup_s, eval_steps=calibrated[0] if calibrated else 0.0)
 
     def preflight_cost(c) -> float:  # nothing where the cache holds its step (the simulation above, an earlier run)

@@ -8,7 +8,7 @@ model from ``train.loop.prepare_model``, quantization switched on for a QAT expe
    tokens) and one evaluation batch (``eval.batch_size`` rows, a forward without gradients and the log-softmax
    over the vocabulary, as lm-eval scores a batch);
 2. measures the machine's GEMM rate at the shapes those GEMMs had (the shapes holding 95 % of their FLOPs, each
-   timed alone in the run's compute dtype);
+   timed alone in the dtype the step's GEMMs receive: BF16, or FP32 under emulated BF16 and FP32 numerics);
 3. prints, per step, the time by kind (torch.profiler's self time of each op, classified: GEMMs, attention, the
    optimizer's ops, casts (``copy_``), ``fill_``/``zero_``, the loss's log-softmax and NLL, the quantizer's ops,
    the rest, listed by op as well; the casts' and ``fill_``'s call counts, which a loaded machine leaves
@@ -278,8 +278,8 @@ def main(argv=None) -> dict:
                          "kinds_calls": calls,
                          "gemm_flops": sum(f for _, _, f in gemms), "fill_sources": fill_sources(prof)[:6],
                          "rest_ops_s": dict(sorted(rest_ops.items(), key=lambda kv: -kv[1])[:8])}
-    dtype = torch.bfloat16 if bench.cfg.train.autocast.startswith("bf16") else torch.float32
-    rate, shape_rows = gemm_rates(all_gemms, dtype)
+    # the dtype the step's GEMMs received (emulated BF16: FP32; a BF16 GEMM there takes minutes at these shapes)
+    rate, shape_rows = gemm_rates(all_gemms, bench.numerics.gemm_operand_dtype)
     for row in results.values():
         row["gemm_at_rate_s"] = row["gemm_flops"] / rate
         row["step_per_gemm_profiled"] = row["profiled_s"] / max(row["kinds_s"]["gemm"], 1e-12)

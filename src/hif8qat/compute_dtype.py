@@ -112,6 +112,13 @@ class Numerics:
         """The dtype the GEMMs compute in under autocast (None: FP32, no autocast)."""
         return None if self.mode == "none" else _BF16
 
+    @property
+    def gemm_operand_dtype(self) -> torch.dtype:
+        """The dtype a GEMM's operands have under :meth:`forward`: BF16 where it is computed natively; FP32 where it
+        is emulated (operands rounded to BF16 values, multiplied in FP32) and with no autocast. A benchmark timing
+        the machine's GEMMs times them in this dtype (a BF16 GEMM on a CPU without native BF16 takes a slow path)."""
+        return _BF16 if self.mode == "bf16" else torch.float32
+
     def forward(self) -> contextlib.AbstractContextManager:
         """Around a forward pass (training step, held-out loss, evaluation).
 

@@ -61,13 +61,15 @@ def record_stats(bank: Any, x: torch.Tensor, row: int, scale: torch.Tensor, amax
     # and nearly all none for the clipped count (the format's range is far above the target).
     top = amax.to(torch.float32) * scale
     bounded = x.device.type == "cpu" and not bool(top.isnan())
-    count_exceed = not (bounded and bool(top <= target))
-    count_clipped = not (bounded and not bool(spec.clipped(top)))
-    ax = x.detach().abs().to(torch.float32).mul_(scale) if count_exceed or count_clipped else None  # |x*s|
-    exceed = (ax > target).to(torch.float32).mean().to(torch.float64) if count_exceed else \
-        torch.zeros((), dtype=torch.float64)
-    # formats.clipped_count's rule, on the |x*s| computed here
-    clipped = spec.clipped(ax) if count_clipped else torch.zeros((), dtype=torch.int64)
+    count_exceed = not bounded or bool(top > target)
+    count_clipped = not bounded or bool(spec.clipped(top))
+    exceed, clipped = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+    if count_exceed or count_clipped:
+        ax = x.detach().abs().to(torch.float32).mul_(scale)  # |x*s|
+        if count_exceed:
+            exceed = (ax > target).to(torch.float32).mean().to(torch.float64)
+        if count_clipped:  # formats.clipped_count's rule, on the |x*s| computed here
+            clipped = spec.clipped(ax)
     bank.tel_max[row, 1] = torch.fmax(bank.tel_max[row, 1], exceed)
     bank.tel_cnt[row, 1] += clipped
     bank.last_stats[row] = torch.stack((exceed, clipped.to(torch.float64)))

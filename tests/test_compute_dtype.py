@@ -194,20 +194,10 @@ def test_evaluation_reuses_a_weights_rounding_until_the_weight_changes():
 def test_the_gemm_operand_dtype_is_the_one_a_linear_sends_to_its_gemm(mode):
     """What a benchmark times the machine's GEMMs in: the operands' dtype that a linear's GEMM receives under the
     numerics' forward, as ATen sees the call (a BF16 operand under emulation would be the slow path it avoids)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OperandDtypes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "baddbmm"):
-                self.seen |= {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2}
-            return func(*args, **(kwargs or {}))
+    from test_gemm_dtypes import GemmOperandDtypes
 
     n = numerics.Numerics(mode)
     x, w = torch.randn(4, 8), torch.randn(16, 8)
-    with n.forward(), OperandDtypes() as recorded:
+    with n.forward(), GemmOperandDtypes() as recorded:
         F.linear(x, w)
-    assert recorded.seen == {n.gemm_operand_dtype}
+    assert set(recorded.calls) and {dtypes for _, dtypes in recorded.calls} == {(str(n.gemm_operand_dtype),)}

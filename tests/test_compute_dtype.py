@@ -154,6 +154,34 @@ def test_tiny_llama_step_under_emulation_tracks_native_bf16():
         assert (emu_grad - native_grad).norm() / native_grad.norm() < 5e-2
 
 
+def test_an_emulated_evaluation_rounds_its_results_in_place_to_the_values_training_computes():
+    """Without gradients the emulation rounds each GEMM's result in place (no copy of an evaluation's logits is
+    allocated); with them it rounds a copy. The logits must be the same, bit for bit, and the logits tensor
+    the GEMM's own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 256, (2, 32))
+    with numerics.forward_context("bf16_emulated", "cpu"):
+        trained = model(input_ids=ids).logits.detach()
+    allocated, round_in_place = [], numerics.round_bf16_
+
+    def recorded(y):  # the rounding's argument: the tensor the GEMM returned
+        allocated.append(y)
+        return round_in_place(y)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(numerics, "round_bf16_", recorded)
+        with torch.no_grad(), numerics.forward_context("bf16_emulated", "cpu"):
+            evaluated = model(input_ids=ids).logits
+    assert torch.equal(evaluated, trained)
+    assert torch.equal(trained, trained.to(torch.bfloat16).float())  # BF16 values held in float32
+    assert any(y.data_ptr() == evaluated.data_ptr() for y in allocated)  # the logits were rounded where they lay
+
+
 def test_quantized_linear_under_emulation_matches_native_autocast():
     import copy
 

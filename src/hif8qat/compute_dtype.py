@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hif8qat.formats.bf16 import round_bf16_
 from hif8qat.scaling.autograd_engine import tensor_version
 
 # The values of train.autocast (the run configuration checks it against these; evaluation's eval.dtype takes the
@@ -201,6 +202,15 @@ def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(_BF16) if dtype == _BF16 else round_bf16(x)
 
 
+def _round_result_to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A GEMM's result rounded to BF16 in ``dtype``: in place where autograd does not record it (an evaluation's
+    logits are the largest tensor it makes; rounded in place, no copy of them is allocated). The GEMM ran on the
+    emulation's own rounded copies of its operands, so a result that is a view shares memory only with those."""
+    if dtype == torch.float32 and y.dtype == torch.float32 and not torch.is_grad_enabled():
+        return round_bf16_(y)
+    return _round_to(y, dtype)
+
+
 def _fp32(x: torch.Tensor) -> torch.Tensor:
     """BF16 values as float32 (exact); float32 rounded to BF16 values."""
     return x.float() if x.dtype == _BF16 else round_bf16(x)
@@ -281,10 +291,10 @@ class BF16Emulation(TorchFunctionMode):
                 x, weight, bias = _linear_args(args, kwargs)
                 if weight.dtype == torch.float32:
                     b = None if bias is None else _rounded_weight(bias)
-                    return _round_to(F.linear(_fp32(x), _rounded_weight(weight), b), out_dtype)
+                    return _round_result_to(F.linear(_fp32(x), _rounded_weight(weight), b), out_dtype)
             up_args = [_fp32(a) if _is_float_tensor(a) else a for a in args]
             up_kwargs = {k: _fp32(v) if _is_float_tensor(v) else v for k, v in kwargs.items()}
-            return _round_to(func(*up_args, **up_kwargs), out_dtype)
+            return _round_result_to(func(*up_args, **up_kwargs), out_dtype)
 
 
 _ROUNDED_ATTR = "_hif8qat_bf16_rounded"  # on a parameter: ((version, data_ptr) when rounded, the rounded copy)

@@ -47,7 +47,8 @@ def test_blocks_share_one_graph_without_breaks_and_the_compiled_qat_step_equals_
     # Gradients are compared in float64: in float32 the compiled kernels' other summation order moves some
     # gradient by an ulp, across a HiF8 rounding boundary now and then (it did on an AVX2 CPU), and that one
     # flipped code then spreads through every block below. In float64 the order's effect stays far below
-    # float32's resolution, where the quantizer rounds.
+    # float32's resolution, where the quantizer rounds (the scaler bank's eager HiF8 path reads float64 as float32
+    # and writes float64).
     float64 = step(torch.float64)
     names = [name for name, _ in base.named_parameters()]
     for name, a, b in zip(names, float64["eager"][1], float64["compiled"][1]):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hif8qat.formats.bf16 import round_bf16_
+from hif8qat.formats.bf16 import round_bf16, round_bf16_
 from hif8qat.scaling.autograd_engine import tensor_version
 
 # The values of train.autocast (the run configuration checks it against these; evaluation's eval.dtype takes the
@@ -185,18 +185,6 @@ def describe(mode: str, device_type: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # BF16 emulation
 # --------------------------------------------------------------------------------------------------
-def round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """float32 tensor holding x rounded to the nearest BF16 value (ties to even, as the cast does).
-
-    Args:
-        x: a float tensor.
-
-    Returns:
-        The rounded float32 tensor.
-    """
-    return x.to(_BF16).to(torch.float32)
-
-
 def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x rounded to BF16 and returned in ``dtype`` (BF16 itself, or float32 holding BF16 values)."""
     return x.to(_BF16) if dtype == _BF16 else round_bf16(x)

@@ -4,7 +4,7 @@
 compiled per variant or run eagerly) and ``qdq`` (the public API: ``hif8_qdq*``, ``fp8_qdq*``, ``FORMATS``,
 re-exported here: ``from hif8qat.formats import hif8_qdq``). ``conformance`` ships HiF8 test vectors and checks
 any HiF8 decoder or encoder against them (``python -m hif8qat.formats.conformance``; not imported here); ``bf16``
-rounds float32 tensors to BF16 values in place (the BF16 emulation's GEMM results). Layer 1
+rounds float32 tensors to BF16 values, a copy or in place (the BF16 emulation). Layer 1
 of the library core: imports only torch and numpy; knows nothing of scaling, models or the pipeline.
 """
 

@@ -187,3 +187,23 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step_without_deadlock(tmp_p
     assert _rows(tmp_path / "runs") == _rows(whole)
     assert ((_folder(tmp_path / "runs") / "export" / "model.safetensors").read_bytes()
             == (_folder(whole) / "export" / "model.safetensors").read_bytes())
+
+
+@pytest.mark.slow
+def test_a_stop_signal_stops_an_in_process_sweep_and_the_same_command_resumes_it(tmp_path, uninterrupted):
+    """The process was told to stop: the sweep must not start its next point (which SLURM would SIGKILL after
+    KillWait, uncheckpointed). The same command then resumes the point from the signal's checkpoint and runs the
+    rest."""
+    root, marker = tmp_path / "runs", tmp_path / "paused"
+    args = ["-m", *SMOKE, "seed=0,1", f"results_root={root}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = _start(args, {"HIF8QAT_TEST_PAUSE_AT_STEP": str(PAUSE_AT), "HIF8QAT_TEST_PAUSE_FILE": str(marker)})
+    os.kill(_paused_pids(marker, 1, proc)[0], signal.SIGTERM)
+    rc, out = _finish(proc)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(errors) == 1 and "stopped by SIGTERM: checkpointed at step 6" in errors[0], out[-3000:]
+    assert not (root / "smoke" / "exp8" / "seed1").exists(), "the sweep went on to its next point"
+    assert "sweep summary" not in out
+    rc, out = _finish(_start(args))
+    assert rc == 0 and "2 point(s): 2 done" in out, out[-3000:]
+    assert "checkpoints/step_0000006 at step 6" in out, out[-3000:]
+    assert _rows(root) == _rows(uninterrupted)

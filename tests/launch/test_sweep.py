@@ -12,6 +12,7 @@ from hif8qat.errors import RunError
 from hif8qat.launch import sweep
 from hif8qat.launch.slurm import ReportFailedJobs
 from hif8qat.runs.folders import RunFolderBusy
+from hif8qat.train.preemption import Preempted, StopSignalExit
 
 
 def test_each_kind_of_failure_is_an_outcome_with_its_error_line():
@@ -41,6 +42,33 @@ def test_each_kind_of_failure_is_an_outcome_with_its_error_line():
     with pytest.raises(SystemExit) as stop:  # Ctrl-C stops the whole sweep, not one point
         sweep.run_point(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), stream=stream)
     assert stop.value.code == 130 and "interrupted (Ctrl-C)" in stream.getvalue()
+
+
+def test_a_stop_signal_stops_the_sweep_and_leaves_no_outcome():
+    """A preemption or requeue checkpoints the point and ends the process: an outcome returned here would be
+    pickled by submitit as the job's result, which the sweep reads as the point's end while SLURM runs the job
+    again; and an in-process sweep would start its next point on a process told to stop."""
+    stream = io.StringIO()
+
+    def rank0_preempted():
+        raise Preempted("stopped by SIGTERM: checkpointed at step 6 (/r/ckpt/step_0000006, verified); "
+                        "resume with the same command")
+
+    def exits(code):  # a follower rank's exit (2); submitit's, after rank 0 chained it and it requeued the job (-1)
+        def job():
+            raise StopSignalExit(code)
+        return job
+
+    with pytest.raises(StopSignalExit) as stop:
+        sweep.run_point(rank0_preempted, stream=stream)
+    assert stop.value.code == 2
+    assert stream.getvalue() == ("error: stopped by SIGTERM: checkpointed at step 6 (/r/ckpt/step_0000006, "
+                                 "verified); resume with the same command\n")
+    for code in (2, -1):  # re-raised as they are, nothing printed (rank 0 said it)
+        quiet = io.StringIO()
+        with pytest.raises(StopSignalExit) as stop:
+            sweep.run_point(exits(code), stream=quiet)
+        assert stop.value.code == code and quiet.getvalue() == ""
 
 
 def test_summary_names_every_point_and_a_failure_makes_the_exit_status_nonzero(tmp_path, capsys):

@@ -2,7 +2,9 @@
 
 A sweep point runs through :func:`run_point`: whatever stops it (a divergence, a refused setting, a run folder
 that another process holds, any exception) is recorded as that point's outcome instead of ending the sweep, so
-the points after it still run. The launcher (``hydra_plugins.hif8qat_launcher``: in-process, submitit-local and
+the points after it still run. A stop signal is not a point's failure: Ctrl-C, a preemption's USR2 or SIGTERM tell
+the process to stop, so the sweep stops there (the interrupted point checkpointed; under SLURM the job may be
+requeued and run again). The launcher (``hydra_plugins.hif8qat_launcher``: in-process, submitit-local and
 SLURM alike) hands every point's outcome to :func:`finish_sweep`, which prints one summary, writes it to
 ``<sweep dir>/sweep_summary.txt`` and exits with status 1 when a point failed or was busy. A rerun of the same
 command skips the finished points (their run folders are DONE), runs the missing ones and retries the failed.
@@ -19,6 +21,7 @@ from hif8qat.boundary import guarded, user_error
 from hif8qat.errors import one_line
 from hif8qat.files import write_text
 from hif8qat.runs.folders import RunFolderBusy
+from hif8qat.train.preemption import Preempted, StopSignalExit
 
 SUMMARY_FILE = "sweep_summary.txt"
 # A point's state: trained/evaluated now, found finished (nothing to do), stopped by an error, or its run
@@ -52,12 +55,20 @@ def run_point(job: Callable[[], str | None], *, stream=None) -> dict[str, str]:
         The point's :func:`outcome`.
 
     Raises:
-        SystemExit: status 130 on Ctrl-C, which stops the whole sweep with one ``interrupted`` line."""
+        SystemExit: status 130 on Ctrl-C, which stops the whole sweep with one ``interrupted`` line; a
+            :class:`~hif8qat.train.preemption.StopSignalExit` when a stop signal (SIGTERM, USR2, Ctrl-C) ended the
+            point's training at a checkpoint: the process was told to stop, so the sweep stops too, after rank 0's
+            ``error:`` line, and no outcome is left for a job that SLURM may start again."""
     stream = stream or sys.stderr
     try:
         return outcome(SKIPPED if job() == SKIPPED else DONE)
     except KeyboardInterrupt:  # the whole sweep stops, with the one line and status of any entry point
         raise SystemExit(guarded(_interrupted, stream=stream)) from None
+    except StopSignalExit:  # a follower rank's, or submitit's exit after it requeued the job
+        raise
+    except Preempted as err:  # rank 0's: it says where it checkpointed and how to resume
+        print(f"error: {user_error(err)}", file=stream, flush=True)
+        raise StopSignalExit(2) from None
     except SystemExit as err:  # a library or a follower rank that exits: that point only
         if err.code in (0, None):
             return outcome(DONE)

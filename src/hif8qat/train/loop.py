@@ -56,7 +56,7 @@ from hif8qat.train.distributed import (
 from hif8qat.train.export import export_or_explain
 from hif8qat.train.guards import _first_nonfinite, clip_gradients
 from hif8qat.train.log import MetricsSink, progress_bar, train_summary, truncate_metrics
-from hif8qat.train.preemption import StopSignals, hooked_stream
+from hif8qat.train.preemption import Preempted, StopSignalExit, StopSignals, hooked_stream
 from hif8qat.train.provenance import (
     ALLOW_MISMATCH_SETTING,
     SCALERS_KEY,
@@ -72,10 +72,6 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=60)
 
 class TrainingDiverged(RunError):
     """The loss, the gradients (persistently) or the weights became non-finite; no bad state is saved."""
-
-
-class Preempted(RunError):
-    """A stop signal (SIGTERM, USR2) came and no handler before ours took it over: checkpointed, stopped."""
 
 
 @dataclass
@@ -453,9 +449,12 @@ class _Run:
         self.progress.close()
         if self.ctx.is_main:
             print(f"{stop.names(signals)}: {where}", flush=True)
-        stop.chain(signals)  # under submitit: requeues and exits on rank 0
+        try:
+            stop.chain(signals)  # under submitit: requeues the job and exits, on rank 0
+        except SystemExit as err:
+            raise StopSignalExit(err.code) from None
         if not self.ctx.is_main:
-            raise SystemExit(2)  # rank 0 says it, once
+            raise StopSignalExit(2)  # rank 0 says why, once
         how = "the same command" if self.cfg.train.resume == "auto" else f"train.resume={path} (or train.resume=auto)"
         raise Preempted(f"stopped by {stop.names(signals)}: {where}; resume with {how}")
 

@@ -17,6 +17,21 @@ import threading
 import time
 from pathlib import Path
 
+from hif8qat.errors import RunError
+
+
+class Preempted(RunError):
+    """A stop signal (SIGTERM, USR2, Ctrl-C's SIGINT) came and no handler before ours took it over: rank 0 checkpointed
+    and stopped; its message says where and how to resume."""
+
+
+class StopSignalExit(SystemExit):
+    """A process's exit after the step a stop signal came in was checkpointed: a follower rank's (rank 0 says why),
+    or the exit of the handler chained after ours (submitit's, once it has requeued the job). The process was told
+    to stop, so a sweep stops with it (:func:`hif8qat.launch.sweep.run_point`) rather than going on to its next
+    point, and leaves no outcome: under SLURM the job may be started again, and a result of this attempt would be
+    read as the point's end."""
+
 
 def watched_signals() -> list[signal.Signals]:
     """The signals the trainer checkpoints on, in the order their handlers are chained: the preemption signal

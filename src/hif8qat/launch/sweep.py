@@ -3,10 +3,11 @@
 A sweep point runs through :func:`run_point`: whatever stops it (a divergence, a refused setting, a run folder
 that another process holds, any exception) is recorded as that point's outcome instead of ending the sweep, so
 the points after it still run. A stop signal (Ctrl-C, a preemption's USR2, SIGTERM) is not a point's failure: the
-sweep stops there, its point checkpointed (under SLURM the job may run again). The launcher (``hydra_plugins.hif8qat_launcher``: in-process, submitit-local and
-SLURM alike) hands every point's outcome to :func:`finish_sweep`, which prints one summary, writes it to
-``<sweep dir>/sweep_summary.txt`` and exits with status 1 when a point failed or was busy. A rerun of the same
-command skips the finished points (their run folders are DONE), runs the missing ones and retries the failed.
+sweep stops there, its point checkpointed (under SLURM the job may run again). The launcher
+(``hydra_plugins.hif8qat_launcher``: in-process, submitit-local and SLURM alike) hands every point's outcome to
+:func:`finish_sweep`, which prints one summary, writes it to ``<sweep dir>/sweep_summary.txt`` and exits with
+status 1 when a point failed or was busy. A rerun of the same command skips the finished points (their run folders
+are DONE), runs the missing ones and retries the failed.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ A job about to be stopped gets a signal first: SLURM sends ``USR2`` ``signal_del
 (submitit's preemption signal, ``$SUBMITIT_PREEMPT_SIGNAL`` naming another), and ``SIGTERM`` when the job is
 requeued (``scontrol requeue``, a preempting partition) or cancelled, ``KillWait`` seconds before ``SIGKILL``.
 This module owns :class:`StopSignals`, which records those signals (and Ctrl-C's SIGINT) while the training
-loop runs, lets every rank agree on them at the same step and chains the handlers they replaced (its docstring
-says how). Also here, because they stop a run the same way from outside: the test hooks that SIGKILL a
-training process (``HIF8QAT_TEST_KILL_AT_STEP``) or pause it (``HIF8QAT_TEST_PAUSE_AT_STEP``) at a known step.
+loop runs, lets every rank agree on them and chains the handlers they replaced, and how a stopped process ends
+(:class:`Preempted` on rank 0, :class:`StopSignalExit` elsewhere). Also here, because they stop a run the same way
+from outside: the test hooks that SIGKILL a training process (``HIF8QAT_TEST_KILL_AT_STEP``) or pause it
+(``HIF8QAT_TEST_PAUSE_AT_STEP``) at a known step.
 """
 
 from __future__ import annotations

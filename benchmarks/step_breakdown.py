@@ -47,6 +47,7 @@ from hif8qat.models.loading import load_causal_lm
 from hif8qat.quant import gemm as quant_gemm
 from hif8qat.quant.linear import freeze_scales, set_quantization
 from hif8qat.runs.host_allocator import keep_freed_memory
+from hif8qat.runs.provenance import machine
 from hif8qat.train.chunked_loss import lm_loss
 from hif8qat.train.guards import clip_gradients
 from hif8qat.train.loop import DistContext, _forward_backward, build_optimizer, prepare_model
@@ -286,7 +287,8 @@ def main(argv=None) -> dict:
         row["step_per_gemm_flops"] = row["step_s"] / row["gemm_at_rate_s"]
     t = bench.cfg.train
     out = {"profile": args.profile, "experiment": args.experiment, "model": bench.cfg.model.name,
-           "numerics": compute_dtype.describe(t.autocast, "cpu"), "threads": torch.get_num_threads(),
+           "machine": machine(), "numerics": compute_dtype.describe(t.autocast, "cpu"),
+           "threads": torch.get_num_threads(),
            "micro_batches": bench.accum, "micro_batch": [t.micro_batch_size, t.seq_len],
            "eval_batch": list(bench.eval_tokens.shape), "gemm_rate_gflops": rate / 1e9, "gemm_shapes": shape_rows,
            "cases": results,
@@ -297,8 +299,10 @@ def main(argv=None) -> dict:
 
 
 def _table(out: dict) -> str:
+    cpu = out["machine"]
     lines = [f"{out['model']} ({out['profile']}/{out['experiment']}), {out['numerics']['numerics']} on "
-             f"{out['numerics'].get('cpu_capability', 'cpu')}, {out['threads']} threads; training step "
+             f"{cpu['cpu'] or 'a CPU'} ({', '.join(cpu['cpu_features']) or 'no GEMM features named'}; torch's "
+             f"{out['numerics'].get('cpu_capability', 'cpu')} kernels), {out['threads']} threads; training step "
              f"{out['micro_batches']} x {out['micro_batch'][0]} x {out['micro_batch'][1]} tokens, evaluation batch "
              f"{out['eval_batch'][0]} x {out['eval_batch'][1]}",
              f"GEMM rate at the step's shapes: {out['gemm_rate_gflops']:.0f} GFLOP/s "

@@ -170,7 +170,7 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
     facts = model_config_facts(cfg.model.name)
     one, eight = (sum(memory.step_memory(cfg, facts, train_numerics(cfg), w).values()) for w in (1, 8))
     assert one > eight
-    monkeypatch.setattr(preflight_module, "_machine_memory", lambda device: (eight, "memory on GPU 0"))
+    monkeypatch.setattr(preflight_module, "machine_memory", lambda device: (eight, "memory on GPU 0"))
 
     spec = importlib.util.spec_from_file_location("hif8qat_run_srun", ROOT / "run.py")
     run_module = importlib.util.module_from_spec(spec)

@@ -14,8 +14,11 @@ from dataclasses import replace
 import pytest
 from test_reliability import cli_config
 
+from hif8qat.config.numerics import train_numerics
 from hif8qat.launch import recorded_evals, time_estimate
+from hif8qat.launch.memory import GIB, SCREEN_MARGIN, generous_count
 from hif8qat.launch.time_estimate import Costs, EvalWork, run_parts, run_seconds
+from hif8qat.models.loading import model_config_facts
 from hif8qat.quant.linear import quant_modules
 
 COSTS = Costs(numerics="bf16", load_s=5.0, train_step_s=2.0, qat_step_s=3.0, eval_token_s=1e-3,
@@ -210,7 +213,7 @@ def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("estimate: make exp3: ")]
     phases = [line.split("] ", 1)[1] for line in lines if line.startswith("estimate: make exp3: [")]
     # the smoke profile evaluates hif8 too: its forward's ratio to a bf16 one is timed
-    expected = ["simulating a training step's memory", "composing the configs", "loading ",
+    expected = ["a training step's memory", "composing the configs", "loading ",
                 "timing a first hif8 (attn_mlp) training step", "waiting for a run process's start",
                 "timing a warm hif8 (attn_mlp) training step and a quantized evaluation forward",
                 "timing a plain (BF16) training step", "timing an evaluation forward", "timing a write"]
@@ -347,6 +350,33 @@ def test_a_runs_preflight_costs_the_memory_simulation_only_where_the_cache_does_
     monkeypatch.setattr(time_estimate, "print_memory", lambda *a: time.sleep(0.5))  # the simulation's seconds
     monkeypatch.setattr(time_estimate, "simulated_before", lambda cfg, *a: cfg.experiment.name == "exp3")
     monkeypatch.setattr(time_estimate, "run_parts", run_parts)
+    monkeypatch.setattr(time_estimate, "machine_memory", lambda device: (GIB, "RAM"))  # a step comes near it
     time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1"], config_for,
                        run_startup=lambda: 7.0)
     assert starts["exp3"] == 7.0 and 7.5 <= starts["exp1"] < 8.5, starts
+    # where the steps fit far below the memory, preflight screens them and simulates none
+    monkeypatch.setattr(time_estimate, "machine_memory", lambda device: (2 ** 50, "RAM"))
+    time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1"], config_for,
+                       run_startup=lambda: 7.0)
+    assert starts == {"exp3": 7.0, "exp1": 7.0}
+
+
+def test_the_estimate_simulates_a_step_only_where_it_could_come_near_this_machines_memory(monkeypatch, tmp_path,
+                                                                                           capsys):
+    """As preflight: a step that SCREEN_MARGIN times the generous count says fits the memory here is printed as
+    such, not simulated; one that may come near it is simulated, and so is one for another device (--device)."""
+    cfg = cli_config(["experiment=exp3", "profile=mini", f"results_root={tmp_path}"])
+    numerics = train_numerics(cfg)
+    simulated = []
+    monkeypatch.setattr(time_estimate, "cached_step_memory", lambda *a: simulated.append(a) or {"weights": GIB})
+    bound = SCREEN_MARGIN * generous_count(cfg, model_config_facts(cfg.model.name))
+    monkeypatch.setattr(time_estimate, "machine_memory", lambda device: (bound + 1, "RAM"))
+    time_estimate.print_memory(cfg, numerics, None, None)
+    out = capsys.readouterr().out
+    assert not simulated and "fits here with room to spare, not simulated" in out, out
+    assert f"{bound / SCREEN_MARGIN / GIB:.1f} GiB" in out and f"{(bound + 1) / GIB:.1f} GiB of RAM" in out
+    time_estimate.print_memory(cfg, numerics, None, "cuda")  # the step on a GPU elsewhere: simulated
+    assert len(simulated) == 1 and "needs about 1.0 GiB" in capsys.readouterr().out
+    monkeypatch.setattr(time_estimate, "machine_memory", lambda device: (bound, "RAM"))
+    time_estimate.print_memory(cfg, numerics, None, None)
+    assert len(simulated) == 2 and "needs about 1.0 GiB" in capsys.readouterr().out

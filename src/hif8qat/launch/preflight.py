@@ -26,7 +26,7 @@ from hif8qat.data.corpus import datasets_offline, mini_corpus_path
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
 from hif8qat.evaluate.task_data import prepare_paper_tasks
 from hif8qat.launch.inputs import check_inputs
-from hif8qat.launch.memory import cached_step_memory, far_below
+from hif8qat.launch.memory import cached_step_memory, far_below, machine_memory
 from hif8qat.models.hub import hub_cached, looks_like_path
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
@@ -187,25 +187,6 @@ def check_results_root(cfg: RunConfig) -> None:
                               f"({err.strerror or err}); allowed a folder this user can write") from None
 
 
-def _machine_memory(device: str) -> tuple[int | None, str]:
-
-
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        index = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
-        return torch.cuda.get_device_properties(index).total_memory, f"memory on GPU {index}"
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return None, ""
-    try:  # a container's memory limit, when one is set
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        total = min(total, int(limit)) if limit.isdigit() else total
-    except OSError:
-        pass
-    # Ranks on one machine without GPUs share its memory.
-    return total // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1), "RAM"
-
-
 def check_model_fits(cfg: RunConfig, numerics: Numerics) -> None:
     """train.seq_len within the model's positions, and one step's memory within the machine's, read from the
     model's config.json only (no weights). A model whose config cannot be had offline is not checked.
@@ -226,7 +207,7 @@ def check_model_fits(cfg: RunConfig, numerics: Numerics) -> None:
         raise ConfigError(f"invalid setting train.seq_len={cfg.train.seq_len}: allowed at most {limit}, the "
                           f"max_position_embeddings of model.name={cfg.model.name!r} (its config.json)")
 
-    have, where = _machine_memory(cfg.train.device)
+    have, where = machine_memory(cfg.train.device)
     if not have or far_below(cfg, facts, have):  # nothing to compare with, or a step that cannot come near it
         return
     parts = cached_step_memory(cfg, facts, numerics, int(os.environ.get("WORLD_SIZE", "1")))

@@ -29,7 +29,16 @@ from hif8qat.evaluate.heldout_set import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
 from hif8qat.evaluate.heldout_set import heldout_window_count
 from hif8qat.evaluate.loading import weights_cast_once
 from hif8qat.evaluate.packed_rows import scoring_of
-from hif8qat.launch.memory import cached_step_memory, describe, simulated_before
+from hif8qat.launch.memory import (
+    GIB,
+    SCREEN_MARGIN,
+    cached_step_memory,
+    describe,
+    far_below,
+    generous_count,
+    machine_memory,
+    simulated_before,
+)
 from hif8qat.launch.recorded_evals import EvalWork, eval_in_steps, eval_work
 from hif8qat.models.loading import load_causal_lm, model_config_facts
 from hif8qat.models.pangu import OPENPANGU_EMBEDDED_1B_CONFIG
@@ -369,6 +378,13 @@ def print_memory(cfg, numerics: Numerics, world_size: int | None, device: str | 
     facts = model_config_facts(cfg.model.name.strip(), revision=cfg.model.revision)
     if not facts:
         return
+    if device is None:  # the run's step is this machine's: as its preflight, no simulation for one that fits easily
+        have, where = machine_memory(cfg.train.device)
+        if have and far_below(cfg, facts, have):
+            print(f"memory: {cfg.experiment.name} at profile {cfg.profile.name}: one training step fits here with "
+                  f"room to spare, not simulated: {SCREEN_MARGIN} times a generous count from the model's sizes "
+                  f"({generous_count(cfg, facts) / GIB:.1f} GiB) is within the {have / GIB:.1f} GiB of {where}")
+            return
     if world_size is None:  # the Makefile launches the paper profile on every local GPU, the others in one process
         world_size = max(torch.cuda.device_count(), 1) if cfg.profile.name == "paper" else 1
     if device is not None:
@@ -423,7 +439,7 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
         print(f"estimate: {args.label}: [{time.perf_counter() - started:.0f} s] {phase}...", flush=True)
 
     experiments = [e for e in (args.baseline, *args.experiments) if e]
-    say("simulating a training step's memory")
+    say("a training step's memory: its simulation, unless it fits far below this machine's")
     first = config_for(args.profile, args.experiments[0], args.seeds[0])
     t = time.perf_counter()
     print_memory(first, train_numerics(first), args.world_size, args.device)
@@ -490,7 +506,10 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
 
     def preflight_cost(c) -> float:  # nothing where the cache holds its step (the simulation above, an earlier run)
         facts = model_config_facts(c.model.name.strip(), revision=c.model.revision)
-        return 0.0 if not facts or simulated_before(c, facts, train_numerics(c)) else preflight_s
+        if not facts or simulated_before(c, facts, train_numerics(c)):
+            return 0.0
+        have, _ = machine_memory(c.train.device)
+        return 0.0 if not have or far_below(c, facts, have) else preflight_s  # as preflight screens it
 
     parts = [run_parts(c, replace(costs, startup_s=startup_s + preflight_cost(c)), work, **sizes) for c in configs]
     total = sum(sum(p.values()) for p in parts)

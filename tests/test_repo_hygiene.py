@@ -38,3 +38,15 @@ def test_smoke_tables_are_never_committed():
     # CI runs `make exp3 PROFILE=smoke` on the clean checkout: its report must not rewrite tracked files.
     tracked = _tracked("results/tables/smoke") + _tracked("results/figures/smoke")
     assert tracked == [], tracked[:3]
+
+
+def test_test_modules_have_unique_basenames():
+    """The test folders are not packages: pytest imports each module by its basename, so a second file of the same
+    name (tests/runs/x.py beside tests/integration/x.py) stops the whole suite's collection, which a run of one
+    folder never shows."""
+    tests = Path(__file__).resolve().parent
+    seen: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        if not (path.parent / "__init__.py").exists():
+            seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}

@@ -64,3 +64,16 @@ def test_written_files_get_the_mode_a_plain_open_gets_under_the_umask(tmp_path, 
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "ours").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+
+
+@pytest.mark.parametrize(("n", "binary", "text"), [
+    (None, False, "unknown"), (999, False, "999 B"), (1000, False, "1.0 kB"), (1_500_000, False, "1.5 MB"),
+    (2.5e12, False, "2.5 TB"), (3e15, False, "3000.0 TB"),
+    (1023, True, "1023 B"), (1024, True, "1.0 KiB"), (3 * 2 ** 19, True, "1.5 MiB"), (2 ** 30, True, "1.0 GiB"),
+    (25_227_005_952, True, "23.5 GiB"), (2 ** 50, True, "1024.0 TiB"),
+])
+def test_byte_counts_read_in_decimal_or_binary_units(n, binary, text):
+    """Disks in decimal units as df -H shows them, memory in binary ones as the GiB of the memory estimate."""
+    from hif8qat.files import human_bytes
+
+    assert human_bytes(n, binary=binary) == text

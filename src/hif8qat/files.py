@@ -54,22 +54,25 @@ def free_space(path: str | os.PathLike) -> int | None:
         return None
 
 
-def human_bytes(n: float | None) -> str:
-    """A byte count in decimal units (``"12.3 MB"``; ``"unknown"`` for None).
+def human_bytes(n: float | None, binary: bool = False) -> str:
+    """A byte count in decimal units (``"12.3 MB"``; ``"unknown"`` for None), or binary ones (``"1.5 GiB"``) as
+    memory is counted.
 
     Args:
         n: the count, or None.
+        binary: steps of 1024 and units KiB, MiB, GiB, TiB.
 
     Returns:
         The text.
     """
     if n is None:
         return "unknown"
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000:
+    step, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("B", "kB", "MB", "GB", "TB"))
+    for unit in units[:-1]:
+        if abs(n) < step:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+        n /= step
+    return f"{n:.1f} {units[-1]}"
 
 
 def storage_error(err: BaseException, where: str | os.PathLike | None = None) -> StorageError | None:

@@ -242,9 +242,9 @@ def test_disk_full_during_a_checkpoint_names_the_folder_and_keeps_the_last_one(t
     text = str(err.value)
     assert str(root) in text and "checkpoint step 8" in text and "free" in text
     # what one checkpoint needs: the weights and AdamW's two moments, 3 x 4 bytes per parameter
-    size, unit = re.search(r"a checkpoint of this run takes about ([\d.]+) (KB|MB)", text).groups()
+    size, unit = re.search(r"a checkpoint of this run takes about ([\d.]+) (kB|MB)", text).groups()
     params = sum(p.numel() for p in state["model"].parameters())
-    assert float(size) * {"KB": 1e3, "MB": 1e6}[unit] == pytest.approx(12 * params, rel=0.02)
+    assert float(size) * {"kB": 1e3, "MB": 1e6}[unit] == pytest.approx(12 * params, rel=0.02)
     assert "step_0000004 is intact" in text
     monkeypatch.undo()
     assert [p.name for p in root.iterdir()] == ["step_0000004"]  # the partial write is gone
@@ -269,7 +269,7 @@ def test_training_checks_free_space_before_the_first_step(tmp_path, monkeypatch)
     run_dir, _ = runs.prepare_run_dir(cfg)
     try:
         monkeypatch.setattr(ckpt, "free_bytes", lambda path: 1000)
-        with pytest.raises(ckpt.DiskFull, match=r"not enough free space for a checkpoint .*1\.0 KB free"):
+        with pytest.raises(ckpt.DiskFull, match=r"not enough free space for a checkpoint .*1\.0 kB free"):
             train.train(cfg, run_dir, numerics=train_numerics(cfg))
         assert not (run_dir / "metrics.jsonl").exists()  # no step was trained
     finally:

@@ -155,7 +155,6 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
     import sys
 
     from hif8qat.launch import memory
-    from hif8qat.launch import preflight as preflight_module
     from hif8qat.models.loading import model_config_facts
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -170,7 +169,7 @@ def test_preflight_sees_the_world_size_of_srun(tmp_path, monkeypatch):
     facts = model_config_facts(cfg.model.name)
     one, eight = (sum(memory.step_memory(cfg, facts, train_numerics(cfg), w).values()) for w in (1, 8))
     assert one > eight
-    monkeypatch.setattr(preflight_module, "machine_memory", lambda device: (eight, "memory on GPU 0"))
+    monkeypatch.setattr(memory, "machine_memory", lambda device: (eight, "memory on GPU 0"))
 
     spec = importlib.util.spec_from_file_location("hif8qat_run_srun", ROOT / "run.py")
     run_module = importlib.util.module_from_spec(spec)

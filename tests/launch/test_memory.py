@@ -249,3 +249,17 @@ def _measure(spec: dict) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(_measure(json.loads(sys.argv[1]))))
+
+
+def test_one_screen_decides_for_preflight_and_the_estimate(monkeypatch):
+    """screen_step: a step is simulated only where the memory is known and four times its count does not fit in
+    it; where the memory cannot be read nothing is compared (and so nothing simulated)."""
+    from hif8qat.launch import memory
+
+    cfg = _cfg("experiment=exp8", "profile=smoke")
+    count = generous_count(cfg, model_config_facts(cfg.model.name))
+    for have, fits, simulate in [(None, False, False), (0, False, False), (4 * count, False, True),
+                                 (4 * count + 1, True, False)]:
+        monkeypatch.setattr(memory, "machine_memory", lambda device, have=have: (have, "RAM"))
+        screen = memory.screen_step(cfg, model_config_facts(cfg.model.name))
+        assert (screen.fits_easily, screen.to_simulate) == (fits, simulate), have

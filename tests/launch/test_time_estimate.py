@@ -15,7 +15,7 @@ import pytest
 from test_reliability import cli_config
 
 from hif8qat.config.numerics import train_numerics
-from hif8qat.launch import recorded_evals, time_estimate
+from hif8qat.launch import memory, recorded_evals, time_estimate
 from hif8qat.launch.memory import GIB, SCREEN_MARGIN, generous_count
 from hif8qat.launch.time_estimate import Costs, EvalWork, run_parts, run_seconds
 from hif8qat.models.loading import model_config_facts
@@ -350,12 +350,12 @@ def test_a_runs_preflight_costs_the_memory_simulation_only_where_the_cache_does_
     monkeypatch.setattr(time_estimate, "print_memory", lambda *a: time.sleep(0.5))  # the simulation's seconds
     monkeypatch.setattr(time_estimate, "simulated_before", lambda cfg, *a: cfg.experiment.name == "exp3")
     monkeypatch.setattr(time_estimate, "run_parts", run_parts)
-    monkeypatch.setattr(time_estimate, "machine_memory", lambda device: (GIB, "RAM"))  # a step comes near it
+    monkeypatch.setattr(memory, "machine_memory", lambda device: (GIB, "RAM"))  # a step comes near it
     time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1"], config_for,
                        run_startup=lambda: 7.0)
     assert starts["exp3"] == 7.0 and 7.5 <= starts["exp1"] < 8.5, starts
     # where the steps fit far below the memory, preflight screens them and simulates none
-    monkeypatch.setattr(time_estimate, "machine_memory", lambda device: (2 ** 50, "RAM"))
+    monkeypatch.setattr(memory, "machine_memory", lambda device: (2 ** 50, "RAM"))
     time_estimate.main(["--profile", "mini", "--experiments", "exp3", "--baseline", "exp1"], config_for,
                        run_startup=lambda: 7.0)
     assert starts == {"exp3": 7.0, "exp1": 7.0}
@@ -370,13 +370,15 @@ def test_the_estimate_simulates_a_step_only_where_it_could_come_near_this_machin
     simulated = []
     monkeypatch.setattr(time_estimate, "cached_step_memory", lambda *a: simulated.append(a) or {"weights": GIB})
     bound = SCREEN_MARGIN * generous_count(cfg, model_config_facts(cfg.model.name))
-    monkeypatch.setattr(time_estimate, "machine_memory", lambda device: (bound + 1, "RAM"))
+    monkeypatch.setattr(memory, "machine_memory", lambda device: (bound + 1, "RAM"))
     time_estimate.print_memory(cfg, numerics, None, None)
     out = capsys.readouterr().out
     assert not simulated and "fits here with room to spare, not simulated" in out, out
-    assert f"{bound / SCREEN_MARGIN / GIB:.1f} GiB" in out and f"{(bound + 1) / GIB:.1f} GiB of RAM" in out
+    count_mib = bound / SCREEN_MARGIN / 2 ** 20  # binary units, as the simulated line's GiB
+    shown = f"{count_mib / 1024:.1f} GiB" if count_mib >= 1024 else f"{count_mib:.1f} MiB"
+    assert f"({shown}) is within the {(bound + 1) / GIB:.1f} GiB of RAM" in out, out
     time_estimate.print_memory(cfg, numerics, None, "cuda")  # the step on a GPU elsewhere: simulated
     assert len(simulated) == 1 and "needs about 1.0 GiB" in capsys.readouterr().out
-    monkeypatch.setattr(time_estimate, "machine_memory", lambda device: (bound, "RAM"))
+    monkeypatch.setattr(memory, "machine_memory", lambda device: (bound, "RAM"))
     time_estimate.print_memory(cfg, numerics, None, None)
     assert len(simulated) == 2 and "needs about 1.0 GiB" in capsys.readouterr().out

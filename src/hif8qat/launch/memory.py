@@ -21,6 +21,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import masking_utils
@@ -371,6 +372,33 @@ def far_below(cfg: RunConfig, facts: dict, limit: int) -> bool:
         True when a step cannot come near ``limit``."""
     count = generous_count(cfg, facts)
     return count is not None and SCREEN_MARGIN * count < limit
+
+
+class MemoryScreen(NamedTuple):
+    """What a run's step is checked against on this machine (:func:`screen_step`)."""
+
+    have: int | None  #: bytes of memory the step has here; None where they cannot be read
+    where: str  #: what they are ("RAM", "memory on GPU 0")
+    fits_easily: bool  #: the step is far below them (:func:`far_below`): no simulation needed
+
+    @property
+    def to_simulate(self) -> bool:
+        """Whether the step must be simulated to be compared with the memory: it is known and may come near."""
+        return bool(self.have) and not self.fits_easily
+
+
+def screen_step(cfg: RunConfig, facts: dict) -> MemoryScreen:
+    """The one decision preflight, the time estimate and its count of a run's preflight share: the machine's
+    memory for the run's step, and whether the step fits it so easily that simulating it (seconds) tells nothing.
+
+    Args:
+        cfg: the run's config (``train.device`` picks the GPU's memory or the RAM).
+        facts: the model's config.json as :func:`hif8qat.models.loading.model_config_facts` reads it.
+
+    Returns:
+        The :class:`MemoryScreen`."""
+    have, where = machine_memory(cfg.train.device)
+    return MemoryScreen(have or None, where, bool(have) and far_below(cfg, facts, have))
 
 
 def describe(cfg: RunConfig, parts: dict[str, int], world_size: int, numerics: Numerics) -> str:

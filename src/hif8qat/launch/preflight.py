@@ -26,7 +26,7 @@ from hif8qat.data.corpus import datasets_offline, mini_corpus_path
 from hif8qat.evaluate.offline_benchmarks import ensure_installed
 from hif8qat.evaluate.task_data import prepare_paper_tasks
 from hif8qat.launch.inputs import check_inputs
-from hif8qat.launch.memory import cached_step_memory, far_below, machine_memory
+from hif8qat.launch.memory import cached_step_memory, screen_step
 from hif8qat.models.hub import hub_cached, looks_like_path
 from hif8qat.models.loading import (
     OPENPANGU_EMBEDDED_1B,
@@ -207,9 +207,10 @@ def check_model_fits(cfg: RunConfig, numerics: Numerics) -> None:
         raise ConfigError(f"invalid setting train.seq_len={cfg.train.seq_len}: allowed at most {limit}, the "
                           f"max_position_embeddings of model.name={cfg.model.name!r} (its config.json)")
 
-    have, where = machine_memory(cfg.train.device)
-    if not have or far_below(cfg, facts, have):  # nothing to compare with, or a step that cannot come near it
+    screen = screen_step(cfg, facts)
+    if not screen.to_simulate:  # nothing to compare with, or a step that cannot come near it
         return
+    have, where = screen.have, screen.where
     parts = cached_step_memory(cfg, facts, numerics, int(os.environ.get("WORLD_SIZE", "1")))
     need = sum(parts.values())
     if need > have:

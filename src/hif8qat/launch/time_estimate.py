@@ -29,14 +29,13 @@ from hif8qat.evaluate.heldout_set import BATCH_WINDOWS as HELDOUT_BATCH_WINDOWS
 from hif8qat.evaluate.heldout_set import heldout_window_count
 from hif8qat.evaluate.loading import weights_cast_once
 from hif8qat.evaluate.packed_rows import scoring_of
+from hif8qat.files import human_bytes
 from hif8qat.launch.memory import (
-    GIB,
     SCREEN_MARGIN,
     cached_step_memory,
     describe,
-    far_below,
     generous_count,
-    machine_memory,
+    screen_step,
     simulated_before,
 )
 from hif8qat.launch.recorded_evals import EvalWork, eval_in_steps, eval_work
@@ -379,11 +378,12 @@ def print_memory(cfg, numerics: Numerics, world_size: int | None, device: str | 
     if not facts:
         return
     if device is None:  # the run's step is this machine's: as its preflight, no simulation for one that fits easily
-        have, where = machine_memory(cfg.train.device)
-        if have and far_below(cfg, facts, have):
+        screen = screen_step(cfg, facts)
+        if screen.fits_easily:
             print(f"memory: {cfg.experiment.name} at profile {cfg.profile.name}: one training step fits here with "
                   f"room to spare, not simulated: {SCREEN_MARGIN} times a generous count from the model's sizes "
-                  f"({generous_count(cfg, facts) / GIB:.1f} GiB) is within the {have / GIB:.1f} GiB of {where}")
+                  f"({human_bytes(generous_count(cfg, facts), binary=True)}) is within the "
+                  f"{human_bytes(screen.have, binary=True)} of {screen.where}")
             return
     if world_size is None:  # the Makefile launches the paper profile on every local GPU, the others in one process
         world_size = max(torch.cuda.device_count(), 1) if cfg.profile.name == "paper" else 1
@@ -508,8 +508,7 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
         facts = model_config_facts(c.model.name.strip(), revision=c.model.revision)
         if not facts or simulated_before(c, facts, train_numerics(c)):
             return 0.0
-        have, _ = machine_memory(c.train.device)
-        return 0.0 if not have or far_below(c, facts, have) else preflight_s  # as preflight screens it
+        return preflight_s if screen_step(c, facts).to_simulate else 0.0  # as preflight screens it
 
     parts = [run_parts(c, replace(costs, startup_s=startup_s + preflight_cost(c)), work, **sizes) for c in configs]
     total = sum(sum(p.values()) for p in parts)

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from hif8qat.artefacts import require_record
 from hif8qat.errors import RunError, one_line
-from hif8qat.files import sha256_file
+from hif8qat.files import free_space, human_bytes, sha256_file
 from hif8qat.quant.linear import scalers_left_out
 from hif8qat.runs.checkpoint_names import (  # noqa: F401 (the checkpoint API, re-exported)
     COMPLETE_MARKER,
@@ -92,27 +92,16 @@ def state_bytes(model: torch.nn.Module, optimizer=None) -> int:
     return params + (sum(v.numel() * v.element_size() for v in states) if states else 2 * params)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes on the disk holding ``path`` (its nearest existing parent).
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the disk holding ``path``, as :func:`hif8qat.files.free_space` reads them: the name the
+    checkpoint's checks call, so a test can fill the disk for them alone.
 
     Args:
         path: a file or folder, existing or not.
 
     Returns:
-        The bytes.
-    """
-    path = Path(path)
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
+        The bytes, or None when the disk cannot say."""
+    return free_space(path)
 
 
 def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
@@ -137,7 +126,8 @@ def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
     # writer's "unexpected pos N vs M" when the disk filled exactly at a write; a disk without room for the
     # write is the cause then.
     if isinstance(err, RuntimeError) and any(s in text for s in ("write failed", "basic_ios::clear", "unexpected pos")):
-        return free_bytes(where) < need
+        free = free_bytes(where)
+        return free is not None and free < need
     return False
 
 
@@ -154,8 +144,8 @@ def disk_full_message(what: str, where: Path, need: int, after: str) -> str:
     Returns:
         The message.
     """
-    return (f"no space left on the disk holding {where} while writing {what}: {_human(free_bytes(where))} free, "
-            f"a checkpoint of this run takes about {_human(need)}. {after}")
+    return (f"no space left on the disk holding {where} while writing {what}: {human_bytes(free_bytes(where))} free, "
+            f"a checkpoint of this run takes about {human_bytes(need)}. {after}")
 
 
 def check_free_space(root: Path, need: int, keep: int) -> None:
@@ -170,13 +160,15 @@ def check_free_space(root: Path, need: int, keep: int) -> None:
         DiskFull: not even one checkpoint fits (a warning is printed when ``keep + 2`` do not).
     """
     free = free_bytes(root)
+    if free is None:  # a disk that does not say: the save itself will tell
+        return
     if free < need:
-        raise DiskFull(f"not enough free space for a checkpoint in {root}: {_human(free)} free, a checkpoint of "
-                       f"this run takes about {_human(need)} (up to train.keep_checkpoints + 1 = {keep + 1} of "
+        raise DiskFull(f"not enough free space for a checkpoint in {root}: {human_bytes(free)} free, a checkpoint of "
+                       f"this run takes about {human_bytes(need)} (up to train.keep_checkpoints + 1 = {keep + 1} of "
                        "them at once, plus the export). Free space there, or point results_root at a larger disk")
     if free < need * (keep + 2):
-        print(f"warning: {root} has {_human(free)} free; the run keeps up to {keep + 1} checkpoints of about "
-              f"{_human(need)} at once plus the export ({_human(need * (keep + 2))}): it may fill the disk",
+        print(f"warning: {root} has {human_bytes(free)} free; the run keeps up to {keep + 1} checkpoints of about "
+              f"{human_bytes(need)} at once plus the export ({human_bytes(need * (keep + 2))}): it may fill the disk",
               file=sys.stderr)
 
 

@@ -28,10 +28,13 @@ from hif8qat.cli.command_line import prepare_argv  # noqa: E402
 if __name__ == "__main__":  # --baseline and a refused line are answered before the job's modules load
     sys.argv = prepare_argv(sys.argv)
 
-from hif8qat.cli.estimate import estimate  # noqa: E402
+from hif8qat.cli.startup_timer import RUN_MODULE, StartupTimer  # noqa: E402
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--estimate"]:  # make all & co.: how long their runs will take here,
-    sys.exit(estimate(sys.argv[2:]))  # answered before the job's modules (the evaluator, the report) load
+    startup_timer = StartupTimer(RUN_MODULE)  # a run's imports, timed beside the estimate's own (next line)
+    from hif8qat.cli.estimate import estimate
+
+    sys.exit(estimate(sys.argv[2:], startup_timer))  # answered before the job's modules (the evaluator) load
 
 from hif8qat.cli.main import run_job  # noqa: E402
 

@@ -188,19 +188,20 @@ def test_measure_steps_the_trainers_prepared_model_and_keeps_first_and_warm_step
     assert len(prepared) == 1 and prepared[0][1] is cfg
     assert all(s[0] is prepared[0][0] and s[1] == "AdamW" for s in stepped)
     assert [s[2] for s in stepped] == order
-    # the run's start-up, timed beside, shares the cores only with a step whose time is not taken at face value:
-    # the quantized first (its extra is capped); a plain config's first step is taken as it is, so it waits first
-    assert events.index("wait") == (1 if order[0] else 0) and events.count("wait") == 1
+    # the run's start-up, timed beside, shares the cores with no timed step: it is waited for before the first
+    assert events.index("wait") == 0 and events.count("wait") == 1
     assert (costs.first_step_s, costs.train_step_s, costs.qat_start_s, costs.qat_step_s) == pytest.approx(expected)
     assert sizes["state_bytes"] > sizes["model_bytes"] > 0
 
 
-def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took(tmp_path, capsys):
+def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took(tmp_path, capsys, monkeypatch):
     """Printed before make expN: a line per phase as it starts (the memory simulation, the configs, the model load,
-    the first quantized step, the wait for the run's start-up timed beside them, the warm quantized step, the plain
+    the wait for the run's start-up timed beside them, the first quantized step, the warm quantized step, the plain
     step, the evaluation forwards, the disk), then the total per run and per part. A run starts in what its imports
-    took (7 s here) and its preflight's memory simulation. The tiny model stands in for the mini profile's: the whole
-    measurement runs in seconds."""
+    took (7 s here) and its preflight's memory simulation. The seconds count from the process's start (its imports,
+    5 s here): what the user waits. The tiny model stands in for the mini profile's: the whole measurement runs in
+    seconds."""
+    monkeypatch.setattr(time_estimate, "process_age_s", lambda: 5.0)
 
     def config_for(profile, experiment, seed, extra):
         return cli_config([f"experiment={experiment}", "profile=smoke", f"seed={seed}", f"results_root={tmp_path}"])
@@ -214,10 +215,11 @@ def test_the_estimate_says_each_phase_before_it_runs_and_how_long_measuring_took
     phases = [line.split("] ", 1)[1] for line in lines if line.startswith("estimate: make exp3: [")]
     # the smoke profile evaluates hif8 too: its forward's ratio to a bf16 one is timed
     expected = ["a training step's memory", "composing the configs", "loading ",
-                "timing a first hif8 (attn_mlp) training step", "waiting for a run process's start",
+                "waiting for a run process's start", "timing a first hif8 (attn_mlp) training step",
                 "timing a warm hif8 (attn_mlp) training step and a quantized evaluation forward",
                 "timing a plain (BF16) training step", "timing an evaluation forward", "timing a write"]
     assert len(phases) == len(expected) and all(p.startswith(e) for p, e in zip(phases, expected, strict=True)), lines
+    assert lines[0].startswith("estimate: make exp3: [5 s] "), lines[0]
     last = lines[-1]
     assert "2 run(s) to train and evaluate" in last and "exp1 " in last and "exp3 " in last, last
     assert "measured just now in " in last and "held-out comparison" in last, last
@@ -324,6 +326,11 @@ def test_the_estimate_imports_neither_the_evaluator_nor_the_statistics_libraries
     of imports that a run's evaluation and report need) stay out, and the run job's own module too."""
     code = ("import sys; import hif8qat.cli.estimate; "
             "print(sorted(m for m in ('lm_eval', 'scipy', 'pandas', 'hif8qat.cli.main') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    # run.py starts the start-up's timer before the estimate's own imports: its module loads none of them
+    code = ("import sys; import hif8qat.cli.startup_timer; "
+            "print(sorted(m for m in ('transformers', 'hif8qat.launch.time_estimate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 

@@ -262,8 +262,7 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
             the evaluation is counted without its forward (a recorded evaluation in steps, no quantized mode), so
             none is timed.
         wait_beside: waits for work running beside this process (a run's start-up timed in a child process); called
-            where the cores it shares slow nothing taken at face value: after a quantized config's first step (its
-            extra over a warm step is capped by ``QAT_FIRST_STEP_EXTRA``), before a plain config's first step.
+            before the first timed step, so no step shares the cores with it.
 
     Returns:
         The measured costs, and ``{"model_bytes", "state_bytes"}``: the export's and a checkpoint's size."""
@@ -316,11 +315,11 @@ def measure(cfg, numerics: Numerics, *, plain: bool = True, quantized_eval: bool
     if cfg.quant.enabled:
         training = cfg.quant.training
         kind = f"{training.format} ({training.scope})"
+        wait_beside()  # no timed step shares the cores with it
         say(f"timing a first {kind} training step of {batch_line}, as the run's first (AdamW's state, the "
             "quantizer's compile)")
         set_quantization(model, True)
         first = step_s()
-        wait_beside()
         say(f"timing a warm {kind} training step" + (" and a quantized evaluation forward" if quantized_eval else ""))
         qat_step_s = step_s()
         # What the run's first step adds: the estimate's own first step paid the quantizer's compile (tens of seconds
@@ -433,7 +432,7 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
         extra = args.baseline_overrides if experiment == args.baseline else args.overrides
         return plain_config_for(profile, experiment, seed, tuple(extra))
 
-    started = time.perf_counter()
+    started = time.perf_counter() - startup_s  # the user waits from the command's start: its imports count
 
     def say(phase: str) -> None:  # a line per phase, as it starts: the user sees what the seconds go to
         print(f"estimate: {args.label}: [{time.perf_counter() - started:.0f} s] {phase}...", flush=True)
@@ -484,7 +483,7 @@ def main(argv, config_for: Callable[..., Any], run_startup: Callable[[], float |
 
     def wait_for_startup() -> None:  # the child's CPU seconds: the cores this process shares with it do not count
         if run_startup is not None:
-            say("waiting for a run process's start-up, timed beside the model's load and first step (its imports)")
+            say("waiting for a run process's start-up (its imports), timed beside this one's and the model's load")
             started_up.append(run_startup())
 
     print(f"estimate: {args.label}: timing {measured.model.name} with {measured.experiment.name}'s settings on this "

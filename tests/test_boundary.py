@@ -110,7 +110,7 @@ def case_disk_full_at_a_checkpoint(tmp: Path, monkeypatch):
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
 
     monkeypatch.setattr(torch, "save", full_disk_save)
-    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 0)  # and no room left for the rest
+    monkeypatch.setattr(ckpt, "free_space", lambda path: 0)  # and no room left for the rest
     return (lambda: ckpt.save_checkpoint(tmp / "checkpoints", 1, model=model, optimizer=opt, scheduler=sched,
                                          rank_state={})), ["no space left on the disk", "checkpoint step 1"]
 

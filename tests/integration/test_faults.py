@@ -118,7 +118,7 @@ def test_torch_save_basic_ios_failure_on_a_full_disk_is_disk_full_and_keeps_the_
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", full)
-    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 0)  # the disk is exactly full
+    monkeypatch.setattr(ckpt, "free_space", lambda path: 0)  # the disk is exactly full
     with pytest.raises(ckpt.DiskFull, match="no space left"):
         ckpt.save_checkpoint(root, 2, model=model, optimizer=opt, scheduler=sched, rank_state={"x": 2})
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_0000001"]

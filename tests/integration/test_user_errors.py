@@ -268,7 +268,7 @@ def test_training_checks_free_space_before_the_first_step(tmp_path, monkeypatch)
                       "logger.progress_bar=false"])
     run_dir, _ = runs.prepare_run_dir(cfg)
     try:
-        monkeypatch.setattr(ckpt, "free_bytes", lambda path: 1000)
+        monkeypatch.setattr(ckpt, "free_space", lambda path: 1000)
         with pytest.raises(ckpt.DiskFull, match=r"not enough free space for a checkpoint .*1\.0 kB free"):
             train.train(cfg, run_dir, numerics=train_numerics(cfg))
         assert not (run_dir / "metrics.jsonl").exists()  # no step was trained

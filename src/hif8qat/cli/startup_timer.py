@@ -1,7 +1,7 @@
 """A run process's start-up (the interpreter and the run job's imports), timed for ``run.py --estimate`` in a child
-process. Standard library only: run.py starts it before the estimate's own imports (torch's and transformers'
-seconds), so the two import side by side and the child is done before the estimate's first timed step, which it
-would otherwise share the cores with."""
+process. It imports the standard library only (torch is loaded already, by the package): run.py starts it before
+the estimate's own imports (transformers and the trainer, seconds), so the two import side by side and the child is
+done before the estimate's first timed step, which it would otherwise share the cores with."""
 
 from __future__ import annotations
 

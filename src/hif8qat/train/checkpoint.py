@@ -92,18 +92,6 @@ def state_bytes(model: torch.nn.Module, optimizer=None) -> int:
     return params + (sum(v.numel() * v.element_size() for v in states) if states else 2 * params)
 
 
-def free_bytes(path: Path) -> int | None:
-    """Free bytes on the disk holding ``path``, as :func:`hif8qat.files.free_space` reads them: the name the
-    checkpoint's checks call, so a test can fill the disk for them alone.
-
-    Args:
-        path: a file or folder, existing or not.
-
-    Returns:
-        The bytes, or None when the disk cannot say."""
-    return free_space(path)
-
-
 def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
     """Whether a failed write ran out of disk: ENOSPC/EDQUOT, safetensors' and torch.save's wording of it, or
     (torch.save's "file write failed" names no cause) less free space left than the write needed.
@@ -126,7 +114,7 @@ def is_disk_full(err: BaseException, where: Path, need: int) -> bool:
     # writer's "unexpected pos N vs M" when the disk filled exactly at a write; a disk without room for the
     # write is the cause then.
     if isinstance(err, RuntimeError) and any(s in text for s in ("write failed", "basic_ios::clear", "unexpected pos")):
-        free = free_bytes(where)
+        free = free_space(where)
         return free is not None and free < need
     return False
 
@@ -144,7 +132,7 @@ def disk_full_message(what: str, where: Path, need: int, after: str) -> str:
     Returns:
         The message.
     """
-    return (f"no space left on the disk holding {where} while writing {what}: {human_bytes(free_bytes(where))} free, "
+    return (f"no space left on the disk holding {where} while writing {what}: {human_bytes(free_space(where))} free, "
             f"a checkpoint of this run takes about {human_bytes(need)}. {after}")
 
 
@@ -159,7 +147,7 @@ def check_free_space(root: Path, need: int, keep: int) -> None:
     Raises:
         DiskFull: not even one checkpoint fits (a warning is printed when ``keep + 2`` do not).
     """
-    free = free_bytes(root)
+    free = free_space(root)
     if free is None:  # a disk that does not say: the save itself will tell
         return
     if free < need:

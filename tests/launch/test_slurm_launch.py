@@ -104,7 +104,9 @@ def test_a_slurm_sweep_that_cannot_know_its_resources_stops_before_submitting(tm
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root / "src"), "SLURM_CONF": str(tmp_path / "no-such-slurm.conf")}
+    # an empty slurm.conf: sinfo fails at once (a missing one makes sinfo retry its read for a minute)
+    (tmp_path / "empty-slurm.conf").touch()
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "SLURM_CONF": str(tmp_path / "empty-slurm.conf")}
     out = subprocess.run([sys.executable, str(root / "run.py"), "-m", "hydra/launcher=slurm", "experiment=exp8",
                           "profile=smoke", "stage=train", "seed=0,1", f"results_root={tmp_path / 'runs'}",
                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, env=env,

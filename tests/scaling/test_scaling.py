@@ -5,6 +5,7 @@ Every behavioural test runs twice: on the test reference (tests/reference_scalin
 bank, the implementation (``impl`` fixture); both must give the same, hand-worked, scales and histories bit
 for bit. Host-sync freedom is the bank's alone."""
 
+import copy
 import math
 import random
 import warnings
@@ -327,6 +328,24 @@ def test_exp_smooth_lone_spike_after_a_flat_series_is_clipped_to_the_median(role
         ("most_recent", "damped_holt", "trend_following", "ar1"), math.log(1024) / 3), rel=1e-12)
     assert sc.observe_amax(1.0).item() == s(1).item()  # cross validation is not rerun (every 5 forecasts)
     assert impl.replay(amax, ScalingConfig(algo="most_recent"))[23].item() == s(1024).item()
+
+
+def test_a_copied_forecaster_forecasts_as_the_original_and_shares_nothing_it_changes():
+    """The bank's rollback snapshot: a copy taken mid-series forecasts what the original does from there on,
+    and feeding or forecasting with one leaves the other's observations, scores and counters as they were."""
+    f = ExpSmoothForecaster(ExpSmoothParams())
+    f.observe([math.exp(math.sin(i / 3)) for i in range(45)])
+    f.forecast([1.0, 2.0], 3)  # cross-validation scores and counters set
+    g = copy.deepcopy(f)
+    before = (list(f.obs), dict(f.scores), f.n_forecasts, f.last_cv_at)
+    g.observe([5.0, 7.0])
+    for _ in range(6):  # past cv_every: g's scores are recomputed
+        g.forecast([1.0, 5.0, 7.0], 2)
+    assert (f.obs, f.scores, f.n_forecasts, f.last_cv_at) == before
+    h = copy.deepcopy(f)
+    f.observe([5.0, 7.0])
+    h.observe([5.0, 7.0])
+    assert [f.forecast([1.0, 5.0], 4) for _ in range(7)] == [h.forecast([1.0, 5.0], 4) for _ in range(7)]
 
 
 def test_exp_smooth_forecast_follows_trend_with_bounds():

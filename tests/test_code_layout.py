@@ -66,6 +66,8 @@ LAZY_LIBRARIES = {
     "lm_eval": "seconds to import, and it registers every task: evaluation only",
     "datasets": "seconds to import: streamed corpora and evaluation data only",
     "pandas": "report tables only",
+    "scipy": "a second to import (scipy.stats), on run.py's path to its first answer: the statistics of the "
+             "report and of held-out evaluation only",
     "matplotlib": "figures only",
     "wandb": "only when the wandb logger is on (an optional install)",
     "submitit": "only under the SLURM launcher",

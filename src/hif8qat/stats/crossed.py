@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats as st
 
 from hif8qat.stats.paired import _quantile
 
@@ -60,6 +59,7 @@ def make_contrast(k: int, n: int, mean: float, var: float, df: float, comps: tup
 
     Returns:
         The contrast; interval, p and se are NaN when var is not finite or df not positive."""
+    from scipy import stats as st
     nan = float("nan")
     if not (np.isfinite(var) and var >= 0 and df > 0):
         return Contrast(k, n, mean, nan, nan, nan, nan, nan, nan, nan, *comps, method)

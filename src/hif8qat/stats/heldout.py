@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats as st
 
 from hif8qat.artefacts import HELDOUT_SUMMARY_SCHEMA, read_json, unverified, verify_sha256
 from hif8qat.stats.paired import _quantile, block_variance_of_mean, mde_from_se
@@ -58,6 +57,7 @@ def block_mean(x: Sequence[float], tokens_per_window: int, *, alpha: float = 0.0
         A dict with ``mean``, ``se``, ``var``, ``df``, ``n_tokens``, ``n_windows``, ``se_iid`` (as if tokens were
         independent: se / se_iid shows how much the within-window correlation widens the interval), ``ci_lo``/``ci_hi``,
         ``ci90_lo``/``ci90_hi``, ``p`` and ``mde``; NaN where fewer than two windows."""
+    from scipy import stats as st
     a = np.asarray(x, float)
     n = int(a.size)
     nb = n // int(tokens_per_window) if tokens_per_window > 0 else 0

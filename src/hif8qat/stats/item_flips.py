@@ -12,8 +12,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy.signal import fftconvolve
-from scipy.special import gammaln
 
 
 def _sign_flip_dist(mags: Sequence[int]) -> np.ndarray:
@@ -95,6 +93,7 @@ def mde_item_flips(n_items: int, net: Sequence[float], k: int, *, alpha: float =
 def _binom_pmf(c: int, theta: float) -> np.ndarray:
     """Binomial(c, theta) probabilities of 0..c (the ufuncs directly: scipy.stats' pmf costs far more per call
     and the interval's bisection calls it thousands of times)."""
+    from scipy.special import gammaln
     j = np.arange(c + 1)
     if theta <= 0.0 or theta >= 1.0:
         return (j == (c if theta >= 1.0 else 0)).astype(float)
@@ -106,6 +105,7 @@ def _signed_sum_dist(mags: Sequence[int], theta: float = 0.5) -> np.ndarray:
     """P(S = s) for s = 0..sum(mags), S the summed magnitude of the items signed +, each item + with probability
     ``theta`` independently (the signed sum is T = 2S - sum(mags)). Items of one magnitude w form a binomial on
     a lattice of step w, so the work grows with the distinct magnitudes (at most the seeds), not the items."""
+    from scipy.signal import fftconvolve
     a = np.asarray(mags, np.int64)
     a = a[a > 0]
     dist = np.ones(1)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy import stats as st
 
 EQUIVALENT = "equivalent within {m}"
 NOT_EQUIVALENT = "not equivalent"
@@ -40,6 +39,7 @@ class Pooled:
 
 
 def _quantile(q: float, df: float) -> float:
+    from scipy import stats as st
     return float(st.norm.ppf(q)) if not np.isfinite(df) else float(st.t.ppf(q, df))
 
 
@@ -56,6 +56,7 @@ def pool_seeds(diffs: Sequence[float], within_vars: Sequence[float], within_df: 
 
     Returns:
         A :class:`Pooled` (NaN fields where the seeds cannot give them)."""
+    from scipy import stats as st
     d = np.asarray(diffs, float)
     v = np.asarray(within_vars, float)
     ok = np.isfinite(d)
@@ -153,6 +154,7 @@ def exact_mcnemar_p(lost: int, gained: int) -> float:
 
     Returns:
         The p-value; 1.0 without a discordant item."""
+    from scipy import stats as st
     m = lost + gained
     return 1.0 if m == 0 else float(st.binomtest(int(lost), int(m), 0.5).pvalue)
 
@@ -170,6 +172,7 @@ def exact_difference_ci(lost: int, gained: int, n: int, conf: float = 0.95) -> t
 
     Returns:
         ``(lo, hi)``; (0, 0) without a discordant item, NaN when n is not positive."""
+    from scipy import stats as st
     m = lost + gained
     if n <= 0:
         return float("nan"), float("nan")
@@ -194,6 +197,7 @@ def min_one_way_flips(alpha: float = 0.05) -> int:
 
 
 def _rejection_region(m: int, alpha: float) -> np.ndarray:
+    from scipy import stats as st
     c = np.arange(m + 1)
     p = np.minimum(1.0, 2 * np.minimum(st.binom.cdf(c, m, 0.5), st.binom.sf(c - 1, m, 0.5)))
     return c[p < alpha]
@@ -214,6 +218,7 @@ def mde_exact_mcnemar(n: int, discordant: int, *, alpha: float = 0.05, power: fl
 
     Returns:
         The difference; NaN when even all m one way would not be significant (m below :func:`min_one_way_flips`)."""
+    from scipy import stats as st
     m = int(discordant)
     if n <= 0 or m <= 0:
         return float("nan")
@@ -437,6 +442,7 @@ def benjamini_hochberg(pvalues: Sequence[float]) -> np.ndarray:
 
     Returns:
         The adjusted p-values, in the input order."""
+    from scipy import stats as st
     p = np.asarray(pvalues, float)
     out = np.full_like(p, np.nan)
     ok = np.isfinite(p)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,7 @@ def test_the_list_is_well_formed_and_its_snippets_are_in_the_code():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
+@pytest.mark.slow  # runs the tests of two mutants in copies of the tree: half a minute
 def test_a_known_mutant_is_killed_an_equivalent_one_survives_and_the_tree_is_untouched(tmp_path):
     listed = {m["id"]: m for m in yaml.safe_load((SCRIPT.parent / "mutants.yaml").read_text())}
     known = listed[KNOWN]

@@ -167,6 +167,7 @@ json.dump({"norm": norm, "unsharded": float(unsharded), "nan_norm": repr(nan_nor
 '''
 
 
+@pytest.mark.slow  # two ranks under torchrun
 def test_fsdp_gradient_norm_is_the_whole_models_and_agreed_by_all_ranks(tmp_path):
     import os
     import subprocess

@@ -9,6 +9,7 @@ README = report.REPO / "experiments" / "README.md"
 RUNS = report.REPO / "results" / "reference_runs"
 
 
+@pytest.mark.slow  # the whole claims block, its scaling replays included, rebuilt: about two minutes
 def test_readme_claims_are_the_reports():
     if not (RUNS / "mini").exists():
         pytest.skip("no committed reference runs")

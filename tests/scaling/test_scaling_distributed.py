@@ -104,6 +104,7 @@ def _frozen_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned ranks
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_frozen_scalers_never_communicate(tmp_path):
     mp.spawn(_frozen_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)

@@ -263,6 +263,7 @@ def _accumulate(tmp_path: Path, fsdp_grad_sync: bool) -> dict:
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.slow  # two spawned ranks
 def test_fsdp2_accumulates_gradients_like_ddp_with_one_reduce_scatter_per_group_and_step(tmp_path):
     result = _accumulate(tmp_path, fsdp_grad_sync=True)
     groups = LAYERS + 1  # one FSDP unit per transformer block, plus the root (embeddings, norm, lm_head)

@@ -148,6 +148,7 @@ def _two_rank_checkpoint(tmp_path: Path, fsdp: bool) -> Path:
     return root
 
 
+@pytest.mark.slow  # two spawned ranks save, then one process loads
 @pytest.mark.parametrize("fsdp", [True, False])
 def test_two_rank_checkpoint_is_sharded_hashed_by_its_writers_and_loads_on_one_process(tmp_path, fsdp):
     root = _two_rank_checkpoint(tmp_path, fsdp)
